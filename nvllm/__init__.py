@@ -1,0 +1,9 @@
+"""nvllm: fast, checked LLM inference — quantize, serve, bench and eval on one engine."""
+
+from nvllm.config import EngineConfig
+from nvllm.llm import LLM
+from nvllm.outputs import CompletionOutput, RequestOutput
+from nvllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

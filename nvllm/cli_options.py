@@ -1,0 +1,76 @@
+"""Engine options shared by every command that builds an engine (generate, serve, bench, eval).
+
+`engine_options` adds the flags to a Typer command's signature and hands the command one EngineConfig, so
+the flags are declared once and parsed the same way everywhere."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from typing import Annotated, Any, Optional
+
+import typer
+
+from nvllm.config import ConfigError, EngineConfig
+
+_PANEL = "Engine"
+USER_ERRORS = (ConfigError, ValueError, FileNotFoundError)
+
+
+def fail(message: str, code: int = 2):
+    """One clear line on stderr and a non-zero exit: how every user mistake ends."""
+    from nvllm.logger import console
+
+    console().print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+def _opt(default: Any, annotation: Any, help: str, *flags: str) -> tuple[Any, Any]:
+    return default, Annotated[annotation, typer.Option(*flags, help=help, rich_help_panel=_PANEL)]
+
+
+ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "model": _opt(None, Optional[str], "HF model directory (default: the embedded stories260K demo model)"),
+    "tokenizer": _opt(None, Optional[str], "tokenizer directory (default: the model's)"),
+    "dtype": _opt("auto", str, "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on GPU)"),
+    "device": _opt("auto", str, "auto | cpu | cuda | cuda:N"),
+    "seed": _opt(0, int, "engine seed (sampling without a per-request seed, dummy weights)"),
+    "load_format": _opt("auto", str, "auto | safetensors | pt | dummy (random weights from config.json)"),
+    "allow_pickle": _opt(False, bool, "allow loading pickle (.bin/.pt) checkpoints, which can run code"),
+    "max_model_len": _opt(None, Optional[int], "maximum tokens per sequence (default: the model's)"),
+    "block_size": _opt(16, int, "tokens per KV-cache block"),
+    "num_kv_blocks": _opt(None, Optional[int], "KV-cache blocks (overrides the memory-based sizing)"),
+    "kv_cache_memory": _opt(None, Optional[float], "KV-cache size in GiB (the CPU's way to size the pool)"),
+    "gpu_memory_utilization": _opt(0.9, float, "fraction of GPU memory for weights, activations and KV cache"),
+    "max_num_seqs": _opt(256, int, "maximum sequences in one batch"),
+    "max_num_batched_tokens": _opt(2048, int, "token budget of one step (prefill chunks + decodes)"),
+    "enable_prefix_caching": _opt(True, bool, "share KV blocks of common prompt prefixes",
+                                  "--enable-prefix-caching/--no-enable-prefix-caching"),
+    "enforce_eager": _opt(False, bool, "never capture CUDA graphs"),
+    "log_stats_interval": _opt(5.0, float, "seconds between engine log lines (0: off)"),
+}
+
+
+def engine_options(fn):
+    """Decorator: append ENGINE_OPTIONS to fn's CLI flags; fn receives `engine_config: EngineConfig`."""
+    sig = inspect.signature(fn)
+    hints = typing.get_type_hints(fn, include_extras=True)  # resolve string annotations for Typer
+    own = [p.replace(annotation=hints.get(name, p.annotation))
+           for name, p in sig.parameters.items() if name != "engine_config"]
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann)
+             for name, (default, ann) in ENGINE_OPTIONS.items()]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        opts = {name: kwargs.pop(name) for name in ENGINE_OPTIONS}
+        try:
+            config = EngineConfig(**opts)
+        except USER_ERRORS as e:
+            fail(str(e))
+        return fn(*args, engine_config=config, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=own + extra)
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+    del wrapper.__wrapped__  # Typer must read the new signature, not the original's
+    return wrapper

@@ -1,0 +1,82 @@
+"""Engine configuration: one dataclass, validated once, shared by every command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+class ConfigError(ValueError):
+    """A user mistake in the engine options or the model directory (one clear line)."""
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded demo model
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
+    device: str = "auto"  # auto: cuda when available
+    seed: int = 0
+    load_format: str = "auto"  # auto | safetensors | pt | dummy
+    allow_pickle: bool = False  # .bin/.pt checkpoints are pickles: refused unless the user opts in
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: float | None = None  # GiB; the CPU's way to size the pool
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    log_stats_interval: float = 5.0  # seconds between periodic log lines; 0 turns them off
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            from nvllm.assets import demo_model_path
+
+            self.model = demo_model_path()
+        self.model = os.path.expanduser(str(self.model))
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
+        if self.load_format not in ("auto", "safetensors", "pt", "dummy"):
+            raise ConfigError(f"unknown load format {self.load_format!r}; choose auto, safetensors, pt or dummy")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be at least 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError("num_kv_blocks must be at least 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("max_model_len must be at least 1")
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """float32 on CPU; on GPU the checkpoint's half type, bfloat16 for float32 checkpoints."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.device == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        return json.dumps(self.to_dict(), default=str)

@@ -1,0 +1,135 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts, per-sequence block tables,
+and prefix caching.
+
+Prefix caching: a block that is full of computed tokens gets a hash chained from the previous block's hash
+and its own token ids; a new sequence whose leading blocks hash the same (and whose token ids match the
+stored ones) shares those blocks instead of recomputing them. Freed blocks keep their contents and hash in
+the free list until they are reused, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from nvllm.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
+    # hash() of a tuple of ints is deterministic across processes (no string salting involved)
+    return hash((prev, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # hash → block id
+        self.prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    # ---- capacity -------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (cached-but-free blocks count as free)."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def tokens_that_fit(self, seq: Sequence) -> int:
+        """How many more tokens seq could compute with the blocks it holds plus every free block."""
+        return (len(seq.block_table) + len(self.free)) * self.block_size - seq.num_computed_tokens
+
+    # ---- allocation -----------------------------------------------------------------------------------
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """On admission: share the longest run of cached full blocks of seq's tokens. At least one token is
+        always left to compute (its logits give the next token). Returns the tokens found."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        h = None
+        for i in range(max_blocks):
+            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(h, ids)
+            bid = self.cached.get(h)
+            if bid is None or self.blocks[bid].token_ids != ids:
+                break
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free[bid]
+            block.ref_count += 1
+            seq.block_table.append(bid)
+            seq.block_hashes.append(h)
+        hit = len(seq.block_table) * bs
+        seq.num_computed_tokens = seq.num_cached_tokens = hit
+        return hit
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow seq's block table to hold num_new_tokens more tokens; False (and no change) if it can't."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            bid, _ = self.free.popitem(last=False)
+            block = self.blocks[bid]
+            if block.hash is not None:  # evict its cached contents
+                if self.cached.get(block.hash) == bid:
+                    del self.cached[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            seq.block_table.append(bid)
+        return True
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """After a step: hash the blocks that are now full of computed tokens so later requests can share."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(len(seq.block_hashes), full):
+            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, ids)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.token_ids = h, ids
+                self.cached[h] = block.id
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Release seq's blocks, last block first, so a prefix outlives its tail in the cache."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[bid] = None
+                if block.hash is None:  # nothing worth keeping: reuse it first
+                    self.free.move_to_end(bid, last=False)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        for bid in self.free:
+            block = self.blocks[bid]
+            block.hash, block.token_ids = None, ()
+        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}

@@ -1,0 +1,261 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time. Owns the tokenizer, the scheduler,
+the block manager and the model runner; everything above it (LLM, the server, bench, eval) drives it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from nvllm.config import ConfigError, EngineConfig
+from nvllm.engine.block_manager import BlockManager
+from nvllm.engine.detokenizer import IncrementalDetokenizer, find_stop
+from nvllm.engine.metrics import EngineStats, StatLogger
+from nvllm.engine.model_runner import ModelRunner
+from nvllm.engine.scheduler import Scheduler
+from nvllm.engine.sequence import Sequence, Status
+from nvllm.kernels import report
+from nvllm.models.hub import resolve_model_path
+from nvllm.layers.sampler import SampleRow
+from nvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("nvllm")
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ConfigError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except Exception:  # no generation_config.json: the tokenizer's EOS alone
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, warmup: bool = True):
+        same = config.tokenizer == config.model
+        config.model = resolve_model_path(config.model)
+        config.tokenizer = config.model if same else resolve_model_path(config.tokenizer)
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.runner = ModelRunner(config)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.model.shape.vocab_size
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.prompts: dict[str, str | None] = {}
+        self.stats = EngineStats()
+        self.stat_logger = StatLogger(config.log_stats_interval)
+        self._next_id = 0
+        logger.info("engine ready: model %s, dtype %s, device %s, max_model_len %d, block_size %d, "
+                    "max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s",
+                    config.model, str(self.runner.dtype).replace("torch.", ""), config.device,
+                    self.max_model_len, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                    "on" if config.enable_prefix_caching else "off")
+        if warmup:
+            self._warmup()
+
+    def _warmup(self) -> None:
+        """One short request (a prefill and a decode) so every kernel has run once; then print the report."""
+        report.reset()
+        self.add_request("warmup", [self.tokenizer.bos_token_id or 0] * 2,
+                         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step()
+        from nvllm.logger import console
+
+        console().print(report.format_table())
+        self.block_manager.reset_prefix_cache()
+        self.stats = EngineStats()
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return f"req-{self._next_id}"
+
+    def tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        return ids
+
+    def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request (n sequences); raises ValueError on bad input, changing nothing."""
+        params = params or SamplingParams()
+        request_id = request_id or self.new_request_id()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(room for at least one generated token is needed)")
+        bs = self.config.block_size
+        if -(-(len(ids) + 1) // bs) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt has {len(ids)} tokens but the KV cache holds only "
+                             f"{self.block_manager.num_blocks * bs}")
+        metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+            seq = Sequence(request_id, i, list(ids), len(ids), params, metrics, gen)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            if params.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]
+            seqs.append(seq)
+        self.requests[request_id] = seqs
+        self.prompts[request_id] = prompt if isinstance(prompt, str) else None
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (finish_reason "abort")."""
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            return None
+        for seq in seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return self._pop_output(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if not sched.scheduled:
+            return []
+        rows = [SampleRow(seq.params, seq.generator, self._banned(seq))
+                for seq, n in sched.scheduled if ModelRunner.needs_sample(seq, n)]
+        result = self.runner.execute(sched.scheduled, rows)
+        now = time.time()
+        touched: list[str] = []
+        for seq, n in sched.scheduled:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += n
+            self.stats.prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+            self.block_manager.register_full_blocks(seq)
+            for pos, tok, (lp, rank, top) in result.prompt_logprobs.get(id(seq), []):
+                if pos == len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append(self._logprob_dict(tok, lp, rank, top))
+            if id(seq) in result.sampled:
+                tok, lp_info = result.sampled[id(seq)]
+                self._append_token(seq, tok, lp_info, now)
+            if seq.request_id not in touched:
+                touched.append(seq.request_id)
+        outputs = [self._output(rid) for rid in touched]
+        s = self.stats
+        s.num_steps += 1
+        s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        s.kv_cache_usage = self.block_manager.usage
+        s.prefix_queries, s.prefix_hits = self.block_manager.prefix_queries, self.block_manager.prefix_hits
+        self.stat_logger.maybe_log(s)
+        return outputs
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        if seq.num_output_tokens >= seq.params.min_tokens:
+            return []
+        return sorted(set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids))
+
+    def _logprob_dict(self, tok: int, lp: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+        d = {t: Logprob(v, r + 1, self.tokenizer.decode([t])) for r, (t, v) in enumerate(top)}
+        d[tok] = Logprob(lp, rank, self.tokenizer.decode([tok]))
+        return d
+
+    def _append_token(self, seq: Sequence, tok: int, lp_info, now: float) -> None:
+        p = seq.params
+        seq.token_ids.append(tok)
+        self.stats.generation_tokens += 1
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        seq.metrics.last_token_time = now
+        if lp_info is not None:
+            seq.cumulative_logprob += lp_info[0]
+            seq.logprobs.append(self._logprob_dict(tok, *lp_info))
+        if tok in self.eos_token_ids and not p.ignore_eos:
+            seq.finish_reason = "stop"
+        elif tok in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", tok
+        else:
+            new_text = seq.detokenizer.step([tok])
+            seq.text += new_text
+            hit = find_stop(seq.text, len(new_text), p.stop) if p.stop and new_text else None
+            if hit is not None:
+                i, s = hit
+                seq.text = seq.text[:i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
+                seq.finish_reason, seq.stop_reason = "stop", s
+            elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+                seq.finish_reason = "length"
+            elif seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    # ---- outputs -------------------------------------------------------------------------------------
+    def _output(self, request_id: str) -> RequestOutput:
+        seqs = self.requests[request_id]
+        if all(s.finished for s in seqs):
+            return self._pop_output(request_id)
+        return self._make_output(request_id, seqs)
+
+    def _pop_output(self, request_id: str) -> RequestOutput:
+        seqs = self.requests.pop(request_id)
+        out = self._make_output(request_id, seqs)
+        self.prompts.pop(request_id, None)
+        self.stats.finished_requests += 1
+        out.metrics.finished_time = time.time()
+        return out
+
+    def _make_output(self, request_id: str, seqs: list[Sequence]) -> RequestOutput:
+        completions = []
+        for s in seqs:
+            text = s.text
+            if not s.finished and s.params.stop:  # hold back what may be the start of a stop string
+                hold = max(len(x) for x in s.params.stop) - 1
+                text = text[:max(0, len(text) - hold)]
+            completions.append(CompletionOutput(
+                index=s.index, text=text, token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+        first = seqs[0]
+        return RequestOutput(
+            request_id=request_id, prompt=self.prompts.get(request_id),
+            prompt_token_ids=first.token_ids[:first.num_prompt_tokens], outputs=completions,
+            finished=all(s.finished for s in seqs), metrics=first.metrics,
+            prompt_logprobs=first.prompt_logprobs, num_cached_tokens=first.num_cached_tokens)

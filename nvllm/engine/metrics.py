@@ -1,0 +1,51 @@
+"""Engine statistics: counters the step loop updates, and the periodic log line built from them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("nvllm")
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens: int = 0
+    num_steps: int = 0
+    finished_requests: int = 0
+
+
+@dataclass
+class StatLogger:
+    """Logs one line every `interval` seconds while the engine works."""
+
+    interval: float
+    _last_time: float = field(default_factory=time.monotonic)
+    _last_prompt: int = 0
+    _last_gen: int = 0
+    _last_queries: int = 0
+    _last_hits: int = 0
+
+    def maybe_log(self, s: EngineStats, force: bool = False) -> None:
+        now = time.monotonic()
+        dt = now - self._last_time
+        if not force and (self.interval <= 0 or dt < self.interval):
+            return
+        q, h = s.prefix_queries - self._last_queries, s.prefix_hits - self._last_hits
+        hit_rate = f"{100 * h / q:.1f}%" if q else "n/a"
+        logger.info(
+            "running: %d, waiting: %d, kv_cache_usage: %.1f%%, prefix_cache_hit_rate: %s, "
+            "prompt: %.1f tok/s, generation: %.1f tok/s, preemptions: %d",
+            s.num_running, s.num_waiting, 100 * s.kv_cache_usage, hit_rate,
+            (s.prompt_tokens - self._last_prompt) / max(dt, 1e-9),
+            (s.generation_tokens - self._last_gen) / max(dt, 1e-9), s.num_preemptions)
+        self._last_time, self._last_prompt, self._last_gen = now, s.prompt_tokens, s.generation_tokens
+        self._last_queries, self._last_hits = s.prefix_queries, s.prefix_hits

@@ -1,0 +1,183 @@
+"""The model runner owns the model, the paged KV cache tensors and the sampler. Each step it flattens the
+scheduled sequences into one batch (token ids, positions, slot mapping, block tables, context lengths), runs
+the model once, computes logits only for the rows that need them, and samples."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nvllm.config import ConfigError, EngineConfig
+from nvllm.engine.sequence import Sequence
+from nvllm.kernels import report
+from nvllm.layers.attention import AttentionMetadata
+from nvllm.layers.sampler import Sampler, SampleRow, token_logprobs
+from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model
+
+logger = logging.getLogger("nvllm")
+_GiB = 1 << 30
+
+
+@dataclass
+class StepResult:
+    """Per scheduled sequence: the sampled token (or None mid-prompt), its logprob info, and prompt
+    logprobs computed this step as (position, token, (lp, rank, top-N))."""
+
+    sampled: dict[int, tuple[int, tuple | None]]  # id(seq) → (token, logprob info)
+    prompt_logprobs: dict[int, list[tuple[int, int, tuple]]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.hf_config = load_hf_config(config.model)
+        self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
+        torch.manual_seed(config.seed)
+        self.model = load_model(config, self.hf_config, self.dtype, self.device)
+        s = self.model.shape
+        self.max_model_len = self._max_model_len()
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks()
+        shape = (self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
+        self.sampler = Sampler(config.seed)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %.1f KiB per token, %.2f GiB",
+                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+                    str(self.dtype).replace("torch.", ""), self.kv_bytes_per_token / 1024,
+                    self.num_blocks * self.block_size * self.kv_bytes_per_token / _GiB)
+
+    # ---- sizing --------------------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        s = self.model.shape
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _max_model_len(self) -> int:
+        s, c = self.model.shape, self.hf_config
+        limit = s.max_position
+        window = getattr(c, "sliding_window", None)
+        layer_types = getattr(c, "layer_types", None) or []
+        uses_window = window and (getattr(c, "use_sliding_window", True) is not False
+                                  or "sliding_attention" in layer_types)
+        if self.config.max_model_len is not None:
+            if self.config.max_model_len > limit:
+                raise ConfigError(f"max_model_len {self.config.max_model_len} exceeds the model's "
+                                  f"max_position_embeddings {limit}")
+            limit = self.config.max_model_len
+        if uses_window and window < limit:
+            logger.warning("the model uses sliding-window attention (%d); max_model_len capped to %d, within "
+                           "which it equals full attention", window, window)
+            limit = window
+        return limit
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        per_block = self.kv_bytes_per_token * c.block_size
+        if c.num_kv_blocks is not None:
+            n = c.num_kv_blocks
+        elif c.kv_cache_memory is not None:
+            n = int(c.kv_cache_memory * _GiB // per_block)
+        elif self.device.type == "cuda":
+            n = self._profile_free_memory() // per_block
+        else:
+            # CPU default: room for max_num_seqs full-length sequences, at most 4 GiB
+            want = c.max_num_seqs * math.ceil(self.max_model_len / c.block_size)
+            n = min(want, int(4 * _GiB // per_block))
+        if n < 1:
+            raise ConfigError("no memory left for the KV cache; lower the model size or raise "
+                              "gpu_memory_utilization / kv_cache_memory")
+        return int(n)
+
+    def _profile_free_memory(self) -> int:
+        """Run one forward of max_num_batched_tokens dummy tokens without a cache, measure the peak, and give
+        the KV cache what gpu_memory_utilization leaves."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        s = self.model.shape
+        dummy_cache = [(torch.zeros(1, self.block_size, s.num_kv_heads, s.head_dim, dtype=self.dtype,
+                                    device=self.device),) * 2 for _ in range(s.num_layers)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, 0], dtype=torch.int32, device=self.device),
+            context_lens=torch.zeros(1, dtype=torch.int32, device=self.device),
+            max_query_len=1, max_context_len=0)
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
+                                torch.arange(n, device=self.device), dummy_cache, meta)
+            self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free = int(total * self.config.gpu_memory_utilization) - peak
+        report.reset()
+        return max(free, 0)
+
+    # ---- one step ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]], sample_rows: list[SampleRow]) -> StepResult:
+        """Run the model on the scheduled chunks; sample for the sequences whose chunk reaches their end
+        (in `scheduled` order, one SampleRow each, given by the engine)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        ctx_lens: list[int] = []
+        logit_rows: list[int] = []  # rows of the flattened batch whose logits are needed
+        sample_owner: list[Sequence] = []
+        plp_rows: list[tuple[Sequence, int, int]] = []  # (seq, flattened row, position)
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            base = qsl[-1]
+            qsl.append(base + n)
+            ctx_lens.append(end)
+            if seq.wants_prompt_logprobs:
+                done = len(seq.prompt_logprobs or [None])  # positions 1.. already recorded
+                for p in range(max(start, done - 1), min(end, seq.num_prompt_tokens - 1)):
+                    plp_rows.append((seq, base + p - start, p))
+            if end == seq.num_tokens:
+                logit_rows.append(base + n - 1)
+                sample_owner.append(seq)
+        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
+        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in scheduled]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            max_query_len=max(n for _, n in scheduled),
+            max_context_len=max(ctx_lens))
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta)
+
+        result = StepResult({}, {})
+        if plp_rows:
+            rows = torch.tensor([r for _, r, _ in plp_rows], device=dev)
+            lps = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            for k, (seq, _, p) in enumerate(plp_rows):
+                tok = seq.token_ids[p + 1]
+                info = token_logprobs(lps[k], tok, seq.params.prompt_logprobs)
+                result.prompt_logprobs.setdefault(id(seq), []).append((p + 1, tok, info))
+        if logit_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+            out = self.sampler(logits, sample_rows)
+            for seq, tok, lp in zip(sample_owner, out.token_ids, out.logprobs):
+                result.sampled[id(seq)] = (tok, lp)
+        return result
+
+    @staticmethod
+    def needs_sample(seq: Sequence, n: int) -> bool:
+        return seq.num_computed_tokens + n == seq.num_tokens

@@ -1,0 +1,99 @@
+"""Continuous batching with chunked prefill.
+
+Every step has a token budget (max_num_batched_tokens). Running sequences go first, in arrival order: a
+decode costs one token, an unfinished prompt as many tokens as the budget leaves (a chunk). Then waiting
+sequences are admitted while the budget, max_num_seqs and the free blocks allow. When a running sequence
+needs a block and none is free, the most recently admitted running sequence is preempted by recomputation:
+its blocks are freed and it goes back to the front of the waiting queue with every token it has, so no
+request is ever dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from nvllm.engine.block_manager import BlockManager
+from nvllm.engine.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.bm.allocate_cached_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.bm.tokens_that_fit(seq))
+            if n <= 0 or not self.bm.allocate_slots(seq, n):
+                self.bm.free_sequence(seq)  # don't pin cached blocks while waiting
+                seq.num_cached_tokens = 0
+                break
+            self.waiting.popleft()
+            if self.bm.enable_prefix_caching:
+                self.bm.prefix_queries += seq.num_tokens
+                self.bm.prefix_hits += seq.num_cached_tokens
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free_sequence(seq)
+        seq.status = Status.WAITING
+        seq.num_cached_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished (or aborted) sequence and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        self.bm.free_sequence(seq)

@@ -1,0 +1,64 @@
+"""A Sequence is one sample of one request: its tokens, how many of them are in the KV cache, its block
+table, and the state the sampler and detokenizer keep for it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from nvllm.outputs import LogprobsDict, RequestMetrics
+from nvllm.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # sample index within the request (n > 1)
+    token_ids: list[int]  # prompt + generated
+    num_prompt_tokens: int
+    params: SamplingParams
+    metrics: RequestMetrics
+    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of those, tokens that came from the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks in block_table
+    # outputs
+    text: str = ""
+    logprobs: list[LogprobsDict] | None = None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[LogprobsDict | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detokenizer: object = None  # IncrementalDetokenizer, set by the engine
+    last_reported: int = 0  # generated tokens already handed out in a RequestOutput
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and (
+            self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens)

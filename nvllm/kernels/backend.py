@@ -1,0 +1,32 @@
+"""Which implementation the dispatchers use.
+
+Triton runs when the tensors live on a CUDA device and Triton imports. ``NVLLM_KERNELS=triton`` forces the
+Triton path on any device (with ``TRITON_INTERPRET=1`` it then runs on the CPU, for tests);
+``NVLLM_KERNELS=torch`` forces the torch references everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    choice = os.environ.get("NVLLM_KERNELS", "auto").lower()
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        return triton_available()
+    return t.is_cuda and triton_available()

@@ -1,0 +1,1 @@
+"""Model building blocks. Each layer owns its parameters and calls a dispatcher in nvllm.kernels."""

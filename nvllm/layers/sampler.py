@@ -1,0 +1,111 @@
+"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds, and the
+log-probabilities users ask for (computed on the raw distribution, as vLLM reports them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nvllm.kernels import report
+from nvllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+    banned: list[int]  # token ids masked for this row (EOS/stop ids before min_tokens)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]  # (chosen lp, rank, top-N) per row
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to −inf) every token outside each row's top-k / nucleus / min-p set. top_k ≤ 0 means off."""
+    vocab = logits.shape[-1]
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    pos = torch.arange(vocab, device=logits.device)
+    mask = pos[None, :] >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    cum_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    mask = cum_before >= top_p[:, None]  # the token that crosses top_p is kept; the first always is
+    mask |= probs < (min_p[:, None] * probs[:, :1])
+    mask[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _engine_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        """logits: [N, V] float32, one row per sequence that samples this step."""
+        report.record("sampler", "torch")
+        n = logits.shape[0]
+        device = logits.device
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        for i, r in enumerate(rows):
+            if r.banned:
+                logits[i, r.banned] = float("-inf")
+
+        chosen = torch.empty(n, dtype=torch.long, device=device)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if greedy:
+            g = torch.tensor(greedy, device=device)
+            chosen[g] = logits[g].argmax(dim=-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand:
+            ridx = torch.tensor(rand, device=device)
+            ps = [rows[i].params for i in rand]
+            x = logits[ridx] / torch.tensor([p.temperature for p in ps], device=device)[:, None]
+            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in ps):
+                x = apply_top_k_top_p_min_p(
+                    x, torch.tensor([p.top_k for p in ps], device=device),
+                    torch.tensor([p.top_p for p in ps], device=device, dtype=x.dtype),
+                    torch.tensor([p.min_p for p in ps], device=device, dtype=x.dtype))
+            probs = x.softmax(dim=-1)
+            # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1), one draw per row and token.
+            noise = torch.empty_like(probs)
+            seeded = [j for j, i in enumerate(rand) if rows[i].generator is not None]
+            unseeded = [j for j, i in enumerate(rand) if rows[i].generator is None]
+            if unseeded:
+                noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_(
+                    generator=self._engine_generator(device))
+            for j in seeded:
+                noise[j].exponential_(generator=rows[rand[j]].generator)
+            chosen[ridx] = (probs / noise).argmax(dim=-1)
+
+        token_ids = chosen.tolist()
+        logprobs: list = [None] * n
+        if raw_logprobs is not None:
+            for i, r in enumerate(rows):
+                if r.params.logprobs is not None:
+                    logprobs[i] = token_logprobs(raw_logprobs[i], token_ids[i], r.params.logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+
+def token_logprobs(row_logprobs: torch.Tensor, token: int, top_n: int) -> tuple[float, int, list[tuple[int, float]]]:
+    """(log p(token), its rank (1 = best), the top_n (token, log p) pairs)."""
+    lp = row_logprobs[token]
+    rank = int((row_logprobs > lp).sum().item()) + 1
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        vals, ids = row_logprobs.topk(top_n)
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return float(lp.item()), rank, top

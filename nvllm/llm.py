@@ -1,0 +1,67 @@
+"""LLM: the offline entry point. `LLM(model=DIR, **engine_options).generate(prompts, SamplingParams(...))`
+returns one RequestOutput per prompt, in order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from nvllm.config import EngineConfig
+from nvllm.engine.llm_engine import LLMEngine
+from nvllm.logger import setup_logging
+from nvllm.outputs import RequestOutput
+from nvllm.sampling_params import SamplingParams
+
+Prompt = str | Seq[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        setup_logging()
+        self.config = EngineConfig(model=model, **engine_options)
+        self.engine = LLMEngine(self.config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        setup_logging()
+        llm = cls.__new__(cls)
+        llm.config, llm.engine = config, LLMEngine(config)
+        return llm
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts: a string, a list of strings, a list of token-id lists, or {"prompt_token_ids": [...]} dicts.
+        Every prompt is validated before any runs: one bad prompt raises ValueError and nothing is queued."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for p in prompts:  # all-or-nothing validation
+            ids = self.engine.tokenize(p)
+            if len(ids) >= self.engine.max_model_len:
+                raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.engine.max_model_len}")
+        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        done: dict[str, RequestOutput] = {}
+        with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      disable=not use_tqdm, transient=True) as bar:
+            task = bar.add_task("generate", total=len(request_ids))
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.advance(task)
+        self.engine.stat_logger.maybe_log(self.engine.stats, force=True)
+        return [done[r] for r in request_ids]

@@ -1,0 +1,1 @@
+"""Model classes, the architecture registry and the checkpoint loader."""

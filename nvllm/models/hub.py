@@ -1,0 +1,24 @@
+"""Model names: a local directory is used as is; anything else is taken as a Hugging Face Hub repo id and
+downloaded (config, tokenizer and safetensors only) when the network allows."""
+
+from __future__ import annotations
+
+import os
+
+from nvllm.config import ConfigError
+
+_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def resolve_model_path(name: str) -> str:
+    if os.path.isdir(name):
+        return name
+    if os.path.sep in name.strip("/") and name.count("/") != 1 or name.startswith(("/", ".", "~")):
+        raise ConfigError(f"model directory not found: {name}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id=name, allow_patterns=_PATTERNS)
+    except Exception as e:
+        raise ConfigError(f"model directory not found, and {name!r} could not be fetched from the "
+                          f"Hugging Face Hub: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e

@@ -1,0 +1,161 @@
+"""One decoder for the Llama family: Llama (incl. llama3 RoPE scaling), Mistral, Qwen2/2.5 (qkv bias) and
+Qwen3 (per-head q/k RMSNorm). GQA, tied or untied embeddings. Parameter names follow the HF checkpoints
+except for the fused q/k/v and gate/up projections, which the loader fills shard by shard."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from nvllm.config import ConfigError
+from nvllm.layers.activation import silu_and_mul
+from nvllm.layers.attention import Attention, AttentionMetadata
+from nvllm.layers.embed_head import LMHead, VocabEmbedding
+from nvllm.layers.linear import Linear
+from nvllm.layers.norm import RMSNorm
+from nvllm.layers.rotary import RotaryEmbedding, rope_parameters
+
+# checkpoint name fragment → (fused parameter fragment, shard index)
+STACKED = {
+    ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class ModelShape:
+    """The numbers the decoder needs, read once from the HF config."""
+
+    def __init__(self, hf_config, architecture: str):
+        c = hf_config
+        self.vocab_size = c.vocab_size
+        self.hidden_size = c.hidden_size
+        self.intermediate_size = c.intermediate_size
+        self.num_layers = c.num_hidden_layers
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.rms_norm_eps = c.rms_norm_eps
+        self.max_position = c.max_position_embeddings
+        self.rope_theta, self.rope_scaling = rope_parameters(c)
+        self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
+        self.qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(c, "attention_bias", False))
+        self.qk_norm = architecture == "Qwen3ForCausalLM"
+        self.mlp_bias = bool(getattr(c, "mlp_bias", False))
+        act = getattr(c, "hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not supported (only silu)")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_kv_heads}")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: ModelShape, dtype: torch.dtype):
+        super().__init__()
+        self.s = s
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.qkv_proj = Linear(s.hidden_size, q + 2 * kv, s.qkv_bias, [q, kv, kv], dtype)
+        self.o_proj = Linear(q, s.hidden_size, False, dtype=dtype)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(s.head_dim, s.max_position, s.rope_theta, s.rope_scaling)
+        self.attn = Attention(s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim ** -0.5)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.gate_up_proj = Linear(s.hidden_size, 2 * s.intermediate_size, s.mlp_bias,
+                                   [s.intermediate_size, s.intermediate_size], dtype)
+        self.down_proj = Linear(s.intermediate_size, s.hidden_size, s.mlp_bias, dtype=dtype)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta: AttentionMetadata):
+        s = self.s
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q = qkv[:, :q_size].view(-1, s.num_heads, s.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(-1, s.num_kv_heads, s.head_dim)
+        v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        hidden = self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden = self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return hidden, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward() returns the final hidden states of every token; compute_logits() the LM head on chosen rows."""
+
+    def __init__(self, hf_config, architecture: str, dtype: torch.dtype):
+        super().__init__()
+        s = self.shape = ModelShape(hf_config, architecture)
+        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(s, dtype) for _ in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.lm_head = LMHead(s.vocab_size, s.hidden_size, dtype,
+                              tied_to=self.embed_tokens if s.tie_word_embeddings else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # ---- checkpoint names ---------------------------------------------------------------------------------
+    def param_for(self, name: str) -> tuple[str, int | None] | None:
+        """Map an HF checkpoint tensor name to (our parameter name, shard index); None for tensors we skip."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.shape.tie_word_embeddings:
+            return None
+        name = name.replace("model.", "", 1) if name.startswith("model.") else name
+        name = name.replace(".self_attn.", ".").replace(".mlp.", ".")
+        for frag, (fused, shard) in STACKED.items():
+            if frag in name:
+                return name.replace(frag, fused), shard
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the parameters; every parameter must be filled, shapes must agree."""
+        params = dict(self.named_parameters())
+        expected = {(n, sh) for n, p in params.items() for sh in self._shards_of(n)}
+        filled: set[tuple[str, int | None]] = set()
+        for ckpt_name, tensor in weights:
+            target = self.param_for(ckpt_name)
+            if target is None:
+                continue
+            pname, shard = target
+            if pname not in params:
+                raise ConfigError(f"unexpected tensor {ckpt_name!r} in the checkpoint (no such parameter)")
+            param = params[pname]
+            dst = param.data
+            if shard is not None:
+                owner = self.get_submodule(pname.rsplit(".", 1)[0])
+                dst = dst[owner.shard_slice(shard)]
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ConfigError(f"shape mismatch for {ckpt_name!r}: checkpoint {tuple(tensor.shape)}, "
+                                  f"model expects {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            filled.add((pname, shard))
+        missing = sorted(f"{n}" + ("" if sh is None else f"[shard {sh}]") for n, sh in expected - filled)
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ConfigError(f"checkpoint is missing tensors: {', '.join(missing[:5])}{more}")
+
+    def _shards_of(self, pname: str) -> list[int | None]:
+        owner = self.get_submodule(pname.rsplit(".", 1)[0])
+        if isinstance(owner, Linear) and len(owner.output_sizes) > 1:
+            return list(range(len(owner.output_sizes)))
+        return [None]

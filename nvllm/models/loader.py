@@ -1,0 +1,105 @@
+"""Build a model from a HF directory: config, (sharded) safetensors, pickled checkpoints only on request,
+or random weights from config.json alone (`load_format="dummy"`)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+from nvllm.config import ConfigError, EngineConfig
+from nvllm.models.registry import resolve_architecture
+
+logger = logging.getLogger("nvllm")
+
+
+def load_hf_config(model_dir: str):
+    from transformers import AutoConfig
+
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"model directory not found: {model_dir}")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ConfigError(f"no config.json in {model_dir}")
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # transformers raises many kinds for a bad config
+        raise ConfigError(f"cannot read {model_dir}/config.json: {e}") from e
+
+
+def checkpoint_dtype(hf_config) -> torch.dtype | None:
+    d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if isinstance(d, torch.dtype) else None
+
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ConfigError(f"weight shard listed in model.safetensors.index.json is missing: {missing[0]}")
+        return files
+    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+
+
+def iterate_weights(model_dir: str, load_format: str, allow_pickle: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = _safetensors_files(model_dir) if load_format in ("auto", "safetensors") else []
+    if files:
+        for path in files:
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            except ConfigError:
+                raise
+            except Exception as e:
+                raise ConfigError(f"cannot read weight file {path} (truncated or corrupt?): {e}") from e
+        return
+    pickles = sorted(glob.glob(os.path.join(model_dir, "*.bin")) + glob.glob(os.path.join(model_dir, "*.pt")))
+    if not pickles:
+        raise ConfigError(f"no weight files (*.safetensors) in {model_dir}")
+    if not allow_pickle:
+        raise ConfigError(f"{model_dir} holds only pickle checkpoints ({os.path.basename(pickles[0])}); "
+                          "loading pickles can run arbitrary code — pass --allow-pickle to load them anyway")
+    for path in pickles:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ConfigError(f"cannot read weight file {path}: {e}") from e
+        yield from state.items()
+
+
+def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device):
+    arch, cls = resolve_architecture(hf_config)
+    with torch.device(device):
+        model = cls(hf_config, arch, dtype)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+        logger.info("loaded %s with random weights (load_format=dummy)", arch)
+    else:
+        with torch.no_grad():
+            model.load_weights(iterate_weights(config.model, config.load_format, config.allow_pickle))
+        logger.info("loaded %s from %s", arch, config.model)
+    return model.eval()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Small uniform weights (norms at 1), so activations stay finite at any depth."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            continue
+        gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        p.uniform_(-1e-2, 1e-2, generator=gen)

@@ -1,0 +1,71 @@
+"""Continuous batching, chunked prefill, preemption and prefix caching, end to end on the demo model."""
+
+from __future__ import annotations
+
+import pytest
+
+from nvllm import SamplingParams
+from tests.conftest import make_llm
+
+WORDS = ("Once upon a time there was a little girl named Lily who loved to play in the park with her "
+         "big red ball and her friend Tom the dog").split()
+
+
+def prompts(n: int) -> list[str]:
+    return [" ".join(WORDS[i % 7: i % 7 + 3 + (5 * i) % 19]) for i in range(n)]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def alone(demo_dir):
+    llm = make_llm(demo_dir, enable_prefix_caching=False)
+    return {p: llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts(18)}
+
+
+def test_batch_with_chunked_prefill_and_preemption_equals_alone(demo_dir, alone):
+    # 8 blocks of 8 tokens hold 64 tokens: a few sequences at a time, so running ones get preempted
+    llm = make_llm(demo_dir, block_size=8, num_kv_blocks=8, max_num_batched_tokens=12, max_num_seqs=6,
+                   max_model_len=64)
+    outs = llm.generate(prompts(18), GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for p, o in zip(prompts(18), outs):
+        assert o.outputs[0].token_ids == alone[p], p
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_chunked_prefill_splits_long_prompts(demo_dir, alone):
+    llm = make_llm(demo_dir, max_num_batched_tokens=4)
+    p = max(prompts(18), key=len)
+    n_prompt = len(llm.get_tokenizer().encode(p))
+    out = llm.generate([p], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == alone[p]
+    # ceil(n/4) prefill chunks (the last also samples the first token), then one step per further token
+    assert llm.engine.stats.num_steps == -(-n_prompt // 4) + GREEDY.max_tokens - 1
+
+
+def test_prefix_cache_hit_same_output_and_pool_refills(demo_dir):
+    shared = " ".join(WORDS * 2)
+    a, b = shared + " and then", shared + " but one day"
+    plain = make_llm(demo_dir, enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in plain.generate([a, b], GREEDY, use_tqdm=False)]
+
+    llm = make_llm(demo_dir, block_size=16)
+    first = llm.generate([a], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([b], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    common = len(llm.get_tokenizer().encode(shared)) - 1
+    assert second.num_cached_tokens >= (common // 16) * 16 > 0
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == want
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.prefix_hits == second.num_cached_tokens
+
+
+def test_same_prompt_twice_in_one_batch(demo_dir, alone):
+    p = prompts(18)[5]
+    llm = make_llm(demo_dir)
+    outs = llm.generate([p, p, p], GREEDY, use_tqdm=False)
+    assert all(o.outputs[0].token_ids == alone[p] for o in outs)
