@@ -1,0 +1,167 @@
+"""Sampling: seeds, top-k / top-p / min-p, frequencies against the softmax, stop conditions, logprobs,
+incremental detokenization."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nvllm import SamplingParams
+from nvllm.engine.detokenizer import IncrementalDetokenizer
+from nvllm.layers.sampler import Sampler, SampleRow, apply_top_k_top_p_min_p
+from tests.conftest import make_llm
+
+
+@pytest.fixture(scope="module")
+def llm(demo_dir):
+    return make_llm(demo_dir)
+
+
+def texts(outs):
+    return [o.outputs[0].text for o in outs]
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=30)
+    a = texts(llm.generate(["Once upon a time"] * 2, p, use_tqdm=False))
+    b = texts(llm.generate(["Once upon a time"], p, use_tqdm=False))
+    assert a[0] == a[1] == b[0]
+    others = texts(llm.generate(["Once upon a time"] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=30)
+                                                          for s in range(4)], use_tqdm=False))
+    assert len(set(others)) > 1
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    p = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=20)
+    alone = llm.generate(["The dog"], p, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(["Lily went", "The dog", "A big"],
+                         [SamplingParams(temperature=1.0, max_tokens=25), p, SamplingParams(temperature=0)],
+                         use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+
+
+def test_top_k_never_emits_excluded_tokens(llm):
+    p = SamplingParams(temperature=1.5, top_k=3, max_tokens=40, logprobs=3, seed=0)
+    for o in llm.generate(["Once upon a time"] * 4, p, use_tqdm=False):
+        c = o.outputs[0]
+        assert all(lp[t].rank <= 3 for t, lp in zip(c.token_ids, c.logprobs))
+
+
+def test_top_p_never_emits_excluded_tokens(llm):
+    vocab = llm.engine.vocab_size
+    p = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=30, logprobs=vocab, seed=3)
+    for o in llm.generate(["Tom and Lily", "One day"], p, use_tqdm=False):
+        c = o.outputs[0]
+        for t, lp in zip(c.token_ids, c.logprobs):
+            better = sum(math.exp(v.logprob) for tok, v in lp.items() if v.logprob > lp[t].logprob)
+            assert better < 0.5 + 1e-6
+
+
+def test_sampled_frequencies_match_softmax():
+    """20 000 draws from fixed logits: chi-square against softmax(logits / T) with and without top-k."""
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0])
+    n, temp = 20000, 0.8
+    sampler = Sampler(seed=11)
+    rows = [SampleRow(SamplingParams(temperature=temp), None, [])] * n
+    counts = torch.bincount(torch.tensor(sampler(logits.repeat(n, 1), rows).token_ids), minlength=8).double()
+    expected = torch.softmax(logits / temp, -1).double() * n
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 24.32  # 99.9% quantile of chi-square with 7 degrees of freedom
+
+    rows = [SampleRow(SamplingParams(temperature=temp, top_k=3), None, [])] * n
+    counts = torch.bincount(torch.tensor(sampler(logits.repeat(n, 1), rows).token_ids), minlength=8).double()
+    assert counts[3:].sum() == 0
+    expected = torch.softmax(logits[:3] / temp, -1).double() * n
+    chi2 = ((counts[:3] - expected) ** 2 / expected).sum().item()
+    assert chi2 < 13.82  # 99.9% quantile, 2 degrees of freedom
+
+
+def test_top_p_min_p_mask():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    keep = lambda **kw: (apply_top_k_top_p_min_p(logits, torch.tensor([kw.get("k", -1)]),  # noqa: E731
+                                                 torch.tensor([kw.get("p", 1.0)]),
+                                                 torch.tensor([kw.get("m", 0.0)])) > -math.inf)[0].tolist()
+    assert keep(p=0.5) == [True, False, False, False]
+    assert keep(p=0.6) == [True, True, False, False]
+    assert keep(p=0.95) == [True, True, True, False]
+    assert keep(m=0.2) == [True, True, True, False]  # 0.05 < 0.2 * 0.5
+    assert keep(k=2, p=1.0) == [True, True, False, False]
+
+
+def test_stop_strings_tokens_and_lengths(llm):
+    base = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0]
+    full = base.outputs[0].text
+    assert "Lily" in full
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=60, stop=["Lily"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == full[:full.index("Lily")] and out.finish_reason == "stop" and out.stop_reason == "Lily"
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=60, stop=["Lily"],
+                                                            include_stop_str_in_output=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == full[:full.index("Lily") + 4]
+    stop_tok = base.outputs[0].token_ids[5]
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[stop_tok]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.outputs[0].token_ids[:6] and out.stop_reason == stop_tok
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=7), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+
+
+def test_eos_min_tokens_and_ignore_eos(demo_dir):
+    llm = make_llm(demo_dir)
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    base = llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    eos = base[6]  # make a token greedy decoding reaches the EOS token, as the model's EOS would be
+    n = base.index(eos) + 1
+    llm.engine.eos_token_ids = {eos}
+    c = llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason is None and c.token_ids == base[:n]
+    assert c.text == llm.get_tokenizer().decode(base[:n - 1])  # EOS adds no text
+    longer = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40, min_tokens=n + 3),
+                          use_tqdm=False)[0].outputs[0]
+    assert eos not in longer.token_ids[:n + 3] and len(longer.token_ids) >= n + 3
+    forced = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert forced.token_ids == base[:30] and forced.finish_reason == "length"
+
+
+def test_n_samples_and_logprobs(llm):
+    out = llm.generate(["Once upon a time"], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=10,
+                                                            logprobs=2, prompt_logprobs=1), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids) == 10
+        for t, lp in zip(c.token_ids, c.logprobs):
+            assert t in lp and len(lp) <= 3 and lp[t].logprob <= 0
+        assert c.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert all(out.prompt_token_ids[i] in out.prompt_logprobs[i] for i in range(1, len(out.prompt_token_ids)))
+
+
+def test_bad_requests_rejected(llm):
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(n=0),
+                dict(top_k=-2), dict(min_p=2)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["Once upon a time"] + ["a " * 600], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # nothing of the rejected batch was queued
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, 99999]], use_tqdm=False)
+
+
+def test_detokenizer_never_splits_multibyte(llm):
+    tok = llm.get_tokenizer()
+    text = "Tom said: café — 東京 ok"
+    ids = tok.encode(text)[1:]
+    assert any(tok.convert_ids_to_tokens(i).startswith("<0x") for i in ids)  # byte fallback is exercised
+    detok = IncrementalDetokenizer(tok, [1], skip_special_tokens=True)
+    pieces = [detok.step([i]) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
