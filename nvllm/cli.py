@@ -51,8 +51,7 @@ def generate(
     out = console()
     for o in outputs:
         for c in o.outputs:
-            out.print(f"[bold]{o.prompt}[/]", end="", highlight=False, markup=True, soft_wrap=True)
-            print(c.text, flush=True)
+            print(o.prompt + c.text, flush=True)
             out.print(f"[dim]({len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "
                       f"ttft {1000 * (o.metrics.ttft or 0):.1f} ms)[/]", highlight=False)
             if c.logprobs:

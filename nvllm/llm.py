@@ -8,7 +8,7 @@ from typing import Any
 
 from nvllm.config import EngineConfig
 from nvllm.engine.llm_engine import LLMEngine
-from nvllm.logger import setup_logging
+from nvllm.logger import console, setup_logging
 from nvllm.outputs import RequestOutput
 from nvllm.sampling_params import SamplingParams
 
@@ -56,7 +56,7 @@ class LLM:
 
         done: dict[str, RequestOutput] = {}
         with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      disable=not use_tqdm, transient=True) as bar:
+                      disable=not use_tqdm, transient=True, console=console()) as bar:
             task = bar.add_task("generate", total=len(request_ids))
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

@@ -13,7 +13,7 @@ def setup_logging(level: int | str = logging.INFO) -> logging.Logger:
     if not _configured:
         from rich.logging import RichHandler
 
-        handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False)
+        handler = RichHandler(console=console(), show_path=False, rich_tracebacks=False, markup=False)
         handler.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
         logger.addHandler(handler)
         logger.propagate = False

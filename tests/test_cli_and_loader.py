@@ -1,0 +1,135 @@
+"""`nvllm generate` as a user runs it, and every bad input ending in one clear line and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nvllm import LLM
+from nvllm.config import ConfigError
+from tests.conftest import build_tiny_model
+
+
+def nvllm(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "nvllm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_generate_demo_model_default():
+    r = nvllm("generate", "--max-tokens", "20", "--log-stats-interval", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Once upon a time, there was a little girl named Lily")
+    assert "kernel report" in r.stderr and "torch reference" in r.stderr
+    assert "finish_reason=length" in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/dir"], "model directory not found"),
+    (["--temperature", "-1"], "temperature must be non-negative"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--max-tokens", "0"], "max_tokens must be at least 1"),
+    (["--dtype", "int3"], "unknown dtype"),
+    (["--max-model-len", "8", "Once upon a time there was a big dog"], "max_model_len is 8"),
+])
+def test_generate_bad_input(args, message):
+    r = nvllm("generate", *args)
+    assert r.returncode == 2
+    assert message in " ".join(r.stderr.split())
+    assert "Traceback" not in r.stderr
+
+
+def test_empty_prompt_cli():
+    r = nvllm("generate", "")
+    assert r.returncode == 2 and "prompt is empty" in r.stderr
+
+
+@pytest.fixture()
+def model_copy(tmp_path):
+    return build_tiny_model("llama", tmp_path / "m")
+
+
+def load(path, **kw):
+    return LLM(str(path), device="cpu", log_stats_interval=0, **kw)
+
+
+def test_unknown_architecture(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unsupported architecture"):
+        load(model_copy)
+
+
+def test_truncated_weights(model_copy):
+    f = model_copy / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match="truncated or corrupt"):
+        load(model_copy)
+
+
+def test_missing_weights_file(model_copy):
+    (model_copy / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="no weight files"):
+        load(model_copy)
+
+
+def test_missing_tensor_and_shape_mismatch(model_copy):
+    f = model_copy / "model.safetensors"
+    state = load_file(f)
+    dropped = dict(state)
+    del dropped["model.layers.1.mlp.up_proj.weight"]
+    save_file(dropped, f)
+    with pytest.raises(ConfigError, match="missing tensors: layers.1.gate_up_proj.weight\\[shard 1\\]"):
+        load(model_copy)
+    bad = dict(state)
+    bad["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
+    save_file(bad, f)
+    with pytest.raises(ConfigError, match="shape mismatch for 'model.layers.0.self_attn.k_proj.weight'"):
+        load(model_copy)
+
+
+def test_pickle_refused_unless_allowed(model_copy):
+    f = model_copy / "model.safetensors"
+    torch.save(load_file(f), model_copy / "pytorch_model.bin")
+    f.unlink()
+    with pytest.raises(ConfigError, match="--allow-pickle"):
+        load(model_copy)
+    llm = load(model_copy, allow_pickle=True)
+    assert llm.generate([[1, 2, 3]], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_sharded_safetensors(model_copy):
+    f = model_copy / "model.safetensors"
+    state = load_file(f)
+    names = sorted(state)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, model_copy / shard)
+    (model_copy / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: s for s, keys in shards.items() for k in keys}}))
+    want = load(model_copy).generate([[1, 5, 9]], use_tqdm=False)[0].outputs[0].token_ids
+    f.unlink()
+    got = load(model_copy).generate([[1, 5, 9]], use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    os.remove(model_copy / "model-00002-of-00002.safetensors")
+    with pytest.raises(ConfigError, match="missing"):
+        load(model_copy)
+
+
+def test_dummy_load_format_needs_only_config(tmp_path, model_copy):
+    d = tmp_path / "cfg_only"
+    d.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_copy / name, d / name)
+    out = load(d, load_format="dummy").generate([[1, 2]], use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 16
