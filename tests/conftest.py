@@ -3,13 +3,19 @@
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
+import os
 
-import pytest
-import torch
+# Without a GPU, Triton kernels can only run under the interpreter, and it must be chosen before triton is
+# first imported anywhere.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from nvllm.assets import demo_model_path
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from nvllm.assets import demo_model_path  # noqa: E402
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 REPO = Path(__file__).resolve().parents[1]

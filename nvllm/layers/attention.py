@@ -19,7 +19,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     context_lens: torch.Tensor  # [B] int32, tokens in the cache after this step
     max_query_len: int
-    max_context_len: int
+    max_context_len: int | None  # None: unknown on the host (CUDA graphs)
 
 
 class Attention(nn.Module):
@@ -33,5 +33,5 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
-                              self.scale, meta.max_query_len)
+                              self.scale, meta.max_query_len, max_context_len=meta.max_context_len)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
