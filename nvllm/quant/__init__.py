@@ -1,0 +1,1 @@
+"""Quantization: checkpoint formats (AWQ-GEMM, GPTQ) and the quantizers that write them."""
