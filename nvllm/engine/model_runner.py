@@ -12,7 +12,9 @@ import torch
 
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.engine.sequence import Sequence
+from nvllm.engine.cuda_graph import DecodeGraphs
 from nvllm.kernels import report
+from nvllm.kernels.backend import use_triton
 from nvllm.layers.attention import AttentionMetadata
 from nvllm.layers.sampler import Sampler, SampleRow, token_logprobs
 from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model
@@ -46,6 +48,11 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
         self.sampler = Sampler(config.seed)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and use_triton(self.kv_caches[0][0]):
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
+                                       -(-self.max_model_len // self.block_size), self.device)
+            self.graphs.capture()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %.1f KiB per token, %.2f GiB",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     str(self.dtype).replace("torch.", ""), self.kv_bytes_per_token / 1024,
@@ -94,25 +101,26 @@ class ModelRunner:
         return int(n)
 
     def _profile_free_memory(self) -> int:
-        """Run one forward of max_num_batched_tokens dummy tokens without a cache, measure the peak, and give
+        """Run one prompt of max_num_batched_tokens dummy tokens (a cache just big enough), measure the peak, give
         the KV cache what gpu_memory_utilization leaves."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         s = self.model.shape
-        dummy_cache = [(torch.zeros(1, self.block_size, s.num_kv_heads, s.head_dim, dtype=self.dtype,
-                                    device=self.device),) * 2 for _ in range(s.num_layers)]
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor([0, 0], dtype=torch.int32, device=self.device),
-            context_lens=torch.zeros(1, dtype=torch.int32, device=self.device),
-            max_query_len=1, max_context_len=0)
+        nb = -(-n // self.block_size)
+        shape = (nb, self.block_size, s.num_kv_heads, s.head_dim)
+        dummy_cache = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(s.num_layers)]
+        i32 = dict(dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(  # one prompt of n tokens, the largest step the scheduler can make
+            slot_mapping=torch.arange(n, dtype=torch.long, device=self.device),
+            block_tables=torch.arange(nb, **i32)[None], query_start_loc=torch.tensor([0, n], **i32),
+            context_lens=torch.tensor([n], **i32), max_query_len=n, max_context_len=n)
         with torch.inference_mode():
             hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
                                 torch.arange(n, device=self.device), dummy_cache, meta)
             self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
         torch.cuda.synchronize()
+        del dummy_cache, hidden
         peak = torch.cuda.max_memory_allocated()
         total = torch.cuda.get_device_properties(self.device).total_memory
         free = int(total * self.config.gpu_memory_utilization) - peak
@@ -152,16 +160,19 @@ class ModelRunner:
                 sample_owner.append(seq)
         max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
         tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in scheduled]
+        max_query_len = max(n for _, n in scheduled)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(n for _, n in scheduled),
-            max_context_len=max(ctx_lens))
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta)
+        ids_t, pos_t = _device(input_ids, torch.long, dev), _device(positions, torch.long, dev)
+        slots_t, ctx_t = _device(slots, torch.long, dev), _device(ctx_lens, torch.int32, dev)
+        tables_t = _device(tables, torch.int32, dev)
+        if (self.graphs is not None and max_query_len == 1 and not plp_rows
+                and len(scheduled) <= self.graphs.max_batch):
+            hidden = self.graphs.run(ids_t, pos_t, slots_t, tables_t, ctx_t)
+        else:
+            meta = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t,
+                                     query_start_loc=_device(qsl, torch.int32, dev), context_lens=ctx_t,
+                                     max_query_len=max_query_len, max_context_len=max(ctx_lens))
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
 
         result = StepResult({}, {})
         if plp_rows:
@@ -181,3 +192,10 @@ class ModelRunner:
     @staticmethod
     def needs_sample(seq: Sequence, n: int) -> bool:
         return seq.num_computed_tokens + n == seq.num_tokens
+
+
+def _device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor: through pinned memory and an asynchronous copy on GPU."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
