@@ -1,0 +1,220 @@
+"""AsyncLLMEngine: the engine's step loop on a background thread, beside an asyncio event loop.
+
+The engine is not thread-safe, so only the loop thread touches it: adds and aborts travel to it through a
+command list it drains before every step. Each caller reads an `OutputStream`, an asyncio.Queue that the
+loop thread fills through `loop.call_soon_threadsafe`; one stream may carry several requests (the n prompts
+of one HTTP call). A stream closed before its requests finish (client gone, task cancelled) aborts them,
+which frees their KV blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence as Seq
+
+from nvllm.engine.llm_engine import LLMEngine
+from nvllm.outputs import RequestOutput
+from nvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("nvllm")
+
+OutputHook = Callable[[list[RequestOutput]], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (shut down, or a step failed); the request cannot be served."""
+
+
+class OutputStream:
+    """The outputs of one or more requests, in the order the engine produced them; ends when all finish."""
+
+    def __init__(self, engine: "AsyncLLMEngine"):
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.pending: set[str] = set()  # requests added and not yet finished
+
+    async def add(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams,
+                  arrival_time: float | None = None) -> str:
+        """Queue a request on the engine; raises ValueError (bad input) with nothing changed."""
+        request_id = request_id or uuid.uuid4().hex
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._engine._submit(("add", request_id, prompt, params, arrival_time or time.time(), self, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self._engine.abort(request_id)  # the add may still land: the abort queued behind it undoes it
+            raise
+        self.pending.add(request_id)
+        return request_id
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # called on the engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
+
+    def __aiter__(self) -> "OutputStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self.pending:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.pending.clear()
+            raise item
+        if item.finished:
+            self.pending.discard(item.request_id)
+        return item
+
+    def close(self) -> None:
+        """Abort every request of this stream that has not finished (idempotent)."""
+        for request_id in self.pending:
+            self._engine.abort(request_id)
+        self.pending.clear()
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.output_hooks: list[OutputHook] = []  # run on the engine thread after every step and abort
+        self._cond = threading.Condition()
+        self._commands: list[tuple] = []
+        self._streams: dict[str, OutputStream] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # why the loop stopped, if it crashed
+
+    # ---- life cycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="nvllm-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what is still in flight (its streams end with finish_reason "abort") and stop the loop."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def open_stream(self) -> OutputStream:
+        self.start()
+        return OutputStream(self)
+
+    async def generate(self, prompt: str | Seq[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """One request's outputs, one per engine step that advanced it; aborts it if the caller goes away."""
+        stream = self.open_stream()
+        try:
+            await stream.add(request_id, prompt, params)
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; each stream still ends with its final (finish_reason "abort") output."""
+        self._submit(("abort_all",))
+
+    def _submit(self, command: tuple) -> None:
+        with self._cond:
+            if self._stopping or (self._thread is not None and not self._thread.is_alive()):
+                if command[0] == "add":
+                    command[-1].set_exception(EngineDeadError("the engine is shutting down"))
+                return
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---- the loop thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stopping or engine.has_unfinished_requests()):
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                    stopping = self._stopping
+                for command in commands:
+                    self._apply(command)
+                if stopping:
+                    break
+                if engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as e:  # the loop itself broke: fail everyone rather than hang them
+            logger.exception("engine loop stopped")
+            self.error = e
+        finally:
+            with self._cond:
+                self._stopping = True
+                commands, self._commands = self._commands, []
+            for command in commands:
+                if command[0] == "add":
+                    command[-1].set_exception(EngineDeadError("the engine is shutting down"))
+            for request_id in list(self._streams):
+                self._abort(request_id)
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "abort":
+            self._abort(command[1])
+            return
+        if command[0] == "abort_all":
+            for request_id in list(self._streams):
+                self._abort(request_id)
+            return
+        _, request_id, prompt, params, arrival_time, stream, done = command
+        try:
+            self.engine.add_request(request_id, prompt, params, arrival_time)
+        except Exception as e:  # ValueError: bad input; the engine changed nothing
+            done.set_exception(e)
+            return
+        self._streams[request_id] = stream
+        done.set_result(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        stream = self._streams.pop(request_id, None)
+        if out is not None:
+            if stream is not None:
+                stream._put(out)
+            self._run_hooks([out])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
+            for request_id, stream in list(self._streams.items()):
+                stream._put(EngineDeadError(f"engine step failed: {e}"))
+                self._abort(request_id)
+            return
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            if stream is not None:
+                stream._put(out)
+        self._run_hooks(outputs)
+
+    def _run_hooks(self, outputs: list[RequestOutput]) -> None:
+        for hook in self.output_hooks:
+            try:
+                hook(outputs)
+            except Exception:
+                logger.exception("output hook failed")

@@ -1,0 +1,245 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app on the AsyncLLMEngine, run by uvicorn.
+
+`build_app` wires the routes; `run_server` builds the engine (so a bad model fails before anything
+listens), binds the socket (so a taken port is one clear error), and serves until SIGINT/SIGTERM, when
+in-flight requests get `shutdown_timeout` seconds to finish before they are aborted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from nvllm.config import ConfigError, EngineConfig
+from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from nvllm.serve.chat import ChatHandler
+from nvllm.serve.completions import CompletionHandler
+from nvllm.serve.errors import APIError, install_error_handlers
+from nvllm.serve.http import ClientGone, EventStreamResponse, check_api_key, parse_body, until_disconnect
+from nvllm.serve.metrics import ServerMetrics
+from nvllm.serve.prompts import PromptProcessor
+from nvllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                  ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+
+logger = logging.getLogger("nvllm")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the --model argument (the demo model: "stories260K")
+    chat_template: str | None = None  # a Jinja file; default: the tokenizer's, else a plain fallback
+    max_request_bytes: int = 16 * 1024 * 1024
+    shutdown_timeout: int = 30
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_request_bytes < 1:
+            raise ConfigError("max_request_bytes must be at least 1")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key must not be empty")
+        if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
+            raise ConfigError(f"chat template file {self.chat_template} does not exist")
+
+
+def default_model_name(engine_config: EngineConfig) -> str:
+    from nvllm.assets import demo_model_path
+
+    if Path(engine_config.model).resolve() == Path(demo_model_path()).resolve():
+        return "stories260K"
+    return engine_config.model
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str) -> FastAPI:
+    from nvllm.engine.llm_engine import load_tokenizer
+    from nvllm.kernels import report
+
+    core = engine.engine
+    prompts = PromptProcessor(load_tokenizer(core.config.tokenizer), core.vocab_size, core.max_model_len,
+                              config.chat_template)
+    metrics = ServerMetrics(core, model_name)
+    engine.output_hooks.append(metrics.observe)
+    completions = CompletionHandler(engine, prompts, model_name)
+    chat = ChatHandler(engine, prompts, model_name)
+    limit = config.max_request_bytes
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        logger.info("shutting down: aborting what is still in flight")
+        await engine.shutdown()
+
+    app = FastAPI(title="nvllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    def authorized(request: Request) -> None:
+        check_api_key(request, config.api_key)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"The model `{name}` does not exist (this server serves `{model_name}`)",
+                           "model", "model_not_found")
+
+    async def answer(handler, req, request: Request) -> Response:
+        check_model(req.model)
+        if not engine.is_running:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        try:
+            request_id, stream, prompt_ids = await handler.start(req)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        if req.stream:
+            return EventStreamResponse(handler.chunks(req, request_id, stream, prompt_ids), on_close=stream.close)
+        try:
+            body = await until_disconnect(request, handler.full(req, request_id, stream, prompt_ids))
+        except ClientGone:
+            return Response(status_code=499)  # nobody is listening; the requests are aborted below
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        finally:
+            stream.close()  # a no-op when they finished; aborts them when anything cut the wait short
+        return JSONResponse(body.model_dump())
+
+    api = APIRouter(dependencies=[Depends(authorized)])
+
+    @api.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        return await answer(completions, await parse_body(request, CompletionRequest, limit), request)
+
+    @api.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        return await answer(chat, await parse_body(request, ChatCompletionRequest, limit), request)
+
+    @api.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, root=core.config.model, max_model_len=core.max_model_len)])
+
+    @api.get("/v1/kernel_report")
+    async def kernel_report() -> dict:
+        return report.snapshot()
+
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> TokenizeResponse:
+        req = await parse_body(request, TokenizeRequest, limit)
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            text = prompts.render_chat(req.messages, req.add_generation_prompt)
+            special = prompts.fallback_template if req.add_special_tokens is None else req.add_special_tokens
+        else:
+            text, special = req.prompt, True if req.add_special_tokens is None else req.add_special_tokens
+        ids = prompts.tokenizer.encode(text, add_special_tokens=special)
+        strs = prompts.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=ids, token_strs=strs)
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        req = await parse_body(request, DetokenizeRequest, limit)
+        check_model(req.model)
+        prompts.check_ids(req.tokens, "tokens")
+        return DetokenizeResponse(prompt=prompts.decode(req.tokens))
+
+    app.include_router(api)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return JSONResponse({"status": "engine not running"}, status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
+    """Build the engine, then serve until SIGINT/SIGTERM (uvicorn handles both)."""
+    from nvllm.engine.llm_engine import LLMEngine
+    from nvllm.logger import setup_logging
+
+    setup_logging()
+    sock = _bind(config.host, config.port)  # before the slow part, so a taken port fails at once
+    try:
+        model_name = config.served_model_name or default_model_name(engine_config)
+        engine = AsyncLLMEngine(LLMEngine(engine_config))
+        app = build_app(engine, config, model_name)
+        host, port = sock.getsockname()[:2]
+        logger.info("serving %s at http://%s:%d/v1 (API key %s)", model_name, host, port,
+                    "required" if config.api_key else "not required")
+        server = _GracefulServer(uvicorn.Config(app, log_level=config.log_level,
+                                                timeout_graceful_shutdown=config.shutdown_timeout + _FLUSH_S),
+                                 engine, config.shutdown_timeout)
+        with _exit_quietly_after_signals():
+            server.run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C while the model loads: nothing is serving yet
+        logger.info("interrupted before serving")
+        return
+    finally:
+        sock.close()
+    logger.info("server stopped")
+
+
+_FLUSH_S = 5  # after the abort, time for the final chunks to reach the clients before uvicorn cancels
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's shutdown (stop accepting, wait for in-flight requests) with one step added: after `grace`
+    seconds the engine aborts what is still running, so every stream still ends properly (a last chunk with
+    finish_reason "abort", then [DONE]) instead of being cut off."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float):
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.grace, self._abort_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _abort_in_flight(self) -> None:
+        logger.warning("shutdown: aborting the requests still in flight after %ss", self.grace)
+        self.engine.abort_all()
+
+
+@contextlib.contextmanager
+def _exit_quietly_after_signals():
+    """uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the handler it found;
+    a no-op handler there lets a graceful shutdown end with exit status 0 instead of death by signal."""
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,118 @@
+"""POST /v1/chat/completions: messages through the chat template into one engine request with n samples,
+answered whole or streamed (a role chunk per choice, then one content chunk per choice per engine step)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
+from nvllm.outputs import RequestOutput
+from nvllm.serve.errors import bad_request, from_value_error
+from nvllm.serve.http import sse
+from nvllm.serve.params import (ChoiceProgress, check_logprobs, check_supported, resolve_max_tokens,
+                                sampling_params, usage)
+from nvllm.serve.prompts import PromptProcessor
+from nvllm.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                  ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
+                                  DeltaMessage, TopLogprob, random_id)
+
+
+def chat_logprobs(token_ids: list[int], dicts: list, num_top: int, token_text) -> ChatLogprobs:
+    content = []
+    for tok, d in zip(token_ids, dicts):
+        chosen = d[tok]
+        token = token_text(tok)
+        top = [TopLogprob(token=token_text(t), logprob=max(lp.logprob, -9999.0), bytes=list(token_text(t).encode()))
+               for t, lp in sorted(d.items(), key=lambda kv: kv[1].rank) if lp.rank <= num_top]
+        content.append(ChatLogprobToken(token=token, logprob=max(chosen.logprob, -9999.0),
+                                        bytes=list(token.encode()), top_logprobs=top[:num_top]))
+    return ChatLogprobs(content=content)
+
+
+class ChatHandler:
+    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, model_name: str):
+        self.engine, self.prompts, self.model_name = engine, prompts, model_name
+
+    def _num_top(self, req: ChatCompletionRequest) -> int | None:
+        """The engine's logprobs count: None unless logprobs is true; then top_logprobs (default 0)."""
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        check_logprobs(req.top_logprobs, "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+
+    async def start(self, req: ChatCompletionRequest) -> tuple[str, OutputStream, list[int]]:
+        check_supported(req)
+        if req.tools:
+            raise bad_request("tools are not supported by this server", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise bad_request("only the 'text' response_format is supported by this server", "response_format")
+        self.prompts.check_ids(req.stop_token_ids or [], "stop_token_ids")
+        num_top = self._num_top(req)
+        ids = self.prompts.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                       req.chat_template_kwargs)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling_params(req, resolve_max_tokens(requested, len(ids), self.prompts.max_model_len, param),
+                                 num_top)
+        request_id = random_id("chatcmpl")
+        stream = self.engine.open_stream()
+        try:
+            await stream.add(request_id, ids, params)
+        except ValueError as e:
+            stream.close()
+            raise from_value_error(e) from None
+        except BaseException:
+            stream.close()
+            raise
+        return request_id, stream, ids
+
+    async def full(self, req: ChatCompletionRequest, request_id: str, stream: OutputStream,
+                   prompt_ids: list[int]) -> ChatCompletionResponse:
+        final: RequestOutput | None = None
+        try:
+            async for out in stream:
+                final = out
+        finally:
+            stream.close()
+        num_top = self._num_top(req)
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                              logprobs=None if num_top is None else chat_logprobs(
+                                  c.token_ids, c.logprobs or [], num_top, self.prompts.token_text),
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in final.outputs]
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=usage([final], [len(prompt_ids)]))
+
+    async def chunks(self, req: ChatCompletionRequest, request_id: str, stream: OutputStream,
+                     prompt_ids: list[int]) -> AsyncIterator[str]:
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
+        num_top = self._num_top(req)
+        progress = [ChoiceProgress() for _ in range(req.n)]
+        latest: RequestOutput | None = None
+        try:
+            for i in range(req.n):  # OpenAI opens every choice with the role
+                yield sse(self._chunk(request_id, [ChatChunkChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=""))]))
+            async for out in stream:
+                latest = out
+                for c in out.outputs:
+                    d = progress[c.index].advance(c, num_top is not None)
+                    if d is None:
+                        continue
+                    lps = None if num_top is None else chat_logprobs(d.token_ids, d.logprobs or [], num_top,
+                                                                     self.prompts.token_text)
+                    choice = ChatChunkChoice(index=c.index, delta=DeltaMessage(content=d.text), logprobs=lps,
+                                             finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                    chunk = self._chunk(request_id, [choice])
+                    if continuous:
+                        chunk.usage = usage([latest], [len(prompt_ids)])
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(self._chunk(request_id, [], usage([latest], [len(prompt_ids)])))
+        finally:
+            stream.close()
+
+    def _chunk(self, request_id: str, choices: list[ChatChunkChoice], usage_info=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices, usage=usage_info)

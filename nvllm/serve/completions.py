@@ -1,0 +1,163 @@
+"""POST /v1/completions: one engine request per prompt (each with n samples), answered whole or streamed as
+one SSE chunk per choice per engine step. Choice index = prompt index · n + sample index, as OpenAI does."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
+from nvllm.outputs import RequestOutput
+from nvllm.serve.errors import bad_request, from_value_error
+from nvllm.serve.http import sse
+from nvllm.serve.params import (ChoiceProgress, check_logprobs, check_supported, resolve_max_tokens,
+                                sampling_params, usage)
+from nvllm.serve.prompts import PromptProcessor
+from nvllm.serve.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse,
+                                  random_id)
+
+
+def _lp(x: float) -> float:
+    return max(x, -9999.0)  # JSON has no -inf
+
+
+def completion_logprobs(token_ids: list[int], dicts: list, num_top: int, offset: int,
+                        token_text) -> CompletionLogProbs:
+    """OpenAI's legacy logprobs object; a None dict (the first prompt token under echo) has no logprob."""
+    out = CompletionLogProbs()
+    for tok, d in zip(token_ids, dicts):
+        chosen = d.get(tok) if d else None
+        token = token_text(tok)
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        offset += len(token)
+        if chosen is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_lp(chosen.logprob))
+        top = {token_text(t): _lp(lp.logprob)
+               for t, lp in sorted(d.items(), key=lambda kv: kv[1].rank) if lp.rank <= num_top or t == tok}
+        out.top_logprobs.append(top)
+    return out
+
+
+class CompletionHandler:
+    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, model_name: str):
+        self.engine, self.prompts, self.model_name = engine, prompts, model_name
+
+    async def start(self, req: CompletionRequest) -> tuple[str, OutputStream, list[list[int]]]:
+        """Validate everything, then queue one engine request per prompt (all or none)."""
+        check_supported(req)
+        if req.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of must equal n (no server-side ranking of samples)", "best_of")
+        self.prompts.check_ids(req.stop_token_ids or [], "stop_token_ids")
+        check_logprobs(req.logprobs, "logprobs")
+        prompt_ids = self.prompts.completion_prompts(req.prompt)
+        max_len = self.prompts.max_model_len
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        params = [sampling_params(req, resolve_max_tokens(req.max_tokens, len(ids), max_len, "max_tokens"),
+                                  req.logprobs, prompt_logprobs) for ids in prompt_ids]
+        request_id = random_id("cmpl")
+        stream = self.engine.open_stream()
+        try:
+            for i, (ids, p) in enumerate(zip(prompt_ids, params)):
+                await stream.add(f"{request_id}-{i}", ids, p)
+        except ValueError as e:
+            stream.close()
+            raise from_value_error(e) from None
+        except BaseException:
+            stream.close()
+            raise
+        return request_id, stream, prompt_ids
+
+    @staticmethod
+    def _prompt_index(out: RequestOutput) -> int:
+        return int(out.request_id.rsplit("-", 1)[1])
+
+    def _echo(self, req: CompletionRequest, index: int, prompt_ids: list[int], out: RequestOutput | None
+              ) -> tuple[str, CompletionLogProbs | None]:
+        """The prompt's text (as sent, when it was text) and, with logprobs, its prompt logprobs."""
+        if isinstance(req.prompt, str):
+            text = req.prompt
+        elif isinstance(req.prompt[index], str):
+            text = req.prompt[index]
+        else:
+            text = self.prompts.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        lps = None
+        if req.logprobs is not None and out is not None and out.prompt_logprobs is not None:
+            lps = completion_logprobs(prompt_ids, out.prompt_logprobs, req.logprobs, 0, self.prompts.token_text)
+        return text, lps
+
+    async def full(self, req: CompletionRequest, request_id: str, stream: OutputStream,
+                   prompt_ids: list[list[int]]) -> CompletionResponse:
+        final: list[RequestOutput | None] = [None] * len(prompt_ids)
+        try:
+            async for out in stream:
+                final[self._prompt_index(out)] = out
+        finally:
+            stream.close()
+        choices = []
+        for i, out in enumerate(final):
+            echo_text, echo_lps = self._echo(req, i, prompt_ids[i], out) if req.echo else ("", None)
+            for c in out.outputs:
+                lps = None
+                if req.logprobs is not None:
+                    lps = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, len(echo_text),
+                                              self.prompts.token_text)
+                    if echo_lps is not None:
+                        lps = _join(echo_lps, lps)
+                choices.append(CompletionChoice(index=i * req.n + c.index, text=echo_text + c.text, logprobs=lps,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                  usage=usage(final, [len(p) for p in prompt_ids]))
+
+    async def chunks(self, req: CompletionRequest, request_id: str, stream: OutputStream,
+                     prompt_ids: list[list[int]]) -> AsyncIterator[str]:
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
+        want_lps = req.logprobs is not None
+        progress = [[ChoiceProgress() for _ in range(req.n)] for _ in prompt_ids]
+        offsets = [[0] * req.n for _ in prompt_ids]
+        latest: list[RequestOutput | None] = [None] * len(prompt_ids)
+        prompt_lens = [len(p) for p in prompt_ids]
+        try:
+            if req.echo:  # the prompt goes out first, as its own chunk per choice
+                for i, ids in enumerate(prompt_ids):
+                    text, _ = self._echo(req, i, ids, None)
+                    for j in range(req.n):
+                        offsets[i][j] = len(text)
+                        yield sse(self._chunk(request_id, [CompletionChoice(index=i * req.n + j, text=text)]))
+            async for out in stream:
+                p = self._prompt_index(out)
+                latest[p] = out
+                for c in out.outputs:
+                    d = progress[p][c.index].advance(c, want_lps)
+                    if d is None:
+                        continue
+                    lps = None
+                    if want_lps:
+                        lps = completion_logprobs(d.token_ids, d.logprobs or [], req.logprobs, offsets[p][c.index],
+                                                  self.prompts.token_text)
+                        offsets[p][c.index] += sum(len(t) for t in lps.tokens)
+                    choice = CompletionChoice(index=p * req.n + c.index, text=d.text, logprobs=lps,
+                                              finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                    chunk = self._chunk(request_id, [choice])
+                    if continuous:
+                        chunk.usage = usage(latest, prompt_lens)
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(self._chunk(request_id, [], usage(latest, prompt_lens)))
+        finally:
+            stream.close()
+
+    def _chunk(self, request_id: str, choices: list[CompletionChoice], usage_info=None) -> CompletionResponse:
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_info)
+
+
+def _join(a: CompletionLogProbs, b: CompletionLogProbs) -> CompletionLogProbs:
+    return CompletionLogProbs(text_offset=a.text_offset + b.text_offset,
+                              token_logprobs=a.token_logprobs + b.token_logprobs, tokens=a.tokens + b.tokens,
+                              top_logprobs=a.top_logprobs + b.top_logprobs)

@@ -1,0 +1,128 @@
+"""HTTP plumbing the endpoints share: the API-key check, reading a size-limited JSON body into a schema,
+Server-Sent Events framing, and racing a request's work against the client going away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from nvllm.serve.errors import APIError, bad_request, validation_message
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+def check_api_key(request: Request, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                       code="invalid_api_key")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, schema: type[M], limit: int) -> M:
+    body = await read_body(request, limit)
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise bad_request(message, param) from None
+
+
+def sse(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (which aborts its engine requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # let its cleanup (the abort) run
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def sse_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Frame an endpoint's chunk generator: errors mid-stream become an error event, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except APIError as e:
+        yield sse({"error": {"message": e.message, "type": "invalid_request_error", "param": e.param,
+                             "code": e.code}})
+    except Exception as e:  # noqa: BLE001 - the status line is long gone; report inside the stream
+        yield sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None,
+                             "code": None}})
+    yield SSE_DONE
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE response that always cleans up when it ends — its chunk generator is closed and `on_close` runs
+    (aborting the engine requests) — even when the client disconnects before the first chunk, so a client
+    that goes away frees its KV blocks at once rather than whenever the generator is collected."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(sse_stream(chunks), headers={"Cache-Control": "no-cache"})
+        self._chunks, self._on_close = chunks, on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self.body_iterator.aclose()
+            await self._chunks.aclose()

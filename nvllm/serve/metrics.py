@@ -1,0 +1,95 @@
+"""Prometheus metrics for /metrics, named as vLLM names them with an `nvllm:` prefix.
+
+Gauges and counters are read from the engine when scraped (so they are right even while the engine idles);
+the latency histograms are fed by an output hook that runs on the engine thread after every step."""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from nvllm.engine.llm_engine import LLMEngine
+from nvllm.outputs import RequestOutput
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 10.0, 20.0, 80.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0)
+
+
+class _EngineCollector:
+    """Reads the engine's live state at scrape time (plain reads of ints; no lock needed)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.engine, self.labels = engine, [model_name]
+
+    def collect(self):
+        e, lbl = self.engine, ["model_name"]
+        sched, bm, stats = e.scheduler, e.block_manager, e.stats
+
+        def gauge(name: str, doc: str, value: float):
+            g = GaugeMetricFamily(f"nvllm:{name}", doc, labels=lbl)
+            g.add_metric(self.labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float):
+            c = CounterMetricFamily(f"nvllm:{name}", doc, labels=lbl)
+            c.add_metric(self.labels, value)
+            return c
+
+        yield gauge("num_requests_running", "Sequences in the running batch.", len(sched.running))
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", len(sched.waiting))
+        yield gauge("kv_cache_usage_perc", "KV-cache usage: fraction of blocks held by live sequences (1 = full).",
+                    bm.usage)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", bm.prefix_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", bm.prefix_hits)
+        yield counter("num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
+                      sched.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", stats.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        lbl = ["model_name"]
+        self.ttft = Histogram("nvllm:time_to_first_token_seconds", "Arrival to first generated token.", lbl,
+                              buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram("nvllm:inter_token_latency_seconds", "Time between successive tokens of a request.",
+                             lbl, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram("nvllm:e2e_request_latency_seconds", "Arrival to the last token (or the abort).",
+                             lbl, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self._success = Counter("nvllm:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+        self._seen: dict[str, tuple[int, float]] = {}  # request id → (tokens so far, time of the last)
+        self._lock = threading.Lock()
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """The engine-thread hook: one TTFT per request, one ITL per step that added tokens, e2e at the end."""
+        with self._lock:
+            for out in outputs:
+                m = out.metrics
+                num = sum(len(c.token_ids) for c in out.outputs)
+                prev_num, prev_time = self._seen.get(out.request_id, (0, None))
+                if num > prev_num and m.last_token_time is not None:
+                    if prev_time is None:
+                        if m.first_token_time is not None:
+                            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+                    else:
+                        self.itl.observe(max(0.0, m.last_token_time - prev_time))
+                    self._seen[out.request_id] = (num, m.last_token_time)
+                if out.finished:
+                    self._seen.pop(out.request_id, None)
+                    if m.finished_time is not None:
+                        self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+                    for c in out.outputs:
+                        self._success.labels(self._model_name, c.finish_reason or "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,98 @@
+"""Request fields → SamplingParams (with OpenAI's token-limit rules), usage accounting, and the per-choice
+bookkeeping that turns the engine's cumulative outputs into stream deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nvllm.outputs import CompletionOutput, RequestOutput
+from nvllm.sampling_params import SamplingParams
+from nvllm.serve.errors import bad_request, from_value_error
+from nvllm.serve.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+
+MAX_LOGPROBS = 20
+_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def check_supported(req: SamplingRequest) -> None:
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(req, name)
+        if value is not None and value != neutral:
+            raise bad_request(f"{name} is not supported by this server", name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", "logit_bias")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
+    """OpenAI's rule: the prompt plus the completion must fit max_model_len; None takes all that is left."""
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room
+    if requested < 1:
+        raise bad_request(f"{param} must be at least 1, got {requested}", param)
+    if requested > room:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                          f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                          f"completion). Please reduce the prompt or {param}.", param,
+                          code="context_length_exceeded")
+    return requested
+
+
+def check_logprobs(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param)
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        return SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, stop=stop, stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
+def usage(final: list[RequestOutput | None], prompt_lens: list[int]) -> UsageInfo:
+    """Prompt tokens count once per prompt (not per sample); cached ones are the prefix-cache hits."""
+    completion = sum(len(c.token_ids) for o in final if o is not None for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in final if o is not None)
+    prompt = sum(prompt_lens)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list | None  # the engine's per-token dicts for token_ids
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class ChoiceProgress:
+    """What one choice has sent so far; `advance` returns what a new cumulative output adds, or None."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+    def advance(self, c: CompletionOutput, want_logprobs: bool) -> Delta | None:
+        if self.finished:
+            return None
+        text = c.text[self.text_len:]
+        token_ids = c.token_ids[self.num_tokens:]
+        finish = c.finish_reason
+        if not text and finish is None and not (want_logprobs and token_ids):
+            return None  # nothing a client could see yet (held-back stop prefix, half a character)
+        logprobs = c.logprobs[self.num_tokens:len(c.token_ids)] if want_logprobs and c.logprobs is not None else None
+        self.text_len, self.num_tokens = len(c.text), len(c.token_ids)
+        self.finished = finish is not None
+        return Delta(text, token_ids, logprobs, finish, c.stop_reason)

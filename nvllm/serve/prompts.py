@@ -1,0 +1,150 @@
+"""From what a client sends to prompt token ids: completion prompts (string, strings, token ids, lists of
+token ids) and chat messages rendered through a chat template, checked against the vocabulary and
+max_model_len. Uses the server's own tokenizer instance: the engine thread's is never touched from here."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from nvllm.serve.errors import bad_request
+from nvllm.serve.protocol import ChatMessage
+
+logger = logging.getLogger("nvllm")
+
+# For tokenizers without a chat template (the demo model's): plain "Role: text" turns. BOS comes from
+# encoding with special tokens, not from the template text.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] in ('system', 'developer') %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}Assistant: {{ message['content'] }}"
+    "{% if not loop.last %}\n{% endif %}"
+    "{% else %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def load_chat_template(tokenizer, path: str | None) -> tuple[str, bool]:
+    """(template, is_fallback): --chat-template FILE, else the tokenizer's, else the plain fallback."""
+    if path is not None:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"chat template file {path} does not exist")
+        logger.info("chat template: %s", p)
+        return p.read_text(), False
+    if getattr(tokenizer, "chat_template", None):
+        logger.info("chat template: the tokenizer's")
+        return tokenizer.chat_template, False
+    logger.warning("the tokenizer has no chat template; /v1/chat/completions uses a plain 'User: … / Assistant:' "
+                   "template (pass --chat-template FILE to choose one)")
+    return FALLBACK_CHAT_TEMPLATE, True
+
+
+class PromptProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        tokenizer.model_max_length = 2**62  # our own length check answers; no tokenizer warning on the side
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.chat_template, self.fallback_template = load_chat_template(tokenizer, chat_template)
+        self._token_texts: dict[int, str] = {}
+
+    # ---- completions ---------------------------------------------------------------------------------
+    def completion_prompts(self, prompt) -> list[list[int]]:
+        """Every prompt of a completion request as token ids (all validated before any is queued)."""
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt:
+            prompts = prompt
+        else:
+            raise bad_request("prompt is empty", "prompt")
+        return [self.encode(p) for p in prompts]
+
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("prompt is empty", "prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            ids = list(prompt)
+            if not ids:
+                raise bad_request("prompt is empty", "prompt")
+            self.check_ids(ids, "prompt")
+        self.check_length(ids)
+        return ids
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary (size {self.vocab_size})", param)
+
+    def check_length(self, ids: list[int], param: str = "prompt") -> None:
+        if len(ids) >= self.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                              f"{len(ids)} tokens and at least one must be left for the completion. Please "
+                              "shorten the prompt.", param, code="context_length_exceeded")
+
+    # ---- chat ----------------------------------------------------------------------------------------
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+        if not messages:
+            raise bad_request("messages must not be empty", "messages")
+        if continue_final_message and add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+        conversation = [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(messages)]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **(template_kwargs or {}))
+        except Exception as e:  # jinja's TemplateError (e.g. roles must alternate) and friends
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None,
+                    add_special_tokens: bool | None = None) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, template_kwargs)
+        if add_special_tokens is None:  # real templates write BOS themselves; the fallback leaves it to us
+            add_special_tokens = self.fallback_template
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise bad_request("the rendered chat prompt is empty", "messages")
+        self.check_length(ids, "messages")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def token_text(self, tok: int) -> str:
+        """One token's text as it reads inside a sequence (' time', not 'time'), for logprobs: decoded after
+        BOS so that tokenizers which drop a leading space at the start of a text keep it."""
+        text = self._token_texts.get(tok)
+        if text is None:
+            anchor = self.tokenizer.bos_token_id
+            text = self.decode([tok])
+            if anchor is not None:
+                base, both = self.decode([anchor]), self.decode([anchor, tok])
+                if both.startswith(base):
+                    text = both[len(base):]
+            self._token_texts[tok] = text
+        return text
+
+
+def _text_of(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"messages[{index}]: only text content parts are supported, got {part.type!r}",
+                              "messages")
+        texts.append(part.text)
+    return "\n".join(texts)

@@ -1,0 +1,425 @@
+"""`nvllm serve` end to end: the real server started once as a subprocess on a free port (the demo model),
+driven with the official `openai` client and raw httpx for what the client will not send."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+KEY = "sk-test-key"
+MODEL = "stories260K"
+MAX_MODEL_LEN = 256
+MAX_REQUEST_BYTES = 65536
+PROMPT = "Once upon a time"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The server for the whole module; on teardown SIGTERM must shut it down cleanly (exit status 0)."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [sys.executable, "-m", "nvllm.cli", "serve", "--port", str(port), "--api-key", KEY,
+           "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-model-len", str(MAX_MODEL_LEN),
+           "--device", "cpu", "--log-stats-interval", "0", "--uvicorn-log-level", "warning",
+           "--shutdown-timeout", "1"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not become healthy:\n{log_path.read_text()}")
+        time.sleep(0.25)
+    yield base
+    _shutdown_with_a_stream_in_flight(proc, base, log_path)
+
+
+def _shutdown_with_a_stream_in_flight(proc: subprocess.Popen, base: str, log_path) -> None:
+    """SIGTERM while a stream runs: the stream still ends properly (every choice finished, then [DONE] — the
+    client would raise on a cut connection) and the server exits with status 0."""
+    result: dict = {}
+
+    def stream_long() -> None:
+        try:
+            c = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
+            finishes = {}
+            for ch in c.completions.create(model=MODEL, prompt=PROMPT, n=16, max_tokens=MAX_MODEL_LEN - 16,
+                                           temperature=1.0, stream=True, extra_body={"ignore_eos": True}):
+                result["started"] = True
+                finishes.update({x.index: x.finish_reason for x in ch.choices if x.finish_reason})
+            result["finishes"] = finishes
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    thread = threading.Thread(target=stream_long)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while "started" not in result and "error" not in result and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    thread.join(60)
+    try:
+        rc = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"server ignored SIGTERM:\n{log_path.read_text()}")
+    assert "error" not in result, result
+    assert len(result["finishes"]) == 16 and set(result["finishes"].values()) <= {"length", "abort"}, result
+    assert rc == 0, log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        yield c
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    """/metrics parsed with prometheus-client's parser: {sample name (+ finished_reason label): value}."""
+    out = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            if s.name.endswith(("_bucket", "_created")):
+                continue
+            reason = s.labels.get("finished_reason")
+            out[f"{s.name}[{reason}]" if reason else s.name] = s.value
+    return out
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http)
+        if (m["nvllm:num_requests_running"] == 0 and m["nvllm:num_requests_waiting"] == 0
+                and m["nvllm:kv_cache_usage_perc"] == 0):
+            return m
+        assert time.monotonic() < deadline, f"engine did not go idle: {m}"
+        time.sleep(0.05)
+
+
+# ---- the happy paths ---------------------------------------------------------------------------------------
+def test_models_health_kernel_report(client, http):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert http.get("/health").status_code == 200
+    report = http.get("/v1/kernel_report").json()
+    assert "gemm" in report and all(isinstance(v, int) for impls in report.values() for v in impls.values())
+
+
+def test_completion_usage_and_stream(client, http):
+    n_prompt = http.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    c = full.choices[0]
+    assert c.finish_reason == "length" and c.text
+    u = full.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (n_prompt, 12, n_prompt + 12)
+    assert u.prompt_tokens_details.cached_tokens >= 0
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    content = [ch for ch in chunks if ch.choices]
+    assert "".join(ch.choices[0].text for ch in content) == c.text
+    assert len(content) == 12  # one chunk per engine step
+    assert content[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    # a prompt longer than a block, twice: the second time its first block comes from the prefix cache
+    long_prompt = PROMPT + " there was a little girl who liked to play in the park with her friends"
+    first = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4, temperature=0)
+    assert second.choices[0].text == first.choices[0].text
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16 > first.usage.prompt_tokens_details.cached_tokens
+
+
+def test_token_id_prompts_and_tokenizer_endpoints(client, http):
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": ids[1:]}).json()["prompt"] == PROMPT
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    both = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert [c.text for c in both.choices] == [by_text.choices[0].text] * 2
+    assert both.usage.prompt_tokens == 2 * len(ids)
+
+
+def test_chat_full_and_stream(client):
+    messages = [{"role": "system", "content": "A story."}, {"role": "user", "content": "Tell me about a cat."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0)
+    msg = full.choices[0].message
+    assert full.object == "chat.completion" and msg.role == "assistant" and msg.content
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == msg.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason]
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
+    words = base.split()
+    stop = " " + words[len(words) // 2]  # a word from the middle, with its leading space
+    cut = base[:base.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop, "zzzz"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                              stop=stop, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == cut
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=30, temperature=0, stop=["."])
+    assert "." not in chat.choices[0].message.content
+
+
+def test_seeded_sampling_and_n(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0.95, seed=1234)
+    a = client.completions.create(n=3, **kw)
+    b = client.completions.create(n=3, **kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert len({c.text for c in a.choices}) > 1  # the samples of one request differ
+    other = client.completions.create(n=3, **{**kw, "seed": 99})
+    assert [c.text for c in other.choices] != [c.text for c in a.choices]
+    two = client.completions.create(model=MODEL, prompt=[PROMPT, "The dog"], n=2, max_tokens=6, temperature=0.7,
+                                    seed=7, extra_body={"ignore_eos": True})
+    assert [c.index for c in two.choices] == [0, 1, 2, 3] and two.usage.completion_tokens == 24
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=8, temperature=1.0, seed=5)
+    chat2 = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                           max_tokens=8, temperature=1.0, seed=5)
+    assert [c.message.content for c in chat.choices] == [c.message.content for c in chat2.choices]
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and 3 <= len(top) <= 4 and top[tok] == value
+        assert value == max(top.values())  # greedy: the chosen token is the most likely
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob for t in content)
+
+
+# ---- concurrency and disconnects -----------------------------------------------------------------------------
+PROMPTS = [f"{start} {who}" for start in ("Once upon a time there was", "One day", "The little", "Lily saw a",
+                                          "Tom and his mom went to the", "In the park,", "It was a sunny day and",
+                                          "The big red")
+           for who in ("a cat", "a dog", "a girl named Sue", "Ben", "the bird", "a tree", "his toy", "the sun")]
+
+
+def test_64_concurrent_streams_match_alone(server, client):
+    assert len(PROMPTS) == 64
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0]
+             for p in PROMPTS]
+
+    async def one(ac: openai.AsyncOpenAI, prompt: str) -> tuple[str, str | None]:
+        text, finish = "", None
+        async for ch in await ac.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                                    stream=True):
+            text += ch.choices[0].text
+            finish = ch.choices[0].finish_reason or finish
+        return text, finish
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120) as ac:
+            return await asyncio.gather(*(one(ac, p) for p in PROMPTS))
+
+    together = asyncio.run(all_at_once())
+    assert together == [(c.text, c.finish_reason) for c in alone]
+
+
+def test_disconnected_clients_free_their_blocks(server, http):
+    before = wait_idle(http)
+
+    async def leave_early(ac: openai.AsyncOpenAI, i: int) -> None:
+        stream = await ac.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=200, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+        async for _ in stream:
+            break  # one chunk, then hang up
+        await stream.close()
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60) as ac:
+            await asyncio.gather(*(leave_early(ac, i) for i in range(20)))
+
+    asyncio.run(main())
+    after = wait_idle(http)  # the block pool is back to full and nothing runs
+    aborted = after.get("nvllm:request_success_total[abort]", 0) - before.get("nvllm:request_success_total[abort]", 0)
+    assert aborted == 20
+    assert after["nvllm:generation_tokens_total"] - before["nvllm:generation_tokens_total"] < 20 * 200
+
+
+def test_non_streaming_client_timeout_aborts(server, http):
+    before = wait_idle(http)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(30.0, read=0.5),
+                   json={"prompt": PROMPT, "max_tokens": 230, "ignore_eos": True, "n": 8, "temperature": 1.0})
+    after = wait_idle(http)
+    assert after["nvllm:request_success_total[abort]"] - before.get("nvllm:request_success_total[abort]", 0) == 8
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------
+LONG_PROMPT = "the cat sat on the mat " * 80  # far over max_model_len tokens
+BAD_REQUESTS = [
+    # (what, path, body (dict, or raw bytes), headers override, status)
+    ("malformed JSON", "/v1/completions", b'{"prompt": "hi", ', None, 400),
+    ("body not an object", "/v1/completions", b"[1, 2]", None, 400),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, None, 404),
+    ("unknown model (chat)", "/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
+     None, 404),
+    ("prompt over max_model_len", "/v1/completions", {"prompt": LONG_PROMPT}, None, 400),
+    ("prompt + max_tokens over max_model_len", "/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN},
+     None, 400),
+    ("chat over max_model_len", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]},
+     None, 400),
+    ("max_tokens 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, None, 400),
+    ("max_tokens negative", "/v1/completions", {"prompt": "hi", "max_tokens": -3}, None, 400),
+    ("max_completion_tokens 0", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, None, 400),
+    ("max_tokens not a number", "/v1/completions", {"prompt": "hi", "max_tokens": "many"}, None, 400),
+    ("n 0", "/v1/completions", {"prompt": "hi", "n": 0}, None, 400),
+    ("temperature negative", "/v1/completions", {"prompt": "hi", "temperature": -0.5}, None, 400),
+    ("top_p 0", "/v1/completions", {"prompt": "hi", "top_p": 0}, None, 400),
+    ("top_p above 1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 1.5},
+     None, 400),
+    ("top_k -5", "/v1/completions", {"prompt": "hi", "top_k": -5}, None, 400),
+    ("min_p 2", "/v1/completions", {"prompt": "hi", "min_p": 2}, None, 400),
+    ("missing prompt", "/v1/completions", {"max_tokens": 4}, None, 400),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, None, 400),
+    ("token id outside the vocabulary", "/v1/completions", {"prompt": [1, 99999]}, None, 400),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, None, 400),
+    ("logprobs too many", "/v1/completions", {"prompt": "hi", "logprobs": 50}, None, 400),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None, 400),
+    ("unsupported penalty", "/v1/completions", {"prompt": "hi", "presence_penalty": 1.0}, None, 400),
+    ("seed out of range", "/v1/completions", {"prompt": "hi", "seed": 2**70}, None, 400),
+    ("oversized body", "/v1/completions", {"prompt": "x" * (MAX_REQUEST_BYTES + 10)}, None, 413),
+    ("wrong API key", "/v1/completions", {"prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401),
+    ("no API key", "/v1/models", None, {"Authorization": ""}, 401),
+    ("unknown route", "/v1/nothing", {"prompt": "hi"}, None, 404),
+    ("bad detokenize ids", "/detokenize", {"tokens": [-1]}, None, 400),
+]
+
+
+@pytest.mark.parametrize("what,path,body,headers,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_answers_4xx(http, what, path, body, headers, status):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    if body is None:
+        r = http.get(path, headers=headers)
+    else:
+        r = http.post(path, headers={"Content-Type": "application/json", **(headers or {})}, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    # and the server keeps serving
+    ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
+
+
+def test_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+# ---- metrics --------------------------------------------------------------------------------------------------
+def test_metrics_parse(http):
+    http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert families[f"nvllm:{name}"].type == "gauge"
+    for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+                 "generation_tokens", "request_success"):
+        assert families[f"nvllm:{name}"].type == "counter"
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        family = families[f"nvllm:{name}"]
+        assert family.type == "histogram"
+        count = next(s.value for s in family.samples if s.name.endswith("_count"))
+        assert count > 0
+    m = metrics(http)
+    assert m["nvllm:generation_tokens_total"] > 0 and m["nvllm:prefix_cache_queries_total"] > 0
+    assert json.loads(json.dumps(m))  # plain numbers
+
+
+# ---- the async engine on its own (in process) ------------------------------------------------------------------
+def test_async_engine_in_process():
+    from nvllm.config import EngineConfig
+    from nvllm.engine.async_engine import AsyncLLMEngine
+    from nvllm.engine.llm_engine import LLMEngine
+    from nvllm.sampling_params import SamplingParams
+
+    core = LLMEngine(EngineConfig(device="cpu", log_stats_interval=0, max_model_len=MAX_MODEL_LEN), warmup=False)
+    engine = AsyncLLMEngine(core)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def main():
+        outs = [o async for o in engine.generate(PROMPT, greedy)]
+        assert len(outs) == 8 and outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in engine.generate([5] * MAX_MODEL_LEN, greedy):
+                pass
+        # a consumer that stops early (and closes the generator) aborts its request at once
+        gen = engine.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+        await gen.__anext__()
+        await gen.aclose()
+        deadline = time.monotonic() + 10
+        while core.block_manager.num_free_blocks != core.block_manager.num_blocks:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        # shutdown ends what is in flight with finish_reason "abort"
+        stream = engine.open_stream()
+        await stream.add(None, PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+        await stream.__anext__()
+        await engine.shutdown()
+        last = [o async for o in stream][-1]
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+        assert not engine.is_running and not core.has_unfinished_requests()
+
+    asyncio.run(main())
