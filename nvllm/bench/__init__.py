@@ -1,0 +1,10 @@
+"""Benchmarks: `nvllm bench serve` (any OpenAI-compatible server, over streaming HTTP), `bench throughput`
+and `bench latency` (offline, through `LLM`), `bench compare` (two saved results side by side).
+
+metrics.py   vLLM's serving-benchmark metric definitions (TTFT, TPOT, ITL, E2EL, throughput, goodput)
+arrivals.py  gamma-distributed request arrivals (burstiness 1 = Poisson)
+datasets.py  random / ShareGPT / jsonl / GSM8K prompts
+serve.py     the async load generator
+offline.py   throughput and latency through the engine
+report.py    results table, JSON save, compare
+"""

@@ -1,0 +1,194 @@
+"""Benchmark output: the Rich results table, `--save-result out.json`, and `bench compare a.json b.json`.
+
+A statistic that was not measured (None in the result) prints as "n/a", never as a number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from nvllm.bench.metrics import METRICS
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool) or isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    return str(v)
+
+
+def _table(title: str) -> Table:
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    return t
+
+
+def _stat_rows(t: Table, result: dict[str, Any], name: str, label: str, header: str) -> None:
+    keys = [k for k in (f"mean_{name}_ms", f"median_{name}_ms", f"std_{name}_ms") if k in result]
+    keys += [k for k in result if k.startswith("p") and k[1:2].isdigit() and k.endswith(f"_{name}_ms")]
+    if not keys:
+        return
+    t.add_section()
+    t.add_row(f"[bold]{header}[/]", "")
+    for k in keys:
+        stat = k.split("_")[0]
+        t.add_row(f"{stat.upper() if stat[1:2].isdigit() else stat.capitalize()} {label} (ms)", _fmt(result[k]))
+
+
+def results_table(result: dict[str, Any]) -> Table:
+    mode = result.get("mode")
+    r = result
+    if mode == "serve":
+        t = _table("serving benchmark result")
+        rows = [("Successful requests", r["completed"]), ("Failed requests", r["failed"]),
+                ("Maximum request concurrency", r.get("max_concurrency") or "unlimited"),
+                ("Request rate configured (req/s)", r.get("request_rate")),
+                ("Benchmark duration (s)", r["duration"]), ("Total input tokens", r["total_input_tokens"]),
+                ("Total generated tokens", r["total_output_tokens"]),
+                ("Request throughput (req/s)", r["request_throughput"])]
+        if r.get("request_goodput") is not None:
+            rows.append(("Request goodput (req/s)", r["request_goodput"]))
+        rows += [("Output token throughput (tok/s)", r["output_throughput"]),
+                 ("Peak output token throughput (tok/s)", r.get("max_output_tokens_per_s")),
+                 ("Peak concurrent requests", r.get("max_concurrent_requests")),
+                 ("Total token throughput (tok/s)", r["total_token_throughput"])]
+        for label, v in rows:
+            t.add_row(label, _fmt(v))
+        for name, label, header in METRICS:
+            _stat_rows(t, r, name, label, header)
+        if "spec_decode_acceptance_rate" in r:
+            t.add_section()
+            t.add_row("[bold]Speculative decoding[/]", "")
+            t.add_row("Acceptance rate (%)", _fmt(r["spec_decode_acceptance_rate"]))
+            t.add_row("Acceptance length", _fmt(r["spec_decode_acceptance_length"]))
+        return t
+    if mode == "throughput":
+        t = _table("offline throughput result")
+        for label, k in (("Requests", "num_requests"), ("Elapsed time (s)", "elapsed_time"),
+                         ("Total input tokens", "total_input_tokens"), ("Total output tokens", "total_output_tokens"),
+                         ("Request throughput (req/s)", "requests_per_second"),
+                         ("Output token throughput (tok/s)", "output_tokens_per_second"),
+                         ("Total token throughput (tok/s)", "tokens_per_second")):
+            t.add_row(label, _fmt(r.get(k)))
+        return t
+    if mode == "latency":
+        t = _table("offline latency result")
+        t.add_row("Batch size / input len / output len", f"{r['batch_size']} / {r['input_len']} / {r['output_len']}")
+        t.add_row("Timed iterations (after warm-up)", f"{r['num_iters']} (after {r['num_iters_warmup']})")
+        t.add_row("Avg latency per iteration (s)", _fmt(r["avg_latency"], 4))
+        for p, v in r["percentiles"].items():
+            t.add_row(f"P{p} latency per iteration (s)", _fmt(v, 4))
+        for name, label, header in METRICS[:2]:
+            _stat_rows(t, r, name, label, header)
+        return t
+    raise ValueError(f"unknown benchmark result mode {mode!r}")
+
+
+def error_summary(result: dict[str, Any], limit: int = 5) -> list[str]:
+    """The most frequent distinct errors of the failed requests, with counts."""
+    errors = Counter(e.strip().splitlines()[-1] for e in result.get("errors", []) if e and e.strip())
+    return [f"{n} × {e}" for e, n in errors.most_common(limit)]
+
+
+def print_result(result: dict[str, Any], console=None) -> None:
+    from nvllm.kernels.report import format_table
+    from nvllm.logger import console as default_console
+
+    out = console or default_console()
+    out.print(results_table(result))
+    if result.get("mode") == "serve" and result.get("failed"):
+        out.print(f"[bold red]{result['failed']} of {result['num_prompts']} requests failed:[/]", highlight=False)
+        for line in error_summary(result):
+            out.print(f"  {line}", highlight=False, markup=False)
+    report = result.get("kernel_report")
+    if report:
+        out.print(format_table(report))
+    elif result.get("mode") == "serve" and report is None:
+        out.print("[dim]the server exposes no kernel report (GET /v1/kernel_report)[/]")
+
+
+def save_result(result: dict[str, Any], path: str) -> None:
+    """Write the JSON atomically: a complete file or none."""
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2, allow_nan=False)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_result(path: str) -> dict[str, Any]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"result file {path} does not exist")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a benchmark result (not valid JSON: {e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a benchmark result (expected a JSON object)")
+    return data
+
+
+def _scalars(result: dict[str, Any]) -> dict[str, float]:
+    """Numeric scalars, one level of nested dicts flattened ("percentiles.50"); lists and reports skipped."""
+    out: dict[str, float] = {}
+    for k, v in result.items():
+        if k in ("kernel_report", "server_metrics_delta"):
+            continue
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items()
+                        if isinstance(vv, (int, float)) and not isinstance(vv, bool)})
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v
+    return out
+
+
+def compare_tables(a: dict[str, Any], b: dict[str, Any], name_a: str = "A", name_b: str = "B") -> list[Table]:
+    """Side by side: every numeric result of either file, and B/A where both measured it."""
+    sa, sb = _scalars(a), _scalars(b)
+    t = Table(title=f"{name_a} vs {name_b}", title_justify="left")
+    t.add_column("metric")
+    t.add_column(name_a, justify="right")
+    t.add_column(name_b, justify="right")
+    t.add_column("B / A", justify="right")
+    for k in list(sa) + [k for k in sb if k not in sa]:
+        va, vb = sa.get(k), sb.get(k)
+        ratio = f"{vb / va:.3f}×" if va not in (None, 0) and vb is not None else "n/a"
+        t.add_row(k, _fmt(va), _fmt(vb), ratio)
+    tables = [t]
+    ka, kb = a.get("kernel_report") or {}, b.get("kernel_report") or {}
+    if ka or kb:
+        k = Table(title="kernel report (calls)", title_justify="left")
+        for col, just in (("op", "left"), ("implementation", "left"), (name_a, "right"), (name_b, "right")):
+            k.add_column(col, justify=just)
+        for op in sorted(set(ka) | set(kb)):
+            for impl in sorted(set(ka.get(op, {})) | set(kb.get(op, {}))):
+                k.add_row(op, impl, _fmt(ka.get(op, {}).get(impl)), _fmt(kb.get(op, {}).get(impl)))
+        tables.append(k)
+    return tables
+
+
+def finish(result: dict[str, Any], save_path: str | None) -> None:
+    """Print the result (and the kernel report) and save it when asked."""
+    from nvllm.logger import console
+
+    print_result(result)
+    if save_path:
+        save_result(result, save_path)
+        console().print(f"saved {save_path}", highlight=False)

@@ -1,0 +1,460 @@
+"""nvllm bench: metric arithmetic on hand-built timelines, arrival statistics, datasets, the serve-mode
+client against a small fake OpenAI-compatible streaming server (including failures), the offline modes on
+the demo model, and compare."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from typer.testing import CliRunner
+
+from nvllm.bench import arrivals, datasets, metrics
+from nvllm.bench.metrics import RequestResult
+from nvllm.bench.report import save_result
+from nvllm.cli import app
+from tests.conftest import SHARED_DATA
+
+runner = CliRunner()
+
+
+def said(res) -> str:
+    """The command's output with Rich's line wrapping undone."""
+    return " ".join(res.output.split())
+
+SERVE_KEYS = [
+    "date", "backend", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency", "duration",
+    "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
+    "output_throughput", "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests",
+    "input_lens", "output_lens", "ttfts", "itls", "latencies", "generated_texts", "errors", "kernel_report",
+] + [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p50", "p90", "p99")]
+
+
+# ---- metric arithmetic -------------------------------------------------------------------------------
+def _timeline() -> list[RequestResult]:
+    return [
+        RequestResult(10, True, 4, ttft=0.1, itl=[0.02, 0.03, 0.05], latency=0.2, start_time=0.0, generated_text="a"),
+        RequestResult(20, True, 2, ttft=0.3, itl=[0.1], latency=0.4, start_time=0.1),
+        RequestResult(5, False, error="HTTP 500: boom", start_time=0.2),
+        RequestResult(8, True, 1, ttft=0.05, itl=[], latency=0.05, start_time=0.3),
+    ]
+
+
+def test_metrics_on_a_hand_built_timeline():
+    r = metrics.calculate_metrics(_timeline(), 2.0, [50, 99], {"ttft": 120, "tpot": 50})
+    assert (r["completed"], r["failed"]) == (3, 1)
+    assert r["total_input_tokens"] == 38 and r["total_output_tokens"] == 7  # failed requests count no tokens
+    assert r["request_throughput"] == pytest.approx(1.5)
+    assert r["output_throughput"] == pytest.approx(3.5)
+    assert r["total_token_throughput"] == pytest.approx(22.5)
+    assert r["request_goodput"] == pytest.approx(1.0)  # req 1 and the 1-token req 4 (TPOT 0) meet both SLOs
+    assert r["mean_ttft_ms"] == pytest.approx(150.0)
+    assert r["median_ttft_ms"] == pytest.approx(100.0)
+    assert r["std_ttft_ms"] == pytest.approx(math.sqrt((50**2 + 150**2 + 100**2) / 3))
+    assert r["p99_ttft_ms"] == pytest.approx(100 + 0.98 * 200)  # linear interpolation over [50, 100, 300]
+    # TPOT = (E2EL - TTFT) / (out - 1): req 1 (0.2-0.1)/3, req 2 (0.4-0.3)/1; req 4 has one token: excluded
+    assert r["mean_tpot_ms"] == pytest.approx((100 / 3 + 100) / 2)
+    assert r["mean_itl_ms"] == pytest.approx(50.0) and r["median_itl_ms"] == pytest.approx(40.0)
+    assert r["p50_e2el_ms"] == pytest.approx(200.0) and r["mean_e2el_ms"] == pytest.approx(650 / 3)
+    assert r["max_concurrent_requests"] == 2
+    assert r["output_lens"] == [4, 2, 0, 1] and r["input_lens"] == [10, 20, 5, 8]
+    assert r["ttfts"][2] is None and r["errors"][2] == "HTTP 500: boom"
+
+
+def test_metrics_report_none_where_nothing_was_measured():
+    r = metrics.calculate_metrics([RequestResult(5, False, error="x")], 1.0, [99])
+    assert r["completed"] == 0 and r["request_goodput"] is None
+    assert all(r[k] is None for k in ("mean_ttft_ms", "p99_tpot_ms", "median_itl_ms", "std_e2el_ms"))
+    one = metrics.calculate_metrics([RequestResult(5, True, 1, ttft=0.1, latency=0.1)], 1.0, [99])
+    assert one["mean_ttft_ms"] == pytest.approx(100.0) and one["mean_tpot_ms"] is None and one["mean_itl_ms"] is None
+
+
+def test_parsers():
+    assert metrics.parse_goodput(["ttft:200", "tpot:20"]) == {"ttft": 200.0, "tpot": 20.0}
+    assert metrics.parse_goodput(["ttft:200,e2el:1000"]) == {"ttft": 200.0, "e2el": 1000.0}
+    for bad in (["ttft"], ["foo:1"], ["ttft:x"], ["tpot:-1"]):
+        with pytest.raises(ValueError):
+            metrics.parse_goodput(bad)
+    assert metrics.parse_percentiles("50,90,99.9") == [50.0, 90.0, 99.9]
+    assert metrics.percentile_key(99.9) == "p99.9" and metrics.percentile_key(99.0) == "p99"
+    with pytest.raises(ValueError):
+        metrics.parse_percentiles("50,101")
+
+
+# ---- arrivals ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("burstiness", [1.0, 0.5])
+def test_arrival_statistics(burstiness):
+    n, rate = 20000, 8.0
+    gaps = arrivals.arrival_gaps(n, rate, burstiness, seed=1)
+    assert n / gaps.sum() == pytest.approx(rate, rel=0.03)  # sd of the mean rate ≈ 1/sqrt(n·burstiness)
+    cv = gaps.std() / gaps.mean()
+    assert cv == pytest.approx(1 / math.sqrt(burstiness), rel=0.05)  # Poisson: 1; burstiness 0.5: 1.41
+    offsets = arrivals.arrival_offsets(n, rate, burstiness, seed=1)
+    assert offsets[-1] == pytest.approx(n / rate) and np.all(np.diff(offsets) >= 0)
+    assert np.array_equal(offsets, arrivals.arrival_offsets(n, rate, burstiness, seed=1))
+    assert not np.array_equal(offsets, arrivals.arrival_offsets(n, rate, burstiness, seed=2))
+
+
+def test_arrival_edge_cases():
+    assert np.all(arrivals.arrival_offsets(5, float("inf")) == 0)
+    assert np.allclose(arrivals.arrival_gaps(4, 2.0, float("inf")), 0.5)
+    for kw in ({"request_rate": 0.0}, {"request_rate": 1.0, "burstiness": 0.0}):
+        with pytest.raises(ValueError):
+            arrivals.arrival_gaps(3, **kw)
+
+
+# ---- datasets ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tok(demo_dir):
+    from nvllm.engine.llm_engine import load_tokenizer
+
+    return load_tokenizer(demo_dir)
+
+
+def test_random_dataset_lengths_and_seed(tok):
+    reqs = datasets.load_requests("random", tok, 50, input_len=40, output_len=10, range_ratio=0.5, seed=3)
+    assert all(10 <= r.prompt_len <= 62 and 5 <= r.expected_output_len <= 15 for r in reqs)
+    assert len({r.prompt_len for r in reqs}) > 5
+    assert all(r.prompt_len == len(tok.encode(r.prompt)) == len(r.prompt_token_ids) for r in reqs)
+    fixed = datasets.load_requests("random", tok, 20, input_len=40, output_len=10, seed=3)
+    assert sum(r.prompt_len == 40 for r in fixed) >= 18  # text round trips keep the length (nearly always)
+    again = datasets.load_requests("random", tok, 50, input_len=40, output_len=10, range_ratio=0.5, seed=3)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]
+    with pytest.raises(datasets.DatasetError):
+        datasets.load_requests("random", tok, 5, range_ratio=1.0)
+
+
+def test_file_datasets(tok, tmp_path):
+    share = tmp_path / "share.json"
+    share.write_text(json.dumps([{"id": str(i), "conversations": [
+        {"from": "human", "value": f"Tell me a story about the number {i} and a dog."},
+        {"from": "gpt", "value": "Once upon a time there was a dog. " * (i + 1)}]} for i in range(8)]))
+    reqs = datasets.load_requests("sharegpt", tok, 4, str(share), seed=0)
+    assert len(reqs) == 4 and all(r.expected_output_len >= 8 for r in reqs)  # output lengths from the replies
+    no_reply = tmp_path / "prompts_only.json"
+    no_reply.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Hello there, how are you?"}]}]))
+    with pytest.raises(datasets.DatasetError, match="--output-len"):
+        datasets.load_requests("sharegpt", tok, 1, str(no_reply))
+    assert datasets.load_requests("sharegpt", tok, 3, str(no_reply), output_len=7)[2].expected_output_len == 7
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": oops}\n')
+    with pytest.raises(datasets.DatasetError, match=r"bad.jsonl:2: not valid JSON"):
+        datasets.load_requests("jsonl", tok, 1, str(bad), output_len=4)
+    (tmp_path / "broken.json").write_text("[{")
+    with pytest.raises(datasets.DatasetError, match="not valid JSON"):
+        datasets.load_requests("sharegpt", tok, 1, str(tmp_path / "broken.json"))
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text("\n".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i}+{i}={2*i}\n#### {2*i}"})
+                             for i in range(5)))
+    g = datasets.load_requests("gsm8k", tok, 3, str(gsm), seed=1)
+    assert g[0].messages[0]["role"] == "user" and "What is" in g[0].messages[0]["content"]
+    assert g[0].prompt.endswith("Assistant:") and g[0].prompt_len == len(tok.encode(g[0].prompt))
+
+
+@pytest.mark.skipif(SHARED_DATA is None, reason="shared data not present")
+def test_shared_sharegpt_file(tok):
+    reqs = datasets.load_requests("sharegpt", tok, 20, str(SHARED_DATA / "sharegpt/ShareGPT_V3_filtered_500.json"),
+                                  output_len=32, seed=0)
+    assert len(reqs) == 20 and all(4 <= r.prompt_len <= 1024 for r in reqs)
+
+
+# ---- a fake OpenAI-compatible streaming server -----------------------------------------------------------
+class FakeState:
+    def __init__(self):
+        self.reset()
+
+    def reset(self, fail_every=0, fail_mode="http", fail_after=None, usage=True):
+        self.count, self.served, self.fail_every, self.fail_mode, self.fail_after = 0, 0, fail_every, fail_mode, fail_after
+        self.usage = usage
+
+
+def _fake_app(state: FakeState):
+    app = FastAPI()
+
+    def err(status, message, kind):
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.get("/v1/kernel_report")
+    async def kernel_report():
+        return {"gemm": {"fake cuBLAS": 10 * state.served}, "attention.decode": {"fake paged": 2 * state.served}}
+
+    @app.get("/metrics")
+    async def prom():
+        s = state.served
+        return PlainTextResponse(
+            "# HELP fake:spec_decode_num_drafts_total drafts\n# TYPE fake:spec_decode_num_drafts_total counter\n"
+            f"fake:spec_decode_num_drafts_total{{model_name=\"fake-model\"}} {s}\n"
+            f"fake:spec_decode_num_draft_tokens_total{{model_name=\"fake-model\"}} {4 * s}\n"
+            f"fake:spec_decode_num_accepted_tokens_total{{model_name=\"fake-model\"}} {3 * s}\n"
+            f"fake:num_requests_running 0\n")
+
+    async def handle(request: Request, chat: bool):
+        body = await request.json()
+        if body.get("model") != "fake-model":
+            return err(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        state.count += 1
+        n = body.get("max_completion_tokens" if chat else "max_tokens") or 16
+        fail = (state.fail_every and state.count % state.fail_every == 0) or \
+               (state.fail_after is not None and state.count > state.fail_after)
+        if fail and state.fail_mode == "http":
+            return err(500, "injected failure", "InternalServerError")
+        assert body["stream"] and body["stream_options"]["include_usage"]
+
+        def chunk(piece, finish=None):
+            choice = {"index": 0, "finish_reason": finish}
+            choice.update({"delta": {"content": piece}} if chat else {"text": piece})
+            return f"data: {json.dumps({'choices': [choice]})}\n\n"
+
+        async def stream():
+            if chat:  # the role announcement carries no token: TTFT must not stop here
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}}]})}\n\n"
+            await asyncio.sleep(0.02)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(0.005)
+                if fail and i == 1:
+                    yield f"data: {json.dumps({'error': {'message': 'injected stream error', 'code': 500}})}\n\n"
+                    return
+                yield chunk(f" t{i}")
+            yield chunk("", "length")
+            state.served += 1
+            if state.usage:
+                yield f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': 7, 'completion_tokens': n, 'total_tokens': 7 + n}})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    import uvicorn
+
+    state = FakeState()
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(_fake_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started, "fake server did not start"
+    yield f"http://127.0.0.1:{port}", state
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _bench(url, tmp_path, *extra, name="out.json"):
+    out = tmp_path / name
+    res = runner.invoke(app, ["bench", "serve", "--base-url", url, "--num-prompts", "12", "--input-len", "16",
+                              "--output-len", "5", "--request-rate", "200", "--max-concurrency", "4",
+                              "--no-progress", "--save-result", str(out), *extra])
+    return res, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_serve_against_fake_server(fake_server, tmp_path):
+    url, state = fake_server
+    state.reset()
+    res, r = _bench(url, tmp_path, "--goodput", "ttft:5000", "tpot:5000", "--metric-percentiles", "50,90,99")
+    assert res.exit_code == 0, res.output
+    assert [k for k in SERVE_KEYS if k not in r] == []
+    assert (r["completed"], r["failed"], r["model_id"]) == (12, 0, "fake-model")
+    assert r["output_lens"] == [5] * 12 and r["input_lens"] == [7] * 12  # from the server's usage
+    assert r["total_output_tokens"] == 60 and r["total_input_tokens"] == 84
+    assert r["mean_ttft_ms"] >= 20.0 and r["mean_tpot_ms"] > 0 and r["mean_e2el_ms"] > r["mean_ttft_ms"]
+    assert all(len(itl) == 4 for itl in r["itls"]) and r["generated_texts"][0] == " t0 t1 t2 t3 t4"
+    assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # generous SLOs: every request good
+    assert r["max_concurrent_requests"] <= 4
+    assert r["kernel_report"] == {"gemm": {"fake cuBLAS": 120}, "attention.decode": {"fake paged": 24}}
+    assert r["spec_decode_acceptance_rate"] == pytest.approx(75.0)
+    assert r["spec_decode_acceptance_length"] == pytest.approx(4.0)
+    assert "Successful requests" in said(res) and "kernel report" in said(res)
+
+
+def test_serve_chat_endpoint_counts_content_chunks(fake_server, tmp_path, tok):
+    url, state = fake_server
+    state.reset(usage=False)  # a server that sends no usage: the client's tokenizer counts the output
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text("\n".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) for i in range(3)))
+    res, r = _bench(url, tmp_path, "--endpoint", "/v1/chat/completions", "--dataset", "gsm8k",
+                    "--dataset-path", str(gsm))
+    assert res.exit_code == 0, res.output
+    assert r["backend"] == "openai-chat" and r["completed"] == 12
+    assert min(r["ttfts"]) >= 0.02  # the role-only chunk at t=0 is not the first token
+    assert all(len(itl) == 4 for itl in r["itls"])
+    assert r["output_lens"] == [len(tok.encode(" t0 t1 t2 t3 t4", add_special_tokens=False))] * 12
+    assert min(r["input_lens"]) > 20  # the client's count of the rendered chat prompt (no usage to replace it)
+
+
+@pytest.mark.parametrize("mode", ["http", "stream"])
+def test_serve_reports_failed_requests(fake_server, tmp_path, mode):
+    url, state = fake_server
+    state.reset(fail_every=3, fail_mode=mode)  # the test request is #1; #3, #6, #9, #12 of the run fail
+    res, r = _bench(url, tmp_path)
+    assert res.exit_code == 0, res.output
+    assert (r["completed"], r["failed"]) == (8, 4)
+    msg = "HTTP 500: injected failure" if mode == "http" else "error event: injected stream error"
+    assert sum(e == msg for e in r["errors"]) == 4
+    assert r["output_lens"].count(0) == 4 and r["total_output_tokens"] == 40
+    assert "4 of 12 requests failed" in said(res) and msg in said(res)
+
+
+def test_serve_exits_nonzero_when_all_requests_fail(fake_server, tmp_path):
+    url, state = fake_server
+    state.reset(fail_after=1)
+    res, r = _bench(url, tmp_path)
+    assert res.exit_code == 1 and "all 12 requests failed" in said(res)
+    assert r["completed"] == 0 and r["mean_ttft_ms"] is None and r["request_throughput"] == 0.0
+
+
+def test_serve_bad_input(fake_server, tmp_path):
+    url, state = fake_server
+    state.reset()
+    res, r = _bench(url, tmp_path, "--model", "no-such-model")
+    assert res.exit_code == 2 and r is None
+    assert "HTTP 404" in said(res) and "does not exist" in said(res)
+    res, _ = _bench(f"http://127.0.0.1:{_free_port()}", tmp_path)
+    assert res.exit_code == 2 and "cannot reach the server" in said(res)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    res, _ = _bench(url, tmp_path, "--dataset", "jsonl", "--dataset-path", str(bad))
+    assert res.exit_code == 2 and "bad.jsonl:1: not valid JSON" in said(res)
+    res, _ = _bench(url, tmp_path, "--goodput", "ttft:200", "latency:3")
+    assert res.exit_code == 2 and "unknown" in said(res)
+
+
+
+# ---- end to end against the real `nvllm serve` (demo model, subprocess) ------------------------------------
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    port, key = _free_port(), "bench-key"
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [sys.executable, "-m", "nvllm.cli", "serve", "--port", str(port), "--api-key", key, "--device", "cpu",
+           "--log-stats-interval", "0", "--uvicorn-log-level", "warning", "--shutdown-timeout", "5"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not become healthy:\n{log_path.read_text()}")
+        time.sleep(0.25)
+    yield base, key
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_serve_against_real_nvllm_server(real_server, tmp_path):
+    url, key = real_server
+    res, r = _bench(url, tmp_path, "--api-key", key, "--ignore-eos", "--temperature", "0", "--goodput", "ttft:60000",
+                    "--metric-percentiles", "50,90,99")
+    assert res.exit_code == 0, res.output
+    assert [k for k in SERVE_KEYS if k not in r] == [] and "server_metrics_delta" in r
+    assert (r["completed"], r["failed"], r["model_id"]) == (12, 0, "stories260K")
+    assert r["output_lens"] == [5] * 12 and r["input_lens"] == [16] * 12  # the server's usage, BOS included
+    assert all(r[f"{s}_{m}_ms"] > 0 for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p99"))
+    assert all(len(itl) == 4 for itl in r["itls"])  # one chunk per engine step, one token each
+    assert r["kernel_report"]["gemm"] and r["kernel_report"]["attention.decode"]
+    gen = [v for k, v in r["server_metrics_delta"].items() if k.startswith("nvllm:generation_tokens_total")]
+    assert gen == [60.0]  # the server counted the same tokens the client did
+    res, _ = _bench(url, tmp_path, "--api-key", key, "--model", "no-such-model")
+    assert res.exit_code == 2 and "HTTP 404" in said(res)
+    res, _ = _bench(url, tmp_path)  # no API key: the server's 401 ends the run before it starts
+    assert res.exit_code == 2 and "HTTP 401" in said(res)
+
+# ---- offline ---------------------------------------------------------------------------------------------
+OFFLINE = ["--device", "cpu", "--log-stats-interval", "0", "--no-progress"]
+
+
+def test_offline_throughput(tmp_path):
+    out = tmp_path / "tp.json"
+    res = runner.invoke(app, ["bench", "throughput", "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
+                              "--save-result", str(out), *OFFLINE])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    for k in ("elapsed_time", "num_requests", "total_num_tokens", "requests_per_second", "tokens_per_second",
+              "output_tokens_per_second", "total_input_tokens", "total_output_tokens", "kernel_report"):
+        assert k in r, k
+    assert r["num_requests"] == 4 and r["total_output_tokens"] == 32 and r["total_input_tokens"] == 64
+    assert r["tokens_per_second"] == pytest.approx(96 / r["elapsed_time"])
+    assert "gemm" in r["kernel_report"] and "Output token throughput" in said(res)
+    bad = tmp_path / "bad.json"
+    bad.write_text("[{")
+    res = runner.invoke(app, ["bench", "throughput", "--dataset", "sharegpt", "--dataset-path", str(bad), *OFFLINE])
+    assert res.exit_code == 2 and "bad.json: not valid JSON" in said(res)
+
+
+def test_offline_latency(tmp_path):
+    out = tmp_path / "lat.json"
+    res = runner.invoke(app, ["bench", "latency", "--batch-size", "2", "--input-len", "8", "--output-len", "4",
+                              "--num-iters-warmup", "1", "--num-iters", "2", "--metric-percentiles", "50,99",
+                              "--save-result", str(out), *OFFLINE])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert len(r["latencies"]) == 2 and r["avg_latency"] == pytest.approx(sum(r["latencies"]) / 2)
+    assert set(r["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    for k in ("mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p50_ttft_ms", "p99_ttft_ms",
+              "mean_tpot_ms", "p99_tpot_ms"):
+        assert isinstance(r[k], float) and r[k] > 0, k
+    assert r["kernel_report"]["gemm"]
+    bad = runner.invoke(app, ["bench", "latency", "--input-len", "500", "--output-len", "100", *OFFLINE])
+    assert bad.exit_code == 2 and "max_model_len" in said(bad)
+
+
+# ---- compare ---------------------------------------------------------------------------------------------
+def test_compare(tmp_path):
+    a = {"mode": "serve", "request_throughput": 2.0, "mean_ttft_ms": 100.0, "p99_ttft_ms": None,
+         "ttfts": [0.1], "kernel_report": {"gemm": {"torch": 10}}}
+    b = {"mode": "serve", "request_throughput": 3.0, "mean_ttft_ms": 50.0, "p99_ttft_ms": 80.0,
+         "kernel_report": {"gemm": {"torch": 4}, "quant_gemm": {"triton w4a16": 6}}}
+    save_result(a, str(tmp_path / "a.json"))
+    save_result(b, str(tmp_path / "b.json"))
+    res = runner.invoke(app, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")],
+                        env={"COLUMNS": "160"})
+    assert res.exit_code == 0, res.output
+    assert "1.500×" in said(res) and "0.500×" in said(res) and "triton w4a16" in said(res)
+    assert "ttfts" not in said(res)  # lists are not compared
+    missing = runner.invoke(app, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "nope.json")])
+    assert missing.exit_code == 2 and "does not exist" in said(missing)
