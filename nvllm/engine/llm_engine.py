@@ -15,7 +15,7 @@ from nvllm.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvllm.engine.metrics import EngineStats, StatLogger
 from nvllm.engine.model_runner import ModelRunner
 from nvllm.engine.scheduler import Scheduler
-from nvllm.engine.sequence import Sequence, Status
+from nvllm.engine.sequence import Sequence
 from nvllm.kernels import report
 from nvllm.models.hub import resolve_model_path
 from nvllm.layers.sampler import SampleRow
