@@ -48,6 +48,8 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
         self.sampler = Sampler(config.seed)
+        if self.device.type == "cuda":
+            self._gemm_choices()
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and use_triton(self.kv_caches[0][0]):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
@@ -57,6 +59,23 @@ class ModelRunner:
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     str(self.dtype).replace("torch.", ""), self.kv_bytes_per_token / 1024,
                     self.num_blocks * self.block_size * self.kv_bytes_per_token / _GiB)
+
+    def _gemm_choices(self) -> None:
+        """Small-batch GEMMs: load the measured cuBLAS-vs-Triton table shipped for this GPU (or the file named
+        by NVLLM_GEMM_TABLE); NVLLM_TUNE_GEMM=1 measures the model's own shapes now instead."""
+        import os
+
+        from nvllm.kernels.gemm import gemm_table_path, load_gemm_table, tune_gemm
+        from nvllm.layers.embed_head import LMHead
+        from nvllm.layers.linear import Linear
+
+        if os.environ.get("NVLLM_TUNE_GEMM") == "1":
+            shapes = sorted({tuple(m.weight.shape) for m in self.model.modules() if isinstance(m, (Linear, LMHead))})
+            tune_gemm(shapes, [1, 2, 4, 8, 16], self.dtype, self.device, log=logger.info)
+            return
+        path = os.environ.get("NVLLM_GEMM_TABLE") or gemm_table_path(torch.cuda.get_device_name(self.device))
+        if os.path.isfile(path):
+            logger.info("small-batch GEMM choices: %d entries from %s", load_gemm_table(path), path)
 
     # ---- sizing --------------------------------------------------------------------------------------
     @property

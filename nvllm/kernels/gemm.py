@@ -1,18 +1,688 @@
-"""Dense GEMM for the linear layers: y = x Wᵀ (+ b). torch.nn.functional.linear (cuBLAS on GPU) for now;
-the kernel report names it so a quantized layer (`quant_gemm`) is told apart in the logs."""
+"""Dense GEMM for the linear layers: ``y = x Wᵀ (+ b)``, W ``[N, K]`` (nn.Linear layout), x ``[..., K]``.
+
+Two implementations, chosen per shape by measurement:
+
+* ``torch F.linear`` — cuBLAS on the GPU, the CPU kernel on the host. Always the default.
+* a Triton **skinny GEMM** for small M (decode: M = batch size), written for memory bandwidth. cuBLAS leaves
+  bandwidth unused on the small projections at batch 1 (on the H200: qkv 3584→4608 at 67%, o_proj
+  3584→3584 at 52%), because a 25-33 MB weight is too few tiles for its kernels to fill 132 SMs.
+
+The skinny kernel
+-----------------
+Each program owns ``BLOCK_N`` output columns, i.e. ``BLOCK_N`` rows of W, and streams them once along K in
+``[BLOCK_N, BLOCK_K]`` tiles; W is row-major ``[N, K]``, so every tile row is ``BLOCK_K`` contiguous elements
+(16-byte vector loads, coalesced) and W tiles are loaded with ``evict_first`` (streamed, so they do not push
+x out of L2). All M rows of x are reused from registers / L1 against each W tile; accumulation is fp32. Two
+inner loops (constexpr ``USE_DOT``), both measured:
+
+  ``fma``  M ≤ 4: W tile × each x row on the CUDA cores (up to 4 unrolled rows). When the accumulators fit
+           (``BLOCK_M·BLOCK_N·BLOCK_K`` ≤ 32 fp32 per thread) the products accumulate in a full
+           ``[BLOCK_N, BLOCK_K]`` fp32 tile and are reduced along K once after the loop (no shuffles in the
+           loop); otherwise each iteration reduces along K. ``num_stages`` > 1 software-pipelines the K loop
+           (cp.async through shared memory); 1 leaves latency hiding to the many resident programs.
+  ``mma``  any M: "swap AB" — ``tl.dot(W tile [BLOCK_N, BLOCK_K], xᵀ tile [BLOCK_K, BLOCK_M])`` on the tensor
+           cores (W takes the large MMA dimension, x is padded to 16 rows: free, the kernel is bound by
+           bytes), with ``num_stages`` software pipelining of the W loads (cp.async into shared memory).
+
+Out-of-range W rows are clamped to the last row (loaded, computed, never stored), so the W loads carry no
+mask when ``K % BLOCK_K == 0`` (constexpr ``EVEN_K``); only a ragged K tail is masked.
+
+Split-K (for shapes with few output tiles, e.g. o_proj N=3584, so all SMs get work): grid axis 1 splits K into
+``SPLIT_K`` contiguous ranges of whole K blocks. Reduction is **deterministic and inside the one launch**:
+every program writes its fp32 partial ``[BLOCK_M, BLOCK_N]`` to a workspace, then bumps the tile's arrival
+counter (``atomic_add``, acq_rel, gpu scope, after a CTA barrier); the program that arrives last sums the
+partials in split order 0..S-1 — so the result never depends on arrival order —, adds the bias, writes y
+and re-arms the counter to 0 for the next launch. Rejected alternatives: fp32 ``atomic_add`` into y needs a
+zeroed fp32 buffer (a memset launch) and a cast launch, and rounds in arrival order (non-deterministic); a
+second reduce kernel costs one more launch (≈1-2 µs inside a CUDA graph, 15-30% of a 6 µs o_proj). The
+workspace and counters are allocated once per (device, shape, split) — outside CUDA-graph capture, so a
+captured graph keeps valid pointers — and shared by same-shape calls, which is safe because launches on one
+stream are ordered (two streams running the same shape at once would need separate workspaces).
+
+Dispatch
+--------
+``gemm()`` looks ``(N, K, M-bucket, dtype)`` up in a table (one dict lookup; M-bucket = next power of two,
+up to ``MAX_TUNED_M``): a ``SkinnyConfig`` runs the Triton kernel, anything else (``"cublas"``, untuned,
+M too large, CPU under the default backend, ``NVLLM_KERNELS=torch``) runs ``F.linear``. The table is filled
+on the GPU by ``tune_gemm(shapes, batch_sizes, dtype, device)`` — cuBLAS and every candidate config timed
+inside a CUDA graph over several copies of the weight (so L2 holds none of them), candidates checked
+against F.linear first — or by hand (``set_gemm_choice``), or from a saved JSON (``load_gemm_table``).
+The kernel report names what ran: ``gemm: triton skinny (BLOCK_N=.. ...)`` or ``gemm: torch F.linear (cuBLAS)``.
+
+This file holds the op's parts: the torch reference, the Triton kernel, its launcher, the tuner and the
+dispatch. Triton is imported lazily (the package imports without it).
+"""
 
 from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
 from nvllm.kernels import report
+from nvllm.kernels.backend import use_triton
+
+tl = None  # triton.language, bound by _jit at the first launch
+
+CUBLAS = "cublas"
+"""Table value meaning "run F.linear" (cuBLAS measured faster)."""
+
+MAX_TUNED_M = 64
+"""Largest M the table is consulted for; larger M always runs F.linear."""
+
+FMA_MAX_M = 4
+"""The ``fma`` variant unrolls at most this many rows of x per program."""
+
+_DEFER_MAX_PER_THREAD = 32  # fma: accumulate full tiles when ≤ this many fp32 accumulators per thread
+
+
+@functools.lru_cache(maxsize=None)
+def _jit(kernel):
+    """``triton.jit(kernel)`` applied at the first launch, not at import: the package imports without Triton,
+    and the interpreter tests set TRITON_INTERPRET after the package may have been imported. The kernel calls
+    only Triton builtins (``tl.full``, ``tl.reduce``; not the ``@jit`` helpers ``tl.zeros`` / ``tl.sum``), so it
+    also interprets when ``triton.language`` was imported before TRITON_INTERPRET was set."""
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    return triton.jit(kernel)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------- reference
 
 
 def gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
+# ------------------------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """One launch configuration of the skinny kernel. ``kernel``: "fma" (CUDA cores, M ≤ 4) or "mma"
+    (tensor cores, swap-AB). ``split_k``: requested K splits (the launcher trims splits that would be empty)."""
+
+    kernel: str
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        if self.kernel not in ("fma", "mma"):
+            raise ValueError(f"unknown skinny kernel {self.kernel!r} (fma or mma)")
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if self.kernel == "mma" and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError("mma tiles need block_n and block_k >= 16")
+        if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"bad skinny config {self}")
+
+    def block_m(self, m: int) -> int:
+        if self.kernel == "fma":
+            return min(FMA_MAX_M, _next_pow2(m))
+        return min(64, max(16, _next_pow2(m)))
+
+    def describe(self) -> str:
+        return (f"triton skinny (BLOCK_N={self.block_n} BLOCK_K={self.block_k} SPLIT_K={self.split_k} "
+                f"{self.kernel} warps={self.num_warps} stages={self.num_stages})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SkinnyConfig":
+        return cls(**d)
+
+
+# ------------------------------------------------------------------------------------------------- Triton
+
+
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_ym,
+    k_blocks,                     # cdiv(K, BLOCK_K)
+    blocks_per_split,             # K blocks per split (the last split may hold fewer)
+    split_k,                      # programs along K (grid axis 1)
+    ws_stride_s,                  # workspace elements between two splits' partials (= M_pad * N)
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,          # split_k > 1: partials + last-arriver reduction
+    USE_DOT: tl.constexpr,        # True: "mma" (tl.dot, swap AB); False: "fma"
+    ACC_K: tl.constexpr,          # fma: BLOCK_K = accumulate full tiles, reduce after the loop; 1 = per step
+    EVEN_K: tl.constexpr,         # K % BLOCK_K == 0: no K masks
+    UPCAST: tl.constexpr,         # interpreter + 16-bit: feed tl.dot fp32 copies (see skinny_gemm)
+    DOT_PRECISION: tl.constexpr,
+    FMA_STAGES: tl.constexpr,     # fma: software-pipeline depth of the K loop (1 = none)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M)). Program (n, s, m) computes the partial
+    ``y[m-tile, n-tile]`` over K blocks [s·blocks_per_split, (s+1)·blocks_per_split) and, unsplit or last to
+    arrive, the final tile. Tiles are held transposed, ``[BLOCK_N, BLOCK_M]``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    rk = tl.arange(0, BLOCK_K)
+    # rows past N / M are clamped to the last one: loaded and computed, never stored (no load masks)
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn        # [BLOCK_N, 1]
+    kb_begin = pid_k * blocks_per_split
+    kb_end = tl.minimum(kb_begin + blocks_per_split, k_blocks)
+
+    if USE_DOT:
+        x_cols = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[None, :] * stride_xm       # [1, BLOCK_M]
+        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        for kb in range(kb_begin, kb_end):
+            offs_k = kb * BLOCK_K + rk
+            if EVEN_K:
+                w = tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first")
+                xt = tl.load(x_cols + offs_k[:, None] * stride_xk, eviction_policy="evict_last")
+            else:
+                mk = offs_k < K
+                w = tl.load(w_rows + offs_k[None, :], mask=mk[None, :], other=0.0,
+                            eviction_policy="evict_first")
+                xt = tl.load(x_cols + offs_k[:, None] * stride_xk, mask=mk[:, None], other=0.0,
+                             eviction_policy="evict_last")
+            if UPCAST:
+                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+    else:
+        # up to four rows of x, each its own accumulator ([BLOCK_N, ACC_K] fp32)
+        x_r0 = x_ptr + tl.minimum(pid_m * BLOCK_M, M - 1).to(tl.int64) * stride_xm
+        a0 = tl.full((BLOCK_N, ACC_K), 0.0, tl.float32)
+        if BLOCK_M > 1:
+            x_r1 = x_ptr + tl.minimum(pid_m * BLOCK_M + 1, M - 1).to(tl.int64) * stride_xm
+            a1 = tl.full((BLOCK_N, ACC_K), 0.0, tl.float32)
+        if BLOCK_M > 2:
+            x_r2 = x_ptr + tl.minimum(pid_m * BLOCK_M + 2, M - 1).to(tl.int64) * stride_xm
+            x_r3 = x_ptr + tl.minimum(pid_m * BLOCK_M + 3, M - 1).to(tl.int64) * stride_xm
+            a2 = tl.full((BLOCK_N, ACC_K), 0.0, tl.float32)
+            a3 = tl.full((BLOCK_N, ACC_K), 0.0, tl.float32)
+        # the loads feed no tl.dot, so the software pipeliner runs only when asked per loop (cp.async)
+        for kb in tl.range(kb_begin, kb_end, num_stages=FMA_STAGES):
+            offs_k = kb * BLOCK_K + rk
+            xk = offs_k * stride_xk
+            if EVEN_K:
+                w = tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first").to(tl.float32)
+                x0 = tl.load(x_r0 + xk, eviction_policy="evict_last").to(tl.float32)
+            else:
+                mk = offs_k < K
+                w = tl.load(w_rows + offs_k[None, :], mask=mk[None, :], other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
+                x0 = tl.load(x_r0 + xk, mask=mk, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            p0 = w * x0[None, :]
+            if ACC_K == 1:
+                p0 = tl.reduce(p0, 1, tl.standard._sum_combine, keep_dims=True)
+            a0 += p0
+            if BLOCK_M > 1:
+                if EVEN_K:
+                    x1 = tl.load(x_r1 + xk, eviction_policy="evict_last").to(tl.float32)
+                else:
+                    x1 = tl.load(x_r1 + xk, mask=mk, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                p1 = w * x1[None, :]
+                if ACC_K == 1:
+                    p1 = tl.reduce(p1, 1, tl.standard._sum_combine, keep_dims=True)
+                a1 += p1
+            if BLOCK_M > 2:
+                if EVEN_K:
+                    x2 = tl.load(x_r2 + xk, eviction_policy="evict_last").to(tl.float32)
+                    x3 = tl.load(x_r3 + xk, eviction_policy="evict_last").to(tl.float32)
+                else:
+                    x2 = tl.load(x_r2 + xk, mask=mk, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                    x3 = tl.load(x_r3 + xk, mask=mk, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                p2 = w * x2[None, :]
+                p3 = w * x3[None, :]
+                if ACC_K == 1:
+                    p2 = tl.reduce(p2, 1, tl.standard._sum_combine, keep_dims=True)
+                    p3 = tl.reduce(p3, 1, tl.standard._sum_combine, keep_dims=True)
+                a2 += p2
+                a3 += p3
+        # gather the row sums into the [BLOCK_N, BLOCK_M] tile
+        cols = tl.arange(0, BLOCK_M)[None, :]
+        acc = tl.where(cols == 0, tl.reduce(a0, 1, tl.standard._sum_combine, keep_dims=True), 0.0)
+        if BLOCK_M > 1:
+            acc = tl.where(cols == 1, tl.reduce(a1, 1, tl.standard._sum_combine, keep_dims=True), acc)
+        if BLOCK_M > 2:
+            acc = tl.where(cols == 2, tl.reduce(a2, 1, tl.standard._sum_combine, keep_dims=True), acc)
+            acc = tl.where(cols == 3, tl.reduce(a3, 1, tl.standard._sum_combine, keep_dims=True), acc)
+
+    mask_out = mask_n[:, None] & mask_m[None, :]
+    if SPLIT:
+        tile_off = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(ws_ptr + pid_k * ws_stride_s + tile_off, acc, mask=mask_out)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is published
+        lock = lock_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        last = arrived == split_k - 1
+        if last:
+            # the last program of this tile: sum the partials in split order (deterministic)
+            acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+            for s in range(0, split_k):
+                acc += tl.load(ws_ptr + s * ws_stride_s + tile_off, mask=mask_out, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(lock, 0)  # re-armed for the next launch (stream-ordered)
+    else:
+        last = True
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=mask_out)
+
+
+# ----------------------------------------------------------------------------------------------- launcher
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, split: int, m_pad: int, n: int, tiles: int, allocate: bool = True):
+    """(fp32 partials [split, m_pad, n], int32 arrival counters [tiles]) for one shape; created once (zeroed
+    counters) and kept, so CUDA graphs captured over it stay valid. None when missing and not ``allocate``."""
+    key = (device, split, m_pad, n, tiles)
+    ws = _workspaces.get(key)
+    if ws is None and allocate:
+        ws = (torch.empty((split, m_pad, n), dtype=torch.float32, device=device),
+              torch.zeros((tiles,), dtype=torch.int32, device=device))
+        _workspaces[key] = ws
+    return ws
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(M: int, N: int, K: int, config: SkinnyConfig):
+    """(block_m, block_k, k_blocks, blocks_per_split, splits, n_tiles, m_tiles) for this shape."""
+    bm = config.block_m(M)
+    bk = min(config.block_k, max(16, _next_pow2(K)))  # small K (tests): a block no wider than K needs
+    k_blocks = _cdiv(K, bk)
+    per_split = _cdiv(k_blocks, min(config.split_k, k_blocks))
+    splits = _cdiv(k_blocks, per_split)               # no empty splits
+    return bm, bk, k_blocks, per_split, splits, _cdiv(N, config.block_n), _cdiv(M, bm)
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton path: ``x [M, K]`` (any strides) times ``weight [N, K]`` (rows contiguous) (+ bias) →
+    ``[M, N]`` in x's dtype (or into ``out``, a contiguous-rows [M, N] tensor). Raises RuntimeError when a
+    split-K workspace would have to be allocated during CUDA-graph capture (warm up before capturing)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        raise ValueError(f"x has {K} features, the weight {tuple(weight.shape)} expects {weight.shape[1]}")
+    if weight.stride(1) != 1:
+        raise ValueError("the skinny GEMM needs the weight's rows contiguous (stride(1) == 1)")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"dtypes differ: x {x.dtype}, weight {weight.dtype}, bias "
+                         f"{None if bias is None else bias.dtype}")
+    if bias is not None:
+        bias = bias.contiguous()
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
+    bm, bk, k_blocks, per_split, splits, n_tiles, m_tiles = _geometry(M, N, K, config)
+    if splits > 1:
+        ws = _workspace(x.device, splits, m_tiles * bm, N, n_tiles * m_tiles, allocate=not _capturing(x.device))
+        if ws is None:
+            raise RuntimeError("skinny_gemm: split-K workspace not allocated before CUDA-graph capture")
+        partials, locks = ws
+    else:
+        partials = locks = out  # never touched
+    acc_k = 1
+    if config.kernel == "fma" and bm * config.block_n * bk <= _DEFER_MAX_PER_THREAD * 32 * config.num_warps:
+        acc_k = bk
+    sixteen_bit = x.dtype in (torch.float16, torch.bfloat16)
+    _jit(_skinny_gemm_kernel)[(n_tiles, splits, m_tiles)](
+        x, weight, bias if bias is not None else out, out, partials, locks,
+        M, N, K,
+        x.stride(0), x.stride(1), weight.stride(0), out.stride(0),
+        k_blocks, per_split, splits, m_tiles * bm * N,
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, USE_DOT=config.kernel == "mma", ACC_K=acc_k,
+        EVEN_K=K % bk == 0,
+        # Triton 3.9's CPU interpreter multiplies 16-bit tl.dot operands as raw bits: give it fp32 copies
+        # (exact: a product of two bf16/fp16 values fits fp32), numerically what the GPU computes
+        UPCAST=sixteen_bit and _interpreting(),
+        DOT_PRECISION="tf32" if sixteen_bit else "ieee",
+        FMA_STAGES=config.num_stages,
+        BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=bk,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- dispatch
+
+_BUCKETS = [0] + [_next_pow2(m) for m in range(1, MAX_TUNED_M + 1)]
+_TABLE: dict[tuple[int, int, int, torch.dtype], SkinnyConfig | str] = {}
+
+
+def gemm_bucket(m: int) -> int | None:
+    """The table's M bucket for a batch of m rows (next power of two), None past MAX_TUNED_M."""
+    return _BUCKETS[m] if 0 < m <= MAX_TUNED_M else None
+
+
+def set_gemm_choice(n: int, k: int, m: int, dtype: torch.dtype, choice: SkinnyConfig | str) -> None:
+    """Route GEMMs with weight [n, k], ``m`` rows (its bucket) and ``dtype`` to ``choice`` (a SkinnyConfig
+    or CUBLAS)."""
+    if not (isinstance(choice, SkinnyConfig) or choice == CUBLAS):
+        raise ValueError(f"a gemm choice is a SkinnyConfig or {CUBLAS!r}, got {choice!r}")
+    bucket = gemm_bucket(m)
+    if bucket is None:
+        raise ValueError(f"m={m} is past MAX_TUNED_M={MAX_TUNED_M}: such GEMMs always run F.linear")
+    _TABLE[(int(n), int(k), bucket, dtype)] = choice
+
+
+def gemm_choice(n: int, k: int, m: int, dtype: torch.dtype) -> SkinnyConfig | str:
+    """What ``gemm`` runs for this shape on a Triton-enabled device: a SkinnyConfig or CUBLAS."""
+    bucket = gemm_bucket(m)
+    return _TABLE.get((n, k, bucket, dtype), CUBLAS) if bucket is not None else CUBLAS
+
+
+def gemm_table() -> dict[tuple[int, int, int, torch.dtype], SkinnyConfig | str]:
+    """The live dispatch table {(N, K, M-bucket, dtype): SkinnyConfig | "cublas"}."""
+    return _TABLE
+
+
+def clear_gemm_table() -> None:
+    _TABLE.clear()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def save_gemm_table(path: str, meta: dict | None = None) -> None:
+    """Write the table as JSON (atomically: a temp file renamed into place)."""
+    entries = [{"n": n, "k": k, "m": m, "dtype": _dtype_name(dt),
+                "choice": c.to_dict() if isinstance(c, SkinnyConfig) else c}
+               for (n, k, m, dt), c in sorted(_TABLE.items(), key=lambda kv: (kv[0][:3], str(kv[0][3])))]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"meta": meta or {}, "entries": entries}, f, indent=1)
+    os.replace(tmp, path)
+
+
+def gemm_table_path(device_name: str) -> str:
+    """Where the measured table for a GPU model is shipped: nvllm/kernels/configs/gemm_<device name>.json."""
+    slug = "".join(c if c.isalnum() else "_" for c in device_name)
+    return os.path.join(os.path.dirname(__file__), "configs", f"gemm_{slug}.json")
+
+
+def load_gemm_table(path: str) -> int:
+    """Merge a table saved by ``save_gemm_table`` (scripts/gpu_gemm_bench.py writes one, gemm_table.json, and
+    the same entries as ``table_entries`` in gemm_bench.json); returns the number of entries read."""
+    with open(path) as f:
+        data = json.load(f)
+    entries = data.get("entries") or data.get("table_entries") or []
+    for e in entries:
+        choice = e["choice"]
+        choice = SkinnyConfig.from_dict(choice) if isinstance(choice, dict) else choice
+        set_gemm_choice(e["n"], e["k"], e["m"], getattr(torch, e["dtype"]), choice)
+    return len(entries)
+
+
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x Wᵀ (+ b)`` through the measured choice for this shape; F.linear unless the table says Triton."""
+    if _TABLE and use_triton(x):
+        K = x.shape[-1]
+        M = x.numel() // K if K else 0
+        if 0 < M <= MAX_TUNED_M:
+            choice = _TABLE.get((weight.shape[0], K, _BUCKETS[M], x.dtype))
+            if (isinstance(choice, SkinnyConfig) and weight.dtype == x.dtype and weight.stride(-1) == 1
+                    and weight.dim() == 2 and (bias is None or bias.dtype == x.dtype)):
+                bm, _, _, _, splits, n_tiles, m_tiles = _geometry(M, weight.shape[0], K, choice)
+                if splits == 1 or not _capturing(x.device) or _workspace(
+                        x.device, splits, m_tiles * bm, weight.shape[0], n_tiles * m_tiles, allocate=False):
+                    report.record("gemm", choice.describe())
+                    y = skinny_gemm(x.reshape(M, K), weight, bias, choice)
+                    return y.view(*x.shape[:-1], weight.shape[0])
     report.record("gemm", "torch F.linear (cuBLAS)" if x.is_cuda else "torch F.linear (cpu)")
     return F.linear(x, weight, bias)
+
+
+# ---------------------------------------------------------------------------------------------- candidates
+
+# (block_n, block_k, num_warps, num_stages) — fma: M ≤ 4, CUDA cores; stages 1 = plain loads, latency hidden
+# by many resident programs; stages > 1 = the K loop pipelined through shared memory (cp.async)
+FMA_TILES: tuple[tuple[int, int, int, int], ...] = (
+    (4, 512, 4, 1),
+    (8, 512, 4, 1),
+    (4, 512, 4, 4),
+    (8, 512, 4, 4),
+    (8, 256, 2, 4),
+    (16, 256, 4, 4),
+    (16, 512, 4, 3),
+    (32, 256, 8, 3),
+)
+# mma: any M (x padded to 16 rows), tensor cores, W tiles pipelined through shared memory
+# (shared memory per program ≈ stages · (BLOCK_N + 16) · BLOCK_K · 2 bytes, at most 120 KiB here)
+MMA_TILES: tuple[tuple[int, int, int, int], ...] = (
+    (16, 256, 4, 6),
+    (16, 512, 4, 4),
+    (32, 128, 4, 6),
+    (32, 256, 4, 4),
+    (64, 128, 4, 4),
+    (64, 256, 4, 3),
+    (128, 128, 8, 3),
+)
+
+
+def split_choices(tiles: int, k_blocks: int, num_sms: int) -> list[int]:
+    """K splits worth timing for ``tiles`` output tiles: 1, then doublings while the previous count left
+    fewer than four programs per SM, keeping at least two K blocks per split."""
+    out = [1]
+    s = 2
+    while s <= 32 and s <= k_blocks // 2 and tiles * (s // 2) < 4 * num_sms:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def candidate_configs(n: int, k: int, m: int, num_sms: int,
+                      fma_tiles: Iterable = FMA_TILES, mma_tiles: Iterable = MMA_TILES) -> list[SkinnyConfig]:
+    """The configs the tuner times for weight [n, k] and m rows."""
+    out = []
+    variants = ([("fma", t) for t in fma_tiles] if m <= FMA_MAX_M else []) + [("mma", t) for t in mma_tiles]
+    for kernel, (bn, bk, warps, stages) in variants:
+        probe = SkinnyConfig(kernel, bn, bk, 1, warps, stages)
+        bm, bk_eff, k_blocks, _, _, n_tiles, m_tiles = _geometry(m, n, k, probe)
+        if bn > 2 * _next_pow2(n) or (bk > bk_eff and bk > 16):
+            continue  # tile far larger than the problem
+        for s in split_choices(n_tiles * m_tiles, k_blocks, num_sms):
+            out.append(SkinnyConfig(kernel, bn, bk, s, warps, stages))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- tuner
+
+Timer = Callable[[Callable[[int], object], int, float, object], float]
+"""timer(call, n_copies, estimate_s, choice) → seconds per call; ``call(i)`` runs one GEMM on weight copy i;
+``choice`` is what is timed (CUBLAS or a SkinnyConfig), for timers that log or fake."""
+
+
+def cuda_graph_timer(call: Callable[[int], object], n_copies: int, estimate_s: float, choice: object = None,
+                     target_s: float = 3e-4, reps: int = 9) -> float:
+    """Seconds per call: ``iters`` calls cycling over the weight copies, captured in one CUDA graph (no
+    launch overhead, as in decode), replayed ``reps`` times; the median replay divided by ``iters``. Falls
+    back to an eager loop timed with events if capture fails."""
+    iters = n_copies * max(1, math.ceil(target_s / max(estimate_s, 1e-7) / n_copies))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream: compiles, allocates
+        for i in range(n_copies):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(iters):
+                call(i % n_copies)
+        graph.replay()
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3 / iters)
+        del graph
+    except Exception:  # capture unsupported here: time eagerly (includes launch gaps)
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            start.record()
+            for i in range(iters):
+                call(i % n_copies)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3 / iters)
+    return statistics.median(times)
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+class GemmTuner:
+    """Times cuBLAS and the candidate skinny configs per (N, K, M-bucket, dtype) and fills the dispatch
+    table with the faster. Weights are rotated over enough copies that they do not fit in L2.
+
+    ``timer``: see ``Timer`` (default ``cuda_graph_timer``); ``margin``: Triton must beat cuBLAS by this
+    fraction to be chosen; ``max_err``: candidates whose relative error against F.linear exceeds it are
+    dropped (default 1e-2 for 16-bit, 1e-4 for fp32); ``budget_s``: stop timing new candidates after this
+    long (untimed shapes keep cuBLAS); ``rotate_bytes``: total bytes of weight copies (default 4× L2, at
+    least 256 MiB); ``log``: a print-like callable for progress."""
+
+    def __init__(self, timer: Timer | None = None, margin: float = 0.03, max_err: float | None = None,
+                 budget_s: float | None = None, rotate_bytes: int | None = None,
+                 fma_tiles: Iterable = FMA_TILES, mma_tiles: Iterable = MMA_TILES, log=None):
+        self.timer = timer or cuda_graph_timer
+        self.margin = margin
+        self.max_err = max_err
+        self.budget_s = budget_s
+        self.rotate_bytes = rotate_bytes
+        self.fma_tiles = tuple(fma_tiles)
+        self.mma_tiles = tuple(mma_tiles)
+        self.log = log or (lambda *a, **k: None)
+        self.results: list[dict] = []
+
+    def _copies(self, w_bytes: int, device: torch.device) -> int:
+        rotate = self.rotate_bytes
+        if rotate is None:
+            l2 = 64 << 20
+            if device.type == "cuda":
+                l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", l2) or l2
+            rotate = max(4 * l2, 256 << 20)
+        return max(2, min(64, _cdiv(rotate, max(1, w_bytes))))
+
+    def tune(self, shapes: Iterable[tuple[int, int]], batch_sizes: Iterable[int], dtype: torch.dtype,
+             device: torch.device | str) -> list[dict]:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+            else 132
+        buckets = sorted({gemm_bucket(b) for b in batch_sizes if gemm_bucket(b) is not None})
+        max_err = self.max_err if self.max_err is not None else (1e-4 if dtype == torch.float32 else 1e-2)
+        t0 = time.perf_counter()
+        gen = torch.Generator(device=device).manual_seed(0)
+        for n, k in dict.fromkeys((int(s[0]), int(s[1])) for s in shapes):
+            w_bytes = n * k * torch.finfo(dtype).bits // 8
+            n_copies = self._copies(w_bytes, device)
+            weights = [torch.randn((n, k), generator=gen, device=device, dtype=torch.float32).to(dtype) * 0.05
+                       for _ in range(n_copies)]
+            for m in buckets:
+                self.results.append(self._tune_one(n, k, m, dtype, device, weights, num_sms, max_err, t0))
+            del weights
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        return self.results
+
+    def _tune_one(self, n, k, m, dtype, device, weights, num_sms, max_err, t0) -> dict:
+        el = torch.finfo(dtype).bits // 8
+        nbytes = (n * k + m * k + m * n) * el
+        estimate = nbytes / 3e12
+        x = torch.randn((m, k), device=device, dtype=torch.float32).to(dtype)
+        ref = F.linear(x, weights[0])
+        rec = {"n": n, "k": k, "m": m, "dtype": _dtype_name(dtype), "bytes": nbytes, "copies": len(weights),
+               "candidates": []}
+        rec["cublas_s"] = self.timer(lambda i: F.linear(x, weights[i]), len(weights), estimate, CUBLAS)
+        best, best_t = None, math.inf
+        for cfg in candidate_configs(n, k, m, num_sms, self.fma_tiles, self.mma_tiles):
+            if self.budget_s is not None and time.perf_counter() - t0 > self.budget_s:
+                rec["budget_exhausted"] = True
+                break
+            cand = {"config": cfg.to_dict()}
+            try:
+                err = _rel_err(skinny_gemm(x, weights[0], None, cfg), ref)
+                cand["rel_err"] = err
+                if not err <= max_err:  # also catches NaN
+                    cand["error"] = f"relative error {err:.3g} > {max_err:g}"
+                else:
+                    t = self.timer(lambda i, cfg=cfg: skinny_gemm(x, weights[i], None, cfg), len(weights),
+                                   estimate, cfg)
+                    cand["time_s"] = t
+                    if t < best_t:
+                        best, best_t = cfg, t
+            except Exception as e:  # a config this device cannot run (shared memory, registers, ...)
+                cand["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            rec["candidates"].append(cand)
+        choose_triton = best is not None and best_t < rec["cublas_s"] * (1 - self.margin)
+        choice = best if choose_triton else CUBLAS
+        set_gemm_choice(n, k, m, dtype, choice)
+        rec.update(best_config=best.to_dict() if best else None, best_triton_s=best_t if best else None,
+                   choice=choice.describe() if choose_triton else CUBLAS)
+        self.log(f"gemm tune N={n} K={k} M={m}: cuBLAS {rec['cublas_s'] * 1e6:.1f} us, best Triton "
+                 f"{best_t * 1e6:.1f} us -> {rec['choice']}" if best else
+                 f"gemm tune N={n} K={k} M={m}: cuBLAS {rec['cublas_s'] * 1e6:.1f} us, no Triton candidate")
+        return rec
+
+
+def tune_gemm(shapes: list[tuple[int, int]], batch_sizes: list[int], dtype: torch.dtype,
+              device: torch.device | str, **tuner_kwargs) -> list[dict]:
+    """Measure cuBLAS against the skinny kernel for every weight shape ``(N, K)`` and every M-bucket of
+    ``batch_sizes`` (those ≤ MAX_TUNED_M) and fill the dispatch table ``gemm()`` reads. Call once at engine
+    start, after the weights are loaded and before CUDA graphs are captured. Does nothing (returns []) unless
+    ``device`` is a CUDA device with Triton enabled for it. Returns the measurements (one dict per shape and
+    bucket). ``tuner_kwargs`` go to ``GemmTuner``."""
+    device = torch.device(device)
+    if device.type != "cuda" or not use_triton(torch.empty(0, device=device)):
+        return []
+    return GemmTuner(**tuner_kwargs).tune(shapes, batch_sizes, dtype, device)
