@@ -1,11 +1,8 @@
-"""SiLU(gate) · up on the fused gate_up projection's output."""
+"""SiLU(gate) · up on the fused gate_up projection's output (nvllm/kernels/activation.py holds the Triton
+kernel and the torch reference)."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from nvllm.kernels.activation import silu_and_mul
 
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
+__all__ = ["silu_and_mul"]

@@ -1,16 +1,12 @@
-"""RMSNorm, with the residual add fused into the same call (HF order: residual += x, then normalise)."""
+"""RMSNorm, with the residual add fused into the same call (HF order: residual += x, then normalise).
+The math lives in nvllm/kernels/rmsnorm.py (Triton kernel + torch reference)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+from nvllm.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -22,6 +18,5 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: returns norm(x). With residual: returns (norm(x + residual), x + residual)."""
         if residual is None:
-            return rms_norm_reference(x, self.weight, self.eps)
-        residual = x + residual
-        return rms_norm_reference(residual, self.weight, self.eps), residual
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

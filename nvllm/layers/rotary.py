@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from nvllm.config import ConfigError
+from nvllm.kernels.rotary import apply_rotary
 
 
 def rope_parameters(hf_config) -> tuple[float, dict[str, Any] | None]:
@@ -61,14 +62,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, H_kv, D] → rotated copies (same dtype)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        """q: [T, H, D], k: [T, H_kv, D] → (q, k) rotated in place (same tensors, same dtype); see
+        nvllm/kernels/rotary.py."""
+        return apply_rotary(q, k, positions, self.cos, self.sin)

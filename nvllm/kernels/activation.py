@@ -1,0 +1,100 @@
+"""SiLU(gate) · up on the fused gate_up projection's output: ``x [..., 2I] → [..., I]``.
+
+The gate half is the first I columns, the up half the last I. SiLU is computed in fp32 and cast to the input
+dtype, then multiplied by up in the input dtype — the rounding steps of ``F.silu(gate) * up``.
+
+This file holds the op's three parts: the torch reference, the Triton kernel and the dispatch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from nvllm.kernels import report
+from nvllm.kernels.backend import use_triton
+
+tl = None  # triton.language, bound by _jit at the first launch
+
+BLOCK_I = 1024  # columns of the output per program
+NUM_WARPS = 4   # 8 elements per thread: one 16-byte load of gate and one of up in bf16/fp16
+
+
+@functools.lru_cache(maxsize=None)
+def _jit(kernel):
+    """``triton.jit(kernel)``, applied at the first launch instead of at import: the package imports without
+    Triton, and Triton must be imported only after TRITON_INTERPRET is set."""
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    return triton.jit(kernel)
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+# ------------------------------------------------------------------------------------------------- Triton
+
+
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr,
+    stride_xt, stride_ot,                     # x [T, 2I], out [T, I] (last strides 1)
+    inter,                                    # I
+    BLOCK: tl.constexpr,
+):
+    """Program (t, j): output columns [j·BLOCK, (j+1)·BLOCK) of row t."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    row = x_ptr + t * stride_xt
+    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    # silu rounded to the input dtype, then the product formed in fp32 (exact for two 16-bit values) and
+    # rounded once: the bits of F.silu(gate) * up
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols, (act * up).to(out_ty), mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ``silu_and_mul_reference``. Grid: (T, cdiv(I, BLOCK_I)); BLOCK_I = 1024 output
+    columns per program (fewer for a smaller I), 4 warps. ``out``: an optional contiguous destination."""
+    import triton
+
+    inter = x.shape[-1] // 2
+    assert x.shape[-1] == 2 * inter, x.shape
+    if out is None:
+        out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
+    assert out.shape == (*x.shape[:-1], inter) and out.dtype == x.dtype and out.is_contiguous(), out.shape
+    if out.numel() == 0:
+        return out
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    o2 = out.view(-1, inter)
+    block = min(BLOCK_I, triton.next_power_of_2(inter))
+    _jit(_silu_and_mul_kernel)[(x2.shape[0], triton.cdiv(inter, block))](
+        x2, o2, x2.stride(0), o2.stride(0), inter,
+        BLOCK=block, num_warps=NUM_WARPS if block >= 1024 else max(block // 256, 1),
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- dispatch
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        report.record("silu_and_mul", "triton silu_and_mul")
+        return silu_and_mul_triton(x)
+    report.record("silu_and_mul", "torch reference")
+    return silu_and_mul_reference(x)
