@@ -1,0 +1,227 @@
+"""Issue-3 benchmark on one GPU, in one call: the bandwidth and bf16 GEMM ceilings measured on the spot,
+HF transformers on the same shapes, and nvllm (`bench latency` / `bench throughput` code paths), printed
+as a table of ratios and saved to $OUT/gpu_bench.json.
+
+    python scripts/gpu_bench.py [--tokenizer-dir DIR] [--skip-hf] [--throughput-prompts 1000]
+
+Model: Qwen2.5-7B shapes (scripts/models/qwen2.5-7b/config.json), random bf16 weights (load_format dummy);
+the Qwen2.5 tokenizer is built from vocab.json + merges.txt (../shared/data/tokenizers/qwen2.5, carried to
+the GPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def measure_bandwidth(gib: float = 4.0) -> float:
+    """Device-to-device copy; bytes read + written per second (median of 20)."""
+    n = int(gib * (1 << 30)) // 2
+    a = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(25):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    t = sorted(times[5:])[len(times[5:]) // 2]
+    del a, b
+    return 2 * n * 2 / t
+
+
+def measure_gemm_flops(n: int = 8192) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n ** 3 * 10 / (time.perf_counter() - t0)
+
+
+def build_model_dir(tokenizer_dir: Path) -> Path:
+    from transformers import Qwen2Tokenizer
+
+    d = Path(tempfile.mkdtemp(prefix="qwen7b-"))
+    shutil.copy(REPO / "scripts/models/qwen2.5-7b/config.json", d / "config.json")
+    tok = Qwen2Tokenizer(vocab=str(tokenizer_dir / "vocab.json"), merges=str(tokenizer_dir / "merges.txt"))
+    assert tok.encode("Hello world") == [9707, 1879], tok.encode("Hello world")
+    tok.save_pretrained(d)
+    return d
+
+
+def hf_baseline(model_dir: Path, res: dict) -> None:
+    """HF transformers eager: batch-1 decode ms/token and prefill times at 512 / 2048 tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 150000, (1, 128), device="cuda")
+    gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **gen)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=65, min_new_tokens=65, **gen)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        res["hf_tpot_ms"] = 1000 * ((t2 - t1) - (t1 - t0)) / 64
+        for n in (512, 2048):
+            x = torch.randint(0, 150000, (1, n), device="cuda")
+            model(x, logits_to_keep=1)
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                model(x, logits_to_keep=1)
+                torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t0)
+            res[f"hf_prefill_{n}_ms"] = 1000 * sorted(ts)[2]
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def nvllm_runs(model_dir: Path, res: dict, throughput_prompts: int, enforce_eager: bool, save) -> None:
+    from nvllm.bench.offline import run_latency, run_throughput
+    from nvllm.config import EngineConfig
+    from nvllm.kernels import report
+    from nvllm.llm import LLM
+
+    tag = "eager" if enforce_eager else "graphs"
+    config = EngineConfig(model=str(model_dir), load_format="dummy", dtype="bfloat16", max_model_len=4096,
+                          max_num_seqs=256, max_num_batched_tokens=8192, enforce_eager=enforce_eager,
+                          log_stats_interval=10)
+    t0 = time.perf_counter()
+    llm = LLM.from_config(config)
+    res[f"nvllm_{tag}_startup_s"] = time.perf_counter() - t0
+    model = llm.engine.runner.model
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed_bytes = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    res["param_bytes"] = param_bytes
+    res["decode_step_weight_bytes"] = param_bytes - embed_bytes + model.shape.hidden_size * 2
+    res["num_params"] = sum(p.numel() for p in model.parameters())
+    res["kv_tokens"] = llm.engine.runner.num_blocks * llm.engine.runner.block_size
+
+    lat = run_latency(config, batch_size=1, input_len=128, output_len=256, num_iters_warmup=1, num_iters=3,
+                      progress=False, llm=llm)
+    res[f"nvllm_{tag}_tpot_ms"] = lat["median_tpot_ms"]
+    res[f"nvllm_{tag}_kernel_report_decode"] = lat["kernel_report"]
+    save()
+    for n in (512, 2048):
+        p = run_latency(config, batch_size=1, input_len=n, output_len=1, num_iters_warmup=1, num_iters=5,
+                        progress=False, llm=llm)
+        res[f"nvllm_{tag}_ttft_{n}_ms"] = p["median_ttft_ms"]
+        save()
+    if throughput_prompts and not enforce_eager:
+        report.reset()
+        thr = run_throughput(config, num_prompts=throughput_prompts, input_len=512, output_len=256, progress=False,
+                             llm=llm)
+        res["nvllm_throughput_output_tok_s"] = thr["output_tokens_per_second"]
+        res["nvllm_throughput_elapsed_s"] = thr["elapsed_time"]
+        res["nvllm_throughput_requests"] = thr["num_requests"]
+        res["nvllm_throughput_kernel_report"] = thr["kernel_report"]
+    del llm, model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def table(res: dict) -> str:
+    bw, fl = res["bandwidth_Bps"], res["gemm_flops"]
+    wall_ms = 1000 * res["decode_step_weight_bytes"] / bw
+    lines = [f"card {res['card']}  commit {res['commit']}  bandwidth {bw / 1e12:.2f} TB/s  "
+             f"bf16 GEMM {fl / 1e12:.0f} TFLOP/s",
+             f"decode wall (batch 1, weights only): {wall_ms:.2f} ms/token = {1000 / wall_ms:.0f} tok/s"]
+    for tag in ("graphs", "eager"):
+        k = f"nvllm_{tag}_tpot_ms"
+        if k in res:
+            t = res[k]
+            lines.append(f"nvllm {tag:6s} TPOT {t:.2f} ms = {1000 / t:.0f} tok/s = {100 * wall_ms / t:.1f}% of wall"
+                         + (f", {res['hf_tpot_ms'] / t:.2f}x HF" if "hf_tpot_ms" in res else ""))
+    if "hf_tpot_ms" in res:
+        lines.append(f"HF eager     TPOT {res['hf_tpot_ms']:.2f} ms = {1000 / res['hf_tpot_ms']:.0f} tok/s")
+    for n in (512, 2048):
+        limit_ms = 1000 * 2 * res["num_params"] * n / fl
+        row = f"prefill {n}: FLOP limit {limit_ms:.1f} ms"
+        for tag in ("graphs", "eager"):
+            k = f"nvllm_{tag}_ttft_{n}_ms"
+            if k in res:
+                row += f"; nvllm {tag} {res[k]:.1f} ms ({res[k] / limit_ms:.2f}x)"
+        if f"hf_prefill_{n}_ms" in res:
+            row += f"; HF {res[f'hf_prefill_{n}_ms']:.1f} ms ({res[f'hf_prefill_{n}_ms'] / limit_ms:.2f}x)"
+        lines.append(row)
+    if "nvllm_throughput_output_tok_s" in res:
+        lines.append(f"throughput {res['nvllm_throughput_requests']} x 512/256: "
+                     f"{res['nvllm_throughput_output_tok_s']:.0f} output tok/s ({res['nvllm_throughput_elapsed_s']:.1f} s)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-eager", action="store_true")
+    ap.add_argument("--throughput-prompts", type=int, default=1000)
+    args = ap.parse_args()
+    out = Path(os.environ.get("OUT", "."))
+    res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    try:
+        res["commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                       capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:
+        res["commit"] = "unknown"
+    res["bandwidth_Bps"] = measure_bandwidth()
+    res["gemm_flops"] = measure_gemm_flops()
+    model_dir = build_model_dir(Path(args.tokenizer_dir))
+
+    def save() -> None:
+        (out / "gpu_bench.json").write_text(json.dumps(res, indent=1, default=str))
+
+    steps = [] if args.skip_hf else [("hf", lambda: hf_baseline(model_dir, res))]
+    steps.append(("nvllm graphs", lambda: nvllm_runs(model_dir, res, args.throughput_prompts, False, save)))
+    if not args.skip_eager:
+        steps.append(("nvllm eager", lambda: nvllm_runs(model_dir, res, 0, True, save)))
+    for name, fn in steps:
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # keep what was measured so far
+            import traceback
+
+            traceback.print_exc()
+            res[f"{name}_error"] = repr(e)
+        print(f"[{name}] {time.perf_counter() - t0:.1f} s", flush=True)
+        save()
+        try:
+            print(table(res), flush=True)
+        except KeyError:
+            pass
+
+
+if __name__ == "__main__":
+    main()
