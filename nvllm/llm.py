@@ -59,7 +59,7 @@ class LLM:
                       disable=not use_tqdm, transient=True, console=console()) as bar:
             task = bar.add_task("generate", total=len(request_ids))
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step(partial=False):
                     if out.finished:
                         done[out.request_id] = out
                         bar.advance(task)

@@ -106,7 +106,51 @@ def hf_baseline(model_dir: Path, res: dict) -> None:
     torch.cuda.empty_cache()
 
 
-def nvllm_runs(model_dir: Path, res: dict, throughput_prompts: int, enforce_eager: bool, save) -> None:
+PROFILE_CASES = (("prefill512", 512, 1), ("decode_b1", 128, 32))  # (name, prompt tokens, steps profiled)
+
+
+def profile_steps(llm, res: dict) -> None:
+    """torch.profiler over a 512-token prefill and over 32 batch-1 decode steps: the kernels' GPU time
+    against the wall time of engine.step(), so the gap between measured and wall is placed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nvllm.bench.offline import random_token_prompts
+    from nvllm.sampling_params import SamplingParams
+
+    out = Path(os.environ.get("OUT", "."))
+    eng = llm.engine
+    for name, input_len, steps in PROFILE_CASES:
+        eng.block_manager.reset_prefix_cache()
+        prompt = random_token_prompts(llm.get_tokenizer(), 1, input_len, seed=7)[0]
+        eng.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+        if name.startswith("decode"):
+            eng.step(partial=False)  # the prefill, outside the profile
+            eng.step(partial=False)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                eng.step(partial=False)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / steps
+        while eng.has_unfinished_requests():
+            eng.step(partial=False)
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events) / steps
+        table_txt = events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
+        (out / f"profile_{name}.txt").write_text(table_txt)
+        res[f"profile_{name}_wall_ms"] = wall * 1000
+        res[f"profile_{name}_gpu_kernel_ms"] = gpu_us / 1000
+        top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+        res[f"profile_{name}_top"] = [(e.key[:80], round(e.self_device_time_total / steps, 1), e.count // steps)
+                                      for e in top]
+        print(f"[profile {name}] wall {wall * 1000:.2f} ms/step, GPU kernels {gpu_us / 1000:.2f} ms/step", flush=True)
+        for k, us, c in res[f"profile_{name}_top"]:
+            print(f"   {us:9.1f} us  x{c:<4d} {k}", flush=True)
+
+
+def nvllm_runs(model_dir: Path, res: dict, throughput_prompts: int, enforce_eager: bool, save,
+               profile: bool = False) -> None:
     from nvllm.bench.offline import run_latency, run_throughput
     from nvllm.config import EngineConfig
     from nvllm.kernels import report
@@ -136,6 +180,9 @@ def nvllm_runs(model_dir: Path, res: dict, throughput_prompts: int, enforce_eage
         p = run_latency(config, batch_size=1, input_len=n, output_len=1, num_iters_warmup=1, num_iters=5,
                         progress=False, llm=llm)
         res[f"nvllm_{tag}_ttft_{n}_ms"] = p["median_ttft_ms"]
+        save()
+    if profile:
+        profile_steps(llm, res)
         save()
     if throughput_prompts and not enforce_eager:
         report.reset()
@@ -186,6 +233,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--throughput-prompts", type=int, default=1000)
+    ap.add_argument("--profile", action="store_true", help="profile a prefill and decode steps (torch.profiler)")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "."))
     res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -203,7 +251,8 @@ def main() -> None:
         (out / "gpu_bench.json").write_text(json.dumps(res, indent=1, default=str))
 
     steps = [] if args.skip_hf else [("hf", lambda: hf_baseline(model_dir, res))]
-    steps.append(("nvllm graphs", lambda: nvllm_runs(model_dir, res, args.throughput_prompts, False, save)))
+    steps.append(("nvllm graphs", lambda: nvllm_runs(model_dir, res, args.throughput_prompts, False, save,
+                                                     args.profile)))
     if not args.skip_eager:
         steps.append(("nvllm eager", lambda: nvllm_runs(model_dir, res, 0, True, save)))
     for name, fn in steps:

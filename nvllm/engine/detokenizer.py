@@ -14,12 +14,16 @@ _PROMPT_CONTEXT = 5  # prompt tokens decoded along with the first outputs, for t
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        # fast tokenizers: call the Rust decoder directly (transformers' decode() wrapper costs ~5x more per call)
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 

@@ -154,7 +154,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     # ---- the step ------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, partial: bool = True) -> list[RequestOutput]:
+        """One scheduling + model step. Returns an output for every request that progressed, or with
+        partial=False only for the requests that finished (offline callers skip building the rest)."""
         sched = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not sched.scheduled:
@@ -163,7 +165,7 @@ class LLMEngine:
                 for seq, n in sched.scheduled if ModelRunner.needs_sample(seq, n)]
         result = self.runner.execute(sched.scheduled, rows)
         now = time.time()
-        touched: list[str] = []
+        touched: dict[str, None] = {}
         for seq, n in sched.scheduled:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
@@ -177,9 +179,9 @@ class LLMEngine:
             if id(seq) in result.sampled:
                 tok, lp_info = result.sampled[id(seq)]
                 self._append_token(seq, tok, lp_info, now)
-            if seq.request_id not in touched:
-                touched.append(seq.request_id)
-        outputs = [self._output(rid) for rid in touched]
+            touched[seq.request_id] = None
+        outputs = [self._output(rid) for rid in touched
+                   if partial or all(s.finished for s in self.requests[rid])]
         s = self.stats
         s.num_steps += 1
         s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
