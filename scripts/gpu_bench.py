@@ -109,6 +109,30 @@ def hf_baseline(model_dir: Path, res: dict) -> None:
 PROFILE_CASES = (("prefill512", 512, 1), ("decode_b1", 128, 32))  # (name, prompt tokens, steps profiled)
 
 
+def check_greedy(res: dict) -> None:
+    """Correctness on the GPU before speed: the demo model's greedy outputs through the Triton kernels and
+    CUDA graphs equal those of the torch references run eagerly, for a batch of 16 mixed-length prompts."""
+    from nvllm import LLM, SamplingParams
+
+    words = "Once upon a time there was a little girl named Lily who loved to play in the park".split()
+    prompts = [" ".join(words[: 2 + (3 * i) % 15]) for i in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    for dtype in ("float32", "bfloat16"):
+        got = {}
+        for kernels in ("torch", "auto"):
+            os.environ["NVLLM_KERNELS"] = kernels
+            llm = LLM(dtype=dtype, enforce_eager=kernels == "torch", log_stats_interval=0, max_num_seqs=32)
+            got[kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        os.environ.pop("NVLLM_KERNELS")
+        same = sum(a == b for a, b in zip(got["torch"], got["auto"]))
+        res[f"greedy_check_{dtype}"] = f"{same}/{len(prompts)}"
+        print(f"[check] demo model {dtype}: triton+graphs greedy == torch eager for {same}/{len(prompts)} prompts",
+              flush=True)
+
+
 def profile_steps(llm, res: dict) -> None:
     """torch.profiler over a 512-token prefill and over 32 batch-1 decode steps: the kernels' GPU time
     against the wall time of engine.step(), so the gap between measured and wall is placed."""
@@ -250,7 +274,9 @@ def main() -> None:
     def save() -> None:
         (out / "gpu_bench.json").write_text(json.dumps(res, indent=1, default=str))
 
-    steps = [] if args.skip_hf else [("hf", lambda: hf_baseline(model_dir, res))]
+    steps = [("check", lambda: check_greedy(res))]
+    if not args.skip_hf:
+        steps.append(("hf", lambda: hf_baseline(model_dir, res)))
     steps.append(("nvllm graphs", lambda: nvllm_runs(model_dir, res, args.throughput_prompts, False, save,
                                                      args.profile)))
     if not args.skip_eager:

@@ -34,13 +34,18 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.sizes = batch_size_ladder(max_batch)
         n = self.sizes[-1]
-        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), -1, **i64)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)
-        self.context_lens = torch.zeros(n, **i32)
-        self.query_start_loc = torch.arange(n + 1, **i32)
+        # device inputs: rows 0..2 of `meta` are token ids, positions and slots; one copy fills them
+        self.meta = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.meta[0], self.meta[1], self.meta[2]
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # pinned host staging: each step writes here, then three asynchronous copies (the engine waits for
+        # every step's sampled tokens, so a buffer is never rewritten while its copy is in flight)
+        self.host_meta = torch.zeros(3, n, dtype=torch.int64, pin_memory=True)
+        self.host_ctx = torch.zeros(n, dtype=torch.int32, pin_memory=True)
+        self.host_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+        self.slot_mapping.fill_(-1)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -71,18 +76,22 @@ class DecodeGraphs:
         logger.info("captured %d CUDA graphs for decode batch sizes %s in %.1f s", len(self.sizes),
                     self.sizes, time.perf_counter() - start)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        """Replay the graph for len(input_ids) sequences; returns their final hidden states."""
-        b = input_ids.shape[0]
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
+            context_lens: list[int]) -> torch.Tensor:
+        """Replay the graph for len(input_ids) sequences (one token each); returns their final hidden states."""
+        b = len(input_ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
-        self.input_ids[:b].copy_(input_ids, non_blocking=True)
-        self.positions[:b].copy_(positions, non_blocking=True)
-        self.slot_mapping[:b].copy_(slot_mapping, non_blocking=True)
-        self.slot_mapping[b:bs].fill_(-1)
-        self.context_lens[:b].copy_(context_lens, non_blocking=True)
-        self.context_lens[b:bs].fill_(0)
-        self.block_tables[:b, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        width = len(block_tables[0])
+        self.host_meta[:, :b] = torch.tensor([input_ids, positions, slots])
+        self.host_meta[:2, b:bs] = 0  # padding rows: token 0 at position 0, stored nowhere (slot -1) ...
+        self.host_meta[2, b:bs] = -1
+        self.host_ctx[:b] = torch.tensor(context_lens, dtype=torch.int32)
+        self.host_ctx[b:bs] = 0  # ... attending to nothing
+        self.host_tables[:b, :width] = torch.tensor(block_tables, dtype=torch.int32)
+        # whole contiguous buffers: a strided slice would be staged through pageable memory by copy_
+        self.meta.copy_(self.host_meta, non_blocking=True)
+        self.context_lens.copy_(self.host_ctx, non_blocking=True)
+        self.block_tables[:b].copy_(self.host_tables[:b], non_blocking=True)
         self.graphs[bs].replay()
         report.record("decode step", f"cuda graph (batch {bs})")
         return self.outputs[bs][:b]

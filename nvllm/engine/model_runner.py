@@ -16,7 +16,7 @@ from nvllm.engine.cuda_graph import DecodeGraphs
 from nvllm.kernels import report
 from nvllm.kernels.backend import use_triton
 from nvllm.layers.attention import AttentionMetadata
-from nvllm.layers.sampler import Sampler, SampleRow, token_logprobs
+from nvllm.layers.sampler import Sampler, SampleRow, host_tensor, token_logprobs
 from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model
 
 logger = logging.getLogger("nvllm")
@@ -181,28 +181,29 @@ class ModelRunner:
         tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in scheduled]
         max_query_len = max(n for _, n in scheduled)
         dev = self.device
-        ids_t, pos_t = _device(input_ids, torch.long, dev), _device(positions, torch.long, dev)
-        slots_t, ctx_t = _device(slots, torch.long, dev), _device(ctx_lens, torch.int32, dev)
-        tables_t = _device(tables, torch.int32, dev)
         if (self.graphs is not None and max_query_len == 1 and not plp_rows
                 and len(scheduled) <= self.graphs.max_batch):
-            hidden = self.graphs.run(ids_t, pos_t, slots_t, tables_t, ctx_t)
+            hidden = self.graphs.run(input_ids, positions, slots, tables, ctx_lens)
         else:
-            meta = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t,
-                                     query_start_loc=_device(qsl, torch.int32, dev), context_lens=ctx_t,
-                                     max_query_len=max_query_len, max_context_len=max(ctx_lens))
-            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+            meta = AttentionMetadata(
+                slot_mapping=host_tensor(slots, torch.long, dev), block_tables=host_tensor(tables, torch.int32, dev),
+                query_start_loc=host_tensor(qsl, torch.int32, dev), context_lens=host_tensor(ctx_lens, torch.int32, dev),
+                max_query_len=max_query_len, max_context_len=max(ctx_lens))
+            hidden = self.model(host_tensor(input_ids, torch.long, dev), host_tensor(positions, torch.long, dev),
+                                self.kv_caches, meta)
 
         result = StepResult({}, {})
         if plp_rows:
-            rows = torch.tensor([r for _, r, _ in plp_rows], device=dev)
+            rows = host_tensor([r for _, r, _ in plp_rows], torch.long, dev)
             lps = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
             for k, (seq, _, p) in enumerate(plp_rows):
                 tok = seq.token_ids[p + 1]
                 info = token_logprobs(lps[k], tok, seq.params.prompt_logprobs)
                 result.prompt_logprobs.setdefault(id(seq), []).append((p + 1, tok, info))
         if logit_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+            if len(logit_rows) < hidden.shape[0]:
+                hidden = hidden[host_tensor(logit_rows, torch.long, dev)]
+            logits = self.model.compute_logits(hidden)
             out = self.sampler(logits, sample_rows)
             for seq, tok, lp in zip(sample_owner, out.token_ids, out.logprobs):
                 result.sampled[id(seq)] = (tok, lp)
@@ -212,9 +213,3 @@ class ModelRunner:
     def needs_sample(seq: Sequence, n: int) -> bool:
         return seq.num_computed_tokens + n == seq.num_tokens
 
-
-def _device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor: through pinned memory and an asynchronous copy on GPU."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

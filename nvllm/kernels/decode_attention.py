@@ -231,7 +231,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
 
     group = num_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on the GPU
     block_g = max(16, triton.next_power_of_2(group))
     block_n = _decode_block_n(block_d)
     max_len = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size

@@ -176,7 +176,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
         return out
 
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on the GPU
     bm, bn, num_warps, num_stages = _prefill_config(block_d, max_query_len)
     bm, bn = block_m or bm, block_n or bn
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32

@@ -64,32 +64,27 @@ class Sampler:
             if r.banned:
                 logits[i, r.banned] = float("-inf")
 
-        chosen = torch.empty(n, dtype=torch.long, device=device)
-        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        if greedy:
-            g = torch.tensor(greedy, device=device)
-            chosen[g] = logits[g].argmax(dim=-1)
-        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if rand:
-            ridx = torch.tensor(rand, device=device)
-            ps = [rows[i].params for i in rand]
-            x = logits[ridx] / torch.tensor([p.temperature for p in ps], device=device)[:, None]
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            chosen = logits.argmax(dim=-1)
+        else:
+            ps = [r.params for r in rows]
+            temps = host_tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)], torch.float32, device)
+            x = logits / temps[:, None]
             if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in ps):
-                x = apply_top_k_top_p_min_p(
-                    x, torch.tensor([p.top_k for p in ps], device=device),
-                    torch.tensor([p.top_p for p in ps], device=device, dtype=x.dtype),
-                    torch.tensor([p.min_p for p in ps], device=device, dtype=x.dtype))
+                x = apply_top_k_top_p_min_p(x, host_tensor([p.top_k for p in ps], torch.long, device),
+                                            host_tensor([p.top_p for p in ps], torch.float32, device),
+                                            host_tensor([p.min_p for p in ps], torch.float32, device))
             probs = x.softmax(dim=-1)
-            # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1), one draw per row and token.
-            noise = torch.empty_like(probs)
-            seeded = [j for j, i in enumerate(rand) if rows[i].generator is not None]
-            unseeded = [j for j, i in enumerate(rand) if rows[i].generator is None]
-            if unseeded:
-                noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_(
-                    generator=self._engine_generator(device))
-            for j in seeded:
-                noise[j].exponential_(generator=rows[rand[j]].generator)
-            chosen[ridx] = (probs / noise).argmax(dim=-1)
+            # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1), one draw per row and token; rows
+            # with their own seed draw from their own generator, so a seeded request ignores its batch.
+            noise = torch.empty_like(probs).exponential_(generator=self._engine_generator(device))
+            for i, r in enumerate(rows):
+                if r.generator is not None and not greedy[i]:
+                    noise[i].exponential_(generator=r.generator)
+            chosen = (probs / noise).argmax(dim=-1)
+            if any(greedy):
+                chosen = torch.where(host_tensor(greedy, torch.bool, device), logits.argmax(dim=-1), chosen)
 
         token_ids = chosen.tolist()
         logprobs: list = [None] * n
@@ -98,6 +93,12 @@ class Sampler:
                 if r.params.logprobs is not None:
                     logprobs[i] = token_logprobs(raw_logprobs[i], token_ids[i], r.params.logprobs)
         return SamplerOutput(token_ids, logprobs)
+
+
+def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-row parameter vector on the device: through pinned memory and an async copy on GPU."""
+    t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True)
 
 
 def token_logprobs(row_logprobs: torch.Tensor, token: int, top_n: int) -> tuple[float, int, list[tuple[int, float]]]:
