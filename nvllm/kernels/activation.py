@@ -8,30 +8,22 @@ This file holds the op's three parts: the torch reference, the Triton kernel and
 
 from __future__ import annotations
 
-import functools
 
 import torch
+
+from nvllm.kernels.jit import lazy_jit
 import torch.nn.functional as F
 
 from nvllm.kernels import report
 from nvllm.kernels.backend import use_triton
 
-tl = None  # triton.language, bound by _jit at the first launch
+tl = None  # triton.language, bound by lazy_jit at the first launch
 
 BLOCK_I = 1024  # columns of the output per program
 NUM_WARPS = 4   # 8 elements per thread: one 16-byte load of gate and one of up in bf16/fp16
 
 
-@functools.lru_cache(maxsize=None)
-def _jit(kernel):
-    """``triton.jit(kernel)``, applied at the first launch instead of at import: the package imports without
-    Triton, and Triton must be imported only after TRITON_INTERPRET is set."""
-    global tl
-    import triton
-    import triton.language
-
-    tl = triton.language
-    return triton.jit(kernel)
+_jit = lazy_jit
 
 
 # ---------------------------------------------------------------------------------------------- reference

@@ -65,12 +65,14 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
 import torch
+
+from nvllm.kernels.jit import lazy_jit
 import torch.nn.functional as F
 
 from nvllm.kernels import report
 from nvllm.kernels.backend import use_triton
 
-tl = None  # triton.language, bound by _jit at the first launch
+tl = None  # triton.language, bound by lazy_jit at the first launch
 
 CUBLAS = "cublas"
 """Table value meaning "run F.linear" (cuBLAS measured faster)."""
@@ -84,18 +86,7 @@ FMA_MAX_M = 4
 _DEFER_MAX_PER_THREAD = 32  # fma: accumulate full tiles when ≤ this many fp32 accumulators per thread
 
 
-@functools.lru_cache(maxsize=None)
-def _jit(kernel):
-    """``triton.jit(kernel)`` applied at the first launch, not at import: the package imports without Triton,
-    and the interpreter tests set TRITON_INTERPRET after the package may have been imported. The kernel calls
-    only Triton builtins (``tl.full``, ``tl.reduce``; not the ``@jit`` helpers ``tl.zeros`` / ``tl.sum``), so it
-    also interprets when ``triton.language`` was imported before TRITON_INTERPRET was set."""
-    global tl
-    import triton
-    import triton.language
-
-    tl = triton.language
-    return triton.jit(kernel)
+_jit = lazy_jit
 
 
 def _interpreting() -> bool:
