@@ -15,7 +15,9 @@ from nvllm.layers.attention import Attention, AttentionMetadata
 from nvllm.layers.embed_head import LMHead, VocabEmbedding
 from nvllm.layers.linear import Linear
 from nvllm.layers.norm import RMSNorm
+from nvllm.layers.quant_linear import QuantLinear
 from nvllm.layers.rotary import RotaryEmbedding, rope_parameters
+from nvllm.quant.plan import QuantScheme
 
 # checkpoint name fragment → (fused parameter fragment, shard index)
 STACKED = {
@@ -51,23 +53,34 @@ class ModelShape:
                               f"num_key_value_heads {self.num_kv_heads}")
 
 
+def make_linear(in_features: int, out_features: int, bias: bool, output_sizes: list[int] | None,
+                dtype: torch.dtype, scheme: QuantScheme | None) -> Linear | QuantLinear:
+    """A dense ``Linear``, or a ``QuantLinear`` when the checkpoint stores this layer quantized."""
+    if scheme is None:
+        return Linear(in_features, out_features, bias, output_sizes, dtype)
+    return QuantLinear(in_features, out_features, bias, output_sizes, scheme, dtype)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, s: ModelShape, dtype: torch.dtype):
+    def __init__(self, s: ModelShape, dtype: torch.dtype, quant: dict[str, QuantScheme] | None = None):
+        """``quant``: scheme of each of this layer's quantized linears ("qkv_proj", …); the others are dense."""
         super().__init__()
         self.s = s
+        quant = quant or {}
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
-        self.qkv_proj = Linear(s.hidden_size, q + 2 * kv, s.qkv_bias, [q, kv, kv], dtype)
-        self.o_proj = Linear(q, s.hidden_size, False, dtype=dtype)
+        self.qkv_proj = make_linear(s.hidden_size, q + 2 * kv, s.qkv_bias, [q, kv, kv], dtype, quant.get("qkv_proj"))
+        self.o_proj = make_linear(q, s.hidden_size, False, None, dtype, quant.get("o_proj"))
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(s.head_dim, s.max_position, s.rope_theta, s.rope_scaling)
         self.attn = Attention(s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim ** -0.5)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
-        self.gate_up_proj = Linear(s.hidden_size, 2 * s.intermediate_size, s.mlp_bias,
-                                   [s.intermediate_size, s.intermediate_size], dtype)
-        self.down_proj = Linear(s.intermediate_size, s.hidden_size, s.mlp_bias, dtype=dtype)
+        self.gate_up_proj = make_linear(s.hidden_size, 2 * s.intermediate_size, s.mlp_bias,
+                                        [s.intermediate_size, s.intermediate_size], dtype, quant.get("gate_up_proj"))
+        self.down_proj = make_linear(s.intermediate_size, s.hidden_size, s.mlp_bias, None, dtype,
+                                     quant.get("down_proj"))
 
     def forward(self, positions, hidden, residual, kv_cache, meta: AttentionMetadata):
         s = self.s
@@ -91,13 +104,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward() returns the final hidden states of every token; compute_logits() the LM head on chosen rows."""
+    """forward() returns the final hidden states of every token; compute_logits() the LM head on chosen rows.
+    ``quant_plan`` (``{"layers.{i}.{linear}": scheme}``, from ``nvllm.quant.plan``) makes those linears
+    ``QuantLinear``; embeddings, norms and the LM head stay in full precision."""
 
-    def __init__(self, hf_config, architecture: str, dtype: torch.dtype):
+    def __init__(self, hf_config, architecture: str, dtype: torch.dtype,
+                 quant_plan: dict[str, QuantScheme] | None = None):
         super().__init__()
         s = self.shape = ModelShape(hf_config, architecture)
         self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(s, dtype) for _ in range(s.num_layers))
+        plan = quant_plan or {}
+        self.layers = nn.ModuleList(
+            DecoderLayer(s, dtype, {k.rsplit(".", 1)[1]: v for k, v in plan.items() if k.startswith(f"layers.{i}.")})
+            for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
         self.lm_head = LMHead(s.vocab_size, s.hidden_size, dtype,
                               tied_to=self.embed_tokens if s.tie_word_embeddings else None)
@@ -139,6 +158,12 @@ class LlamaForCausalLM(nn.Module):
             pname, shard = target
             if pname not in params:
                 raise ConfigError(f"unexpected tensor {ckpt_name!r} in the checkpoint (no such parameter)")
+            owner_name, leaf = pname.rsplit(".", 1) if "." in pname else ("", pname)
+            owner = self.get_submodule(owner_name)
+            if isinstance(owner, QuantLinear):
+                owner.load_tensor(leaf, shard, tensor, ckpt_name)
+                filled.add((pname, shard))
+                continue
             param = params[pname]
             dst = param.data
             if shard is not None:
@@ -156,6 +181,6 @@ class LlamaForCausalLM(nn.Module):
 
     def _shards_of(self, pname: str) -> list[int | None]:
         owner = self.get_submodule(pname.rsplit(".", 1)[0])
-        if isinstance(owner, Linear) and len(owner.output_sizes) > 1:
+        if isinstance(owner, (Linear, QuantLinear)) and len(owner.output_sizes) > 1:
             return list(range(len(owner.output_sizes)))
         return [None]

@@ -79,10 +79,45 @@ def iterate_weights(model_dir: str, load_format: str, allow_pickle: bool) -> Ite
         yield from state.items()
 
 
+def checkpoint_keys(model_dir: str) -> set[str] | None:
+    """Tensor names of a safetensors checkpoint (headers only); None when there is none to read."""
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    files = _safetensors_files(model_dir)
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                keys.update(f.keys())
+        except Exception as e:
+            raise ConfigError(f"cannot read weight file {path} (truncated or corrupt?): {e}") from e
+    return keys if files else None
+
+
+def quantization_plan(config: EngineConfig, hf_config, arch: str):
+    """``{"layers.{i}.{linear}": QuantScheme}`` for a quantized checkpoint (see nvllm.quant.plan), else None."""
+    from nvllm.models.llama import ModelShape
+    from nvllm.quant.plan import serving_plan
+
+    keys = None if config.load_format == "dummy" else checkpoint_keys(config.model)
+    try:
+        found = serving_plan(config.model, hf_config, ModelShape(hf_config, arch), keys)
+    except ValueError as e:
+        raise ConfigError(f"{config.model}: {e}") from e
+    if found is None:
+        return None
+    qcfg, plan = found
+    total = 4 * hf_config.num_hidden_layers
+    logger.info("quantized checkpoint: %s %d-bit, group size %d; %d of %d decoder linears quantized (the rest, "
+                "embeddings and lm_head in full precision)", qcfg.method, qcfg.bits, qcfg.group_size, len(plan), total)
+    return plan
+
+
 def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device):
     arch, cls = resolve_architecture(hf_config)
+    plan = quantization_plan(config, hf_config, arch)
     with torch.device(device):
-        model = cls(hf_config, arch, dtype)
+        model = cls(hf_config, arch, dtype, quant_plan=plan) if plan is not None else cls(hf_config, arch, dtype)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
         logger.info("loaded %s with random weights (load_format=dummy)", arch)
@@ -90,14 +125,26 @@ def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torc
         with torch.no_grad():
             model.load_weights(iterate_weights(config.model, config.load_format, config.allow_pickle))
         logger.info("loaded %s from %s", arch, config.model)
+    for m in model.modules():   # quantized layers: validate and cache their packed weights now, not mid-capture
+        if hasattr(m, "quant_weight"):
+            m.quant_weight()
     return model.eval()
 
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Small uniform weights (norms at 1), so activations stay finite at any depth."""
+    """Small uniform weights (norms at 1), so activations stay finite at any depth. Quantized layers draw
+    random packed codes with small scales (``QuantLinear.init_dummy``)."""
     gens: dict[torch.device, torch.Generator] = {}
+    own_init = set()
+    for mname, m in model.named_modules():
+        if hasattr(m, "init_dummy"):
+            p0 = next(m.parameters())
+            m.init_dummy(gens.setdefault(p0.device, torch.Generator(device=p0.device).manual_seed(seed)))
+            own_init.update(f"{mname}.{n}" for n, _ in m.named_parameters())
     for name, p in model.named_parameters():
+        if name in own_init:
+            continue
         if name.endswith("norm.weight"):
             p.fill_(1.0)
             continue

@@ -1,0 +1,141 @@
+"""AWQ: activation-aware per-input-channel scaling, folded into the previous op, then a clipping search and
+group-wise asymmetric INT4.
+
+For a linear ``y = W x`` and per-input-channel scales ``s``: ``y = (W·diag(s)) (x / s)``; the ``x / s`` is
+folded into whatever produces ``x`` (an RMSNorm's weight, or the output rows of the previous linear), so the
+model computes the same function in full precision while the rounding of ``W·diag(s)`` protects the channels
+that carry large activations. The standard groups for this decoder:
+
+    qkv_proj  ← input_layernorm            gate_up_proj ← post_attention_layernorm
+    o_proj    ← v rows of qkv_proj (only when o's input size equals v's output size, i.e. no GQA)
+    down_proj ← up rows of gate_up_proj
+
+Scale search: ``x̄`` = per-channel mean |x|, ``w̄`` = per-input-channel mean of |w| / (its group's max |w|);
+for α on a 20-point grid (0, 0.05, …, 0.95) ``s = x̄^α / w̄^(1−α)`` (duo scaling; ``x̄^α`` without), normalised
+by ``sqrt(max s · min s)``; the loss of a candidate is the linear's output error on the calibration inputs,
+``tr(ΔW H ΔWᵀ)`` with ``ΔW = Q(W·s)/s − W`` and ``H = Σ x xᵀ / n`` — exactly the mean squared output error
+over every calibration token, without storing them. ``s = 1`` (no scaling) is a candidate too, so the
+search never does worse than plain rounding on this loss. (AutoAWQ measures the q/k/v and gate/up candidates
+at the attention / MLP block output instead, which needs the stored activations and a block forward per
+candidate; the linear's own output is what this implementation minimises.)
+
+Clip search (after scaling): for each output row and group, the group's range is shrunk to ``(1 − i/20)·max|w|``
+for i < 10 and the shrink with the least ``Δwᵀ H_gg Δw`` (the group's block of H) is kept. The q and k rows
+of qkv are not clipped (attention scores are sensitive to them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nvllm.quant.rtn import Grid, fake_quantize, find_params, round_to_grid
+
+GRID4 = Grid(bits=4, sym=False, zero_min=0)
+
+
+@dataclass(frozen=True)
+class AWQOptions:
+    n_grid: int = 20
+    duo_scaling: bool = True
+    clip: bool = True
+    max_shrink: float = 0.5
+
+
+def _output_loss(w: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    d = approx - w
+    return ((d @ h) * d).sum()
+
+
+@torch.no_grad()
+def search_scales(w: torch.Tensor, h: torch.Tensor, x_mean: torch.Tensor, group_size: int,
+                  opts: AWQOptions) -> torch.Tensor:
+    """Best per-input-channel scales ``s [in]`` for ``w [out, in]`` (float32)."""
+    out_f, in_f = w.shape
+    wg = w.abs().reshape(out_f, in_f // group_size, group_size)
+    w_mean = (wg / (wg.amax(dim=-1, keepdim=True) + 1e-6)).reshape(out_f, in_f).mean(0)
+    best_loss = _output_loss(w, fake_quantize(w, GRID4, group_size), h)
+    best = torch.ones(in_f, device=w.device)
+    for i in range(opts.n_grid):
+        ratio = i / opts.n_grid
+        if opts.duo_scaling:
+            s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
+        else:
+            s = x_mean.pow(ratio).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        s = torch.where(torch.isfinite(s), s, torch.ones_like(s))
+        approx = fake_quantize(w * s, GRID4, group_size) / s
+        loss = _output_loss(w, approx, h)
+        if loss < best_loss:
+            best_loss, best = loss, s
+    return best
+
+
+@torch.no_grad()
+def search_clip(w: torch.Tensor, h: torch.Tensor, group_size: int, opts: AWQOptions,
+                rows: slice = slice(None), row_chunk: int = 4096) -> torch.Tensor:
+    """``w [out, in]`` with each (row, group) clipped to its best shrunk range; only ``rows`` are searched."""
+    out_f, in_f = w.shape
+    n_groups = in_f // group_size
+    blocks = torch.stack([h[k * group_size:(k + 1) * group_size, k * group_size:(k + 1) * group_size]
+                          for k in range(n_groups)])                                  # [G, g, g]
+    result = w.clone()
+    start, stop, _ = rows.indices(out_f)
+    for r0 in range(start, stop, row_chunk):
+        r1 = min(r0 + row_chunk, stop)
+        wg = w[r0:r1].reshape(r1 - r0, n_groups, group_size)
+        org_max = wg.abs().amax(dim=-1, keepdim=True)
+        best_max = org_max.clone()
+        best_err = torch.full(wg.shape[:2], float("inf"), device=w.device)
+        for i in range(int(opts.max_shrink * opts.n_grid)):
+            mx = org_max * (1 - i / opts.n_grid)
+            cw = torch.maximum(torch.minimum(wg, mx), -mx)
+            scale, zero = find_params(cw, GRID4)
+            q = round_to_grid(cw, scale.unsqueeze(-1), zero.unsqueeze(-1), GRID4.maxq)
+            d = (q - zero.unsqueeze(-1)) * scale.unsqueeze(-1) - wg                      # [R, G, g]
+            err = (torch.einsum("rgi,gij->rgj", d, blocks) * d).sum(-1)                 # [R, G]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_max = torch.where(better.unsqueeze(-1), mx, best_max)
+        result[r0:r1] = torch.maximum(torch.minimum(wg, best_max), -best_max).reshape(r1 - r0, in_f)
+    return result
+
+
+@dataclass
+class ScaleGroup:
+    """One AWQ group: the linear whose inputs are scaled and where the inverse scale is folded."""
+
+    linear: str                       # "qkv_proj" | "o_proj" | "gate_up_proj" | "down_proj"
+    prev: str                         # the norm or linear producing its input
+    prev_rows: slice | None = None    # output rows of ``prev`` (a linear) that produce the input
+
+
+def scale_groups(layer, quantized: set[str]) -> list[ScaleGroup]:
+    """The standard groups of this decoder layer whose linear is quantized (see the module docstring)."""
+    s = layer.s
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    out = []
+    if "qkv_proj" in quantized:
+        out.append(ScaleGroup("qkv_proj", "input_layernorm"))
+    if "o_proj" in quantized and kv == q:
+        out.append(ScaleGroup("o_proj", "qkv_proj", slice(q + kv, q + 2 * kv)))
+    if "gate_up_proj" in quantized:
+        out.append(ScaleGroup("gate_up_proj", "post_attention_layernorm"))
+    if "down_proj" in quantized:
+        i = s.intermediate_size
+        out.append(ScaleGroup("down_proj", "gate_up_proj", slice(i, 2 * i)))
+    return out
+
+
+@torch.no_grad()
+def apply_scales(layer, group: ScaleGroup, s: torch.Tensor) -> None:
+    """``linear.weight *= s`` (input columns); the producer of its input divided by ``s``."""
+    getattr(layer, group.linear).weight.mul_(s.unsqueeze(0))
+    prev = getattr(layer, group.prev)
+    if group.prev_rows is None:              # an RMSNorm
+        prev.weight.div_(s)
+    else:                                    # a linear's output rows (and bias)
+        prev.weight[group.prev_rows].div_(s.unsqueeze(1))
+        if getattr(prev, "bias", None) is not None:
+            prev.bias[group.prev_rows].div_(s)

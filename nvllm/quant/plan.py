@@ -1,0 +1,144 @@
+"""Which decoder linears are quantized, and in what scheme: shared by the quantizer (which decides) and the
+loader (which reads the decision back from a checkpoint).
+
+The decoder fuses q/k/v and gate/up into one linear each; a checkpoint stores them as separate HF modules.
+A fused module is quantized as a whole or not at all. A module stays in full precision when its shapes cannot
+be packed in the scheme (a group size that does not divide its input dimension, an output size that is not a
+whole number of packed words) or when the checkpoint's ``quantization_config`` excludes it
+(``modules_to_not_convert``, AutoAWQ / transformers; ``dynamic`` with ``-:`` regexes, GPTQModel / vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from nvllm.quant.formats import QuantConfig, parse_quantization_config
+
+# our fused module → (HF parent module, HF modules it stands for)
+FUSED_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "o_proj": ("self_attn", ("o_proj",)),
+    "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
+    "down_proj": ("mlp", ("down_proj",)),
+}
+LINEARS = tuple(FUSED_MODULES)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How one linear is stored: ``fmt`` "awq" (AWQ-GEMM) or "gptq" (v1), ``bits``, ``group_size`` as written in
+    the config (-1: one group spanning the whole input)."""
+
+    fmt: str
+    bits: int
+    group_size: int
+
+    def group_for(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+    def packing_problem(self, in_features: int, output_sizes: list[int]) -> str | None:
+        """Why a linear of these shapes cannot be stored in this scheme, or None when it can."""
+        g = self.group_for(in_features)
+        if in_features % g:
+            return f"group size {g} does not divide its input size {in_features}"
+        per_word = 32 // self.bits
+        if self.fmt == "gptq" and in_features % per_word:
+            return f"input size {in_features} is not a multiple of {per_word} ({self.bits}-bit packing)"
+        pack_out = 8 if self.fmt == "awq" else per_word
+        bad = [n for n in output_sizes if n % pack_out]
+        if bad:
+            return f"output size {bad[0]} is not a multiple of {pack_out} ({self.fmt} {self.bits}-bit packing)"
+        return None
+
+
+def scheme_of(cfg: QuantConfig) -> QuantScheme:
+    return QuantScheme("awq" if cfg.packing == "awq_gemm" else "gptq", cfg.bits, cfg.group_size)
+
+
+def hf_module_names(layer: int, fused: str) -> list[str]:
+    """The HF module names (``model.layers.{i}.mlp.gate_proj``, …) one of our fused linears stands for."""
+    parent, names = FUSED_MODULES[fused]
+    return [f"model.layers.{layer}.{parent}.{n}" for n in names]
+
+
+def read_quantization_config(model_dir: str, hf_config=None) -> dict[str, Any] | None:
+    """The raw ``quantization_config`` of a model directory: config.json's, else quantize_config.json's (older
+    AutoGPTQ checkpoints); None for a full-precision model."""
+    raw = None
+    path = os.path.join(model_dir, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            raw = json.load(f).get("quantization_config")
+    if raw is None and hf_config is not None:
+        raw = getattr(hf_config, "quantization_config", None)
+        if raw is not None and not isinstance(raw, dict):
+            raw = raw.to_dict() if hasattr(raw, "to_dict") else None
+    legacy = os.path.join(model_dir, "quantize_config.json")
+    if raw is None and os.path.isfile(legacy):
+        with open(legacy) as f:
+            raw = json.load(f)
+    return raw
+
+
+def excluded_by_config(raw: dict[str, Any], hf_names: list[str]) -> bool:
+    """True when the config keeps these modules in full precision. ``modules_to_not_convert`` entries match as
+    substrings of the module name (AutoAWQ / vLLM); ``dynamic`` keys ``-:REGEX`` exclude what the regex matches
+    from the start of the name (GPTQModel / vLLM). All shards of a fused module must agree."""
+    skip = [str(m) for m in (raw.get("modules_to_not_convert") or [])]
+    negative = [k[2:] for k in (raw.get("dynamic") or {}) if str(k).startswith("-:")]
+
+    def excluded(name: str) -> bool:
+        return any(m in name for m in skip) or any(re.match(p, name) for p in negative)
+
+    flags = {excluded(n) for n in hf_names}
+    if len(flags) > 1:
+        raise ValueError(f"quantization_config excludes only some of {', '.join(hf_names)}: nvllm fuses them "
+                         f"into one linear, which is quantized as a whole or not at all")
+    return flags.pop()
+
+
+def output_sizes(shape, fused: str) -> tuple[int, list[int]]:
+    """(in_features, output shard sizes) of one of our fused linears for a ``ModelShape``."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    return {
+        "qkv_proj": (shape.hidden_size, [q, kv, kv]),
+        "o_proj": (q, [shape.hidden_size]),
+        "gate_up_proj": (shape.hidden_size, [shape.intermediate_size, shape.intermediate_size]),
+        "down_proj": (shape.intermediate_size, [shape.hidden_size]),
+    }[fused]
+
+
+def serving_plan(model_dir: str, hf_config, shape, checkpoint_keys: set[str] | None
+                 ) -> tuple[QuantConfig, dict[str, QuantScheme]] | None:
+    """For a quantized checkpoint: its parsed config and ``{"layers.{i}.{fused}": scheme}`` for every linear it
+    stores quantized (the others load as dense). With ``checkpoint_keys`` the tensor names decide (a module
+    is quantized when its ``.qweight`` is there); without (dummy weights) the config and the packing rules do.
+    None for a full-precision model. Raises ValueError for configs or checkpoints nvllm cannot serve."""
+    raw = read_quantization_config(model_dir, hf_config)
+    if raw is None:
+        return None
+    cfg = parse_quantization_config(raw)
+    scheme = scheme_of(cfg)
+    plan: dict[str, QuantScheme] = {}
+    for i in range(shape.num_layers):
+        for fused in LINEARS:
+            names = hf_module_names(i, fused)
+            in_f, outs = output_sizes(shape, fused)
+            if checkpoint_keys is not None:
+                present = [n + ".qweight" in checkpoint_keys for n in names]
+                if any(present) and not all(present):
+                    raise ValueError(f"the checkpoint quantizes only some of {', '.join(names)}: nvllm fuses them "
+                                     f"into one linear, which is quantized as a whole or not at all")
+                quantized = all(present)
+            else:
+                quantized = not excluded_by_config(raw, names) and scheme.packing_problem(in_f, outs) is None
+            if quantized:
+                problem = scheme.packing_problem(in_f, outs)
+                if problem:
+                    raise ValueError(f"{names[0]} cannot be served as {scheme.fmt} {scheme.bits}-bit: {problem}")
+                plan[f"layers.{i}.{fused}"] = scheme
+    return cfg, plan

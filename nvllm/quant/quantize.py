@@ -1,0 +1,195 @@
+"""``nvllm quantize``: a full-precision HF directory in, a quantized one out (AWQ-GEMM or GPTQ v1).
+
+Checks every input before the long work starts (output directory, model, settings against the model's
+shapes, calibration data), loads the model with the engine's loader, quantizes it layer by layer
+(``sequential.py``), writes the checkpoint (``writer.py``) and returns a ``QuantizeSummary``.
+
+Linears whose shapes the scheme cannot store (a group size that does not divide the input size, an output
+size that is not a whole number of packed words) stay in full precision: listed in the checkpoint's config
+(``modules_to_not_convert``; GPTQ also ``dynamic`` ``-:`` entries, as GPTQModel writes for vLLM) and in the
+summary. A group size that fits none of the model's linears is an error.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nvllm.config import ConfigError, EngineConfig
+from nvllm.quant.awq import AWQOptions
+from nvllm.quant.calibration import calibration_windows, load_texts
+from nvllm.quant.formats import awq_quantization_config, gptq_quantization_config
+from nvllm.quant.methods import AWQMethod, GPTQMethod, RTNMethod
+from nvllm.quant.plan import FUSED_MODULES, LINEARS, QuantScheme, output_sizes, read_quantization_config
+from nvllm.quant.recipe import QuantizeConfig
+from nvllm.quant.rtn import Grid
+from nvllm.quant.sequential import LayerReport, Progress, quantize_layers
+from nvllm.quant.writer import check_out_dir, checkpoint_tensors, write_checkpoint
+
+
+class QuantizeError(ValueError):
+    """A user mistake found before or while quantizing (one clear line)."""
+
+
+@dataclass
+class QuantizeSummary:
+    config: QuantizeConfig
+    out_dir: str
+    size_before: int = 0
+    size_after: int = 0
+    kept: dict[str, str] = field(default_factory=dict)     # "mlp.down_proj" → why it stays in full precision
+    layers: list[LayerReport] = field(default_factory=list)
+    calibration: str = ""
+    tokens: int = 0
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise QuantizeError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise QuantizeError(f"device {name} requested but CUDA is not available")
+    return dev
+
+
+def _check_model(model_dir: str):
+    from nvllm.models.llama import ModelShape
+    from nvllm.models.loader import load_hf_config
+    from nvllm.models.registry import resolve_architecture
+
+    hf_config = load_hf_config(model_dir)
+    existing = read_quantization_config(model_dir, hf_config)
+    if existing is not None:
+        method = existing.get("quant_method", "unknown") if isinstance(existing, dict) else "unknown"
+        raise QuantizeError(f"{model_dir} is already quantized ({method}); quantize the full-precision model")
+    if not glob.glob(os.path.join(model_dir, "*.safetensors")):
+        raise QuantizeError(f"no safetensors weights in {model_dir} (nvllm quantize reads safetensors checkpoints)")
+    arch, _ = resolve_architecture(hf_config)
+    return hf_config, arch, ModelShape(hf_config, arch)
+
+
+def plan_linears(shape, scheme: QuantScheme) -> tuple[set[str], dict[str, str]]:
+    """(linears to quantize, {HF module kept in full precision: why}) — the same for every layer."""
+    quantize, kept = set(), {}
+    for name in LINEARS:
+        in_f, outs = output_sizes(shape, name)
+        problem = scheme.packing_problem(in_f, outs)
+        if problem is None:
+            quantize.add(name)
+        else:
+            parent, shards = FUSED_MODULES[name]
+            kept["/".join(f"{parent}.{s}" for s in shards)] = problem
+    if not quantize:
+        sizes = sorted({output_sizes(shape, n)[0] for n in LINEARS})
+        raise QuantizeError(f"group size {scheme.group_size} fits none of the model's linears (input sizes "
+                            f"{', '.join(map(str, sizes))}; {next(iter(kept.values()))}); choose a group size "
+                            f"that divides the hidden size {shape.hidden_size}, e.g. --group-size "
+                            f"{_suggest_group(shape.hidden_size)}")
+    return quantize, kept
+
+
+def _suggest_group(hidden: int) -> int:
+    return next(g for g in (128, 64, 32, 16, 8) if hidden % g == 0) if hidden % 8 == 0 else -1
+
+
+def build_method(cfg: QuantizeConfig, group_sizes: dict[str, int]):
+    grid = Grid(cfg.bits, bool(cfg.sym), zero_min=0 if cfg.format == "awq" or cfg.sym else 1)
+    if cfg.method == "awq":
+        return AWQMethod(grid, group_sizes, AWQOptions(cfg.n_grid, cfg.duo_scaling, cfg.clip, cfg.max_shrink))
+    if cfg.method == "gptq":
+        # static groups matter only with act-order (AutoGPTQ's default without it: groups found as they come)
+        return GPTQMethod(grid, group_sizes, cfg.damp_percent, cfg.block_size, cfg.desc_act,
+                          cfg.desc_act and cfg.static_groups)
+    return RTNMethod(grid, group_sizes)
+
+
+def kept_modules(quantize: set[str]) -> list[list[str]]:
+    """Per linear kept in full precision (the same in every layer): the module names that designate it —
+    the HF shard names (``mlp.gate_proj``, ``mlp.up_proj``) and, for a fused one, the fused name vLLM uses
+    (``mlp.gate_up_proj``)."""
+    out = []
+    for fused in LINEARS:
+        if fused not in quantize:
+            parent, shards = FUSED_MODULES[fused]
+            names = [f"{parent}.{s}" for s in shards] + ([f"{parent}.{fused}"] if len(shards) > 1 else [])
+            out.append(names)
+    return out
+
+
+def quantization_config(cfg: QuantizeConfig, out_dir: str, kept: list[list[str]]) -> dict:
+    """``quantization_config`` as AutoAWQ / AutoGPTQ write it, plus what stays in full precision: AWQ's
+    ``modules_to_not_convert`` (substrings of module names), GPTQ's ``dynamic`` ``-:REGEX`` exclusions
+    (GPTQModel's per-module override, which vLLM reads)."""
+    if cfg.format == "awq":
+        return awq_quantization_config(cfg.group_size, 4, True, [n for names in kept for n in names] or None)
+    qc = gptq_quantization_config(cfg.bits, cfg.group_size, cfg.desc_act, bool(cfg.sym), cfg.damp_percent,
+                                  cfg.static_groups if cfg.desc_act else False, True, out_dir, "model")
+    if kept:
+        qc["dynamic"] = {f"-:.*\\.({'|'.join(re.escape(n) for n in names)})$": {} for names in kept}
+    return qc
+
+
+def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite: bool = False,
+                   progress: Progress | None = None, on_start=None) -> QuantizeSummary:
+    """Quantize ``model_dir`` into ``out_dir``. ``on_start(summary, num_layers)`` is called once every
+    check has passed (before the model loads); ``progress(layer, stage)`` as layers advance."""
+    from nvllm.engine.llm_engine import load_tokenizer
+    from nvllm.models.loader import checkpoint_dtype, load_model
+
+    t0 = time.perf_counter()
+    check_out_dir(out_dir, overwrite)
+    if not os.path.isdir(model_dir):
+        raise QuantizeError(f"model directory not found: {model_dir}")
+    if os.path.abspath(model_dir) == os.path.abspath(out_dir):
+        raise QuantizeError("--out must differ from --model")
+    hf_config, arch, shape = _check_model(model_dir)
+    device = resolve_device(cfg.device)
+    scheme = QuantScheme(cfg.format, cfg.bits, cfg.group_size)
+    quantize, kept = plan_linears(shape, scheme)
+    summary = QuantizeSummary(cfg, out_dir, kept=kept)
+
+    seqlen = cfg.calib_seqlen
+    if seqlen > shape.max_position:
+        summary.notes.append(f"--calib-seqlen {seqlen} exceeds the model's max_position_embeddings "
+                             f"{shape.max_position}: windows of {shape.max_position} tokens used")
+        seqlen = shape.max_position
+    tokenizer = load_tokenizer(model_dir)
+    texts, summary.calibration = load_texts(cfg.calib_dataset)
+    ids = calibration_windows(tokenizer, texts, cfg.calib_samples, seqlen, cfg.seed, summary.notes)
+    summary.tokens = ids.numel()
+    if on_start:
+        on_start(summary, shape.num_layers)
+
+    dtype = checkpoint_dtype(hf_config) or torch.float32
+    dtype_name = str(dtype).replace("torch.", "")
+    engine_cfg = EngineConfig(model=model_dir, device="cpu", dtype=dtype_name, load_format="safetensors")
+    model = load_model(engine_cfg, hf_config, dtype, torch.device("cpu"))
+    group_sizes = {n: scheme.group_for(output_sizes(shape, n)[0]) for n in quantize}
+    method = build_method(cfg, group_sizes)
+    results, summary.layers = quantize_layers(model, ids, method, {i: quantize for i in range(shape.num_layers)},
+                                              device, progress=progress)
+
+    from nvllm.models.loader import checkpoint_keys
+
+    source_names = sorted(checkpoint_keys(model_dir) or [])
+    tensors = checkpoint_tensors(model, source_names, {k: r.quant for k, r in results.items()}, cfg.format)
+    qc = quantization_config(cfg, out_dir, kept_modules(quantize))
+    extra = {"quantize_config.json": {k: v for k, v in qc.items() if k != "dynamic"}} if cfg.format == "gptq" \
+        else None
+    summary.size_after = write_checkpoint(model_dir, out_dir, tensors, qc, overwrite, extra)
+    summary.size_before = sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+USER_ERRORS = (QuantizeError, ConfigError, ValueError, FileNotFoundError)

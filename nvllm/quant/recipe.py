@@ -1,0 +1,159 @@
+"""What to quantize and how: ``QuantizeConfig``, validated once, built from defaults, a YAML recipe and the
+command line (in that order of precedence, the command line last).
+
+A recipe (recipes/*.yaml) uses the same names as the flags, with the method's own knobs and the calibration
+settings in sections::
+
+    method: gptq            # awq | gptq | rtn
+    bits: 4                 # 4 | 8 (awq: 4)
+    group_size: 128         # or -1: one group spanning each row
+    sym: true               # awq: false (zero point)
+    desc_act: false         # gptq: act-order
+    gptq: {damp_percent: 0.01, block_size: 128, static_groups: true}
+    awq: {n_grid: 20, duo_scaling: true, clip: true, max_shrink: 0.5}
+    calibration: {dataset: c4, samples: 128, seqlen: 2048, seed: 0}
+
+Unknown keys, wrong types and values out of range end in one ``RecipeError`` line naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("awq", "gptq", "rtn")
+
+
+class RecipeError(ValueError):
+    """A bad quantization setting (one clear line)."""
+
+
+@dataclass
+class QuantizeConfig:
+    method: str | None = None
+    bits: int = 4
+    group_size: int = 128
+    sym: bool | None = None            # None: the method's default (gptq/rtn symmetric, awq zero point)
+    desc_act: bool = False
+    damp_percent: float = 0.01
+    block_size: int = 128
+    static_groups: bool = True
+    n_grid: int = 20
+    duo_scaling: bool = True
+    clip: bool = True
+    max_shrink: float = 0.5
+    calib_dataset: str = "c4"
+    calib_samples: int = 128
+    calib_seqlen: int = 2048
+    seed: int = 0
+    device: str = "auto"
+
+    @property
+    def format(self) -> str:
+        """Checkpoint format written: AWQ-GEMM for awq, GPTQ v1 for gptq and rtn."""
+        return "awq" if self.method == "awq" else "gptq"
+
+    def validate(self) -> "QuantizeConfig":
+        if self.method is None:
+            raise RecipeError("choose a method: --method awq|gptq|rtn (or --recipe FILE)")
+        self.method = self.method.lower()
+        if self.method not in METHODS:
+            raise RecipeError(f"unknown method {self.method!r}; choose awq, gptq or rtn")
+        if self.bits not in (4, 8):
+            raise RecipeError(f"bits must be 4 or 8, got {self.bits}")
+        if self.method == "awq" and self.bits != 4:
+            raise RecipeError("AWQ writes the AWQ-GEMM format, which is 4-bit only; use --method gptq or rtn "
+                              "for 8-bit")
+        if self.group_size != -1 and self.group_size < 1:
+            raise RecipeError(f"group size must be a positive integer or -1, got {self.group_size}")
+        if self.sym is None:
+            self.sym = self.method != "awq"
+        if self.method == "awq" and self.sym:
+            raise RecipeError("AWQ quantizes with a zero point (asymmetric); drop --sym")
+        if self.desc_act and self.method != "gptq":
+            raise RecipeError("--desc-act (act-order) applies to GPTQ only")
+        if not 0 < self.damp_percent < 1:
+            raise RecipeError(f"damp_percent must be in (0, 1), got {self.damp_percent}")
+        if self.block_size < 1:
+            raise RecipeError(f"block_size must be at least 1, got {self.block_size}")
+        if self.n_grid < 1:
+            raise RecipeError(f"n_grid must be at least 1, got {self.n_grid}")
+        if not 0 <= self.max_shrink < 1:
+            raise RecipeError(f"max_shrink must be in [0, 1), got {self.max_shrink}")
+        if self.calib_samples < 1:
+            raise RecipeError(f"--calib-samples must be at least 1, got {self.calib_samples}")
+        if self.calib_seqlen < 2:
+            raise RecipeError(f"--calib-seqlen must be at least 2, got {self.calib_seqlen}")
+        return self
+
+
+# recipe key → (config field, type); sections flatten into the same fields
+_TOP = {"method": ("method", str), "bits": ("bits", int), "group_size": ("group_size", int), "sym": ("sym", bool),
+        "desc_act": ("desc_act", bool), "device": ("device", str)}
+_SECTIONS = {
+    "gptq": {"damp_percent": ("damp_percent", float), "block_size": ("block_size", int),
+             "static_groups": ("static_groups", bool)},
+    "awq": {"n_grid": ("n_grid", int), "duo_scaling": ("duo_scaling", bool), "clip": ("clip", bool),
+            "max_shrink": ("max_shrink", float)},
+    "calibration": {"dataset": ("calib_dataset", str), "samples": ("calib_samples", int),
+                    "seqlen": ("calib_seqlen", int), "seed": ("seed", int)},
+}
+
+
+def _typed(value: Any, typ: type, where: str) -> Any:
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+        raise RecipeError(f"{where} must be {names[typ]}, got {value!r}")
+    return value
+
+
+def parse_recipe(data: Any, where: str = "recipe") -> dict[str, Any]:
+    """A recipe mapping → ``{config field: value}`` (validated types; unknown keys rejected)."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: expected a mapping of settings at the top level")
+    fields: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _TOP:
+            name, typ = _TOP[key]
+            fields[name] = _typed(value, typ, f"{where}: {key}")
+        elif key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise RecipeError(f"{where}: {key} must be a mapping, got {value!r}")
+            for sub, subval in value.items():
+                if sub not in _SECTIONS[key]:
+                    raise RecipeError(f"{where}: unknown key {key}.{sub} (allowed: "
+                                      f"{', '.join(_SECTIONS[key])})")
+                name, typ = _SECTIONS[key][sub]
+                fields[name] = _typed(subval, typ, f"{where}: {key}.{sub}")
+        else:
+            raise RecipeError(f"{where}: unknown key {key!r} (allowed: {', '.join([*_TOP, *_SECTIONS])})")
+    return fields
+
+
+def load_recipe(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise RecipeError(f"recipe not found: {path}") from None
+    except (OSError, yaml.YAMLError) as e:
+        raise RecipeError(f"cannot read recipe {path}: {str(e).splitlines()[0]}") from e
+    return parse_recipe(data, path)
+
+
+def build_config(recipe: str | None = None, **flags: Any) -> QuantizeConfig:
+    """Defaults ← the recipe ← the flags that were given (None means not given); validated."""
+    fields = load_recipe(recipe) if recipe else {}
+    known = {f.name for f in dataclasses.fields(QuantizeConfig)}
+    unknown = set(flags) - known
+    if unknown:
+        raise TypeError(f"unknown quantize settings {sorted(unknown)}")
+    fields.update({k: v for k, v in flags.items() if v is not None})
+    return QuantizeConfig(**fields).validate()

@@ -1,0 +1,89 @@
+"""What ``nvllm quantize`` shows: a progress bar per layer, then a table of per-layer relative reconstruction
+errors and times, and a summary (method, bits, sizes, calibration, what stayed in full precision)."""
+
+from __future__ import annotations
+
+from nvllm.quant.quantize import QuantizeSummary
+from nvllm.quant.replay import ORDER
+
+
+class LayerProgress:
+    """A Rich progress bar over the decoder layers; ``update(layer, stage)`` is the quantizer's callback."""
+
+    def __init__(self, console, enabled: bool = True):
+        self.console, self.enabled = console, enabled
+        self.bar = self.task = None
+        self.current = -1
+
+    def start(self, summary: QuantizeSummary, num_layers: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        c = summary.config
+        self.console.print(f"quantizing with {c.method} {c.bits}-bit, group size {c.group_size}: "
+                           f"{summary.tokens} calibration tokens from {summary.calibration}", highlight=False)
+        for name, why in summary.kept.items():
+            self.console.print(f"[yellow]kept in full precision:[/] {name} — {why}", highlight=False)
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=self.console, transient=True, disable=not self.enabled)
+        self.bar.start()
+        self.task = self.bar.add_task("layer 0", total=num_layers)
+
+    def update(self, layer: int, stage: str) -> None:
+        if self.bar is None:
+            return
+        if layer != self.current:
+            self.bar.update(self.task, completed=layer)
+            self.current = layer
+        self.bar.update(self.task, description=f"layer {layer}: {stage}")
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def error_table(summary: QuantizeSummary):
+    from rich.table import Table
+
+    table = Table(title="relative reconstruction error ‖ŷ − y‖² / ‖y‖² on the calibration tokens")
+    table.add_column("layer", justify="right")
+    for name in ORDER:
+        table.add_column(name.removesuffix("_proj"), justify="right")
+    table.add_column("layer output", justify="right")
+    table.add_column("time", justify="right")
+    for rep in summary.layers:
+        cells = ["fp" if rep.errors.get(n) is None else f"{rep.errors[n]:.2e}" for n in ORDER]
+        table.add_row(str(rep.index), *cells, f"{rep.layer_error:.2e}", f"{rep.seconds:.2f} s")
+    return table
+
+
+def summary_lines(summary: QuantizeSummary) -> list[str]:
+    c = summary.config
+    fmt = "AWQ-GEMM" if c.format == "awq" else "GPTQ v1"
+    extra = " act-order" + (" (static groups)" if c.static_groups else "") if c.desc_act else ""
+    lines = [
+        f"method {c.method}, {c.bits}-bit, group size {c.group_size}, "
+        f"{'symmetric' if c.sym else 'zero point'}{extra}; format {fmt}",
+        f"size {_size(summary.size_before)} → {_size(summary.size_after)} "
+        f"({summary.size_after / max(summary.size_before, 1):.2f}×); embeddings and lm_head in full precision",
+        f"calibration: {summary.tokens} tokens from {summary.calibration}",
+    ]
+    for name, why in summary.kept.items():
+        lines.append(f"kept in full precision in every layer: {name} ({why})")
+    lines += summary.notes
+    lines.append(f"written to {summary.out_dir} in {summary.seconds:.1f} s")
+    return lines
+
+
+def print_report(summary: QuantizeSummary, console) -> None:
+    console.print(error_table(summary))
+    for line in summary_lines(summary):
+        console.print(line, highlight=False, markup=False)

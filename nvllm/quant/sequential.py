@@ -1,0 +1,106 @@
+"""Layer-by-layer quantization over the engine's own model classes.
+
+1. The calibration windows are embedded: the inputs of decoder layer 0 for every sample.
+2. For each layer in turn, a float32 working copy goes to the compute device (only this layer is there), and
+   for each of the method's stages (e.g. q/k/v → o → gate/up → down) the windows are replayed through it
+   (``replay.layer_forward``) to collect the inputs of that stage's linears, which the method then quantizes
+   in place — later stages see the already-quantized earlier ones.
+3. The quantized layer is replayed once more: its outputs are the next layer's inputs, and comparing them
+   with a full-precision copy of the layer gives the layer's relative output error.
+4. The working copy (quantized weights dequantized, plus whatever the method folded into norms or dense
+   linears) is written back into the CPU model, which then holds the model as it will be served.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from nvllm.quant.formats import GroupQuant
+from nvllm.quant.methods import InputStats, LinearResult
+from nvllm.quant.replay import ORDER, layer_forward
+
+
+@dataclass
+class LayerReport:
+    index: int
+    errors: dict[str, float | None] = field(default_factory=dict)  # per linear; None: kept in full precision
+    layer_error: float = 0.0        # ‖y_q − y‖² / ‖y‖² of the layer's output, same inputs
+    seconds: float = 0.0
+
+
+Progress = Callable[[int, str], None]
+
+
+def _to_host(gq: GroupQuant) -> GroupQuant:
+    """The integer form kept until the writer packs it: on the CPU, codes as uint8 (a quarter of int32)."""
+    return GroupQuant(q=gq.q.to(torch.uint8).cpu(), scales=gq.scales.cpu(), zeros=gq.zeros.cpu(),
+                      g_idx=gq.g_idx.cpu(), bits=gq.bits, group_size=gq.group_size)
+
+
+def _collect(layer, xs: list[torch.Tensor], positions: torch.Tensor, names: list[str],
+             device: torch.device) -> dict[str, InputStats]:
+    """Replay every window up to the last of ``names`` and accumulate those linears' input statistics."""
+    stats = {n: InputStats(getattr(layer, n).in_features, device) for n in names}
+
+    def tap(name: str, inp: torch.Tensor) -> None:
+        if name in stats:
+            stats[name].add(inp)
+
+    last = max(names, key=ORDER.index)
+    for x in xs:
+        layer_forward(layer, x, positions, tap=tap, stop_after=last)
+    return stats
+
+
+def _chunks(ids: torch.Tensor, batch: int) -> list[torch.Tensor]:
+    return [ids[i:i + batch] for i in range(0, ids.shape[0], batch)]
+
+
+@torch.no_grad()
+def quantize_layers(model, calib_ids: torch.Tensor, method, quantized: dict[int, set[str]],
+                    device: torch.device, batch: int = 8, progress: Progress | None = None
+                    ) -> tuple[dict[str, LinearResult], list[LayerReport]]:
+    """Quantize ``model`` (a CPU ``LlamaForCausalLM``) in place, layer by layer. ``quantized[i]`` names the
+    linears of layer i to quantize (the others stay in full precision). Returns ``{"layers.{i}.{linear}":
+    LinearResult}`` and one report per layer."""
+    positions = torch.arange(calib_ids.shape[1], device=device)
+    embed = model.embed_tokens.weight
+    xs = [embed[ids.to(embed.device)].to(device, torch.float32) for ids in _chunks(calib_ids, batch)]
+    results: dict[str, LinearResult] = {}
+    reports = []
+    for i, layer in enumerate(model.layers):
+        t0 = time.perf_counter()
+        work = copy.deepcopy(layer).to(device=device, dtype=torch.float32)
+        ref = copy.deepcopy(work)
+        targets = quantized.get(i, set())
+        rep = LayerReport(i, {name: None for name in ORDER})
+        for stage in method.stages:
+            names = [n for n in stage if n in targets]
+            if not names:
+                continue
+            if progress:
+                progress(i, "+".join(n.removesuffix("_proj") for n in names))
+            stats = _collect(work, xs, positions, names, device)
+            for name, res in method.quantize_stage(work, names, stats).items():
+                results[f"layers.{i}.{name}"] = LinearResult(_to_host(res.quant), res.error)
+                rep.errors[name] = res.error
+        if progress:
+            progress(i, "outputs")
+        num = den = 0.0
+        for k, x in enumerate(xs):
+            y = layer_forward(work, x, positions)
+            y_ref = layer_forward(ref, x, positions)
+            num += float((y - y_ref).pow(2).sum())
+            den += float(y_ref.pow(2).sum())
+            xs[k] = y
+        rep.layer_error = num / max(den, 1e-30)
+        layer.load_state_dict(work.state_dict())     # copied back in the model's dtype, on the CPU
+        del work, ref
+        rep.seconds = time.perf_counter() - t0
+        reports.append(rep)
+    return results, reports

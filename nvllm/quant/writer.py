@@ -1,0 +1,120 @@
+"""Write a quantized checkpoint as AutoAWQ / AutoGPTQ do: one safetensors file under the source checkpoint's
+tensor names (each quantized ``…proj.weight`` replaced by ``qweight``/``qzeros``/``scales`` and, for GPTQ,
+``g_idx``), config.json with ``quantization_config`` (GPTQ also ``quantize_config.json``), and the source's
+tokenizer and generation files.
+
+Everything is written into a temporary directory beside the output and renamed into place at the end, so an
+interrupted run leaves nothing half-written; an existing output directory is replaced only with
+``overwrite`` (and only once the new one is complete).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nvllm.quant.formats import GroupQuant, pack_awq, pack_gptq
+
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "generation_config.json",
+                "chat_template.json", "chat_template.jinja")
+WEIGHTS = "model.safetensors"
+
+
+class OutputExistsError(ValueError):
+    pass
+
+
+def check_out_dir(out_dir: str, overwrite: bool) -> None:
+    """Refuse an existing output (unless ``overwrite``) before any work is done."""
+    if os.path.exists(out_dir):
+        if not os.path.isdir(out_dir):
+            raise OutputExistsError(f"output path {out_dir} exists and is not a directory")
+        if not overwrite:
+            raise OutputExistsError(f"output directory {out_dir} already exists (pass --overwrite to replace it)")
+
+
+def _shard_rows(gq: GroupQuant, rows: slice) -> GroupQuant:
+    return GroupQuant(q=gq.q[rows], scales=gq.scales[:, rows], zeros=gq.zeros[:, rows], g_idx=gq.g_idx,
+                      bits=gq.bits, group_size=gq.group_size)
+
+
+def packed_tensors(gq: GroupQuant, fmt: str) -> dict[str, torch.Tensor]:
+    gq = GroupQuant(q=gq.q.cpu(), scales=gq.scales.cpu(), zeros=gq.zeros.cpu(), g_idx=gq.g_idx.cpu(),
+                    bits=gq.bits, group_size=gq.group_size)
+    if fmt == "awq":
+        return pack_awq(gq.q, gq.zeros, gq.scales)
+    return pack_gptq(gq.q, gq.zeros, gq.scales, gq.g_idx, gq.bits)
+
+
+def checkpoint_tensors(model, source_names: list[str], quantized: dict[str, GroupQuant], fmt: str
+                       ) -> dict[str, torch.Tensor]:
+    """The tensors to save, under the source checkpoint's names. ``quantized`` maps our module names
+    (``layers.{i}.qkv_proj``) to the integer form of their (fused) weight; the shards are split by rows."""
+    out: dict[str, torch.Tensor] = {}
+    for name in source_names:
+        target = model.param_for(name)
+        if target is None:          # tensors the model does not use (rotary tables, a tied lm_head)
+            continue
+        pname, shard = target
+        module_name, leaf = pname.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        rows = module.shard_slice(shard) if shard is not None else slice(None)
+        if module_name in quantized and leaf == "weight":
+            base = name.rsplit(".", 1)[0]
+            for key, value in packed_tensors(_shard_rows(quantized[module_name], rows), fmt).items():
+                out[f"{base}.{key}"] = value.contiguous().clone()
+            continue
+        value = model.get_parameter(pname).data
+        out[name] = value[rows].detach().cpu().contiguous().clone()
+    return out
+
+
+def write_checkpoint(src_dir: str, out_dir: str, tensors: dict[str, torch.Tensor], quantization_config: dict,
+                     overwrite: bool, extra_json: dict[str, Any] | None = None) -> int:
+    """Write everything into a temporary sibling of ``out_dir`` and rename it into place; returns the size
+    of the weights file in bytes."""
+    from safetensors.torch import save_file
+
+    check_out_dir(out_dir, overwrite)
+    out = Path(out_dir).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)        # mkdtemp's 0700 would outlive the rename
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        with open(Path(src_dir) / "config.json") as f:
+            config = json.load(f)
+        config["quantization_config"] = quantization_config
+        with open(tmp / "config.json", "w") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+        for name, data in (extra_json or {}).items():
+            with open(tmp / name, "w") as f:
+                json.dump(data, f, indent=2)
+                f.write("\n")
+        for name in COPIED_FILES:
+            if (Path(src_dir) / name).is_file():
+                shutil.copy2(Path(src_dir) / name, tmp / name)
+        for p in tmp.iterdir():
+            os.chmod(p, 0o666 & ~umask)
+        size = (tmp / WEIGHTS).stat().st_size
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+        return size
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

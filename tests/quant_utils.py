@@ -1,0 +1,123 @@
+"""Helpers of the quantization tests: hand-written AWQ / GPTQ checkpoints (built from the format functions,
+not from nvllm's quantizer), a HF transformers reference holding the dequantized weights, perplexity through
+the engine's prompt_logprobs, and per-layer output errors of a served checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from nvllm.quant import formats as F
+from tests.conftest import REPO, TOKENIZER_FILES
+
+PROJ = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+HELD_OUT = REPO / "tests" / "data" / "wikitext-2-test-head.raw"
+
+
+def write_by_hand(src: Path, dst: Path, fmt: str, bits: int = 4, group: int = 32, sym: bool = True,
+                  act_order: bool = False, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Quantize every projection of ``src`` with RTN into ``dst`` as AutoAWQ / AutoGPTQ lay it out (one set
+    of packed tensors per HF projection); projections whose name contains one of ``skip`` stay dense and are
+    listed in ``modules_to_not_convert``. Returns ``{weight name: dequantized weight}``."""
+    dst.mkdir(parents=True)
+    state = load_file(src / "model.safetensors")
+    out, deq = {}, {}
+    for name, t in state.items():
+        m = PROJ.match(name)
+        if not m or any(s in name for s in skip):
+            out[name] = t
+            continue
+        base = name[: -len(".weight")]
+        if fmt == "awq":
+            qw = F.quantize_to_awq(t, group)
+        else:
+            g_idx = None
+            if act_order:   # the same input order for all projections reading the same input
+                gen = torch.Generator().manual_seed(int(m.group(1)) * 10 + t.shape[1])
+                g_idx = F.act_order_g_idx(torch.randperm(t.shape[1], generator=gen), group)
+            qw = F.quantize_to_gptq(t, bits, group, sym=sym, g_idx=g_idx)
+        out.update({f"{base}.{k}": v for k, v in qw.tensors().items()})
+        deq[name] = qw.dequantize()
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    if fmt == "awq":
+        cfg["quantization_config"] = F.awq_quantization_config(group, modules_to_not_convert=list(skip) or None)
+    else:
+        cfg["quantization_config"] = F.gptq_quantization_config(bits, group, desc_act=act_order, sym=sym)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in TOKENIZER_FILES:
+        shutil.copy(src / f, dst / f)
+    return deq
+
+
+def hf_logits(src: Path, ids: torch.Tensor, replace: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """HF transformers' float32 logits for ``ids [B, S]``, with some weights replaced (e.g. dequantized)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, w in (replace or {}).items():
+            params[name].copy_(w)
+        return model(ids).logits
+
+
+def load_nvllm_model(path: Path):
+    from nvllm.config import EngineConfig
+    from nvllm.models.loader import load_hf_config, load_model
+
+    return load_model(EngineConfig(model=str(path), device="cpu"), load_hf_config(str(path)), torch.float32,
+                      torch.device("cpu"))
+
+
+def held_out_windows(tokenizer, n: int = 8, width: int = 255) -> list[list[int]]:
+    """``n`` windows of BOS + ``width`` tokens of the held-out WikiText-2 slice."""
+    ids = tokenizer(HELD_OUT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    assert len(ids) >= n * width
+    return [[tokenizer.bos_token_id] + ids[i * width:(i + 1) * width] for i in range(n)]
+
+
+def perplexity(model_dir: str | Path | None) -> float:
+    """Perplexity of the held-out slice through the engine (``prompt_logprobs``), so a quantized checkpoint is
+    scored as it is served."""
+    from nvllm import LLM, SamplingParams
+
+    llm = LLM(None if model_dir is None else str(model_dir), device="cpu", log_stats_interval=0)
+    prompts = held_out_windows(llm.get_tokenizer())
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)
+    nll, n = 0.0, 0
+    for p, o in zip(prompts, outs):
+        for tok, lp in zip(p[1:], o.prompt_logprobs[1:]):
+            nll -= lp[tok].logprob
+            n += 1
+    return math.exp(nll / n)
+
+
+@torch.no_grad()
+def layer_errors(fp_dir: Path, q_dirs: dict[str, Path], ids: torch.Tensor) -> dict[str, list[float]]:
+    """Per checkpoint and decoder layer: ``‖y_q − y‖² / ‖y‖²`` where both layers get the full-precision
+    model's input of that layer on ``ids`` (held-out tokens); the quantized layer is the one the loader builds
+    from the checkpoint."""
+    from nvllm.quant.replay import layer_forward
+
+    fp = load_nvllm_model(fp_dir)
+    positions = torch.arange(ids.shape[1])
+    x = fp.embed_tokens(ids)
+    inputs, outputs = [], []
+    for layer in fp.layers:
+        inputs.append(x)
+        x = layer_forward(layer, x, positions)
+        outputs.append(x)
+    errs = {}
+    for name, q_dir in q_dirs.items():
+        q = load_nvllm_model(q_dir)
+        errs[name] = [float((layer_forward(lq, xi, positions) - y).pow(2).sum() / y.pow(2).sum())
+                      for lq, xi, y in zip(q.layers, inputs, outputs)]
+    return errs

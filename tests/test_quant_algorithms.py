@@ -1,0 +1,107 @@
+"""RTN / GPTQ / AWQ building blocks on small random problems, and the full-sequence replay they run on."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from nvllm.quant import formats as F
+from nvllm.quant.awq import AWQOptions, GRID4, apply_scales, scale_groups, search_clip, search_scales
+from nvllm.quant.gptq import gptq_quantize
+from nvllm.quant.replay import layer_forward, model_logits
+from nvllm.quant.rtn import Grid, fake_quantize, find_params, relative_error
+from tests.conftest import build_tiny_model
+from tests.quant_utils import hf_logits, load_nvllm_model
+
+
+def problem(out_f=48, in_f=128, n=512, seed=0):
+    """A weight and inputs with correlated, unevenly scaled channels (as real activations are)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g)
+    mix = torch.randn(in_f, in_f, generator=g) / in_f ** 0.5 + torch.eye(in_f)
+    x = torch.randn(n, in_f, generator=g) @ mix * torch.exp(torch.randn(in_f, generator=g))
+    return w, x, 2 * x.t() @ x / n
+
+
+@pytest.mark.parametrize("sym, zero_min", [(True, 0), (False, 0), (False, 1)])
+def test_find_params_matches_format_rtn(sym, zero_min):
+    w, _, _ = problem()
+    gq = F.quantize_rtn(w, 4, 32, sym=sym, zero_min=zero_min)
+    scale, zero = find_params(w.reshape(48, 4, 32), Grid(4, sym, zero_min))
+    torch.testing.assert_close(scale, gq.scales.float().t(), rtol=0, atol=0)
+    torch.testing.assert_close(zero, gq.zeros.float().t(), rtol=0, atol=0)
+    torch.testing.assert_close(fake_quantize(w, Grid(4, sym, zero_min), 32), gq.dequantize())
+
+
+@pytest.mark.parametrize("act_order, static", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("bits, sym", [(4, True), (4, False), (8, True)])
+def test_gptq_beats_rtn_and_packs(bits, sym, act_order, static):
+    w, _, h = problem()
+    grid = Grid(bits, sym, zero_min=0 if sym else 1)
+    gq = gptq_quantize(w, h, grid, 32, act_order=act_order, static_groups=static, block_size=64)
+    rtn = F.quantize_rtn(w, bits, 32, sym=sym, zero_min=grid.zero_min)
+    assert relative_error(w, gq.dequantize(), h) < 0.8 * relative_error(w, rtn.dequantize(), h)
+    if act_order and not static:
+        assert not torch.equal(gq.g_idx, F.default_g_idx(128, 32))
+    else:
+        assert torch.equal(gq.g_idx, F.default_g_idx(128, 32))
+    # what the writer packs reads back as the same weight
+    p = F.pack_gptq(gq.q, gq.zeros, gq.scales, gq.g_idx, bits)
+    qw = F.QuantWeight.from_gptq(p["qweight"], p["qzeros"], p["scales"], p["g_idx"], bits, 32)
+    torch.testing.assert_close(qw.dequantize(), gq.dequantize(), rtol=0, atol=0)
+
+
+def test_gptq_group_spanning_blocks_and_dead_inputs():
+    w, x, h = problem()
+    h[5, :] = 0
+    h[:, 5] = 0
+    gq = gptq_quantize(w, h, Grid(4, True), 64, block_size=16)       # groups span 4 lazy blocks
+    rtn = F.quantize_rtn(w, 4, 64, sym=True)
+    assert torch.isfinite(gq.dequantize()).all()
+    assert relative_error(w, gq.dequantize(), h) < relative_error(w, rtn.dequantize(), h)
+
+
+def test_awq_search_never_worse_than_rtn_and_clip_helps():
+    w, x, h = problem(seed=1)
+    opts = AWQOptions()
+    s = search_scales(w, h, x.abs().mean(0), 32, opts)
+    plain = relative_error(w, fake_quantize(w, GRID4, 32), h)
+    scaled = relative_error(w, fake_quantize(w * s, GRID4, 32) / s, h)
+    assert scaled < plain
+    ws, hs = w * s, h / (s[:, None] * s[None, :])
+    clipped = search_clip(ws, hs, 32, opts)
+    assert relative_error(ws, fake_quantize(clipped, GRID4, 32), hs) <= relative_error(ws, fake_quantize(ws, GRID4, 32), hs)
+    assert torch.equal(search_clip(ws, hs, 32, opts, rows=slice(40, None))[:40], ws[:40])
+
+
+def test_awq_folding_keeps_the_full_precision_function(tmp_path):
+    """Scaling a linear's inputs and dividing its producer (norm, v rows, up rows) changes nothing unquantized."""
+    path = build_tiny_model("llama", tmp_path / "mha", num_key_value_heads=4, intermediate_size=128)
+    layer = load_nvllm_model(path).layers[0]
+    groups = scale_groups(layer, {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
+    assert [(g.linear, g.prev) for g in groups] == [("qkv_proj", "input_layernorm"), ("o_proj", "qkv_proj"),
+                                                    ("gate_up_proj", "post_attention_layernorm"),
+                                                    ("down_proj", "gate_up_proj")]
+    x = torch.randn(2, 10, 64)
+    pos = torch.arange(10)
+    want = layer_forward(layer, x, pos)
+    scaled = copy.deepcopy(layer)
+    gen = torch.Generator().manual_seed(0)
+    for g in groups:
+        n_in = getattr(scaled, g.linear).in_features
+        apply_scales(scaled, g, torch.rand(n_in, generator=gen) + 0.5)
+    torch.testing.assert_close(layer_forward(scaled, x, pos), want, rtol=1e-4, atol=1e-5)
+    # GQA: o_proj's input (4 heads) is wider than v (2 heads): no o ← v group
+    gqa = load_nvllm_model(build_tiny_model("llama", tmp_path / "gqa")).layers[0]
+    assert "o_proj" not in [g.linear for g in scale_groups(gqa, {"qkv_proj", "o_proj"})]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama3-rope"])
+def test_replay_matches_hf(tmp_path, kind):
+    path = build_tiny_model(kind, tmp_path / kind)
+    ids = torch.randint(3, 500, (2, 33), generator=torch.Generator().manual_seed(0))
+    ref = hf_logits(path, ids)
+    torch.testing.assert_close(model_logits(load_nvllm_model(path), ids), ref, rtol=1e-4,
+                               atol=1e-4 * ref.abs().max().item())

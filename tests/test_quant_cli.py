@@ -1,0 +1,129 @@
+"""`nvllm quantize` as a user runs it: the happy path (progress, table, summary, a servable directory),
+recipes, calibration sources, and every bad input ending in one clear line and a non-zero exit."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from nvllm.assets import demo_model_path
+from nvllm.cli import app
+from nvllm.engine.llm_engine import load_tokenizer
+from nvllm.quant import calibration as C
+from nvllm.quant.recipe import RecipeError, build_config
+from tests.conftest import REPO
+
+FAST = ["--calib-dataset", "calib", "--calib-samples", "4", "--calib-seqlen", "64", "--no-progress"]
+
+
+def run(*args: str):
+    result = CliRunner().invoke(app, ["quantize", *args], env={"COLUMNS": "200"})
+    return result.exit_code, " ".join(result.output.split())
+
+
+def test_quantize_cli_writes_a_servable_model(tmp_path):
+    code, out = run("--method", "gptq", "--group-size", "32", "--out", str(tmp_path / "q"), *FAST)
+    assert code == 0, out
+    assert "relative reconstruction error" in out and "layer output" in out
+    assert "method gptq, 4-bit, group size 32, symmetric; format GPTQ v1" in out
+    assert "kept in full precision in every layer: mlp.down_proj (group size 32 does not divide its input size 172)" in out
+    assert "size 1020.50 KiB →" in out and f"written to {tmp_path / 'q'}" in out
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "gptq"
+
+
+def test_recipe_and_flag_override(tmp_path):
+    code, out = run("--recipe", str(REPO / "recipes" / "awq-w4g128.yaml"), "--group-size", "64",
+                    "--out", str(tmp_path / "q"), *FAST)
+    assert code == 0, out
+    assert "method awq, 4-bit, group size 64, zero point; format AWQ-GEMM" in out
+
+
+def test_shipped_recipes_validate():
+    recipes = sorted((REPO / "recipes").glob("*.yaml"))
+    assert len(recipes) >= 4
+    for r in recipes:
+        cfg = build_config(str(r))
+        assert cfg.method in ("awq", "gptq", "rtn") and cfg.bits in (4, 8)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("method: gptq\nbitz: 4\n", "unknown key 'bitz'"),
+    ("method: gptq\nbits: four\n", "bits must be an integer, got 'four'"),
+    ("method: gptq\ngptq: {damp: 0.1}\n", "unknown key gptq.damp"),
+    ("- gptq\n", "expected a mapping"),
+])
+def test_bad_recipes(tmp_path, body, message):
+    p = tmp_path / "r.yaml"
+    p.write_text(body)
+    with pytest.raises(RecipeError, match=message):
+        build_config(str(p))
+
+
+@pytest.fixture(scope="module")
+def quantized_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qd") / "q"
+    code, text = run("--method", "rtn", "--group-size", "32", "--out", str(out), *FAST)
+    assert code == 0, text
+    return out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "fp4"], "unknown method 'fp4'; choose awq, gptq or rtn"),
+    (["--method", "gptq", "--bits", "3"], "bits must be 4 or 8, got 3"),
+    (["--method", "awq", "--bits", "8"], "AWQ writes the AWQ-GEMM format, which is 4-bit only"),
+    (["--method", "gptq", "--group-size", "48"], "group size 48 fits none of the model's linears (input sizes "
+                                               "64, 172; group size 48 does not divide its input size 64); "
+                                               "choose a group size that divides the hidden size 64, e.g. "
+                                               "--group-size 64"),
+    (["--method", "gptq", "--group-size", "0"], "group size must be a positive integer or -1"),
+    (["--method", "awq", "--sym"], "AWQ quantizes with a zero point"),
+    (["--method", "rtn", "--desc-act"], "--desc-act (act-order) applies to GPTQ only"),
+    (["--method", "gptq", "--group-size", "32", "--calib-dataset", "/no/such/file.jsonl"], "calibration file not found: /no/such/file.jsonl"),
+    (["--method", "gptq", "--model", "/no/such/model"], "model directory not found: /no/such/model"),
+    (["--method", "gptq", "--recipe", "/no/such.yaml"], "recipe not found: /no/such.yaml"),
+    (["--group-size", "32"], "choose a method"),
+])
+def test_bad_input(tmp_path, args, message):
+    code, out = run(*args, "--out", str(tmp_path / "out"), "--no-progress")
+    assert code == 2, out
+    assert message in out and "Traceback" not in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_already_quantized_and_existing_output(tmp_path, quantized_dir):
+    code, out = run("--method", "gptq", "--model", str(quantized_dir), "--out", str(tmp_path / "again"), *FAST)
+    assert code == 2 and "is already quantized (gptq); quantize the full-precision model" in out
+    code, out = run("--method", "rtn", "--group-size", "32", "--out", str(quantized_dir), *FAST)
+    assert code == 2 and "already exists (pass --overwrite to replace it)" in out
+    code, out = run("--method", "rtn", "--group-size", "32", "--out", str(quantized_dir), "--overwrite", *FAST)
+    assert code == 0, out
+
+
+def test_calibration_sources(tmp_path, monkeypatch):
+    tok = load_tokenizer(demo_model_path())
+    docs = [{"text": f"Once upon a time there was a cat number {i}."} for i in range(30)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(d) for d in docs))
+    with gzip.open(tmp_path / "d.json.gz", "wt") as f:
+        f.write("\n".join(json.dumps(d) for d in docs))
+    (tmp_path / "d.txt").write_text(" ".join(d["text"] for d in docs))
+    for name in ("d.jsonl", "d.json.gz", "d.txt"):
+        texts, where = C.load_texts(str(tmp_path / name))
+        ids = C.calibration_windows(tok, texts, 3, 16, seed=0)
+        assert ids.shape == (3, 16)
+        assert C.calibration_windows(tok, texts, 3, 16, seed=0).equal(ids)
+        assert not C.calibration_windows(tok, texts, 3, 16, seed=1).equal(ids)
+    with pytest.raises(C.CalibrationError, match="needs at least that many"):
+        C.calibration_windows(tok, ["tiny"], 1, 512, seed=0)
+    (tmp_path / "bad.jsonl").write_text("{not json}\n")
+    with pytest.raises(C.CalibrationError, match="line 1 is not JSON"):
+        C.load_texts(str(tmp_path / "bad.jsonl"))
+    # c4 without the datasets package or the network: the shipped sample, and the note says why
+    monkeypatch.setattr(C, "_c4_texts", lambda: (None, "huggingface.co is not reachable"))
+    texts, where = C.load_texts("c4")
+    assert len(texts) == 150 and "c4 unavailable (huggingface.co is not reachable)" in where
+    assert Path(C.SHIPPED_SAMPLE).stat().st_size <= 300_000

@@ -1,0 +1,141 @@
+"""Serving quantized checkpoints: AWQ-GEMM and GPTQ (4/8-bit, act-order) checkpoints laid out as
+AutoAWQ / AutoGPTQ write them (separate q/k/v and gate/up projections) load into the fused QuantLinear layers
+and compute what HF transformers computes with the dequantized weights; the engine generates from them with
+``quant_gemm`` in its kernel report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nvllm.config import ConfigError
+from nvllm.kernels import report
+from nvllm.layers.quant_linear import QuantLinear
+from nvllm.quant.replay import model_logits
+from tests.conftest import build_tiny_model, make_llm
+from tests.quant_utils import hf_logits, load_nvllm_model, write_by_hand
+
+# (id, fmt, bits, group, sym, act_order)
+FORMATS = [
+    ("awq4-g32", "awq", 4, 32, False, False),
+    ("gptq4-g32-sym", "gptq", 4, 32, True, False),
+    ("gptq4-g64-asym-actorder", "gptq", 4, 64, False, True),
+    ("gptq8-g32-sym", "gptq", 8, 32, True, False),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    # Qwen2: qkv bias; GQA (q 64, k/v 32); intermediate 128 so every linear packs at g32/g64
+    return build_tiny_model("qwen2", tmp_path_factory.mktemp("q") / "qwen2", intermediate_size=128)
+
+
+@pytest.mark.parametrize("case", FORMATS, ids=[c[0] for c in FORMATS])
+def test_checkpoint_matches_dequantized_hf(tmp_path, qwen2_dir, case):
+    _, fmt, bits, group, sym, act_order = case
+    dst = tmp_path / "quant"
+    deq = write_by_hand(qwen2_dir, dst, fmt, bits, group, sym, act_order)
+    model = load_nvllm_model(dst)
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(quant) == 4 * 2 and all(m.scheme.fmt == fmt and m.scheme.bits == bits for m in quant)
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    ours = model_logits(model, ids)
+    ref = hf_logits(qwen2_dir, ids, deq)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    if act_order:
+        assert any(m.quant_weight().g_idx is not None for m in quant)
+
+
+def test_triton_kernel_through_the_layer(tmp_path, qwen2_dir, monkeypatch):
+    """Each loaded QuantLinear through the Triton kernel (CPU interpreter) equals its dequantized matmul."""
+    dst = tmp_path / "quant"
+    write_by_hand(qwen2_dir, dst, "gptq", 4, 32, sym=False, act_order=True)
+    layer = load_nvllm_model(dst).layers[0]
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    report.reset()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    for lin in (layer.qkv_proj, layer.gate_up_proj):
+        want = x @ lin.quant_weight().dequantize().t() + (0 if lin.bias is None else lin.bias)
+        torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    assert any(impl.startswith("triton") for impl in report.snapshot()["quant_gemm"])
+
+
+def test_engine_generates_with_quant_gemm(tmp_path, qwen2_dir):
+    import transformers
+
+    dst = tmp_path / "quant"
+    deq = write_by_hand(qwen2_dir, dst, "awq", 4, 32)
+    llm = make_llm(str(dst))
+    report.reset()
+    prompt = [1, 17, 42, 99, 7]
+    got = llm.generate([prompt], _greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    assert "quant_gemm" in report.snapshot()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32)
+    with torch.no_grad():
+        params = dict(hf.named_parameters())
+        for name, w in deq.items():
+            params[name].copy_(w)
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    assert got == want
+
+
+def _greedy(n):
+    from nvllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def test_modules_kept_dense_load_as_dense(tmp_path, qwen2_dir):
+    dst = tmp_path / "quant"
+    deq = write_by_hand(qwen2_dir, dst, "awq", 4, 32, skip=("down_proj", "o_proj"))
+    model = load_nvllm_model(dst)
+    layer = model.layers[1]
+    assert isinstance(layer.qkv_proj, QuantLinear) and isinstance(layer.gate_up_proj, QuantLinear)
+    assert not isinstance(layer.o_proj, QuantLinear) and not isinstance(layer.down_proj, QuantLinear)
+    ids = torch.randint(3, 500, (1, 16), generator=torch.Generator().manual_seed(2))
+    ref = hf_logits(qwen2_dir, ids, deq)
+    torch.testing.assert_close(model_logits(model, ids), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_dummy_weights_with_quantization_config(tmp_path, qwen2_dir):
+    """Config only (load_format=dummy): the config decides what is quantized; random codes still serve."""
+    dst = tmp_path / "cfg_only"
+    write_by_hand(qwen2_dir, dst, "gptq", 4, 32)
+    (dst / "model.safetensors").unlink()
+    llm = make_llm(str(dst), load_format="dummy")
+    report.reset()
+    out = llm.generate([[1, 2, 3]], _greedy(4), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 and "quant_gemm" in report.snapshot()
+    n_quant = sum(isinstance(m, QuantLinear) for m in llm.engine.runner.model.modules())
+    assert n_quant == 8
+
+
+def test_bad_quantized_checkpoints(tmp_path, qwen2_dir):
+    dst = tmp_path / "quant"
+    write_by_hand(qwen2_dir, dst, "gptq", 4, 32)
+    state = load_file(dst / "model.safetensors")
+    # only q of the fused q/k/v quantized: refused with a clear message
+    mixed = dict(state)
+    w = torch.randn(32, 64)
+    for leaf in ("qweight", "qzeros", "scales", "g_idx"):
+        del mixed[f"model.layers.0.self_attn.k_proj.{leaf}"]
+    mixed["model.layers.0.self_attn.k_proj.weight"] = w
+    save_file(mixed, dst / "model.safetensors")
+    with pytest.raises(ConfigError, match="quantizes only some of"):
+        load_nvllm_model(dst)
+    # g_idx of q/k/v disagree
+    bad = dict(state)
+    bad["model.layers.0.self_attn.v_proj.g_idx"] = torch.zeros(64, dtype=torch.int32)
+    save_file(bad, dst / "model.safetensors")
+    with pytest.raises(ConfigError, match="differs from the g_idx"):
+        load_nvllm_model(dst)
+    # an unsupported quant method
+    save_file(state, dst / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "bits": 4}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unsupported quant_method"):
+        load_nvllm_model(dst)
