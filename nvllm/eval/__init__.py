@@ -1,0 +1,9 @@
+"""Evaluation on nvllm's engine: lm-evaluation-harness tasks (GSM8K, MMLU, ...), perplexity, and the
+regression gate between a model and its baseline. Needs the `eval` extra (`pip install -e ".[eval]"`).
+
+- `lm_eval_model.NvllmLM`: the lm-eval backend (`--model nvllm`)
+- `tasks`: local copies of lm-eval's gsm8k / mmlu task configs reading the published files
+- `perplexity`: WikiText-2 / C4 / any text file
+- `regression`: baseline vs candidate on identical samples
+- `runner`: what `nvllm eval` runs
+"""

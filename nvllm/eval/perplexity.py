@@ -1,0 +1,150 @@
+"""Perplexity on WikiText-2, C4 or any text file, through the engine's prompt log-probabilities.
+
+Each document is scored whole over disjoint rolling windows (`NvllmLM.rolling_windows`: every token predicted
+once, the first conditioned on BOS, each later window with max_length tokens of context), and
+
+    token_perplexity = exp(-sum log p / tokens)      (tokens without BOS; the primary number)
+    word_perplexity  = exp(-sum log p / words)       byte_perplexity = exp(-sum log p / bytes)
+    bits_per_byte    = -sum log p / bytes / ln 2     (words and bytes as lm-eval's wikitext task counts them)
+
+WikiText documents are the articles of wiki.test.raw (split at the " = Title = " headings) passed through
+lm-eval's wikitext detokenizer, as lm-eval's `wikitext` task scores them; words and bytes are counted on the
+raw article. C4: the "text" field of each JSON line; another file: .jsonl/.json(.gz) by its "text" field,
+anything else as one plain-text document.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PPL_TASKS = ("wikitext", "c4")
+_HEADING = re.compile(r"^ = [^=].* = $")
+
+
+class PerplexityError(ValueError):
+    """A perplexity source that cannot be found or read (one clear line)."""
+
+
+@dataclass
+class Corpus:
+    name: str
+    source: str
+    raw: list[str]  # the documents as stored (words and bytes are counted on these)
+    scored: list[str] = field(default_factory=list)  # the text actually scored (detokenised for WikiText)
+
+    def __post_init__(self) -> None:
+        self.scored = self.scored or list(self.raw)
+
+
+def is_perplexity_task(name: str) -> bool:
+    return name in PPL_TASKS or "/" in name or Path(name).suffix in (".txt", ".raw", ".jsonl", ".json", ".gz")
+
+
+def split_wikitext(text: str) -> list[str]:
+    """The articles of a raw WikiText file (CRLF or LF), each from its top-level heading line on."""
+    docs: list[list[str]] = []
+    for line in text.replace("\r\n", "\n").split("\n"):
+        if _HEADING.match(line) or not docs:
+            docs.append([])
+        docs[-1].append(line)
+    pages = ["".join(f"{x}\n" for x in lines).rstrip("\n") + "\n" for lines in docs]
+    return [p for p in pages if p.strip()]
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    return (gzip.decompress(data) if path.suffix == ".gz" else data).decode("utf-8")
+
+
+def _json_texts(path: Path) -> list[str]:
+    text = _read_text(path)
+    try:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        if len(rows) == 1 and isinstance(rows[0], list):
+            rows = rows[0]
+        return [str(r["text"]) for r in rows if str(r.get("text", "")).strip()]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PerplexityError(f"{path}: expected JSON lines with a \"text\" field ({e})") from e
+
+
+def _first(paths: list[Path]) -> Path | None:
+    return next((p for p in paths if p.is_file()), None)
+
+
+def load_corpus(name: str, data_dir: str | Path | None) -> Corpus:
+    """Documents of a perplexity task: `wikitext`, `c4` (under --data-dir) or a file path."""
+    root = Path(data_dir) if data_dir else None
+    if name == "wikitext":
+        from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
+
+        found = root and _first([root / d / "wiki.test.raw" for d in ("wikitext-2-raw", "wikitext-2-raw-v1", ".")])
+        if found:
+            raw = split_wikitext(_read_text(found))
+            source = str(found)
+        elif root is None:
+            raw, source = _hub_wikitext(), "EleutherAI/wikitext_document_level (hub)"
+        else:
+            raise PerplexityError(f"WikiText-2 not found: expected {root / 'wikitext-2-raw' / 'wiki.test.raw'}")
+        return Corpus(name, source, raw, [wikitext_detokenizer({"page": p}) for p in raw])
+    if name == "c4":
+        if root is None:
+            raise PerplexityError("c4 reads local files: pass --data-dir DIR holding c4/*.jsonl (or .json.gz)")
+        folder = root / "c4" if (root / "c4").is_dir() else root
+        files = sorted(folder.glob("*.jsonl")) or sorted(folder.glob("*.json.gz")) or sorted(folder.glob("*.jsonl.gz"))
+        if not files:
+            raise PerplexityError(f"C4 not found: expected {root / 'c4' / '*.jsonl'}")
+        return Corpus(name, str(files[0]), _json_texts(files[0]))
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise PerplexityError(f"perplexity file {path} does not exist")
+    stem = path.name
+    if stem.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
+        return Corpus(path.name, str(path), _json_texts(path))
+    text = _read_text(path)
+    if not text.strip():
+        raise PerplexityError(f"perplexity file {path} is empty")
+    return Corpus(path.name, str(path), [text])
+
+
+def _hub_wikitext() -> list[str]:
+    from nvllm.eval.runner import hub_reachable
+
+    if not hub_reachable():
+        raise PerplexityError("the Hugging Face hub is unreachable: pass --data-dir DIR holding "
+                              "wikitext-2-raw/wiki.test.raw")
+    import datasets  # pragma: no cover - needs the hub
+
+    try:  # pragma: no cover
+        ds = datasets.load_dataset("EleutherAI/wikitext_document_level", "wikitext-2-raw-v1", split="test")
+    except Exception as e:  # pragma: no cover
+        raise PerplexityError(f"cannot load WikiText-2 from the hub: {e}") from e
+    return list(ds["page"])  # pragma: no cover
+
+
+def evaluate_perplexity(lm, corpus: Corpus, limit: int | None = None) -> dict:
+    """Score the corpus (its first `limit` documents) with an NvllmLM; metrics plus per-document numbers."""
+    raw, scored = corpus.raw[:limit], corpus.scored[:limit]
+    tokens = [lm.tok_encode(text, add_special_tokens=False) for text in scored]
+    per_doc = [lm.rolling_windows(t) for t in tokens]
+    flat = [w for windows in per_doc for w in windows]
+    scores = iter(lm.score_windows(flat, f"{corpus.name} perplexity"))
+    logliks = [sum(next(scores)[0] for _ in windows) for windows in per_doc]
+    n_tokens = [len(t) for t in tokens]
+    n_words = [len(re.split(r"\s+", p)) for p in raw]
+    n_bytes = [len(p.encode("utf-8")) for p in raw]
+    return {"metrics": perplexity_metrics(logliks, n_tokens, n_words, n_bytes),
+            "n_samples": len(raw), "n_tokens": sum(n_tokens), "source": corpus.source,
+            "per_doc": {"loglikelihood": logliks, "tokens": n_tokens, "words": n_words, "bytes": n_bytes}}
+
+
+def perplexity_metrics(logliks: list[float], tokens: list[int], words: list[int], bytes_: list[int]) -> dict:
+    ll = sum(logliks)
+    if sum(tokens) == 0:
+        raise PerplexityError("no tokens to score")
+    return {"token_perplexity": math.exp(-ll / sum(tokens)), "word_perplexity": math.exp(-ll / sum(words)),
+            "byte_perplexity": math.exp(-ll / sum(bytes_)), "bits_per_byte": -ll / sum(bytes_) / math.log(2)}

@@ -1,0 +1,161 @@
+"""`nvllm pipeline`: quantize a model, gate the quantized copy against the original on identical samples,
+benchmark both (latency and throughput, each with its kernel report), and write one Markdown + JSON report.
+
+Every step is the package's own: `nvllm.quant.quantize.quantize_model`, `runner.run_eval` (the same code as
+`nvllm eval --baseline`), `nvllm.bench.offline.run_latency` / `run_throughput`. The report is written even
+when the gate fails; the caller turns a failed gate into exit code 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from nvllm.config import EngineConfig
+from nvllm.eval import runner
+
+
+@dataclass
+class BenchSpec:
+    batch_size: int = 8
+    input_len: int = 128
+    output_len: int = 128
+    num_iters_warmup: int = 3
+    num_iters: int = 10
+    num_prompts: int = 100
+
+    def __post_init__(self) -> None:
+        for name, v in dataclasses.asdict(self).items():
+            if v < (0 if name == "num_iters_warmup" else 1):
+                raise runner.EvalError(f"--{name.replace('_', '-')} must be at least "
+                                       f"{0 if name == 'num_iters_warmup' else 1}, got {v}")
+
+
+def quantize_step(model: str, out: str, quant_cfg, overwrite: bool, console, progress: bool):
+    from nvllm.quant import quantize as q
+    from nvllm.quant.report import LayerProgress, print_report
+
+    bar = LayerProgress(console, enabled=progress)
+    try:
+        summary = q.quantize_model(model, out, quant_cfg, overwrite, progress=bar.update, on_start=bar.start)
+    finally:
+        bar.stop()
+    print_report(summary, console)
+    return summary
+
+
+def bench_step(configs: list[tuple[str, EngineConfig]], bench: BenchSpec, progress: bool) -> dict:
+    """Latency and throughput of each model through one engine per model."""
+    from nvllm.bench import offline
+    from nvllm.llm import LLM
+
+    out = {}
+    for label, config in configs:
+        llm = LLM.from_config(config)
+        lat = offline.run_latency(config, bench.batch_size, bench.input_len, bench.output_len,
+                                  bench.num_iters_warmup, bench.num_iters, [50.0, 99.0], progress, llm=llm)
+        lat.pop("latencies", None)
+        thr = offline.run_throughput(config, "random", None, bench.num_prompts, bench.input_len, bench.output_len,
+                                     0.0, True, progress, llm=llm)
+        out[label] = {"latency": lat, "throughput": thr}
+        del llm
+        gc.collect()
+        runner._empty_cuda_cache()
+    return out
+
+
+SPEED_ROWS = [  # (label, result, key, lower is better)
+    ("latency per batch (s)", "latency", "avg_latency", True),
+    ("TTFT median (ms)", "latency", "median_ttft_ms", True),
+    ("TPOT median (ms)", "latency", "median_tpot_ms", True),
+    ("throughput (requests/s)", "throughput", "requests_per_second", False),
+    ("throughput (output tokens/s)", "throughput", "output_tokens_per_second", False),
+]
+
+
+def speed_rows(bench: dict) -> list[dict]:
+    """Original vs quantized; `speedup` > 1 means the quantized model is faster."""
+    rows = []
+    for label, kind, key, lower in SPEED_ROWS:
+        a, b = bench["original"][kind].get(key), bench["quantized"][kind].get(key)
+        speedup = None if not a or not b else (a / b if lower else b / a)
+        rows.append({"metric": label, "key": key, "original": a, "quantized": b, "speedup": speedup})
+    return rows
+
+
+def _f(v, digits: int = 2) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}"
+
+
+def _limits(gate: dict) -> str:
+    limits = [f"max drop {gate['max_drop']:g} points" if gate["max_drop"] is not None else "",
+              f"max drop {gate['max_drop_rel']:g}% of the original" if gate["max_drop_rel"] is not None else ""]
+    return "fails on " + " or ".join(x for x in limits if x)
+
+
+def markdown(report: dict, quant_lines: list[str]) -> str:
+    q, gate, b = report["quantization"], report["gate"], report["bench"]
+    lines = [f"# nvllm pipeline: {report['model']}", "",
+             f"{report['date']} · device {report['engine']['device']} · quantized copy `{q['out_dir']}`", "",
+             "## Quantization", "", *[f"- {x}" for x in quant_lines], "",
+             f"## Accuracy: regression gate {'passed' if gate['passed'] else 'FAILED'}", "",
+             f"Identical samples for both models; {_limits(gate)}. Accuracy in points (×100), perplexity in its "
+             "units; Δ ± paired standard error.",
+             "", "| task | metric | n | original | quantized | Δ | result |", "|---|---|--:|--:|--:|--:|---|"]
+    for r in gate["rows"]:
+        se = "" if r["delta_se"] is None else f" ± {r['delta_se']:.2f}"
+        lines.append(f"| {r['task']} | {r['metric']} | {r['n']} | {_f(r['baseline'])} | {_f(r['candidate'])} | "
+                     f"{r['delta']:+.2f}{se} | {'FAIL' if r['failed'] else 'ok'} |")
+    spec = b["settings"]
+    lines += ["", "## Speed", "",
+              f"Latency: batch {spec['batch_size']}, {spec['input_len']} prompt + {spec['output_len']} output tokens, "
+              f"{spec['num_iters']} timed iterations; throughput: {spec['num_prompts']} random prompts.", "",
+              "| | original | quantized | speedup |", "|---|--:|--:|--:|"]
+    for r in b["rows"]:
+        lines.append(f"| {r['metric']} | {_f(r['original'], 3)} | {_f(r['quantized'], 3)} | {_f(r['speedup'])}× |")
+    lines += ["", "## Kernel report (quantized model, latency run)", "", "| op | implementation | calls |",
+              "|---|---|--:|"]
+    for op, impls in b["quantized"]["latency"].get("kernel_report", {}).items():
+        lines += [f"| {op} | {impl} | {n} |" for impl, n in impls.items()]
+    return "\n".join(lines) + "\n"
+
+
+def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bool, spec: runner.EvalSpec,
+                 max_drop: float | None, max_drop_rel: float | None, bench: BenchSpec, report_prefix: str | None,
+                 console, progress: bool = True) -> dict:
+    from nvllm.quant.report import summary_lines
+
+    model = engine_config.model
+    if spec.ppl_tasks:  # missing data fails now, not after a long quantization
+        from nvllm.eval.perplexity import PerplexityError, load_corpus
+
+        try:
+            [load_corpus(name, spec.data_dir) for name in spec.ppl_tasks]
+        except PerplexityError as e:
+            raise runner.EvalError(str(e)) from e
+    with runner.task_manager(spec):  # the task data (or the hub) too
+        pass
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    summary = quantize_step(model, out, quant_cfg, overwrite, console, progress)
+    quantized = dataclasses.replace(engine_config, model=out, tokenizer=None)
+    results, rows, notes = runner.run_eval(quantized, spec, model, max_drop, max_drop_rel, progress)
+    runner.print_eval(console, results, rows, max_drop, max_drop_rel)
+    bench_results = bench_step([("original", engine_config), ("quantized", quantized)], bench, progress)
+    bench_results["settings"] = dataclasses.asdict(bench)
+    bench_results["rows"] = speed_rows(bench_results)
+    report = {"date": started, "model": model,
+              "quantization": {**dataclasses.asdict(summary), "config": dataclasses.asdict(summary.config)},
+              "eval": runner.report_json(results, spec, engine_config, notes, None),
+              "gate": runner.gate_summary(results, rows, max_drop, max_drop_rel), "bench": bench_results,
+              "engine": {k: v for k, v in engine_config.to_dict().items() if k not in ("model", "tokenizer")}}
+    prefix = report_prefix or f"{out.rstrip('/')}-report"
+    report["report_files"] = [f"{prefix}.json", f"{prefix}.md"]
+    runner.write_json(report["report_files"][0], report)
+    md = Path(report["report_files"][1])
+    tmp = md.with_name(f".{md.name}.tmp")
+    tmp.write_text(markdown(report, summary_lines(summary)))
+    tmp.replace(md)
+    return report

@@ -1,0 +1,335 @@
+"""What `nvllm eval` runs: tasks through lm-eval on an NvllmLM (local task configs offline, lm-eval's own when
+the hub is reachable), perplexity through perplexity.py, one result dict per model, the results table."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from nvllm.config import ConfigError, EngineConfig
+
+TASK_HELP = "gsm8k, mmlu, mmlu_<category|subject>, wikitext, c4 or a text file path"
+
+
+class EvalError(ValueError):
+    """A user mistake in the eval flags or data (one clear line)."""
+
+
+@dataclass
+class EvalSpec:
+    tasks: list[str]
+    num_fewshot: int | None = None
+    limit: int | None = None
+    data_dir: str | None = None
+    max_gen_toks: int | None = None
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        from nvllm.eval.perplexity import is_perplexity_task
+
+        self.tasks = list(dict.fromkeys(t.strip() for t in self.tasks if t.strip()))
+        if not self.tasks:
+            raise EvalError(f"no task given; choose from {TASK_HELP}")
+        for name, v in (("limit", self.limit), ("max_gen_toks", self.max_gen_toks), ("max_length", self.max_length)):
+            if v is not None and v < 1:
+                raise EvalError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise EvalError(f"--num-fewshot must be non-negative, got {self.num_fewshot}")
+        if self.data_dir is not None and not Path(self.data_dir).is_dir():
+            raise EvalError(f"data directory {self.data_dir} does not exist")
+        self.ppl_tasks = [t for t in self.tasks if is_perplexity_task(t)]
+        self.harness_tasks = [t for t in self.tasks if t not in self.ppl_tasks]
+
+
+def require_lm_eval() -> None:
+    """One clear line when the `eval` extra is missing."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        from nvllm.cli_options import fail
+
+        fail("nvllm eval needs lm-eval: pip install -e '.[eval]'")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+@contextmanager
+def task_manager(spec: EvalSpec):
+    """lm-eval's TaskManager for the harness tasks: local configs rendered into a temporary folder when
+    --data-dir is given, else lm-eval's own tasks (the hub must be reachable). Yields (manager, notes)."""
+    from lm_eval.tasks import TaskManager
+
+    from nvllm.eval import tasks as local
+
+    if not spec.harness_tasks:
+        yield None, {}
+        return
+    if spec.data_dir is not None:
+        unknown = [t for t in spec.harness_tasks if t not in local.LOCAL_TASKS]
+        if unknown:
+            raise EvalError(f"unknown task {unknown[0]!r}; choose from {TASK_HELP}")
+        with tempfile.TemporaryDirectory(prefix="nvllm-eval-") as tmp:
+            try:
+                notes = local.render(spec.data_dir, spec.harness_tasks, Path(tmp), spec.num_fewshot)
+            except local.DataError as e:
+                raise EvalError(str(e)) from e
+            yield TaskManager(include_path=tmp, include_defaults=False), notes
+        return
+    if not hub_reachable():
+        raise EvalError("the Hugging Face hub is unreachable and no --data-dir was given: pass --data-dir DIR "
+                        "with local copies (gsm8k/test.jsonl, mmlu/test/*.csv, ...)")
+    manager = TaskManager()
+    unknown = [t for t in spec.harness_tasks if t not in manager.all_tasks]
+    if unknown:
+        raise EvalError(f"unknown task {unknown[0]!r}; choose from {TASK_HELP}")
+    yield manager, {t: "lm-eval task (hub)" for t in spec.harness_tasks}
+
+
+def quantization_config(model_dir: str) -> dict | None:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+
+
+def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "model", progress=None) -> dict:
+    """Evaluate one model on every task of `spec`; the result dict `nvllm eval` prints, compares and saves."""
+    import lm_eval
+
+    from nvllm.eval.lm_eval_model import NvllmLM
+    from nvllm.eval.perplexity import PerplexityError, evaluate_perplexity, load_corpus
+    from nvllm.kernels import report
+    from nvllm.llm import LLM
+
+    corpora = []
+    for name in spec.ppl_tasks:  # read the text before loading weights: a missing file fails fast
+        try:
+            corpora.append(load_corpus(name, spec.data_dir))
+        except PerplexityError as e:
+            raise EvalError(str(e)) from e
+    start = time.time()
+    llm = LLM.from_config(config)
+    if progress is not None and not progress.disable:  # the bars show progress; skip the per-batch stat lines
+        logging.getLogger("nvllm").setLevel(logging.WARNING)
+    try:
+        lm = NvllmLM(llm=llm, max_length=spec.max_length,
+                     **({"max_gen_toks": spec.max_gen_toks} if spec.max_gen_toks else {}))
+    except ValueError as e:
+        raise EvalError(str(e)) from e
+    lm.progress, lm.progress_prefix = progress, f"{label}: "
+    out: dict = {"label": label, "model": config.model, "tokenizer": config.tokenizer,
+                 "quantization_config": quantization_config(config.model), "max_length": lm.max_length,
+                 "tasks": {}, "samples": {}, "hashes": {}}
+    if spec.harness_tasks:
+        r = lm_eval.simple_evaluate(model=lm, tasks=list(spec.harness_tasks), task_manager=manager,
+                                    num_fewshot=spec.num_fewshot, limit=spec.limit, log_samples=True,
+                                    gen_kwargs={"max_gen_toks": spec.max_gen_toks} if spec.max_gen_toks else None)
+        for name in spec.harness_tasks:
+            out["tasks"][name], out["samples"][name], out["hashes"][name] = harness_entry(r, name)
+        out["lm_eval_version"] = r.get("lm_eval_version")
+    for corpus in corpora:
+        res = evaluate_perplexity(lm, corpus, spec.limit)
+        per_doc = res.pop("per_doc")
+        out["tasks"][corpus.name] = {**res, "stderr": {}, "num_fewshot": None,
+                                     "higher_is_better": {k: False for k in res["metrics"]}}
+        out["hashes"][corpus.name] = _digest([(str(i), str(n)) for i, n in enumerate(per_doc["tokens"])])
+    out["truncated_requests"] = lm.truncated
+    out["kernel_report"] = report.snapshot()
+    out["elapsed_s"] = round(time.time() - start, 2)
+    del lm, llm
+    gc.collect()
+    _empty_cuda_cache()
+    return out
+
+
+def baseline_config(candidate: EngineConfig, baseline: str) -> EngineConfig:
+    """The candidate's engine settings, the baseline's weights and tokenizer."""
+    import dataclasses
+
+    return dataclasses.replace(candidate, model=baseline, tokenizer=None)
+
+
+def run_eval(engine_config: EngineConfig, spec: EvalSpec, baseline: str | None = None,
+             max_drop: float | None = None, max_drop_rel: float | None = None, progress: bool = True):
+    """Evaluate the model (and its baseline first, when given) on identical samples.
+    Returns (results, gate rows, data notes); rows are empty without a baseline."""
+    from nvllm.eval import regression
+
+    configs = [("model", engine_config)]
+    if baseline is not None:
+        base = baseline_config(engine_config, baseline)
+        regression.check_same_tokenizer(base.tokenizer, engine_config.tokenizer)
+        configs = [("baseline", base), ("candidate", engine_config)]
+    with task_manager(spec) as (manager, notes), progress_bar(progress) as bar:
+        results = [evaluate_model(config, spec, manager, label, bar) for label, config in configs]
+    rows = regression.compare(results[0], results[1], max_drop, max_drop_rel) if baseline is not None else []
+    return results, rows, notes
+
+
+def gate_summary(results: list[dict], rows: list, max_drop: float | None, max_drop_rel: float | None) -> dict:
+    return {"baseline": results[0]["model"], "candidate": results[-1]["model"], "max_drop": max_drop,
+            "max_drop_rel": max_drop_rel, "passed": not any(r.failed for r in rows),
+            "failed": sorted({f"{r.task} ({r.metric})" for r in rows if r.failed}),
+            "rows": [r.to_dict() for r in rows]}
+
+
+def print_eval(out, results: list[dict], rows: list, max_drop: float | None, max_drop_rel: float | None) -> None:
+    from nvllm.eval import regression
+
+    for r in results:
+        out.print(results_table(r, f"{r['label']}: {r['model']}"))
+        if r["truncated_requests"]:
+            out.print(f"[yellow]note:[/] {r['truncated_requests']} requests were cut on the left to the scoring "
+                      f"window of {r['max_length']} tokens", highlight=False)
+    if rows:
+        out.print(regression.gate_table(rows, max_drop, max_drop_rel))
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _num(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None  # lm-eval writes "N/A" where no standard error exists
+
+
+def _metrics(res: dict) -> tuple[dict, dict]:
+    metrics, stderr = {}, {}
+    for key, v in res.items():
+        if "," not in key:
+            continue
+        metric, filt = key.split(",", 1)
+        if metric.endswith("_stderr"):
+            stderr[f"{metric[:-len('_stderr')]},{filt}"] = _num(v)
+        else:
+            metrics[key] = _num(v)
+    return metrics, stderr
+
+
+def _leaves(r: dict, name: str) -> list[str]:
+    subs = r.get("group_subtasks", {}).get(name) or []
+    return [leaf for s in subs for leaf in _leaves(r, s)] if subs else [name]
+
+
+def _digest(pairs) -> str:
+    return hashlib.sha256(json.dumps(sorted(pairs)).encode()).hexdigest()
+
+
+def harness_entry(r: dict, name: str) -> tuple[dict, dict, str]:
+    """(task entry, per-sample metric values {metric: {sample id: value}}, digest of the samples seen)."""
+    res = r["results"].get(name) or r.get("groups", {}).get(name) or {}
+    metrics, stderr = _metrics(res)
+    leaves = _leaves(r, name)
+    hib_all = r.get("higher_is_better", {})
+    hib = {k: bool(hib_all.get(leaves[0], {}).get(k.split(",")[0], True)) for k in metrics}
+    n = res.get("sample_len") or sum(r.get("n-samples", {}).get(x, {}).get("effective", 0) for x in leaves)
+    entry = {"metrics": metrics, "stderr": stderr, "higher_is_better": hib, "n_samples": int(n),
+             "num_fewshot": r.get("n-shot", {}).get(leaves[0])}
+    tree = set(_tree(r, name))
+    subs = [k for k in r["results"] if k in tree]
+    if subs:
+        entry["subtasks"] = {}
+        for k in subs:
+            m, se = _metrics(r["results"][k])
+            entry["subtasks"][k] = {"metrics": m, "stderr": se, "n_samples": r["results"][k].get("sample_len")}
+    samples: dict[str, dict[str, float]] = {}
+    seen = []
+    for leaf in leaves:
+        for s in r.get("samples", {}).get(leaf, []):
+            sid = f"{leaf}/{s['doc_id']}"
+            seen.append((sid, s.get("doc_hash", ""), s.get("prompt_hash", "")))
+            for m in s.get("metrics", []):
+                if isinstance(s.get(m), (int, float)):
+                    samples.setdefault(f"{m},{s['filter']}", {})[sid] = float(s[m])
+    return entry, samples, _digest(list(set(seen)))
+
+
+def _tree(r: dict, name: str) -> list[str]:
+    subs = r.get("group_subtasks", {}).get(name) or []
+    return [x for s in subs for x in (s, *_tree(r, s))]
+
+
+def results_table(result: dict, title: str):
+    from rich.table import Table
+
+    table = Table(title=title, caption="accuracy in %, ± standard error")
+    for col, just in (("task", "left"), ("metric", "left"), ("n", "right"), ("shots", "right"),
+                      ("value", "right")):
+        table.add_column(col, justify=just)
+    for name, t in result["tasks"].items():
+        for key, v in t["metrics"].items():
+            se = t.get("stderr", {}).get(key)
+            scale = 100.0 if t.get("higher_is_better", {}).get(key, True) else 1.0
+            text = "n/a" if v is None else f"{v * scale:.2f}" + ("" if se is None else f" ± {se * scale:.2f}")
+            shots = t.get("num_fewshot")
+            table.add_row(name, key, str(t.get("n_samples", "")), "" if shots is None else str(shots), text)
+    return table
+
+
+def report_json(results: list[dict], spec: EvalSpec, engine: EngineConfig, notes: dict, gate: dict | None) -> dict:
+    """The JSON `--output-json` writes: per-model task results (no per-sample values), the run's settings."""
+    models = [{k: v for k, v in r.items() if k not in ("samples", "hashes")} for r in results]
+    return {"tasks": spec.tasks, "num_fewshot": spec.num_fewshot, "limit": spec.limit, "data_dir": spec.data_dir,
+            "data": notes, "engine": {k: v for k, v in engine.to_dict().items() if k not in ("model", "tokenizer")},
+            "models": models, "gate": gate, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+@contextmanager
+def progress_bar(enabled: bool = True):
+    """One Rich progress display for the whole run; each model's request batches add their bars to it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from nvllm.logger import console
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console(), disable=not enabled) as bar:
+        yield bar
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write through a temporary file and a rename: never a half-written result."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str, allow_nan=False) + "\n")
+    os.replace(tmp, target)
+
+
+def quiet_libraries() -> None:
+    """lm-eval, datasets and transformers log a lot at INFO; `nvllm eval` shows its own progress and table."""
+    for name in ("lm_eval", "lm-eval", "datasets", "evaluate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+__all__ = ["ConfigError", "EvalError", "EvalSpec", "evaluate_model", "report_json", "results_table", "task_manager"]

@@ -1,0 +1,303 @@
+"""`nvllm eval` and the lm-eval backend, checked against references nobody here wrote: lm-eval's own `hf`
+backend (HF transformers) on the same weights and requests, and a direct HF transformers perplexity loop.
+Data: the small slices in tests/data/eval (see its README for provenance)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.model import TemplateLM  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from nvllm.assets import demo_model_path  # noqa: E402
+from nvllm.cli import app  # noqa: E402
+from nvllm.eval import perplexity, tasks  # noqa: E402
+from nvllm.eval.lm_eval_model import NvllmLM  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data" / "eval"
+WINDOW = 256  # a scoring window shorter than the prompts, so truncation and multi-window documents happen
+
+
+@pytest.fixture(scope="module")
+def nv() -> NvllmLM:
+    return NvllmLM(device="cpu", max_length=WINDOW, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=demo_model_path(), device="cpu", dtype="float32", batch_size=16, max_length=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def local_tasks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tasks")
+    tasks.render(DATA, ["mmlu", "gsm8k"], out, num_fewshot=None)
+    return TaskManager(include_path=str(out), include_defaults=False)
+
+
+def run(lm, manager, task_names, **kw):
+    return lm_eval.simple_evaluate(model=lm, tasks=task_names, task_manager=manager, log_samples=True, **kw)
+
+
+# ---- lm-eval backend vs lm-eval's hf backend ------------------------------------------------------------
+def test_mmlu_same_loglikelihoods_and_accuracy_as_hf_backend(nv, hf, local_tasks):
+    nv.truncated = 0
+    a, b = (run(lm, local_tasks, ["mmlu"], num_fewshot=1, limit=3) for lm in (nv, hf))
+    assert nv.truncated > 0  # some 1-shot prompts exceed the window: both backends cut them the same way
+    assert a["results"]["mmlu"]["acc,none"] == b["results"]["mmlu"]["acc,none"]
+    assert a["results"]["mmlu"]["sample_len"] == 12  # 4 subjects x 3 questions
+    pairs = 0
+    for task, samples in b["samples"].items():
+        for sa, sb in zip(a["samples"][task], samples, strict=True):
+            assert sa["doc_id"] == sb["doc_id"] and sa["prompt_hash"] == sb["prompt_hash"]
+            for (la, ga), (lb, gb) in zip([r[0] for r in sa["resps"]], [r[0] for r in sb["resps"]], strict=True):
+                assert la == pytest.approx(lb, abs=1e-4) and ga == gb
+                pairs += 1
+    assert pairs == 48
+
+
+def test_loglikelihood_rolling_matches_hf_backend(nv, hf):
+    docs = perplexity.load_corpus("wikitext", DATA).scored[:1]
+    reqs = [Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(docs)]
+    a, b = nv.loglikelihood_rolling(reqs), hf.loglikelihood_rolling(reqs)
+    assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_gsm8k_generation_matches_hf_backend_and_scores_both_filters(nv, hf, local_tasks):
+    kw = dict(limit=2, gen_kwargs={"max_gen_toks": 16})
+    a, b = run(nv, local_tasks, ["gsm8k"], **kw), run(hf, local_tasks, ["gsm8k"], **kw)
+    res = a["results"]["gsm8k"]
+    for key in ("exact_match,strict-match", "exact_match,flexible-extract"):
+        assert key in res and f"exact_match_stderr,{key.split(',')[1]}" in res
+    assert a["n-shot"]["gsm8k"] == 5 and a["n-samples"]["gsm8k"]["effective"] == 2
+    gen_a = [s["resps"][0][0] for s in a["samples"]["gsm8k"]]
+    gen_b = [s["resps"][0][0] for s in b["samples"]["gsm8k"]]
+    assert gen_a == gen_b and all(g.strip() for g in gen_a)  # greedy: the same text as HF generate()
+    assert {s["filter"] for s in a["samples"]["gsm8k"]} == {"strict-match", "flexible-extract"}
+
+
+class GoldAnswers(TemplateLM):
+    """Answers each GSM8K question with its reference solution: both filters must then score 1."""
+
+    def __init__(self):
+        super().__init__()
+        rows = [json.loads(x) for x in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines()]
+        self.answers = {r["question"]: r["answer"] for r in rows}
+
+    eot_token_id = 0
+
+    def tok_encode(self, string, **kw):
+        return [ord(c) for c in string]
+
+    def _loglikelihood_tokens(self, requests, **kw):
+        raise NotImplementedError
+
+    def loglikelihood_rolling(self, requests, **kw):
+        raise NotImplementedError
+
+    def generate_until(self, requests, **kw):
+        return [" " + self.answers[r.args[0].rsplit("Question: ", 1)[1].rsplit("\nAnswer:", 1)[0]] for r in requests]
+
+
+def test_gsm8k_local_task_scores_reference_answers_fully(local_tasks):
+    res = run(GoldAnswers(), local_tasks, ["gsm8k"])["results"]["gsm8k"]
+    assert res["exact_match,strict-match"] == 1.0 and res["exact_match,flexible-extract"] == 1.0
+
+
+# ---- local task configs ---------------------------------------------------------------------------------
+def test_mmlu_csv_with_and_without_header_give_the_same_documents(tmp_path):
+    for split in ("test", "dev"):
+        for f in sorted((DATA / "mmlu" / split).glob("*.csv")):
+            with_header = tasks.read_mmlu_csv(DATA / "mmlu_final_hf" / split / f.name)
+            assert tasks.read_mmlu_csv(f) == with_header and len(with_header) == 5
+    shutil.copytree(DATA / "mmlu", tmp_path / "data" / "mmlu")  # only the header-less copy
+    notes = tasks.render(tmp_path / "data", ["mmlu_sociology"], tmp_path / "out")
+    assert "1 of 57" in notes["mmlu"]
+    docs = [json.loads(x) for x in (tmp_path / "out/mmlu/data/sociology_test.jsonl").read_text().splitlines()]
+    assert docs == tasks.read_mmlu_csv(DATA / "mmlu_final_hf/test/sociology_test.csv")
+    assert all(d["answer"] in range(4) and len(d["choices"]) == 4 for d in docs)
+
+
+# ---- perplexity -----------------------------------------------------------------------------------------
+def hf_direct_loglik(model, tokens: list[int], bos: int, window: int) -> float:
+    """Every token predicted once: chunks of `window` predictions, each chunk's input the `window` ids before
+    its last prediction (BOS first), the same token-level definition written plainly against HF."""
+    ids = torch.tensor([bos] + tokens)
+    total = 0.0
+    for s in range(0, len(tokens), window):
+        e = min(s + window, len(tokens))
+        start = max(0, e - window)
+        with torch.no_grad():
+            lsm = torch.log_softmax(model(ids[start:e][None]).logits[0].double(), dim=-1)
+        k = torch.arange(s, e)
+        total += float(lsm[k - start, ids[k + 1]].sum())
+    return total
+
+
+def test_perplexity_matches_direct_hf_computation(nv):
+    from transformers import AutoModelForCausalLM
+
+    corpus = perplexity.load_corpus("wikitext", DATA)
+    assert len(corpus.raw) == 2 and corpus.raw[1].startswith(" = Du Fu = \n")
+    res = perplexity.evaluate_perplexity(nv, corpus, limit=1)
+    model = AutoModelForCausalLM.from_pretrained(demo_model_path(), dtype=torch.float32).eval()
+    tokens = nv.tokenizer.encode(corpus.scored[0], add_special_tokens=False)
+    ll = hf_direct_loglik(model, tokens, nv.tokenizer.bos_token_id, WINDOW)
+    assert len(tokens) > 4 * WINDOW and res["n_tokens"] == len(tokens)
+    assert res["metrics"]["token_perplexity"] == pytest.approx(math.exp(-ll / len(tokens)), rel=1e-4)
+    assert res["metrics"]["bits_per_byte"] == pytest.approx(-ll / len(corpus.raw[0].encode()) / math.log(2),
+                                                            rel=1e-4)
+
+
+def test_perplexity_on_c4_and_a_text_file(nv, tmp_path):
+    c4 = perplexity.load_corpus("c4", DATA)
+    assert len(c4.raw) == 3
+    text = tmp_path / "story.txt"
+    text.write_text("Once upon a time, there was a little girl named Lily. She loved to play outside.\n")
+    for corpus in (c4, perplexity.load_corpus(str(text), None)):
+        m = perplexity.evaluate_perplexity(nv, corpus, limit=2)["metrics"]
+        assert all(math.isfinite(v) and v > 0 for v in m.values())
+
+
+# ---- the command line -----------------------------------------------------------------------------------
+def cli(*args: str, env: dict | None = None):
+    return CliRunner(env={"COLUMNS": "200", **(env or {})}).invoke(app, ["eval", "--device", "cpu", *args])
+
+
+@pytest.fixture(scope="module")
+def rtn2_model(tmp_path_factory) -> str:
+    """The demo model with every projection rounded to 2 bits (per row) and stored back in float32."""
+    from safetensors.torch import load_file, save_file
+
+    from nvllm.quant.formats import quantize_rtn
+
+    out = tmp_path_factory.mktemp("rtn2")
+    for f in Path(demo_model_path()).iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    sd = load_file(Path(demo_model_path()) / "model.safetensors")
+    sd = {k: quantize_rtn(v, bits=2, group_size=-1).dequantize() if k.endswith("_proj.weight") else v
+          for k, v in sd.items()}
+    save_file(sd, out / "model.safetensors")
+    return str(out)
+
+
+def test_gate_passes_on_the_same_model_and_writes_the_report(tmp_path):
+    report = tmp_path / "eval.json"
+    r = cli("--baseline", demo_model_path(), "--tasks", "mmlu,wikitext", "--limit", "1", "--max-length", "128",
+            "--data-dir", str(DATA), "--output-json", str(report), "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert "regression gate" in r.output and "FAIL" not in r.output
+    data = json.loads(report.read_text())
+    assert data["gate"]["passed"] and [m["label"] for m in data["models"]] == ["baseline", "candidate"]
+    cand = data["models"][1]
+    assert cand["model"] == demo_model_path() and "quantization_config" in cand
+    assert cand["kernel_report"] and cand["tasks"]["mmlu"]["n_samples"] == 4
+    assert set(cand["tasks"]["mmlu"]["stderr"]) == {"acc,none"}
+    assert {"mmlu_abstract_algebra", "mmlu_stem"} <= set(cand["tasks"]["mmlu"]["subtasks"])
+    assert all(row["delta"] == 0 for row in data["gate"]["rows"])
+
+
+def test_gate_fails_on_a_2bit_copy(rtn2_model, tmp_path):
+    r = cli("--model", rtn2_model, "--baseline", demo_model_path(), "--tasks", "wikitext", "--limit", "1",
+            "--data-dir", str(DATA), "--max-drop", "1.0", "--no-progress")
+    assert r.exit_code == 1, r.output
+    assert "FAIL" in r.output and "regression gate failed: wikitext (token_perplexity)" in " ".join(r.output.split())
+
+
+def test_gate_refuses_different_tokenizers(tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(demo_model_path(), other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["▁Lily"], vocab["▁the"] = vocab["▁the"], vocab["▁Lily"]  # two pieces swap ids
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    r = cli("--model", str(other), "--baseline", demo_model_path(), "--tasks", "wikitext", "--data-dir", str(DATA))
+    assert r.exit_code == 2 and "different tokenizers" in r.output
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--tasks", "hellaswag", "--data-dir", str(DATA)], {}, "unknown task 'hellaswag'"),
+    (["--tasks", "gsm8k"], {"HF_HUB_OFFLINE": "1"}, "hub is unreachable and no --data-dir"),
+    (["--tasks", "wikitext"], {"HF_HUB_OFFLINE": "1"}, "hub is unreachable: pass --data-dir"),
+    (["--tasks", "mmlu", "--data-dir", "/no/such/dir"], {}, "data directory /no/such/dir does not exist"),
+    (["--tasks", "gsm8k", "--data-dir", str(DATA / "mmlu")], {}, "GSM8K not found"),
+    (["--tasks", "mmlu", "--limit", "0", "--data-dir", str(DATA)], {}, "--limit must be at least 1"),
+    (["--tasks", "mmlu", "--limit", "-3", "--data-dir", str(DATA)], {}, "--limit must be at least 1"),
+    (["--tasks", "mmlu", "--max-drop", "1"], {}, "need --baseline"),
+    (["--tasks", "/no/such/file.txt"], {}, "perplexity file /no/such/file.txt does not exist"),
+])
+def test_eval_bad_input(args, env, message):
+    r = cli(*args, env=env)
+    assert r.exit_code == 2, r.output
+    out = " ".join(r.output.split())
+    assert message in out and "Traceback" not in out and len(r.output.strip().splitlines()) == 1
+
+
+# ---- `--model nvllm` in lm-eval's own command line -------------------------------------------------------
+def test_entry_point_declared_for_lm_eval():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep for ep in entry_points(group="lm_eval.models")}
+    assert eps["nvllm"].load() is NvllmLM
+
+
+@pytest.mark.slow
+def test_lm_eval_command_line_runs_the_nvllm_backend(tmp_path):
+    tasks.render(DATA, ["mmlu_management"], tmp_path)
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "nvllm.eval", "--model", "nvllm",
+                        "--model_args", f"model={demo_model_path()},device=cpu,show_progress=False",
+                        "--tasks", "mmlu_management", "--include_path", str(tmp_path), "--limit", "3"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("nvllm (") and "|management|" in r.stdout and "|acc   |" in r.stdout
+
+
+# ---- nvllm pipeline -------------------------------------------------------------------------------------
+def test_pipeline_quantizes_gates_benches_and_reports(tmp_path):
+    out = tmp_path / "q"
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, [
+        "pipeline", "--device", "cpu", "--method", "rtn", "--bits", "4", "--group-size", "32", "--calib-samples",
+        "2", "--calib-seqlen", "32", "--out", str(out), "--tasks", "wikitext", "--limit", "1", "--max-length", "128",
+        "--data-dir", str(DATA), "--max-drop-rel", "1000", "--batch-size", "2", "--input-len", "8", "--output-len",
+        "4", "--num-iters-warmup", "0", "--num-iters", "1", "--num-prompts", "2", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "q-report.json").read_text())
+    assert report["quantization"]["config"]["method"] == "rtn" and (out / "config.json").is_file()
+    assert report["gate"]["passed"] and report["gate"]["rows"][0]["metric"] == "token_perplexity"
+    assert report["eval"]["models"][1]["quantization_config"]["quant_method"] == "gptq"
+    quant_kernels = report["bench"]["quantized"]["latency"]["kernel_report"]
+    assert "quant_gemm" in quant_kernels and "quant_gemm" not in report["bench"]["original"]["latency"]["kernel_report"]
+    assert all(row["speedup"] > 0 for row in report["bench"]["rows"])
+    md = (tmp_path / "q-report.md").read_text()
+    for heading in ("## Quantization", "## Accuracy: regression gate passed", "## Speed", "## Kernel report"):
+        assert heading in md
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "wikitext", "--data-dir", str(DATA)], "choose a method"),
+    (["--method", "rtn", "--tasks", "/no/such/file.txt"], "perplexity file /no/such/file.txt does not exist"),
+    (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--num-iters", "0"],
+     "--num-iters must be at least 1"),
+    (["--method", "rtn", "--tasks", "gsm8k", "--data-dir", str(DATA / "mmlu")], "GSM8K not found"),
+])
+def test_pipeline_bad_input_fails_before_quantizing(tmp_path, args, message):
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["pipeline", "--device", "cpu", "--out", str(tmp_path / "q"),
+                                                       *args])
+    assert r.exit_code == 2 and message in " ".join(r.output.split()) and not (tmp_path / "q").exists()
