@@ -5,6 +5,7 @@ Inputs:
   k_cache/v_cache [num_blocks, block_size, H_kv, D]                (this step's K/V already stored)
   block_tables    [B, max_blocks] int32
   context_lens    [B] int32                                        (0 = padding row: its output is 0)
+  k_scale/v_scale [num_blocks, block_size, H_kv] fp32 or None      (a quantized int8 / fp8 e4m3 cache)
 GQA: head h reads KV head h // (H / H_kv).
 
 Kernel (flash-decoding):
@@ -18,6 +19,10 @@ Kernel (flash-decoding):
            exp(lse_i - max lse).
   The query heads of a group form the M side of tl.dot, padded to 16 rows (the smallest tensor-core tile);
   head_dim is padded to a power of two with masks.
+  Quantized cache (KV_QUANT): the kernel dequantizes as it reads, never in a pass over the cache. A K tile
+  is converted exactly to q's dtype (|int8| <= 127 and e4m3 values are exact in fp16/bf16/fp32) and its
+  per-token scales multiply the fp32 scores (QK^T of x·s is s·(QK^T of x)); a V tile is dequantized in
+  fp32 (v · scale per token) and cast to q's dtype before the PV dot.
 
 Split policy (``decode_split_policy``): enough programs to fill the GPU, but never a partition shorter than
 MIN_PARTITION tokens (below that the partial write and the merge cost more than the extra parallelism
@@ -34,20 +39,10 @@ import functools
 
 import torch
 
-tl = None  # triton.language, bound by _jit at the first launch
+from nvllm.kernels.jit import lazy_jit
 
-
-@functools.lru_cache(maxsize=None)
-def _jit(kernel):
-    """``triton.jit(kernel)``, applied at the first launch instead of at import: the package imports without
-    Triton, and Triton must be imported only after TRITON_INTERPRET is set (the interpreter tests set it after
-    the package has been imported)."""
-    global tl
-    import triton
-    import triton.language
-
-    tl = triton.language
-    return triton.jit(kernel)
+tl = None  # triton.language, bound by lazy_jit at the first launch
+_jit = lazy_jit
 
 
 MIN_PARTITION = 128      # tokens: shortest partition worth a split of its own
@@ -61,13 +56,16 @@ DEFAULT_NUM_SMS = 132    # H200; used when the tensors are not on a CUDA device 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """The torch reference: ``paged_attention_reference`` with one query row per sequence."""
+                               scale: float, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference: ``paged_attention_reference`` with one query row per sequence (it dequantizes a
+    quantized cache explicitly)."""
     from nvllm.kernels.paged_attention import paged_attention_reference
 
     batch = q.shape[0]
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                                     k_scale=k_scale, v_scale=v_scale)
 
 
 # ------------------------------------------------------------------------------------------------- Triton
@@ -76,7 +74,7 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # a Triton kernel: launched as _jit(_decode_stage1_kernel)[grid](...)
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale_log2,                                   # softmax scale · log2(e): scores are kept in base 2
     stride_qb, stride_qh, stride_qd,                 # q [B, H, D]
     stride_kb, stride_ko, stride_kh, stride_kd,      # k_cache [num_blocks, block_size, H_kv, D]
@@ -84,6 +82,7 @@ def _decode_stage1_kernel(
     stride_bt,                                       # block_tables row stride
     stride_ob, stride_oh, stride_od,                 # out [B, H, D]
     stride_pb, stride_ph, stride_ps,                 # partials: lse [B, H, S]; o [B, H, S, BLOCK_D] contiguous
+    stride_sb, stride_so, stride_sh,                 # k_scale / v_scale [num_blocks, block_size, H_kv]
     head_dim, partition_size,
     GROUP: tl.constexpr,                             # H / H_kv
     BLOCK_SIZE: tl.constexpr,                        # tokens per cache block
@@ -92,6 +91,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,                           # context tokens per tile
     SPLIT: tl.constexpr,                             # True: write partials; False: write the output rows
     IEEE_DOT: tl.constexpr,                          # fp32 inputs: exact fp32 dot instead of tf32
+    KV_QUANT: tl.constexpr,                          # int8 / fp8 cache with per-(token, head) scales
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -117,6 +117,8 @@ def _decode_stage1_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
+    ks_head = k_scale_ptr + kvh.to(tl.int64) * stride_sh
+    vs_head = v_scale_ptr + kvh.to(tl.int64) * stride_sh
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
@@ -127,11 +129,18 @@ def _decode_stage1_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo + d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
+        if KV_QUANT:
+            k_s = tl.load(ks_head + blk * stride_sb + off * stride_so, mask=n_mask, other=0.0)
+            v_s = tl.load(vs_head + blk * stride_sb + off * stride_so, mask=n_mask, other=0.0)
+            k = k.to(q.dtype)
+            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
 
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if KV_QUANT:
+            s = s * k_s[None, :]
         s = tl.where(n_mask[None, :], s * sm_scale_log2, float("-inf"))     # [BLOCK_G, BLOCK_N]
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -186,6 +195,17 @@ def _decode_stage2_kernel(
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
 
+def kv_scale_args(k_cache, v_cache, k_scale, v_scale):
+    """(k_scale, v_scale, their strides) as the attention kernels take them: a quantized cache's scale tensors,
+    or for an unquantized cache k_cache itself twice (never read) and zero strides."""
+    if k_scale is None:
+        return k_cache, k_cache, (0, 0, 0)
+    assert k_cache.dtype in (torch.int8, torch.float8_e4m3fn) and v_cache.dtype == k_cache.dtype, k_cache.dtype
+    assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+    assert k_scale.dtype == v_scale.dtype == torch.float32
+    return k_scale, v_scale, k_scale.stride()
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -209,8 +229,10 @@ def decode_split_policy(batch: int, num_kv_heads: int, max_len: int, block_n: in
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
-                     max_context_len: int | None = None, partition_size: int | None = None) -> torch.Tensor:
+                     max_context_len: int | None = None, partition_size: int | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton paged decode attention (flash-decoding). Same result as ``decode_attention_reference``.
+    ``k_scale``/``v_scale``: the per-(token, head) scales of an int8 / fp8 cache (None: unquantized).
 
     ``max_context_len``: the batch's longest context if the caller knows it on the host (sizes the split
     grid); ``partition_size``: force a partition length in tokens (a multiple of 16; tests use it to make
@@ -252,15 +274,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
 
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32
+    kv_quant = k_scale is not None
+    k_scale, v_scale, scale_strides = kv_scale_args(k_cache, v_cache, k_scale, v_scale)
     _jit(_decode_stage1_kernel)[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_o, part_lse,
+        out, part_o, part_lse, k_scale, v_scale,
         scale * 1.4426950408889634,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        *part_lse.stride(),
+        *part_lse.stride(), *scale_strides,
         head_dim, partition,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=split, IEEE_DOT=ieee,
+        SPLIT=split, IEEE_DOT=ieee, KV_QUANT=kv_quant,
         num_warps=4, num_stages=2,
     )
     if split:

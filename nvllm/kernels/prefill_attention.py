@@ -6,6 +6,7 @@ Inputs (B sequences, T query tokens in all; the same contract as ``paged_attenti
   block_tables    [B, max_blocks] int32
   query_start_loc [B + 1] int32                          (sequence b owns q rows qsl[b]:qsl[b+1])
   context_lens    [B] int32                              (cache tokens of b after this step's store)
+  k_scale/v_scale [num_blocks, block_size, H_kv] fp32 or None   (a quantized int8 / fp8 e4m3 cache)
 The rows of sequence b are its last query_len positions: row j sits at position context_len - query_len + j
 and attends to cache positions 0 .. that position. Every key (cached prefix and this step's chunk) is read
 from the cache through the block table, so plain prefill, chunked prefill and prefix-cache hits are one path.
@@ -18,28 +19,19 @@ Kernel (flash-attention forward over a paged cache):
   never loaded), gathering token n from block block_tables[b, n // block_size] at offset n % block_size.
   Online softmax in base 2 with fp32 max / sum / accumulator; QK^T and PV on tl.dot. Tiles of a sequence
   past its query_len do no work; head_dim is padded to a power of two with masks.
+  Quantized cache (KV_QUANT): dequantized as the tiles are read, as in the decode kernel — K converted exactly
+  to q's dtype with its per-token scales applied to the fp32 scores, V dequantized in fp32 and cast to q's
+  dtype before the PV dot.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-tl = None  # triton.language, bound by _jit at the first launch
+from nvllm.kernels.jit import lazy_jit
 
-
-@functools.lru_cache(maxsize=None)
-def _jit(kernel):
-    """``triton.jit(kernel)``, applied at the first launch instead of at import: the package imports without
-    Triton, and Triton must be imported only after TRITON_INTERPRET is set (the interpreter tests set it after
-    the package has been imported)."""
-    global tl
-    import triton
-    import triton.language
-
-    tl = triton.language
-    return triton.jit(kernel)
+tl = None  # triton.language, bound by lazy_jit at the first launch
+_jit = lazy_jit
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -47,11 +39,14 @@ def _jit(kernel):
 
 def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """The torch reference: ``paged_attention_reference`` (it covers every query length)."""
+                                context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference: ``paged_attention_reference`` (it covers every query length and dequantizes a
+    quantized cache explicitly)."""
     from nvllm.kernels.paged_attention import paged_attention_reference
 
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                                     k_scale=k_scale, v_scale=v_scale)
 
 
 # ------------------------------------------------------------------------------------------------- Triton
@@ -60,12 +55,14 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 # a Triton kernel: launched as _jit(_prefill_kernel)[grid](...)
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,
     sm_scale_log2,                                   # softmax scale · log2(e): scores are kept in base 2
     stride_qt, stride_qh, stride_qd,                 # q [T, H, D]
     stride_kb, stride_ko, stride_kh, stride_kd,      # k_cache [num_blocks, block_size, H_kv, D]
     stride_vb, stride_vo, stride_vh, stride_vd,      # v_cache
     stride_bt,                                       # block_tables row stride
     stride_ot, stride_oh, stride_od,                 # out [T, H, D]
+    stride_sb, stride_so, stride_sh,                 # k_scale / v_scale [num_blocks, block_size, H_kv]
     head_dim,
     GROUP: tl.constexpr,                             # H / H_kv
     BLOCK_SIZE: tl.constexpr,                        # tokens per cache block
@@ -73,6 +70,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,                           # key tokens per tile
     BLOCK_D: tl.constexpr,                           # head_dim padded to a power of two
     IEEE_DOT: tl.constexpr,                          # fp32 inputs: exact fp32 dot instead of tf32
+    KV_QUANT: tl.constexpr,                          # int8 / fp8 cache with per-(token, head) scales
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -106,6 +104,8 @@ def _prefill_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
+    ks_head = k_scale_ptr + kvh.to(tl.int64) * stride_sh
+    vs_head = v_scale_ptr + kvh.to(tl.int64) * stride_sh
     for n0 in range(0, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < hi
@@ -116,11 +116,18 @@ def _prefill_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo + d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
+        if KV_QUANT:
+            k_s = tl.load(ks_head + blk * stride_sb + off * stride_so, mask=n_mask, other=0.0)
+            v_s = tl.load(vs_head + blk * stride_sb + off * stride_so, mask=n_mask, other=0.0)
+            k = k.to(q.dtype)
+            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
 
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if KV_QUANT:
+            s = s * k_s[None, :]
         visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(visible, s * sm_scale_log2, float("-inf"))             # [BLOCK_M, BLOCK_N]
 
@@ -157,12 +164,16 @@ def _prefill_config(head_dim_padded: int, max_query_len: int) -> tuple[int, int,
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
                       max_query_len: int, out: torch.Tensor | None = None, *,
-                      block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                      block_m: int | None = None, block_n: int | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton paged prefill / extend attention. Same result as ``prefill_attention_reference``.
+    ``k_scale``/``v_scale``: the per-(token, head) scales of an int8 / fp8 cache (None: unquantized).
 
     ``max_query_len`` (host int, >= every sequence's query_len) sizes the grid; ``block_m`` / ``block_n``
     override the tile sizes (powers of two >= 16)."""
     import triton
+
+    from nvllm.kernels.decode_attention import kv_scale_args
 
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, kd = k_cache.shape
@@ -180,14 +191,17 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     bm, bn, num_warps, num_stages = _prefill_config(block_d, max_query_len)
     bm, bn = block_m or bm, block_n or bn
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32
+    kv_quant = k_scale is not None
+    k_scale, v_scale, scale_strides = kv_scale_args(k_cache, v_cache, k_scale, v_scale)
     grid = (triton.cdiv(max_query_len, bm), num_heads, batch)
     _jit(_prefill_kernel)[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, k_scale, v_scale,
         scale * 1.4426950408889634,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        *scale_strides,
         head_dim,
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
-        IEEE_DOT=ieee,
+        IEEE_DOT=ieee, KV_QUANT=kv_quant,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -1,15 +1,67 @@
 """Attention over the paged KV cache. The model runner builds one AttentionMetadata per step; every layer
-stores its new K/V by slot mapping and attends through the block tables."""
+stores its new K/V by slot mapping and attends through the block tables.
+
+Each layer's cache is a ``KVCache``: K and V blocks ``[num_blocks, block_size, num_kv_heads, head_dim]`` and, for
+a quantized cache (``kv_cache_dtype`` int8 / fp8_e4m3), their fp32 scales ``[num_blocks, block_size,
+num_kv_heads]`` (one per token and KV head, computed when the token is stored), paged by the same block ids —
+so prefix caching, chunked prefill and preemption, which only move block ids, need nothing more."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from nvllm.kernels.kv_store import store_kv
 from nvllm.kernels.paged_attention import paged_attention
+
+# --kv-cache-dtype -> element type of the cache (None: the model's dtype, no scales)
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
+                                                  "fp8_e4m3": torch.float8_e4m3fn}
+SCALE_DTYPE = torch.float32
+
+
+class KVCache(NamedTuple):
+    """One layer's paged KV cache; ``kv[0]`` / ``kv[1]`` are K and V as in a plain (k, v) tuple."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] fp32 (quantized cache only)
+    v_scale: torch.Tensor | None = None
+
+
+def kv_cache_element_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, model_dtype: torch.dtype,
+                             kv_cache_dtype: str = "auto") -> int:
+    """Real bytes one token occupies in the pool: K and V elements of every layer plus, when quantized, one
+    fp32 scale per (layer, K/V, KV head)."""
+    elem = kv_cache_element_dtype(model_dtype, kv_cache_dtype)
+    per_head = head_dim * elem.itemsize
+    if KV_CACHE_DTYPES[kv_cache_dtype] is not None:
+        per_head += SCALE_DTYPE.itemsize
+    return 2 * num_layers * num_kv_heads * per_head
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       model_dtype: torch.dtype, kv_cache_dtype: str, device) -> list[KVCache]:
+    """Zeroed caches for every layer (zeros dequantize to zeros: a scale of 0 and elements of 0)."""
+    elem = kv_cache_element_dtype(model_dtype, kv_cache_dtype)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    quantized = KV_CACHE_DTYPES[kv_cache_dtype] is not None
+    caches = []
+    for _ in range(num_layers):
+        k, v = (torch.zeros(shape, dtype=elem, device=device) for _ in range(2))
+        if quantized:
+            ks, vs = (torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(2))
+            caches.append(KVCache(k, v, ks, vs))
+        else:
+            caches.append(KVCache(k, v))
+    return caches
 
 
 @dataclass
@@ -27,11 +79,15 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache | tuple,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, H_kv, D] → [T, H·D]."""
-        k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        """q: [T, H, D], k/v: [T, H_kv, D] → [T, H·D]. ``kv_cache``: a KVCache (or a plain (k, v) tuple)."""
+        if len(kv_cache) == 2:
+            (k_cache, v_cache), k_scale, v_scale = kv_cache, None, None
+        else:
+            k_cache, v_cache, k_scale, v_scale = kv_cache
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
-                              self.scale, meta.max_query_len, max_context_len=meta.max_context_len)
+                              self.scale, meta.max_query_len, max_context_len=meta.max_context_len,
+                              k_scale=k_scale, v_scale=v_scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
