@@ -42,6 +42,9 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "block_size": _opt(16, int, "tokens per KV-cache block"),
     "num_kv_blocks": _opt(None, Optional[int], "KV-cache blocks (overrides the memory-based sizing)"),
     "kv_cache_memory": _opt(None, Optional[float], "KV-cache size in GiB (the CPU's way to size the pool)"),
+    "kv_cache_dtype": _opt("auto", str, "auto | int8 | fp8_e4m3: KV-cache elements (auto: the model dtype; "
+                           "int8/fp8_e4m3: 8 bits with a scale per token and head, about twice the tokens; "
+                           "fp8_e4m3 on GPUs of compute capability >= 8.9 and on CPU)"),
     "gpu_memory_utilization": _opt(0.9, float, "fraction of GPU memory for weights, activations and KV cache"),
     "max_num_seqs": _opt(256, int, "maximum sequences in one batch"),
     "max_num_batched_tokens": _opt(2048, int, "token budget of one step (prefill chunks + decodes)"),
@@ -49,6 +52,8 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
                                   "--enable-prefix-caching/--no-enable-prefix-caching"),
     "enforce_eager": _opt(False, bool, "never capture CUDA graphs"),
     "log_stats_interval": _opt(5.0, float, "seconds between engine log lines (0: off)"),
+    "speculative": _opt(None, Optional[str], "speculative decoding: k=4,draft=DIR | k=3,method=ngram | "
+                        "k=auto,draft=DIR | JSON {\"draft_model\": DIR, \"num_speculative_tokens\": 4}"),
 }
 
 

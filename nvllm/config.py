@@ -13,6 +13,7 @@ import torch
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8_e4m3")
 
 
 class ConfigError(ValueError):
@@ -32,6 +33,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: float | None = None  # GiB; the CPU's way to size the pool
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8_e4m3: 8-bit K/V, per-token-head scales
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -39,6 +41,8 @@ class EngineConfig:
     enforce_eager: bool = False
     log_stats_interval: float = 5.0  # seconds between periodic log lines; 0 turns them off
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # speculative decoding: "k=4,draft=DIR" | "k=3,method=ngram" | "k=auto,draft=DIR" | JSON | dict | None
+    speculative: Any = None  # parsed into nvllm.spec.config.SpeculativeConfig
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -66,6 +70,21 @@ class EngineConfig:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be at least 1")
+        self._check_kv_cache_dtype()
+        if self.speculative is not None:
+            from nvllm.spec.config import parse_speculative
+
+            self.speculative = parse_speculative(self.speculative)
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto, int8 or fp8_e4m3")
+        if self.kv_cache_dtype == "fp8_e4m3" and self.device.startswith("cuda") and torch.cuda.is_available():
+            dev = torch.device(self.device)
+            major, minor = torch.cuda.get_device_capability(dev)
+            if (major, minor) < (8, 9):
+                raise ConfigError(f"kv_cache_dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer; "
+                                  f"{torch.cuda.get_device_name(dev)} is {major}.{minor} (use int8)")
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """float32 on CPU; on GPU the checkpoint's half type, bfloat16 for float32 checkpoints."""

@@ -17,7 +17,12 @@ Prompt = str | Seq[int] | dict[str, Any]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any):
+        """engine_options: EngineConfig's fields; `speculative_config=` is accepted for `speculative=`."""
         setup_logging()
+        if "speculative_config" in engine_options:
+            if engine_options.get("speculative") is not None:
+                raise ValueError("give speculative or speculative_config, not both")
+            engine_options["speculative"] = engine_options.pop("speculative_config")
         self.config = EngineConfig(model=model, **engine_options)
         self.engine = LLMEngine(self.config)
 

@@ -7,7 +7,8 @@ throughput: N requests (a dataset, or random prompts of the given lengths) submi
 latency: one batch of `batch_size` random prompts, `num_iters_warmup` untimed then `num_iters` timed
   generate calls (the prefix cache emptied before each, so every call prefills in full); reports per-iteration latency (vLLM's avg_latency / latencies / percentiles) and the
   TTFT and TPOT of every request from the engine's own timestamps.
-Both reset the kernel report after warm-up and return what ran during the measured part.
+Both reset the kernel report after warm-up and return what ran during the measured part; with --speculative
+they also report the acceptance of the measured part (the spec_decode_* keys bench serve reports).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def run_throughput(config: EngineConfig, dataset: str = "random", dataset_path: 
     params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=ignore_eos, max_tokens=r.expected_output_len)
               for r in requests]
     report.reset()
+    spec_before = _spec_counters(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=progress)
     elapsed = time.perf_counter() - start
@@ -74,8 +76,24 @@ def run_throughput(config: EngineConfig, dataset: str = "random", dataset_path: 
         "total_input_tokens": n_in, "total_output_tokens": n_out, "total_num_tokens": n_in + n_out,
         "requests_per_second": len(outputs) / elapsed, "tokens_per_second": (n_in + n_out) / elapsed,
         "output_tokens_per_second": n_out / elapsed,
+        **_spec_result(llm, spec_before),
         "kernel_report": report.snapshot(),
     }
+
+
+def _spec_counters(llm):
+    spec = llm.engine.stats.spec
+    return spec.copy() if spec is not None else None
+
+
+def _spec_result(llm, before) -> dict[str, Any]:
+    """Speculative decoding during the measured part: the acceptance keys bench serve reports too."""
+    spec = llm.engine.stats.spec
+    if spec is None:
+        return {}
+    out = {"speculative": llm.config.speculative.describe()}
+    out.update(spec.since(before).as_result())
+    return out
 
 
 def random_token_prompts(tokenizer, batch_size: int, input_len: int, seed: int) -> list[list[int]]:
@@ -114,6 +132,7 @@ def run_latency(config: EngineConfig, batch_size: int = 8, input_len: int = 32, 
             llm.generate(prompts, params, use_tqdm=False)
             bar.advance(warm)
         report.reset()
+        spec_before = _spec_counters(llm)
         timed = bar.add_task("timed", total=num_iters)
         for _ in range(num_iters):
             llm.engine.block_manager.reset_prefix_cache()  # every iteration prefills its prompts in full
@@ -135,5 +154,6 @@ def run_latency(config: EngineConfig, batch_size: int = 8, input_len: int = 32, 
     }
     result.update(summarize(ttfts, percentiles, "ttft"))
     result.update(summarize(tpots, percentiles, "tpot"))
+    result.update(_spec_result(llm, spec_before))
     result["kernel_report"] = report.snapshot()
     return result

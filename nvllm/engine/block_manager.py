@@ -127,6 +127,23 @@ class BlockManager:
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
+        seq.num_draft_computed = 0
+
+    def trim(self, seq: Sequence) -> None:
+        """Speculative rollback: release the trailing blocks seq no longer needs (those reserved for drafted
+        tokens that were rejected), keeping room for its tokens. Only the sequence's own reference is dropped,
+        so a block shared with another sequence is never freed from under it; only blocks full of verified
+        tokens are ever hashed (register_full_blocks counts computed tokens), so none of these carries one."""
+        keep = -(-seq.num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            bid = seq.block_table.pop()
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[bid] = None
+                if block.hash is None:
+                    self.free.move_to_end(bid, last=False)
+        del seq.block_hashes[len(seq.block_table):]
 
     def reset_prefix_cache(self) -> None:
         for bid in self.free:

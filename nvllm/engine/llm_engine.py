@@ -21,6 +21,7 @@ from nvllm.models.hub import resolve_model_path
 from nvllm.layers.sampler import SampleRow
 from nvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nvllm.sampling_params import SamplingParams
+from nvllm.spec.metrics import SpecStats
 
 logger = logging.getLogger("nvllm")
 
@@ -59,11 +60,18 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.model.shape.vocab_size
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self.spec = None  # speculative decoding (nvllm.spec.decoder.SpecDecoder) when config.speculative is set
+        if config.speculative is not None:
+            from nvllm.spec.decoder import SpecDecoder
+
+            self.spec = SpecDecoder(config, self.runner, self.tokenizer, self.eos_token_ids)
+            self.max_model_len = self.spec.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   lookahead=self.spec.lookahead if self.spec is not None else None)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
-        self.stats = EngineStats()
+        self.stats = self._new_stats()
         self.stat_logger = StatLogger(config.log_stats_interval)
         self._next_id = 0
         logger.info("engine ready: model %s, dtype %s, device %s, max_model_len %d, block_size %d, "
@@ -77,15 +85,19 @@ class LLMEngine:
     def _warmup(self) -> None:
         """One short request (a prefill and a decode) so every kernel has run once; then print the report."""
         report.reset()
+        extra = 0 if self.spec is None else self.spec.spec_config.num_speculative_tokens  # one verified step too
         self.add_request("warmup", [self.tokenizer.bos_token_id or 0] * 2,
-                         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+                         SamplingParams(max_tokens=2 + extra, temperature=0.0, ignore_eos=True))
         while self.has_unfinished_requests():
             self.step()
         from nvllm.logger import console
 
         console().print(report.format_table())
         self.block_manager.reset_prefix_cache()
-        self.stats = EngineStats()
+        self.stats = self._new_stats()
+
+    def _new_stats(self) -> EngineStats:
+        return EngineStats(spec=SpecStats() if self.spec is not None else None)
 
     # ---- requests ------------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -161,6 +173,8 @@ class LLMEngine:
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not sched.scheduled:
             return []
+        if self.spec is not None:
+            return self._step_speculative(sched.scheduled, partial)
         rows = [SampleRow(seq.params, seq.generator, self._banned(seq))
                 for seq, n in sched.scheduled if ModelRunner.needs_sample(seq, n)]
         result = self.runner.execute(sched.scheduled, rows)
@@ -169,17 +183,63 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += n
-            self.stats.prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
-            self.block_manager.register_full_blocks(seq)
-            for pos, tok, (lp, rank, top) in result.prompt_logprobs.get(id(seq), []):
-                if pos == len(seq.prompt_logprobs):
-                    seq.prompt_logprobs.append(self._logprob_dict(tok, lp, rank, top))
-            if id(seq) in result.sampled:
-                tok, lp_info = result.sampled[id(seq)]
-                self._append_token(seq, tok, lp_info, now)
+            self._advance(seq, n, result, now)
             touched[seq.request_id] = None
+        return self._finish_step(touched, partial)
+
+    def _advance(self, seq: Sequence, n: int, result, now: float) -> None:
+        """Bookkeeping for one computed chunk: the cache count, prefix-cache hashes, prompt logprobs, and the
+        sampled token when the chunk reached the sequence's end."""
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += n
+        self.stats.prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+        self.block_manager.register_full_blocks(seq)
+        for pos, tok, (lp, rank, top) in result.prompt_logprobs.get(id(seq), []):
+            if pos == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.append(self._logprob_dict(tok, lp, rank, top))
+        if id(seq) in result.sampled:
+            tok, lp_info = result.sampled[id(seq)]
+            self._append_token(seq, tok, lp_info, now)
+
+    def _step_speculative(self, scheduled: list[tuple[Sequence, int]], partial: bool) -> list[RequestOutput]:
+        """step() with speculative decoding: draft, verify every drafted chunk in the one target pass, then
+        append the emitted tokens one by one through the usual bookkeeping (a stop inside an accepted run
+        ends it there) and roll back what was not kept: the computed count, the draft's count, the blocks."""
+        scheduled, drafts = self.spec.propose(scheduled)
+        rows = [SampleRow(seq.params, seq.generator, self._banned(seq))
+                for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
+        result = self.runner.execute(scheduled, rows, drafts)
+        verified = {}
+        if drafts:
+            entries = [(seq, drafts[id(seq)]) for seq, _ in scheduled if id(seq) in drafts]
+            for (seq, _), v in zip(entries, self.spec.verify(result.verify_logits, entries)):
+                verified[id(seq)] = v
+        now = time.time()
+        touched: dict[str, None] = {}
+        bm = self.block_manager
+        for seq, n in scheduled:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+            touched[seq.request_id] = None
+            v = verified.get(id(seq))
+            if v is None:
+                self._advance(seq, n, result, now)
+            else:
+                drafted = len(drafts[id(seq)][0])
+                self.stats.spec.record(drafted, v.accepted)
+                for tok, lp_info in zip(v.token_ids, v.logprobs):
+                    seq.num_computed_tokens = seq.num_tokens  # the K/V of every token before it are verified
+                    self._append_token(seq, tok, lp_info, now)
+                    if seq.finished:
+                        break
+                if not seq.finished:
+                    bm.register_full_blocks(seq)
+                    self.spec.after_verify(seq, drafted, v.accepted)
+            if not seq.finished:
+                bm.trim(seq)
+        return self._finish_step(touched, partial)
+
+    def _finish_step(self, touched: dict[str, None], partial: bool) -> list[RequestOutput]:
         outputs = [self._output(rid) for rid in touched
                    if partial or all(s.finished for s in self.requests[rid])]
         s = self.stats

@@ -6,6 +6,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from nvllm.spec.metrics import SpecStats
+
 logger = logging.getLogger("nvllm")
 
 
@@ -21,6 +23,7 @@ class EngineStats:
     generation_tokens: int = 0
     num_steps: int = 0
     finished_requests: int = 0
+    spec: SpecStats | None = None  # speculative-decoding counters (None: speculation off)
 
 
 @dataclass
@@ -33,6 +36,7 @@ class StatLogger:
     _last_gen: int = 0
     _last_queries: int = 0
     _last_hits: int = 0
+    _last_spec: SpecStats | None = None
 
     def maybe_log(self, s: EngineStats, force: bool = False) -> None:
         now = time.monotonic()
@@ -41,11 +45,17 @@ class StatLogger:
             return
         q, h = s.prefix_queries - self._last_queries, s.prefix_hits - self._last_hits
         hit_rate = f"{100 * h / q:.1f}%" if q else "n/a"
-        logger.info(
-            "running: %d, waiting: %d, kv_cache_usage: %.1f%%, prefix_cache_hit_rate: %s, "
-            "prompt: %.1f tok/s, generation: %.1f tok/s, preemptions: %d",
-            s.num_running, s.num_waiting, 100 * s.kv_cache_usage, hit_rate,
-            (s.prompt_tokens - self._last_prompt) / max(dt, 1e-9),
-            (s.generation_tokens - self._last_gen) / max(dt, 1e-9), s.num_preemptions)
+        msg = ("running: %d, waiting: %d, kv_cache_usage: %.1f%%, prefix_cache_hit_rate: %s, "
+               "prompt: %.1f tok/s, generation: %.1f tok/s, preemptions: %d")
+        args = [s.num_running, s.num_waiting, 100 * s.kv_cache_usage, hit_rate,
+                (s.prompt_tokens - self._last_prompt) / max(dt, 1e-9),
+                (s.generation_tokens - self._last_gen) / max(dt, 1e-9), s.num_preemptions]
+        if s.spec is not None:  # speculative decoding: acceptance over the interval
+            d = s.spec.since(self._last_spec)
+            msg += ", spec_acceptance: %s, avg_spec_tokens: %s, spec_per_position: %s"
+            args += [f"{100 * d.acceptance_rate:.1f}%", f"{d.mean_acceptance_length:.2f}",
+                     "/".join(f"{r:.2f}" for r in d.per_position_rate()) or "-"] if d.num_drafts else ["n/a"] * 3
+            self._last_spec = s.spec.copy()
+        logger.info(msg, *args)
         self._last_time, self._last_prompt, self._last_gen = now, s.prompt_tokens, s.generation_tokens
         self._last_queries, self._last_hits = s.prefix_queries, s.prefix_hits

@@ -15,7 +15,8 @@ from nvllm.engine.sequence import Sequence
 from nvllm.engine.cuda_graph import DecodeGraphs
 from nvllm.kernels import report
 from nvllm.kernels.backend import use_triton
-from nvllm.layers.attention import AttentionMetadata
+from nvllm.layers.attention import (AttentionMetadata, allocate_kv_caches, kv_cache_bytes_per_token,
+                                    kv_cache_element_dtype)
 from nvllm.layers.sampler import Sampler, SampleRow, host_tensor, token_logprobs
 from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model
 
@@ -30,6 +31,7 @@ class StepResult:
 
     sampled: dict[int, tuple[int, tuple | None]]  # id(seq) → (token, logprob info)
     prompt_logprobs: dict[int, list[tuple[int, int, tuple]]]
+    verify_logits: torch.Tensor | None = None  # speculative: every row of the verified chunks, in order
 
 
 class ModelRunner:
@@ -40,13 +42,10 @@ class ModelRunner:
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
         torch.manual_seed(config.seed)
         self.model = load_model(config, self.hf_config, self.dtype, self.device)
-        s = self.model.shape
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
-        shape = (self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.sampler = Sampler(config.seed)
         if self.device.type == "cuda":
             self._gemm_choices()
@@ -55,9 +54,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
                                        -(-self.max_model_len // self.block_size), self.device)
             self.graphs.capture()
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %.1f KiB per token, %.2f GiB",
-                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-                    str(self.dtype).replace("torch.", ""), self.kv_bytes_per_token / 1024,
+        kv_dtype = str(kv_cache_element_dtype(self.dtype, config.kv_cache_dtype)).replace("torch.", "")
+        if config.kv_cache_dtype != "auto":
+            kv_dtype += " + fp32 scale per token and KV head"
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes (%.1f KiB) per token, %.2f GiB",
+                    self.num_blocks, self.block_size, self.num_blocks * self.block_size, kv_dtype,
+                    self.kv_bytes_per_token, self.kv_bytes_per_token / 1024,
                     self.num_blocks * self.block_size * self.kv_bytes_per_token / _GiB)
 
     def _gemm_choices(self) -> None:
@@ -80,8 +82,15 @@ class ModelRunner:
     # ---- sizing --------------------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
+        """K + V elements of every layer, plus their scales for an int8 / fp8 cache: the real bytes."""
         s = self.model.shape
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
+        return kv_cache_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype,
+                                        self.config.kv_cache_dtype)
+
+    def _allocate_kv_caches(self, num_blocks: int):
+        s = self.model.shape
+        return allocate_kv_caches(s.num_layers, num_blocks, self.block_size, s.num_kv_heads, s.head_dim,
+                                  self.dtype, self.config.kv_cache_dtype, self.device)
 
     def _max_model_len(self) -> int:
         s, c = self.model.shape, self.hf_config
@@ -109,7 +118,8 @@ class ModelRunner:
         elif c.kv_cache_memory is not None:
             n = int(c.kv_cache_memory * _GiB // per_block)
         elif self.device.type == "cuda":
-            n = self._profile_free_memory() // per_block
+            draft_weights, draft_per_token = self._draft_footprint()
+            n = (self._profile_free_memory() - draft_weights) // (per_block + draft_per_token * c.block_size)
         else:
             # CPU default: room for max_num_seqs full-length sequences, at most 4 GiB
             want = c.max_num_seqs * math.ceil(self.max_model_len / c.block_size)
@@ -119,16 +129,32 @@ class ModelRunner:
                               "gpu_memory_utilization / kv_cache_memory")
         return int(n)
 
+    def _draft_footprint(self) -> tuple[int, int]:
+        """(weight bytes, KV bytes per token) of the speculative draft model that will share this GPU and this
+        block count; (0, 0) without one. Estimated from its config.json, in this runner's dtypes."""
+        spec = self.config.speculative
+        if spec is None or getattr(spec, "method", None) != "draft":
+            return 0, 0
+        from nvllm.models.hub import resolve_model_path
+
+        hf = load_hf_config(resolve_model_path(spec.draft_model))
+        h, inter, layers, vocab = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size
+        heads = hf.num_attention_heads
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf, "head_dim", None) or h // heads
+        params = layers * (h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h + 3 * h * inter) \
+            + vocab * h * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
+        return params * self.dtype.itemsize, kv_cache_bytes_per_token(layers, kv_heads, head_dim, self.dtype,
+                                                                      self.config.kv_cache_dtype)
+
     def _profile_free_memory(self) -> int:
         """Run one prompt of max_num_batched_tokens dummy tokens (a cache just big enough), measure the peak, give
         the KV cache what gpu_memory_utilization leaves."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        s = self.model.shape
         nb = -(-n // self.block_size)
-        shape = (nb, self.block_size, s.num_kv_heads, s.head_dim)
-        dummy_cache = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(s.num_layers)]
+        dummy_cache = self._allocate_kv_caches(nb)
         i32 = dict(dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(  # one prompt of n tokens, the largest step the scheduler can make
             slot_mapping=torch.arange(n, dtype=torch.long, device=self.device),
@@ -148,9 +174,14 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]], sample_rows: list[SampleRow]) -> StepResult:
+    def execute(self, scheduled: list[tuple[Sequence, int]], sample_rows: list[SampleRow],
+                drafts: dict[int, tuple[list[int], object]] | None = None) -> StepResult:
         """Run the model on the scheduled chunks; sample for the sequences whose chunk reaches their end
-        (in `scheduled` order, one SampleRow each, given by the engine)."""
+        (in `scheduled` order, one SampleRow each, given by the engine).
+
+        drafts (speculative decoding): id(seq) → (drafted token ids, …). A chunk that runs past a sequence's
+        tokens is its last real token followed by its drafts; the logits of all its rows are returned, in
+        order, as `verify_logits` (the engine verifies them) instead of being sampled."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -160,10 +191,16 @@ class ModelRunner:
         logit_rows: list[int] = []  # rows of the flattened batch whose logits are needed
         sample_owner: list[Sequence] = []
         plp_rows: list[tuple[Sequence, int, int]] = []  # (seq, flattened row, position)
+        verify_rows: list[int] = []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n
-            input_ids.extend(seq.token_ids[start:end])
+            if drafts is not None and end > seq.num_tokens:
+                verify_rows.extend(range(qsl[-1], qsl[-1] + n))
+                input_ids.extend(seq.token_ids[start:])
+                input_ids.extend(drafts[id(seq)][0])
+            else:
+                input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -193,6 +230,8 @@ class ModelRunner:
                                 self.kv_caches, meta)
 
         result = StepResult({}, {})
+        if verify_rows:
+            result.verify_logits = self.model.compute_logits(hidden[host_tensor(verify_rows, torch.long, dev)])
         if plp_rows:
             rows = host_tensor([r for _, r, _ in plp_rows], torch.long, dev)
             lps = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)

@@ -5,12 +5,14 @@ decode costs one token, an unfinished prompt as many tokens as the budget leaves
 sequences are admitted while the budget, max_num_seqs and the free blocks allow. When a running sequence
 needs a block and none is free, the most recently admitted running sequence is preempted by recomputation:
 its blocks are freed and it goes back to the front of the waiting queue with every token it has, so no
-request is ever dropped.
+request is ever dropped. With speculative decoding a decoding sequence also reserves positions for its drafted
+tokens (the engine's lookahead) when the budget and the free blocks allow, never at the cost of a preemption.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nvllm.engine.block_manager import BlockManager
@@ -28,8 +30,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 lookahead: Callable[[Sequence], int] | None = None):
+        """lookahead (speculative decoding): drafted positions to reserve for a decoding sequence; they count
+        in the token budget and in the blocks allocated, and are only taken when they fit without preempting."""
         self.bm = block_manager
+        self.lookahead = lookahead
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -51,6 +57,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.lookahead is not None and n == seq.num_tokens - seq.num_computed_tokens == 1 and budget > 1:
+                k = min(self.lookahead(seq), budget - 1)
+                if k > 0 and self.bm.allocate_slots(seq, 1 + k):
+                    out.scheduled.append((seq, 1 + k))
+                    budget -= 1 + k
+                    i += 1
+                    continue
             while not self.bm.allocate_slots(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)

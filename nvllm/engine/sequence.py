@@ -41,6 +41,9 @@ class Sequence:
     stop_reason: int | str | None = None
     detokenizer: object = None  # IncrementalDetokenizer, set by the engine
     last_reported: int = 0  # generated tokens already handed out in a RequestOutput
+    # speculative decoding
+    num_draft_computed: int = 0  # tokens whose K/V are in the draft model's cache (same block table)
+    spec_state: object = None  # k=auto: this request's k and acceptance window (nvllm.spec.adaptive.KState)
 
     @property
     def num_tokens(self) -> int:

@@ -51,6 +51,18 @@ class _EngineCollector:
                       sched.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
+        if stats.spec is not None:  # speculative decoding (see nvllm.spec.metrics for the definitions)
+            sp = stats.spec
+            yield counter("spec_decode_num_drafts", "Verifications of a request with drafted tokens.", sp.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Drafted tokens verified.", sp.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Drafted tokens accepted.", sp.num_accepted_tokens)
+            c = CounterMetricFamily("nvllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Drafted tokens accepted, by position in the draft.",
+                                    labels=lbl + ["position"])
+            cfg = e.spec.spec_config
+            for i in range(len(sp.accepted_per_pos) if cfg.auto else cfg.num_speculative_tokens):
+                c.add_metric(self.labels + [str(i)], sp.accepted_per_pos[i])
+            yield c
 
 
 class ServerMetrics:

@@ -1,0 +1,124 @@
+"""SpeculativeConfig and its one parser.
+
+Accepted forms (CLI `--speculative`, `LLM(speculative=...)`, `EngineConfig(speculative=...)`):
+  "k=4,draft=DIR"            a draft model proposes 4 tokens per step
+  "k=3,method=ngram"         prompt lookup: no draft model
+  "k=auto,draft=DIR"         k tuned per request from its recent acceptance (1..8)
+  '{"draft_model": "DIR", "num_speculative_tokens": 4}'   JSON (also "method", "prompt_lookup_min/max")
+  a dict of the JSON keys, or a SpeculativeConfig.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from nvllm.config import ConfigError
+
+MAX_K = 8  # the most tokens one step proposes (k=auto's ceiling, and the largest fixed k accepted)
+METHODS = ("draft", "ngram")
+
+# every spelling a key may take → the field it sets
+_KEYS = {"k": "num_speculative_tokens", "num_speculative_tokens": "num_speculative_tokens",
+         "draft": "draft_model", "draft_model": "draft_model", "model": "draft_model",
+         "method": "method",
+         "ngram_min": "prompt_lookup_min", "prompt_lookup_min": "prompt_lookup_min",
+         "ngram_max": "prompt_lookup_max", "prompt_lookup_max": "prompt_lookup_max"}
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "draft"  # draft | ngram
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4  # k; with auto, the starting k of every request
+    auto: bool = False  # k=auto: raise/lower k per request from a moving window of its acceptance
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched
+    prompt_lookup_max: int = 3  # ngram: longest suffix matched (tried first)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"speculative method {self.method!r} is unknown; choose draft or ngram")
+        if self.method == "draft" and not self.draft_model:
+            raise ConfigError("speculative decoding needs a draft model (draft=DIR) or method=ngram")
+        if self.method == "ngram" and self.draft_model:
+            raise ConfigError("speculative method ngram takes no draft model; drop draft= or method=ngram")
+        if not 1 <= self.num_speculative_tokens <= MAX_K:
+            raise ConfigError(f"speculative k must be between 1 and {MAX_K} (or auto), "
+                              f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("ngram sizes need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    def describe(self) -> str:
+        k = f"auto (from {self.num_speculative_tokens}, 1..{MAX_K})" if self.auto else str(self.num_speculative_tokens)
+        src = (f"draft model {self.draft_model}" if self.method == "draft"
+               else f"n-gram lookup (n {self.prompt_lookup_max}..{self.prompt_lookup_min})")
+        return f"k={k}, {src}"
+
+
+def _int(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"speculative {key} must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"speculative {key} must be an integer, got {value!r}") from None
+
+
+def _from_mapping(items: dict[str, Any]) -> SpeculativeConfig:
+    fields: dict[str, Any] = {}
+    for key, value in items.items():
+        name = _KEYS.get(str(key).strip().lower())
+        if name is None:
+            raise ConfigError(f"unknown speculative option {key!r}; use k, draft, method, ngram_min, ngram_max "
+                              "(JSON: num_speculative_tokens, draft_model, method, prompt_lookup_min/max)")
+        if name in fields:
+            raise ConfigError(f"speculative option {key!r} given twice")
+        fields[name] = value
+    k = fields.get("num_speculative_tokens")
+    if isinstance(k, str) and k.strip().lower() == "auto":
+        fields["num_speculative_tokens"], fields["auto"] = 4, True
+    elif k is not None:
+        fields["num_speculative_tokens"] = _int("k", k)
+    for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        if name in fields:
+            fields[name] = _int(name, fields[name])
+    if "method" in fields:
+        fields["method"] = str(fields["method"]).strip().lower()
+    elif not fields.get("draft_model") and "prompt_lookup_max" in fields:
+        fields["method"] = "ngram"
+    if fields.get("draft_model") is not None:
+        fields["draft_model"] = str(fields["draft_model"])
+    return SpeculativeConfig(**fields)
+
+
+def parse_speculative(value: Any) -> SpeculativeConfig | None:
+    """Any accepted form → SpeculativeConfig (None/"" → None); ConfigError with one clear line otherwise."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, dict):
+        return _from_mapping(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"speculative must be a string like 'k=4,draft=DIR' or a dict, got {type(value).__name__}")
+    text = value.strip()
+    if not text:
+        return None
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"speculative JSON is malformed: {e}") from None
+        if not isinstance(obj, dict):
+            raise ConfigError("speculative JSON must be an object")
+        return _from_mapping(obj)
+    items: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, val = part.partition("=")
+        if not sep or not key.strip() or not val.strip():
+            raise ConfigError(f"speculative option {part.strip()!r} is not key=value; "
+                              "expected e.g. 'k=4,draft=DIR' or 'k=3,method=ngram'")
+        if key.strip() in items:
+            raise ConfigError(f"speculative option {key.strip()!r} given twice")
+        items[key.strip()] = val.strip()
+    return _from_mapping(items)

@@ -1,0 +1,161 @@
+"""SpecDecoder: what the engine drives when `speculative` is set.
+
+Per step: the scheduler asks `lookahead(seq)` how many extra positions to reserve for each decoding sequence
+(the budget and the block reservation count them); `propose` fills them with drafted tokens; the target runner
+scores the last real token plus the drafts as one chunk per sequence; `verify` runs the rejection sampler on
+those k+1 rows; the engine appends the emitted tokens one by one (stop conditions cut a run short) and calls
+`after_verify`, which rolls the draft's cache count back to what was accepted and tunes k=auto.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from nvllm.config import ConfigError, EngineConfig
+from nvllm.engine.sequence import Sequence
+from nvllm.spec.adaptive import AdaptiveK
+from nvllm.spec.config import SpeculativeConfig
+from nvllm.spec.proposer import DraftModelProposer, NgramProposer, Proposal
+from nvllm.spec.rejection_sampler import RejectionSampler, VerifyRequest, VerifyResult
+
+logger = logging.getLogger("nvllm")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def check_draft_vocab(draft_dir: str, draft_vocab: int, target_vocab: int, tokenizer) -> bool:
+    """Draft and target must speak the same vocabulary: the same token → id map (when the draft ships a
+    tokenizer) and a logit width covering every token. Returns whether the draft has its own tokenizer."""
+    from nvllm.engine.llm_engine import load_tokenizer
+
+    has_tok = any(os.path.isfile(os.path.join(draft_dir, f)) for f in _TOKENIZER_FILES)
+    if has_tok:
+        own, theirs = tokenizer.get_vocab(), load_tokenizer(draft_dir).get_vocab()
+        if own != theirs:
+            diff = sum(1 for t, i in theirs.items() if own.get(t) != i) + sum(1 for t in own if t not in theirs)
+            raise ConfigError(f"the draft model's tokenizer differs from the target's ({len(theirs)} vs "
+                              f"{len(own)} tokens, {diff} differ): speculative decoding needs one vocabulary")
+    elif draft_vocab != target_vocab:
+        raise ConfigError(f"the draft model has no tokenizer to compare and its vocab_size {draft_vocab} differs "
+                          f"from the target's {target_vocab}")
+    if draft_vocab != target_vocab and draft_vocab < min(target_vocab, len(tokenizer)):
+        raise ConfigError(f"the draft model's vocab_size {draft_vocab} does not cover the target's vocabulary "
+                          f"({min(target_vocab, len(tokenizer))} tokens)")
+    return has_tok
+
+
+def load_draft_runner(config: EngineConfig, target, tokenizer):
+    """The draft's ModelRunner: same block count and block size as the target's cache, same device, dtype
+    rule, KV-cache dtype and seed; its own max_model_len (the pair's minimum is what the engine enforces)."""
+    from nvllm.engine.model_runner import ModelRunner
+    from nvllm.models.hub import resolve_model_path
+    from nvllm.models.loader import load_hf_config
+
+    spec: SpeculativeConfig = config.speculative
+    path = resolve_model_path(spec.draft_model)
+    hf = load_hf_config(path)
+    has_tok = check_draft_vocab(path, hf.vocab_size, target.model.shape.vocab_size, tokenizer)
+    limit = getattr(hf, "max_position_embeddings", None) or target.max_model_len
+    draft_config = dataclasses.replace(
+        config, model=path, tokenizer=path if has_tok else config.tokenizer, num_kv_blocks=target.num_blocks,
+        kv_cache_memory=None, max_model_len=min(target.max_model_len, limit), speculative=None, hf_overrides={})
+    try:
+        return ModelRunner(draft_config)
+    except torch.cuda.OutOfMemoryError:
+        per_token_t = target.kv_bytes_per_token
+        per_token_d = 2 * hf.num_hidden_layers * (getattr(hf, "num_key_value_heads", None) or
+                                                  hf.num_attention_heads) * \
+            (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads) * 2
+        fit = target.num_blocks * per_token_t // (per_token_t + per_token_d)
+        raise ConfigError(f"no GPU memory left for the draft model and its {target.num_blocks}-block KV cache; "
+                          f"pass --num-kv-blocks (about {fit}) or lower --gpu-memory-utilization") from None
+
+
+class SpecDecoder:
+    def __init__(self, config: EngineConfig, target, tokenizer, eos_token_ids: set[int]):
+        sc: SpeculativeConfig = config.speculative
+        self.spec_config = sc
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = target.model.shape.vocab_size
+        self.adaptive = AdaptiveK(start=sc.num_speculative_tokens) if sc.auto else None
+        self.sampler = RejectionSampler(config.seed)
+        self.device = target.device
+        self.max_model_len = target.max_model_len
+        self.draft_runner = None
+        self._pending: dict[int, list[int]] = {}  # n-gram proposals made while scheduling
+        if sc.method == "draft":
+            self.draft_runner = load_draft_runner(config, target, tokenizer)
+            self.max_model_len = min(target.max_model_len, self.draft_runner.max_model_len)
+            if self.max_model_len < target.max_model_len:
+                logger.warning("speculative decoding: max_model_len is %d, the draft model's limit (the target "
+                               "alone allows %d)", self.max_model_len, target.max_model_len)
+            self.proposer = DraftModelProposer(self.draft_runner, self.vocab_size, self.banned)
+        else:
+            self.proposer = NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max)
+        logger.info("speculative decoding: %s; max_model_len %d", sc.describe(), self.max_model_len)
+
+    # ---- scheduling ------------------------------------------------------------------------------------
+    def banned(self, seq: Sequence) -> tuple[int, list[int]]:
+        """(how many upcoming outputs are still under min_tokens, the token ids banned for them)."""
+        p = seq.params
+        rows = p.min_tokens - seq.num_output_tokens
+        if rows <= 0:
+            return 0, []
+        return rows, sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+
+    def target_k(self, seq: Sequence) -> int:
+        if self.adaptive is None:
+            return self.spec_config.num_speculative_tokens
+        if seq.spec_state is None:
+            seq.spec_state = self.adaptive.new_state()
+        return seq.spec_state.k
+
+    def lookahead(self, seq: Sequence) -> int:
+        """Drafted positions to reserve for a decoding sequence this step (0: decode plainly). Never more
+        than the request can still use: the step emits up to k + 1 tokens."""
+        if seq.wants_prompt_logprobs:
+            return 0
+        k = min(self.target_k(seq), self.max_model_len - seq.num_tokens - 1)
+        if seq.params.max_tokens is not None:
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0:
+            return 0
+        if isinstance(self.proposer, NgramProposer):  # cheap and exact: propose now, reserve what was found
+            drafts = self.proposer.propose_one(seq.token_ids, k)
+            self._pending[id(seq)] = drafts
+            return len(drafts)
+        return k
+
+    def propose(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], dict[int, Proposal]]:
+        """Drafts for the sequences the scheduler gave extra positions; the chunks resized to what was drafted."""
+        plan = {id(seq): n - (seq.num_tokens - seq.num_computed_tokens) for seq, n in scheduled
+                if seq.num_computed_tokens + n > seq.num_tokens}
+        if isinstance(self.proposer, NgramProposer):
+            props = {i: (self._pending[i][:k], None) for i, k in plan.items()}  # the budget may have cut k
+            self._pending.clear()
+        else:  # the draft model also mirrors this step's prefill chunks, so it runs even without a plan
+            props = self.proposer.propose(scheduled, plan, self.sampler.generator(self.device))
+        props = {i: p for i, p in props.items() if p[0]}
+        out = []
+        for seq, n in scheduled:
+            if id(seq) in plan:
+                n = seq.num_tokens - seq.num_computed_tokens + (len(props[id(seq)][0]) if id(seq) in props else 0)
+            out.append((seq, n))
+        return out, props
+
+    # ---- verification ----------------------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, entries: list[tuple[Sequence, Proposal]]) -> list[VerifyResult]:
+        reqs = []
+        for seq, (drafts, q) in entries:
+            rows, ids = self.banned(seq)
+            reqs.append(VerifyRequest(seq.params, seq.generator, drafts, q, rows, ids))
+        return self.sampler(logits, reqs)
+
+    def after_verify(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        if self.adaptive is not None and seq.spec_state is not None:
+            self.adaptive.update(seq.spec_state, drafted, accepted)
+        if self.draft_runner is not None:
+            DraftModelProposer.after_verify(seq, drafted, accepted)

@@ -1,0 +1,169 @@
+"""Proposers: where the drafted tokens come from.
+
+NgramProposer (prompt lookup): find the last n tokens of prompt + output earlier in the same sequence
+(n from prompt_lookup_max down to prompt_lookup_min) and propose the tokens that followed. No model, no
+distribution: verification treats the proposal as certain (q = one-hot).
+
+DraftModelProposer: a second, smaller model with its own paged KV cache of the same number of blocks and
+block size as the target's, so every sequence's block table serves both caches (the draft's K/V land in the
+same block ids of its own tensors). `seq.num_draft_computed` counts the tokens whose draft K/V are in place.
+Each step the draft mirrors the target's prefill chunks, catches up on the 1–2 tokens the last verification
+added, then proposes k tokens autoregressively, batched across sequences (on the GPU its single-token steps
+replay the draft runner's CUDA graphs). After verification the count keeps only the accepted drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from nvllm.engine.sequence import Sequence
+from nvllm.layers.attention import AttentionMetadata
+from nvllm.layers.sampler import host_tensor
+from nvllm.spec.rejection_sampler import draw, shaped_probs
+
+Proposal = tuple[list[int], "torch.Tensor | None"]  # drafted ids, their shaped draft distributions [k, V]
+
+
+class NgramProposer:
+    def __init__(self, n_min: int = 1, n_max: int = 3):
+        self.n_min, self.n_max = n_min, n_max
+
+    def propose_one(self, token_ids: list[int], k: int) -> list[int]:
+        """The tokens that followed the latest earlier occurrence of the longest matching suffix (the latest
+        with k tokens after it, else the earliest)."""
+        size = len(token_ids)
+        if k <= 0 or size < 2:
+            return []
+        arr = np.asarray(token_ids)
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:size - 1], n)  # starts 0 .. size-1-n
+            hits = np.flatnonzero((windows == arr[size - n:]).all(axis=1))
+            if hits.size:
+                full = hits[hits + n + k <= size]
+                i = int(full[-1]) if full.size else int(hits[0])
+                return arr[i + n:i + n + k].tolist()
+        return []
+
+
+class DraftModelProposer:
+    def __init__(self, runner, vocab_size: int, banned: Callable[[Sequence], tuple[int, list[int]]]):
+        """runner: the draft's ModelRunner (its model, KV cache and CUDA graphs are used, not its sampler);
+        vocab_size: the target's (draft logits are cut or padded to it); banned(seq) → (rows, token ids)."""
+        self.runner = runner
+        self.model = runner.model
+        self.block_size = runner.block_size
+        self.vocab_size = vocab_size
+        self.banned = banned
+
+    # ---- one forward of the draft ----------------------------------------------------------------------
+    def _forward(self, items: list[tuple[Sequence, int, list[int]]], want: list[int]) -> torch.Tensor | None:
+        """items: (sequence, first position, token ids). Returns logits [len(want), V] of the last row of
+        items[i] for i in want, cut or padded to the target's vocabulary (None when none is wanted)."""
+        bs, dev = self.block_size, self.runner.device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl, ctx_lens, last = [0], [], []
+        for seq, start, ids in items:
+            end = start + len(ids)
+            input_ids.extend(ids)
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + len(ids))
+            ctx_lens.append(end)
+            last.append(qsl[-1] - 1)
+        width = max(len(seq.block_table) for seq, _, _ in items)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _, _ in items]
+        max_q = max(len(ids) for _, _, ids in items)
+        graphs = self.runner.graphs
+        if graphs is not None and max_q == 1 and len(items) <= graphs.max_batch:
+            hidden = graphs.run(input_ids, positions, slots, tables, ctx_lens)
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=host_tensor(slots, torch.long, dev), block_tables=host_tensor(tables, torch.int32, dev),
+                query_start_loc=host_tensor(qsl, torch.int32, dev),
+                context_lens=host_tensor(ctx_lens, torch.int32, dev), max_query_len=max_q,
+                max_context_len=max(ctx_lens))
+            hidden = self.model(host_tensor(input_ids, torch.long, dev), host_tensor(positions, torch.long, dev),
+                                self.runner.kv_caches, meta)
+        if not want:
+            return None
+        rows = [last[i] for i in want]
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[host_tensor(rows, torch.long, dev)]
+        logits = self.model.compute_logits(hidden)
+        v = logits.shape[-1]
+        if v > self.vocab_size:
+            logits = logits[:, :self.vocab_size].contiguous()
+        elif v < self.vocab_size:
+            logits = torch.cat([logits, logits.new_full((logits.shape[0], self.vocab_size - v), float("-inf"))], 1)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], j: int,
+                gen: torch.Generator) -> tuple[list[int], torch.Tensor | None]:
+        """Draft token j (0-based) of each sequence, and the shaped distributions it was drawn from."""
+        for i, seq in enumerate(seqs):
+            rows, ids = self.banned(seq)
+            if ids and j < rows:
+                logits[i, ids] = float("-inf")
+        params = [s.params for s in seqs]
+        greedy = [p.greedy for p in params]
+        argmax = logits.argmax(dim=-1)
+        if all(greedy):
+            return argmax.tolist(), None
+        probs = shaped_probs(logits, params)
+        tok = draw(probs, [None if g else s.generator for g, s in zip(greedy, seqs)], gen)
+        if any(greedy):
+            tok = torch.where(host_tensor(greedy, torch.bool, logits.device), argmax, tok)
+        return tok.tolist(), probs
+
+    # ---- a step ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, scheduled: list[tuple[Sequence, int]], plan: dict[int, int],
+                gen: torch.Generator) -> dict[int, Proposal]:
+        """plan: id(seq) → k for the sequences that speculate this step (their last real token is the only
+        one the target has yet to compute). Every scheduled chunk is mirrored into the draft's cache."""
+        items, spec_seqs, want = [], [], []
+        for seq, n in scheduled:
+            k = plan.get(id(seq), 0)
+            end = seq.num_tokens if k else seq.num_computed_tokens + n
+            start = min(seq.num_draft_computed, end - 1) if k else seq.num_draft_computed
+            if end > start:
+                if k:
+                    want.append(len(items))
+                    spec_seqs.append(seq)
+                items.append((seq, start, seq.token_ids[start:end]))
+                seq.num_draft_computed = end
+        if not items:
+            return {}
+        logits = self._forward(items, want)
+        if logits is None:
+            return {}
+        toks, probs = self._sample(logits, spec_seqs, 0, gen)
+        drafts = {id(s): [t] for s, t in zip(spec_seqs, toks)}
+        dists: dict[int, list[torch.Tensor]] = {id(s): [] for s in spec_seqs}
+        if probs is not None:
+            for i, s in enumerate(spec_seqs):
+                dists[id(s)].append(probs[i])
+        for j in range(1, max(plan[id(s)] for s in spec_seqs)):
+            active = [s for s in spec_seqs if plan[id(s)] > j]
+            items = [(s, s.num_tokens - 1 + j, [drafts[id(s)][-1]]) for s in active]
+            toks, probs = self._sample(self._forward(items, list(range(len(items)))), active, j, gen)
+            for i, (s, t) in enumerate(zip(active, toks)):
+                drafts[id(s)].append(t)
+                if probs is not None:
+                    dists[id(s)].append(probs[i])
+        out: dict[int, Proposal] = {}
+        for s in spec_seqs:
+            q = torch.stack(dists[id(s)]) if not s.params.greedy and dists[id(s)] else None
+            out[id(s)] = (drafts[id(s)], q)
+        return out
+
+    @staticmethod
+    def after_verify(seq: Sequence, drafted: int, accepted: int) -> None:
+        """Keep the accepted drafts that the draft itself consumed (the k-th was proposed, never fed)."""
+        seq.num_draft_computed += min(accepted, drafted - 1)

@@ -1,0 +1,381 @@
+"""Speculative decoding on the CPU: the parser, the rejection sampler against fixed distributions, greedy
+outputs identical with and without speculation for several drafts (with batching, prefix caching and
+preemption), sampled outputs distributed as the target's (χ²), stop conditions inside accepted runs, exact
+acceptance metrics (stats, log line, /metrics, bench), vocabulary checks and k=auto."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from nvllm import SamplingParams
+from nvllm.assets import demo_model_path
+from nvllm.config import ConfigError, EngineConfig
+from nvllm.engine.block_manager import BlockManager
+from nvllm.engine.sequence import Sequence
+from nvllm.outputs import RequestMetrics
+from nvllm.spec.adaptive import AdaptiveK
+from nvllm.spec.config import SpeculativeConfig, parse_speculative
+from nvllm.spec.metrics import SpecStats
+from nvllm.spec.proposer import NgramProposer
+from nvllm.spec.rejection_sampler import rejection_sample
+from tests.conftest import build_tiny_model, make_llm
+
+WORDS = ("Once upon a time there was a little girl named Lily who loved to play in the park with her "
+         "big red ball and her friend Tom the dog").split()
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def prompts(n: int) -> list[str]:
+    return [" ".join(WORDS[i % 5: i % 5 + 3 + (5 * i) % 17]) for i in range(n)]
+
+
+def truncated_copy(dst: Path, layers: int) -> Path:
+    """The demo model with only its first `layers` decoder layers: a draft that agrees often, not always."""
+    from safetensors.torch import load_file, save_file
+
+    src = Path(demo_model_path())
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, dst / f.name)
+    w = load_file(src / "model.safetensors")
+    save_file({k: v for k, v in w.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers},
+              dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("drafts")
+    return {"self": demo_model_path(), "truncated": str(truncated_copy(root / "t4", 4)),
+            "random": str(build_tiny_model("llama", root / "random"))}
+
+
+def spec_of(name: str, drafts: dict[str, str], k: int | str = 4) -> str:
+    return f"k={k},method=ngram" if name == "ngram" else f"k={k},draft={drafts[name]}"
+
+
+# ---- the parser ---------------------------------------------------------------------------------------
+def test_parser_forms():
+    c = parse_speculative("k=4,draft=/d")
+    assert (c.method, c.draft_model, c.num_speculative_tokens, c.auto) == ("draft", "/d", 4, False)
+    c = parse_speculative("k=3,method=ngram")
+    assert (c.method, c.draft_model, c.num_speculative_tokens) == ("ngram", None, 3)
+    c = parse_speculative(" k=auto , draft=/d ")
+    assert c.auto and c.num_speculative_tokens == 4
+    c = parse_speculative('{"draft_model": "/d", "num_speculative_tokens": 5}')
+    assert (c.method, c.draft_model, c.num_speculative_tokens) == ("draft", "/d", 5)
+    c = parse_speculative({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    assert (c.method, c.prompt_lookup_max) == ("ngram", 4)
+    assert parse_speculative(None) is None and parse_speculative("") is None
+    assert parse_speculative(c) is c
+    assert isinstance(EngineConfig(speculative="k=2,method=ngram").speculative, SpeculativeConfig)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("k=4", "needs a draft model"),
+    ("k=0,draft=/d", "between 1 and 8"),
+    ("k=9,draft=/d", "between 1 and 8"),
+    ("k=four,draft=/d", "must be an integer"),
+    ("k=3,method=ngram,draft=/d", "takes no draft model"),
+    ("k=3,method=magic", "unknown"),
+    ("k=3,colour=red,method=ngram", "unknown speculative option 'colour'"),
+    ("k=3,k=4,method=ngram", "given twice"),
+    ("k4,method=ngram", "not key=value"),
+    ('{"draft_model": "/d", ', "JSON is malformed"),
+    ("k=2,method=ngram,ngram_min=3,ngram_max=2", "prompt_lookup_min <= prompt_lookup_max"),
+])
+def test_parser_errors(text, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        parse_speculative(text)
+
+
+# ---- the rejection sampler on fixed distributions ------------------------------------------------------
+P0 = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
+P1 = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30])
+Q0 = torch.tensor([0.05, 0.10, 0.40, 0.10, 0.15, 0.20])
+Q1 = torch.tensor([0.40, 0.05, 0.05, 0.20, 0.20, 0.10])
+CHI2_999 = {1: 10.83, 2: 13.82, 5: 20.52, 8: 26.12}  # 99.9% quantiles of χ² by degrees of freedom
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def run_fixed(n: int, q0, q1, seed: int = 0):
+    """n requests, each with 2 drafts from q0, q1 and target p0, p1, then a bonus position ~ P0."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.stack([P0, P1, P0]).repeat(n, 1)
+    if q0 is None:  # n-gram: a fixed proposal, certain of itself
+        d = torch.tensor([2, 5, 0]).repeat(n)
+        q = torch.zeros_like(p)
+        q[torch.arange(3 * n), d] = 1.0
+        q[2::3] = 0.0
+    else:
+        q = torch.stack([q0, q1, torch.zeros(6)]).repeat(n, 1)
+        d = torch.multinomial(q + (q.sum(-1, keepdim=True) == 0), 1, generator=g).squeeze(1)
+    acc, final = rejection_sample(p, q, d, p.argmax(-1), [2] * n, [False] * n, [None] * n, g)
+    d = d.view(n, 3).tolist()
+    emitted = [d[i][:a] + [f] for i, (a, f) in enumerate(zip(acc, final))]
+    return acc, emitted
+
+
+@pytest.mark.parametrize("drafted_from", ["model", "ngram"])
+def test_rejection_sampler_emits_the_target_distribution(drafted_from):
+    q0, q1 = (Q0, Q1) if drafted_from == "model" else (None, None)
+    acc, emitted = run_fixed(20000, q0, q1)
+    first = torch.bincount(torch.tensor([e[0] for e in emitted]), minlength=6).float()
+    assert chi2(first, P0) < CHI2_999[5]
+    second = torch.bincount(torch.tensor([e[1] for e in emitted if len(e) > 1]), minlength=6).float()
+    assert chi2(second, P1) < CHI2_999[5]
+    third = torch.bincount(torch.tensor([e[2] for e in emitted if len(e) > 2]), minlength=6).float()
+    assert chi2(third, P0) < CHI2_999[5]  # the bonus token
+    # acceptance of the first draft: Σ min(p, q) (model) or p(draft) (n-gram)
+    rate = sum(a > 0 for a in acc) / len(acc)
+    want = float(torch.minimum(P0, Q0).sum()) if q0 is not None else float(P0[2])
+    assert abs(rate - want) < 0.015
+
+
+def test_rejection_sampler_greedy_and_identical_distributions():
+    p = torch.stack([P0, P1, P0])
+    acc, final = rejection_sample(None, None, torch.tensor([0, 1, 0]), p.argmax(-1), [2], [True], [None],
+                                  torch.Generator())
+    assert (acc, final) == ([1], [5])  # 0 is P0's argmax; 1 is not P1's (5): the target's argmax replaces it
+    acc, final = rejection_sample(p, p.clone(), torch.tensor([3, 4, 0]), p.argmax(-1), [2], [False], [None],
+                                  torch.Generator())
+    assert acc == [2]  # q == p: always accepted
+
+
+# ---- greedy: identical outputs for every draft, under batching, prefix caching and preemption ----------
+@pytest.fixture(scope="module")
+def alone(demo_dir):
+    llm = make_llm(demo_dir, enable_prefix_caching=False)
+    return {p: llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts(14)}
+
+
+@pytest.mark.parametrize("draft", ["self", "truncated", "random", "ngram"])
+def test_greedy_identical_with_batching_prefix_caching_preemption(draft, drafts, alone, demo_dir):
+    llm = make_llm(demo_dir, block_size=8, num_kv_blocks=10, max_num_batched_tokens=16, max_num_seqs=6,
+                   max_model_len=64, speculative=spec_of(draft, drafts))
+    ps = prompts(14)
+    outs = llm.generate(ps, GREEDY, use_tqdm=False)
+    for p, o in zip(ps, outs):
+        assert o.outputs[0].token_ids == alone[p], (draft, p)
+    e = llm.engine
+    assert e.scheduler.num_preemptions > 0 and e.block_manager.prefix_hits > 0
+    assert e.block_manager.num_free_blocks == e.block_manager.num_blocks  # every block came back
+    s = e.stats.spec
+    assert s.num_drafts > 0
+    if draft == "self":
+        assert s.acceptance_rate == 1.0
+    elif draft == "truncated":
+        assert 0.1 < s.acceptance_rate < 0.9
+    elif draft == "random":
+        assert s.acceptance_rate < 0.1
+
+
+@pytest.mark.parametrize("draft", ["self", "ngram"])
+def test_tight_token_budget_cuts_drafts(draft, drafts, demo_dir):
+    """A budget of 4 tokens: no sequence gets all k = 4 drafted positions, most get fewer (or none)."""
+    ps = ["He liked to play with his ball. He liked to play with his ball. He", "The dog", "Lily and Tom",
+          "One day, a big cat"]
+    want = [o.outputs[0].token_ids for o in make_llm(demo_dir).generate(ps, GREEDY, use_tqdm=False)]
+    llm = make_llm(demo_dir, max_num_batched_tokens=4, speculative=spec_of(draft, drafts, 4))
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == want
+    s = llm.engine.stats.spec
+    assert s.num_drafts > 0 and s.num_draft_tokens < 4 * s.num_drafts
+
+
+def test_stops_inside_accepted_runs_and_logprobs(demo_dir, drafts):
+    """Self-draft accepts everything, so stop strings, stop ids, min_tokens, EOS and max_tokens all fall
+    inside accepted runs; the results (and logprobs) must equal plain decoding's."""
+    cases = [SamplingParams(temperature=0, max_tokens=30, stop=["Lily"]),
+             SamplingParams(temperature=0, max_tokens=30, stop=["park"], include_stop_str_in_output=True),
+             SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[426], min_tokens=12),
+             SamplingParams(temperature=0, max_tokens=13, logprobs=2),
+             SamplingParams(temperature=0, max_tokens=400)]  # ends on EOS
+    ps = ["Once upon a time", "Once upon a time", "Once upon a time", "The dog", "The dog"]
+    plain = make_llm(demo_dir).generate(ps, cases, use_tqdm=False)
+    spec = make_llm(demo_dir, speculative=spec_of("self", drafts, 5))
+    got = spec.generate(ps, cases, use_tqdm=False)
+    for a, b in zip(plain, got):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert (cb.text, cb.token_ids, cb.finish_reason, cb.stop_reason) == \
+            (ca.text, ca.token_ids, ca.finish_reason, ca.stop_reason)
+        if ca.logprobs is not None:
+            for la, lb in zip(ca.logprobs, cb.logprobs):
+                assert la.keys() == lb.keys()
+                assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+    assert [c.outputs[0].finish_reason for c in got] == ["stop", "stop", "stop", "length", "stop"]
+    assert spec.engine.stats.spec.num_drafts > 0
+
+
+# ---- sampling: the target's distribution --------------------------------------------------------------
+def joint_first_two(llm, prompt_ids: list[int], temperature: float) -> dict[tuple[int, int], float]:
+    """P(t1, t2) under top_k=3 at `temperature`, from the target's own logprobs (plain decoding)."""
+    def top3(ids):
+        lp = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, logprobs=3),
+                          use_tqdm=False)[0].outputs[0].logprobs[0]
+        best = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:3]
+        w = torch.tensor([v.logprob for _, v in best]) / temperature
+        return dict(zip([t for t, _ in best], w.softmax(0).tolist()))
+
+    return {(a, b): pa * pb for a, pa in top3(prompt_ids).items() for b, pb in top3(prompt_ids + [a]).items()}
+
+
+@pytest.mark.parametrize("draft", ["none", "truncated", "ngram"])
+def test_sampled_tokens_follow_the_target_distribution(draft, drafts, demo_dir):
+    temperature, n = 2.0, 1500
+    plain = make_llm(demo_dir)
+    # one of the likely next tokens ("had") occurs earlier in the prompt, so n-gram lookup proposes too
+    prompt_ids = plain.get_tokenizer().encode("Lily had a ball. She loved the ball. She")
+    joint = joint_first_two(plain, prompt_ids, temperature)
+    llm = plain if draft == "none" else make_llm(demo_dir, speculative=spec_of(draft, drafts, 2))
+    params = SamplingParams(temperature=temperature, top_k=3, max_tokens=3, n=n, seed=1000, ignore_eos=True)
+    outs = llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0].outputs
+    keys = list(joint)
+    counts = torch.zeros(len(keys))
+    for c in outs:
+        counts[keys.index(tuple(c.token_ids[:2]))] += 1
+    assert chi2(counts, torch.tensor([joint[k] for k in keys])) < CHI2_999[8]
+    if draft != "none":  # the second token came out of verification for every sample, some drafts rejected
+        s = llm.engine.stats.spec
+        assert s.num_drafts >= n // 5 and 0.05 < s.acceptance_rate < 0.95
+
+
+def test_seeded_requests_reproducible(drafts, demo_dir):
+    llm = make_llm(demo_dir, speculative=spec_of("truncated", drafts, 3))
+    a = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7)
+    b = SamplingParams(temperature=1.0, max_tokens=20, seed=3)
+    alone = llm.generate("Once upon a time", a, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate(["Once upon a time", "The dog"], [a, b], use_tqdm=False)[0].outputs[0].token_ids
+    assert again == alone and llm.engine.stats.spec.num_drafts > 0
+
+
+# ---- metrics ------------------------------------------------------------------------------------------
+def test_metrics_exact_on_a_self_draft(demo_dir, drafts, caplog):
+    from nvllm.bench.serve import spec_decode_stats
+    from nvllm.serve.metrics import ServerMetrics
+
+    llm = make_llm(demo_dir, speculative=spec_of("self", drafts, 4))
+    m = 3  # the prefill emits one token, then each step 4 accepted drafts + the bonus
+    log = logging.getLogger("nvllm")  # it does not propagate: listen on it directly
+    log.addHandler(caplog.handler)
+    try:  # generate() ends with the periodic line, forced
+        out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=1 + 5 * m, ignore_eos=True),
+                           use_tqdm=False)[0]
+    finally:
+        log.removeHandler(caplog.handler)
+    assert len(out.outputs[0].token_ids) == 1 + 5 * m
+    s = llm.engine.stats.spec
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (m, 4 * m, 4 * m)
+    assert s.accepted_per_pos == [m] * 4 + [0] * 4 and s.mean_acceptance_length == 5.0
+    assert llm.engine.stats.num_steps == 1 + m
+    line = " ".join(" ".join(r.getMessage() for r in caplog.records).split())
+    assert "spec_acceptance: 100.0%, avg_spec_tokens: 5.00, spec_per_position: 1.00/1.00/1.00/1.00" in line
+    text = ServerMetrics(llm.engine, "demo").render().decode()
+    assert 'nvllm:spec_decode_num_drafts_total{model_name="demo"} 3.0' in text
+    assert 'nvllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="demo",position="3"} 3.0' in text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("nvllm:spec"))
+    stats = spec_decode_stats({k: float(v) for k, v in samples.items()})
+    assert stats["spec_decode_acceptance_rate"] == 100.0 and stats["spec_decode_acceptance_length"] == 5.0
+    plain = ServerMetrics(make_llm(demo_dir).engine, "demo").render().decode()
+    assert "spec_decode" not in plain
+
+
+def test_spec_stats_and_ngram_proposals():
+    s = SpecStats()
+    for drafted, accepted in [(4, 4), (4, 1), (2, 0), (0, 0)]:
+        s.record(drafted, accepted)
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 10, 5)
+    assert s.accepted_per_pos[:4] == [2, 1, 1, 1] and s.acceptance_rate == 0.5
+    assert s.mean_acceptance_length == pytest.approx(1 + 5 / 3)
+    assert s.as_result()["spec_decode_per_position_acceptance"] == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    ng = NgramProposer(1, 3)
+    assert ng.propose_one([5, 6, 7, 8, 9, 1, 6, 7], 3) == [8, 9, 1]  # suffix 6 7 matched, what followed
+    assert ng.propose_one([7, 1, 2, 3, 9, 9, 1, 2, 3, 8, 5, 1, 2, 3], 2) == [8, 5]  # the latest full match
+    assert ng.propose_one([1, 2, 1, 2, 1, 2], 4) == [1, 2]  # no match has 4 after it: the earliest one
+    assert ng.propose_one([1, 2, 3, 4], 2) == []
+
+
+def test_bench_latency_reports_acceptance(drafts, tmp_path):
+    from typer.testing import CliRunner
+
+    from nvllm.cli import app
+
+    out = tmp_path / "lat.json"
+    res = CliRunner().invoke(app, ["bench", "latency", "--batch-size", "2", "--input-len", "8", "--output-len", "9",
+                                   "--num-iters-warmup", "0", "--num-iters", "1", "--save-result", str(out),
+                                   "--device", "cpu", "--log-stats-interval", "0", "--no-progress",
+                                   "--speculative", spec_of("self", drafts, 3)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["spec_decode_num_drafts"] > 0 and r["spec_decode_acceptance_rate"] > 90.0
+    assert r["speculative"].startswith("k=3")
+
+
+# ---- start-up checks, k=auto, block trimming, CLI -----------------------------------------------------
+def test_mismatched_vocabularies_rejected(tmp_path, demo_dir):
+    small = build_tiny_model("llama", tmp_path / "small", vocab_size=256)
+    with pytest.raises(ConfigError, match="does not cover"):
+        make_llm(demo_dir, speculative=f"k=2,draft={small}")
+    other = truncated_copy(tmp_path / "other", 1)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ConfigError, match="tokenizer differs"):
+        make_llm(demo_dir, speculative=f"k=2,draft={other}")
+
+
+@pytest.mark.parametrize("draft, want_k", [("self", 8), ("random", 1)])
+def test_k_auto_follows_acceptance(draft, want_k, drafts, demo_dir):
+    llm = make_llm(demo_dir, speculative=spec_of(draft, drafts, "auto"))
+    e = llm.engine
+    e.add_request("r", "Once upon a time", SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    seq = e.requests["r"][0]
+    while e.has_unfinished_requests():
+        e.step()
+    assert seq.spec_state.k == want_k
+    unit = AdaptiveK(start=2, window=2)
+    st = unit.new_state()
+    for drafted, accepted in [(2, 2), (2, 2), (3, 1), (3, 0), (2, 1), (2, 1)]:
+        unit.update(st, drafted, accepted)
+    assert st.k == 2  # up (100%), down (1/6), then 50% holds
+
+
+def test_trim_frees_trailing_blocks_only_once_unshared():
+    bm = BlockManager(8, 4)
+    s = Sequence("r", 0, list(range(6)), 6, SamplingParams(), RequestMetrics(0.0))
+    assert bm.allocate_slots(s, 14)  # 6 tokens + 8 reserved: 4 blocks
+    assert len(s.block_table) == 4 and bm.num_free_blocks == 4
+    tail = s.block_table[-1]
+    bm.blocks[tail].ref_count += 1  # pretend another sequence holds the last block
+    s.num_computed_tokens = 5
+    bm.trim(s)  # 6 tokens need 2 blocks
+    assert len(s.block_table) == 2 and bm.num_free_blocks == 5 and bm.blocks[tail].ref_count == 1
+
+
+def test_cli_speculative_option():
+    from typer.testing import CliRunner
+
+    from nvllm.cli import app
+
+    res = CliRunner().invoke(app, ["generate", "--max-tokens", "16", "--log-stats-interval", "0", "--device", "cpu",
+                                   "--speculative", "k=3,method=ngram"])
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert "Once upon a time, there was a little girl named Lily" in said and "n-gram lookup" in said
+    res = CliRunner().invoke(app, ["generate", "--speculative", "k=3"])
+    assert res.exit_code == 2 and "needs a draft model" in res.output
