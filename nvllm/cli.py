@@ -219,6 +219,187 @@ def serve(
         fail(str(e))
 
 
+# ---- nvllm eval ----------------------------------------------------------------------------------------
+_GATE = "Regression gate"
+
+
+@app.command("eval")
+@engine_options
+def eval_command(
+    tasks: Annotated[str, typer.Option(help="comma-separated: gsm8k, mmlu, mmlu_<category|subject>, wikitext, "
+                                       "c4, or a text file path")] = "gsm8k,mmlu",
+    num_fewshot: Annotated[Optional[int], typer.Option(help="few-shot examples (default: each task's own: gsm8k 5, "
+                                                       "mmlu 0)")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="only the first N samples of each (sub)task, or N documents "
+                                                 "for perplexity")] = None,
+    data_dir: Annotated[Optional[str], typer.Option(help="local data (gsm8k/, mmlu/ or mmlu_final_hf/, "
+                                                    "wikitext-2-raw/, c4/); required when the HF hub is "
+                                                    "unreachable")] = None,
+    max_gen_toks: Annotated[Optional[int], typer.Option(help="generation limit per sample (default: the task's, "
+                                                        "else 256)")] = None,
+    max_length: Annotated[Optional[int], typer.Option(help="scoring window in tokens (default: "
+                                                      "max_model_len - 2)")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="baseline model directory: evaluate both on identical samples "
+                                                    "and gate", rich_help_panel=_GATE)] = None,
+    max_drop: Annotated[Optional[float], typer.Option(help="largest allowed drop in points (accuracy x100, perplexity "
+                                                      "in its units; default with --baseline: 1.0)",
+                                                      rich_help_panel=_GATE)] = None,
+    max_drop_rel: Annotated[Optional[float], typer.Option(help="largest allowed drop in percent of the baseline",
+                                                          rich_help_panel=_GATE)] = None,
+    output_json: Annotated[Optional[str], typer.Option(help="write the results JSON here")] = None,
+    progress: Annotated[bool, typer.Option(help="progress bars")] = True,
+    *, engine_config: EngineConfig,
+) -> None:
+    """Accuracy (GSM8K, MMLU through lm-evaluation-harness) and perplexity on nvllm's engine; with --baseline,
+    a regression gate that exits 1 when a task drops more than allowed."""
+    from nvllm.eval import runner
+    from nvllm.logger import console
+
+    runner.require_lm_eval()
+
+    if baseline is None and (max_drop is not None or max_drop_rel is not None):
+        fail("--max-drop / --max-drop-rel need --baseline")
+    if baseline is not None and max_drop is None and max_drop_rel is None:
+        max_drop = 1.0
+    runner.quiet_libraries()
+    try:
+        spec = runner.EvalSpec(tasks.split(","), num_fewshot, limit, data_dir, max_gen_toks, max_length)
+        results, rows, notes = runner.run_eval(engine_config, spec, baseline, max_drop, max_drop_rel, progress)
+    except (runner.EvalError, *USER_ERRORS) as e:
+        fail(str(e))
+    runner.print_eval(console(), results, rows, max_drop, max_drop_rel)
+    gate = runner.gate_summary(results, rows, max_drop, max_drop_rel) if baseline is not None else None
+    if output_json:
+        runner.write_json(output_json, runner.report_json(results, spec, engine_config, notes, gate))
+        console().print(f"results written to {output_json}", highlight=False)
+    if gate is not None and not gate["passed"]:
+        fail(f"regression gate failed: {', '.join(gate['failed'])}", code=1)
+
+
+# ---- nvllm quantize ------------------------------------------------------------------------------------
+_CAL = "Calibration"
+
+
+@app.command()
+def quantize(
+    model: Annotated[Optional[str], typer.Option(help="full-precision HF model directory (default: the demo model)")] = None,
+    out: Annotated[Optional[str], typer.Option(help="output directory (must not exist unless --overwrite)")] = None,
+    method: Annotated[Optional[str], typer.Option(help="awq | gptq | rtn")] = None,
+    bits: Annotated[Optional[int], typer.Option(help="4 | 8 (default 4; awq: 4 only)")] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="inputs per scale/zero group; -1: whole rows "
+                                                      "(default 128)")] = None,
+    sym: Annotated[Optional[bool], typer.Option("--sym/--no-sym", help="symmetric (gptq/rtn default) or zero "
+                                                "point (awq)")] = None,
+    desc_act: Annotated[Optional[bool], typer.Option("--desc-act/--no-desc-act", help="GPTQ act-order "
+                                                     "(static groups)")] = None,
+    calib_dataset: Annotated[Optional[str], typer.Option(help="c4 | calib (the shipped C4 sample) | a .jsonl/"
+                                                         ".json.gz/.json/.txt path (default c4)",
+                                                         rich_help_panel=_CAL)] = None,
+    calib_samples: Annotated[Optional[int], typer.Option(help="windows (default 128)", rich_help_panel=_CAL)] = None,
+    calib_seqlen: Annotated[Optional[int], typer.Option(help="tokens per window (default 2048)",
+                                                        rich_help_panel=_CAL)] = None,
+    seed: Annotated[Optional[int], typer.Option(help="calibration window seed (default 0)",
+                                                rich_help_panel=_CAL)] = None,
+    recipe: Annotated[Optional[str], typer.Option(help="YAML recipe (recipes/*.yaml); flags override it")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace an existing --out")] = False,
+    device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda | cuda:N (where layers are "
+                                                  "quantized) (default auto)")] = None,
+    progress: Annotated[bool, typer.Option(help="progress bar")] = True,
+) -> None:
+    """Quantize a model to INT4/INT8 (AWQ, GPTQ or RTN) and write an AWQ-GEMM / GPTQ checkpoint."""
+    from nvllm.assets import demo_model_path
+    from nvllm.logger import console
+    from nvllm.quant import quantize as q
+    from nvllm.quant.recipe import build_config
+    from nvllm.quant.report import LayerProgress, print_report
+
+    if out is None:
+        fail("--out DIR is required")
+    bar = LayerProgress(console(), enabled=progress)
+    try:
+        cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
+                           calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
+                           seed=seed, device=device)
+        summary = q.quantize_model(model or demo_model_path(), out, cfg, overwrite, progress=bar.update,
+                                   on_start=bar.start)
+    except q.USER_ERRORS as e:
+        bar.stop()
+        fail(str(e))
+    bar.stop()
+    print_report(summary, console())
+
+
+# ---- nvllm pipeline ------------------------------------------------------------------------------------
+_Q, _E, _B = "Quantization", "Evaluation", "Benchmark"
+
+
+@app.command()
+@engine_options
+def pipeline(
+    method: Annotated[Optional[str], typer.Option(help="awq | gptq | rtn", rich_help_panel=_Q)] = None,
+    bits: Annotated[Optional[int], typer.Option(help="4 | 8 (awq: 4) (default: 4)", rich_help_panel=_Q)] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="inputs per scale/zero group (default: 128)",
+                                                      rich_help_panel=_Q)] = None,
+    sym: Annotated[Optional[bool], typer.Option("--sym/--no-sym", rich_help_panel=_Q)] = None,
+    desc_act: Annotated[Optional[bool], typer.Option("--desc-act/--no-desc-act", rich_help_panel=_Q)] = None,
+    calib_dataset: Annotated[Optional[str], typer.Option(help="c4 | calib | a file (default: c4)",
+                                                         rich_help_panel=_Q)] = None,
+    calib_samples: Annotated[Optional[int], typer.Option(rich_help_panel=_Q)] = None,
+    calib_seqlen: Annotated[Optional[int], typer.Option(rich_help_panel=_Q)] = None,
+    recipe: Annotated[Optional[str], typer.Option(help="YAML recipe; flags override it", rich_help_panel=_Q)] = None,
+    out: Annotated[Optional[str], typer.Option(help="quantized model directory (default: "
+                                               "./<model>-<method>-w<bits>)", rich_help_panel=_Q)] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace an existing --out", rich_help_panel=_Q)] = False,
+    tasks: Annotated[str, typer.Option(help="as for nvllm eval", rich_help_panel=_E)] = "gsm8k,mmlu,wikitext",
+    num_fewshot: Annotated[Optional[int], typer.Option(rich_help_panel=_E)] = None,
+    limit: Annotated[Optional[int], typer.Option(rich_help_panel=_E)] = None,
+    data_dir: Annotated[Optional[str], typer.Option(rich_help_panel=_E)] = None,
+    max_gen_toks: Annotated[Optional[int], typer.Option(rich_help_panel=_E)] = None,
+    max_length: Annotated[Optional[int], typer.Option(rich_help_panel=_E)] = None,
+    max_drop: Annotated[Optional[float], typer.Option(help="largest allowed drop in points (default: 1.0 unless "
+                                                      "--max-drop-rel)", rich_help_panel=_E)] = None,
+    max_drop_rel: Annotated[Optional[float], typer.Option(help="largest allowed drop in % of the original",
+                                                          rich_help_panel=_E)] = None,
+    batch_size: Annotated[int, typer.Option(help="latency batch", rich_help_panel=_B)] = 8,
+    input_len: Annotated[int, typer.Option(rich_help_panel=_B)] = 128,
+    output_len: Annotated[int, typer.Option(rich_help_panel=_B)] = 128,
+    num_iters_warmup: Annotated[int, typer.Option(rich_help_panel=_B)] = 3,
+    num_iters: Annotated[int, typer.Option(rich_help_panel=_B)] = 10,
+    num_prompts: Annotated[int, typer.Option(help="throughput requests", rich_help_panel=_B)] = 100,
+    report: Annotated[Optional[str], typer.Option(help="report path without extension (writes .md and .json)  "
+                                                  " (default: <out>-report)")] = None,
+    progress: Annotated[bool, typer.Option(help="progress bars")] = True,
+    *, engine_config: EngineConfig,
+) -> None:
+    """Quantize → regression gate against the original → latency/throughput of both → one Markdown + JSON
+    report. Exits 1 when the gate fails (the report is written either way)."""
+    from pathlib import Path
+
+    from nvllm.eval import pipeline as pipe, runner
+    from nvllm.logger import console
+    from nvllm.quant import quantize as q
+    from nvllm.quant.recipe import build_config
+
+    runner.require_lm_eval()
+    if max_drop is None and max_drop_rel is None:
+        max_drop = 1.0
+    runner.quiet_libraries()
+    try:
+        cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
+                           calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
+                           seed=engine_config.seed, device=engine_config.device)
+        out = out or f"{Path(engine_config.model).name}-{cfg.method}-w{cfg.bits}"
+        spec = runner.EvalSpec(tasks.split(","), num_fewshot, limit, data_dir, max_gen_toks, max_length)
+        bench = pipe.BenchSpec(batch_size, input_len, output_len, num_iters_warmup, num_iters, num_prompts)
+        result = pipe.run_pipeline(engine_config, out, cfg, overwrite, spec, max_drop, max_drop_rel, bench, report,
+                                   console(), progress)
+    except (runner.EvalError, *q.USER_ERRORS) as e:
+        fail(str(e))
+    console().print(f"report written to {' and '.join(result['report_files'])}", highlight=False)
+    if not result["gate"]["passed"]:
+        fail(f"regression gate failed: {', '.join(result['gate']['failed'])}", code=1)
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

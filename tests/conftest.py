@@ -17,6 +17,10 @@ import torch  # noqa: E402
 
 from nvllm.assets import demo_model_path  # noqa: E402
 
+# The test models are tiny: one intra-op thread is faster than two fighting over the machine's cores with
+# the server subprocesses some tests start.
+torch.set_num_threads(1)
+
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = next((p for p in (REPO.parent / "shared" / "data", Path("/work/shared/data")) if p.is_dir()), None)
