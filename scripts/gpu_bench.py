@@ -70,6 +70,58 @@ def build_model_dir(tokenizer_dir: Path) -> Path:
     return d
 
 
+QUANT_CONFIGS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+             "checkpoint_format": "gptq"},
+}
+
+
+def quant_runs(model_dir: Path, res: dict, methods: list[str], save) -> None:
+    """W4A16 g128 decode at batch 1 (random packed weights, bf16 lm_head) against the bf16 TPOT of this run."""
+    from nvllm.bench.offline import run_latency
+    from nvllm.config import EngineConfig
+
+    for method in methods:
+        qdir = Path(tempfile.mkdtemp(prefix=f"qwen7b-{method}-"))
+        for f in model_dir.iterdir():
+            shutil.copy(f, qdir / f.name)
+        cfg = json.loads((qdir / "config.json").read_text())
+        cfg["quantization_config"] = QUANT_CONFIGS[method]
+        (qdir / "config.json").write_text(json.dumps(cfg))
+        config = EngineConfig(model=str(qdir), load_format="dummy", dtype="bfloat16", max_model_len=4096,
+                              max_num_seqs=64, log_stats_interval=0)
+        lat = run_latency(config, batch_size=1, input_len=128, output_len=256, num_iters_warmup=1, num_iters=3,
+                          progress=False)
+        res[f"nvllm_{method}_w4_tpot_ms"] = lat["median_tpot_ms"]
+        res[f"nvllm_{method}_w4_kernel_report"] = lat["kernel_report"]
+        save()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def kv_runs(model_dir: Path, res: dict, dtypes: list[str], save) -> None:
+    """Quantized KV cache: pool capacity at the same gpu_memory_utilization, and decode TPOT with 8K-token
+    contexts at batch 1 and 32, against the bf16 cache, in this run."""
+    from nvllm.bench.offline import run_latency
+    from nvllm.config import EngineConfig
+    from nvllm.llm import LLM
+
+    for kv in dtypes:
+        config = EngineConfig(model=str(model_dir), load_format="dummy", dtype="bfloat16", max_model_len=8448,
+                              max_num_seqs=32, max_num_batched_tokens=8192, kv_cache_dtype=kv, log_stats_interval=0)
+        llm = LLM.from_config(config)
+        res[f"kv_{kv}_tokens"] = llm.engine.runner.num_blocks * llm.engine.runner.block_size
+        for batch, out_len in ((1, 64), (32, 32)):
+            lat = run_latency(config, batch_size=batch, input_len=8192, output_len=out_len, num_iters_warmup=1,
+                              num_iters=2, progress=False, llm=llm)
+            res[f"kv_{kv}_b{batch}_8k_tpot_ms"] = lat["median_tpot_ms"]
+            save()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def hf_baseline(model_dir: Path, res: dict) -> None:
     """HF transformers eager: batch-1 decode ms/token and prefill times at 512 / 2048 tokens."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -247,6 +299,25 @@ def table(res: dict) -> str:
         if f"hf_prefill_{n}_ms" in res:
             row += f"; HF {res[f'hf_prefill_{n}_ms']:.1f} ms ({res[f'hf_prefill_{n}_ms'] / limit_ms:.2f}x)"
         lines.append(row)
+    for method in QUANT_CONFIGS:
+        k = f"nvllm_{method}_w4_tpot_ms"
+        if k in res:
+            line = f"{method} W4A16 g128 TPOT {res[k]:.2f} ms = {1000 / res[k]:.0f} tok/s"
+            if "nvllm_graphs_tpot_ms" in res:
+                line += f" ({res['nvllm_graphs_tpot_ms'] / res[k]:.2f}x nvllm bf16)"
+            lines.append(line)
+    for kv in ("auto", "int8", "fp8_e4m3"):
+        if f"kv_{kv}_tokens" in res:
+            line = f"kv cache {kv}: {res[f'kv_{kv}_tokens']} tokens"
+            if kv != "auto" and "kv_auto_tokens" in res:
+                line += f" ({res[f'kv_{kv}_tokens'] / res['kv_auto_tokens']:.2f}x bf16)"
+            for b in (1, 32):
+                k = f"kv_{kv}_b{b}_8k_tpot_ms"
+                if k in res:
+                    line += f"; 8K ctx batch {b} TPOT {res[k]:.2f} ms"
+                    if kv != "auto" and f"kv_auto_b{b}_8k_tpot_ms" in res:
+                        line += f" ({res[f'kv_auto_b{b}_8k_tpot_ms'] / res[k]:.2f}x bf16 speed)"
+            lines.append(line)
     if "nvllm_throughput_output_tok_s" in res:
         lines.append(f"throughput {res['nvllm_throughput_requests']} x 512/256: "
                      f"{res['nvllm_throughput_output_tok_s']:.0f} output tok/s ({res['nvllm_throughput_elapsed_s']:.1f} s)")
@@ -260,6 +331,8 @@ def main() -> None:
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--throughput-prompts", type=int, default=1000)
     ap.add_argument("--profile", action="store_true", help="profile a prefill and decode steps (torch.profiler)")
+    ap.add_argument("--kv", default="", help="comma-separated KV-cache dtypes to compare at 8K context: auto,int8,...")
+    ap.add_argument("--quant", default="", help="comma-separated W4A16 formats to time at batch 1: awq,gptq")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "."))
     res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -281,6 +354,10 @@ def main() -> None:
                                                      args.profile)))
     if not args.skip_eager:
         steps.append(("nvllm eager", lambda: nvllm_runs(model_dir, res, 0, True, save)))
+    if args.kv:
+        steps.append(("kv", lambda: kv_runs(model_dir, res, args.kv.split(","), save)))
+    if args.quant:
+        steps.append(("quant", lambda: quant_runs(model_dir, res, args.quant.split(","), save)))
     for name, fn in steps:
         t0 = time.perf_counter()
         try:
