@@ -8,7 +8,6 @@ This file holds the op's three parts: the torch reference, the Triton kernel and
 
 from __future__ import annotations
 
-
 import torch
 
 from nvllm.kernels.jit import lazy_jit

@@ -13,13 +13,11 @@ This file holds the op's three parts: the torch reference, the Triton kernel and
 
 from __future__ import annotations
 
-
 import torch
-
-from nvllm.kernels.jit import lazy_jit
 
 from nvllm.kernels import report
 from nvllm.kernels.backend import use_triton
+from nvllm.kernels.jit import lazy_jit
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
 
