@@ -169,20 +169,21 @@ def check_greedy(res: dict) -> None:
     words = "Once upon a time there was a little girl named Lily who loved to play in the park".split()
     prompts = [" ".join(words[: 2 + (3 * i) % 15]) for i in range(16)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    for dtype in ("float32", "bfloat16"):
+    for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8")):
         got = {}
         for kernels in ("torch", "auto"):
             os.environ["NVLLM_KERNELS"] = kernels
-            llm = LLM(dtype=dtype, enforce_eager=kernels == "torch", log_stats_interval=0, max_num_seqs=32)
+            llm = LLM(dtype=dtype, kv_cache_dtype=kv, enforce_eager=kernels == "torch", log_stats_interval=0,
+                      max_num_seqs=32)
             got[kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             del llm
             gc.collect()
             torch.cuda.empty_cache()
         os.environ.pop("NVLLM_KERNELS")
         same = sum(a == b for a, b in zip(got["torch"], got["auto"]))
-        res[f"greedy_check_{dtype}"] = f"{same}/{len(prompts)}"
-        print(f"[check] demo model {dtype}: triton+graphs greedy == torch eager for {same}/{len(prompts)} prompts",
-              flush=True)
+        res[f"greedy_check_{dtype}_kv_{kv}"] = f"{same}/{len(prompts)}"
+        print(f"[check] demo model {dtype}, kv cache {kv}: triton+graphs greedy == torch eager for "
+              f"{same}/{len(prompts)} prompts", flush=True)
 
 
 def profile_steps(llm, res: dict) -> None:
