@@ -71,6 +71,7 @@ class LLMEngine:
                                    lookahead=self.spec.lookahead if self.spec is not None else None)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
+        self._token_texts: dict[int, str] = {}
         self.stats = self._new_stats()
         self.stat_logger = StatLogger(config.log_stats_interval)
         self._next_id = 0
@@ -256,9 +257,16 @@ class LLMEngine:
         return sorted(set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids))
 
     def _logprob_dict(self, tok: int, lp: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
-        d = {t: Logprob(v, r + 1, self.tokenizer.decode([t])) for r, (t, v) in enumerate(top)}
-        d[tok] = Logprob(lp, rank, self.tokenizer.decode([tok]))
+        d = {t: Logprob(v, r + 1, self._token_text(t)) for r, (t, v) in enumerate(top)}
+        d[tok] = Logprob(lp, rank, self._token_text(tok))
         return d
+
+    def _token_text(self, tok: int) -> str:
+        """One token decoded alone, cached (bounded by the vocabulary): logprobs ask for it at every position."""
+        text = self._token_texts.get(tok)
+        if text is None:
+            text = self._token_texts[tok] = self.tokenizer.decode([tok])
+        return text
 
     def _append_token(self, seq: Sequence, tok: int, lp_info, now: float) -> None:
         p = seq.params

@@ -17,11 +17,12 @@ from nvllm.kernels import report
 from nvllm.kernels.backend import use_triton
 from nvllm.layers.attention import (AttentionMetadata, allocate_kv_caches, kv_cache_bytes_per_token,
                                     kv_cache_element_dtype)
-from nvllm.layers.sampler import Sampler, SampleRow, host_tensor, token_logprobs
+from nvllm.layers.sampler import Sampler, SampleRow, batch_token_logprobs, host_tensor
 from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model
 
 logger = logging.getLogger("nvllm")
 _GiB = 1 << 30
+_PROMPT_LOGPROB_ROWS = 512  # prompt positions scored per log_softmax
 
 
 @dataclass
@@ -232,12 +233,13 @@ class ModelRunner:
         result = StepResult({}, {})
         if verify_rows:
             result.verify_logits = self.model.compute_logits(hidden[host_tensor(verify_rows, torch.long, dev)])
-        if plp_rows:
-            rows = host_tensor([r for _, r, _ in plp_rows], torch.long, dev)
+        for c in range(0, len(plp_rows), _PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] float32 temporaries
+            chunk = plp_rows[c:c + _PROMPT_LOGPROB_ROWS]
+            rows = host_tensor([r for _, r, _ in chunk], torch.long, dev)
             lps = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
-            for k, (seq, _, p) in enumerate(plp_rows):
-                tok = seq.token_ids[p + 1]
-                info = token_logprobs(lps[k], tok, seq.params.prompt_logprobs)
+            toks = [seq.token_ids[p + 1] for seq, _, p in chunk]
+            infos = batch_token_logprobs(lps, toks, [seq.params.prompt_logprobs for seq, _, _ in chunk])
+            for (seq, _, p), tok, info in zip(chunk, toks, infos):
                 result.prompt_logprobs.setdefault(id(seq), []).append((p + 1, tok, info))
         if logit_rows:
             if len(logit_rows) < hidden.shape[0]:

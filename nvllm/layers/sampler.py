@@ -89,9 +89,11 @@ class Sampler:
         token_ids = chosen.tolist()
         logprobs: list = [None] * n
         if raw_logprobs is not None:
-            for i, r in enumerate(rows):
-                if r.params.logprobs is not None:
-                    logprobs[i] = token_logprobs(raw_logprobs[i], token_ids[i], r.params.logprobs)
+            want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+            infos = batch_token_logprobs(raw_logprobs[want], [token_ids[i] for i in want],
+                                         [rows[i].params.logprobs for i in want])
+            for i, info in zip(want, infos):
+                logprobs[i] = info
         return SamplerOutput(token_ids, logprobs)
 
 
@@ -102,11 +104,21 @@ def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch
 
 
 def token_logprobs(row_logprobs: torch.Tensor, token: int, top_n: int) -> tuple[float, int, list[tuple[int, float]]]:
-    """(log p(token), its rank (1 = best), the top_n (token, log p) pairs)."""
-    lp = row_logprobs[token]
-    rank = int((row_logprobs > lp).sum().item()) + 1
-    top: list[tuple[int, float]] = []
-    if top_n > 0:
-        vals, ids = row_logprobs.topk(top_n)
-        top = list(zip(ids.tolist(), vals.tolist()))
-    return float(lp.item()), rank, top
+    """(log p(token), its rank (1 = best), the top_n (token, log p) pairs) for one row."""
+    return batch_token_logprobs(row_logprobs[None], [token], [top_n])[0]
+
+
+def batch_token_logprobs(logprobs: torch.Tensor, tokens: list[int], top_ns: list[int]) -> list[tuple]:
+    """token_logprobs for many rows at once: a handful of device ops and one host copy per quantity, whatever
+    the number of rows (prompt log-probabilities ask for thousands)."""
+    idx = torch.tensor(tokens, device=logprobs.device)[:, None]
+    chosen = logprobs.gather(1, idx)
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
+    k = max(top_ns, default=0)
+    tops: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if k > 0:
+        vals, ids = logprobs.topk(k, dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+        tops = [list(zip(i[:n], v[:n])) for i, v, n in zip(ids, vals, top_ns)]
+    return list(zip(chosen, ranks, tops))
