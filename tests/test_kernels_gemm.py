@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from nvllm.kernels import gemm as G  # noqa: E402
+from nvllm.kernels import gemm_tuner as T  # noqa: E402
 from nvllm.kernels import report  # noqa: E402
 
 if not isinstance(G._jit(G._skinny_gemm_kernel), InterpretedFunction):
@@ -196,7 +197,7 @@ def test_tuner_fills_the_table_from_measurements(table):
         n = call(n_copies - 1).shape[1]  # runs on the last weight copy
         return 10.0 if choice == G.CUBLAS else times[(choice.kernel, n)]
 
-    tuner = G.GemmTuner(timer=fake_timer, rotate_bytes=1, fma_tiles=[fma], mma_tiles=[mma])
+    tuner = T.GemmTuner(timer=fake_timer, rotate_bytes=1, fma_tiles=[fma], mma_tiles=[mma])
     results = tuner.tune([(48, 64), (64, 64)], [1, 3], torch.float32, "cpu")
     assert [(r["n"], r["m"]) for r in results] == [(48, 1), (48, 4), (64, 1), (64, 4)]
     for r in results:
@@ -209,27 +210,27 @@ def test_tuner_fills_the_table_from_measurements(table):
 
     # a candidate that fails its accuracy check is never timed nor chosen
     G.clear_gemm_table()
-    strict = G.GemmTuner(timer=fake_timer, rotate_bytes=1, max_err=-1.0, fma_tiles=[fma], mma_tiles=[])
+    strict = T.GemmTuner(timer=fake_timer, rotate_bytes=1, max_err=-1.0, fma_tiles=[fma], mma_tiles=[])
     r = strict.tune([(48, 64)], [1], torch.float32, "cpu")[0]
     assert "error" in r["candidates"][0] and "time_s" not in r["candidates"][0]
     assert G.gemm_choice(48, 64, 1, torch.float32) == G.CUBLAS
 
 
 def test_tune_gemm_is_a_no_op_off_the_gpu(table):
-    assert G.tune_gemm([(72, 160)], [1, 2], torch.float32, "cpu") == []
+    assert T.tune_gemm([(72, 160)], [1, 2], torch.float32, "cpu") == []
     assert G.gemm_table() == {}
 
 
 def test_candidates_for_decode_shapes():
     # o_proj 3584→3584 at M=1 on 132 SMs: fma and mma candidates, split-K offered where tiles are few
-    cands = G.candidate_configs(3584, 3584, 1, 132)
+    cands = T.candidate_configs(3584, 3584, 1, 132)
     kinds = {c.kernel for c in cands}
     assert kinds == {"fma", "mma"}
     assert any(c.split_k > 1 for c in cands if c.kernel == "mma")
     assert all(c.split_k == 1 for c in cands if c.kernel == "fma" and c.block_n == 4)   # 896 tiles
     # M=8: mma only; lm_head 152064 rows: never split
-    assert {c.kernel for c in G.candidate_configs(3584, 3584, 8, 132)} == {"mma"}
-    assert all(c.split_k == 1 for c in G.candidate_configs(152064, 3584, 1, 132))
-    assert G.split_choices(56, 28, 132) == [1, 2, 4, 8]      # ≥ 2 K blocks per split
-    assert G.split_choices(56, 74, 132) == [1, 2, 4, 8, 16]
-    assert G.split_choices(448, 7, 132) == [1, 2]
+    assert {c.kernel for c in T.candidate_configs(3584, 3584, 8, 132)} == {"mma"}
+    assert all(c.split_k == 1 for c in T.candidate_configs(152064, 3584, 1, 132))
+    assert T.split_choices(56, 28, 132) == [1, 2, 4, 8]      # ≥ 2 K blocks per split
+    assert T.split_choices(56, 74, 132) == [1, 2, 4, 8, 16]
+    assert T.split_choices(448, 7, 132) == [1, 2]

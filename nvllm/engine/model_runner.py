@@ -68,7 +68,8 @@ class ModelRunner:
         by NVLLM_GEMM_TABLE); NVLLM_TUNE_GEMM=1 measures the model's own shapes now instead."""
         import os
 
-        from nvllm.kernels.gemm import gemm_table_path, load_gemm_table, tune_gemm
+        from nvllm.kernels.gemm import gemm_table_path, load_gemm_table
+        from nvllm.kernels.gemm_tuner import tune_gemm
         from nvllm.layers.embed_head import LMHead
         from nvllm.layers.linear import Linear
 
