@@ -84,17 +84,24 @@ class LLMEngine:
             self._warmup()
 
     def _warmup(self) -> None:
-        """One short request (a prefill and a decode) so every kernel has run once; then print the report."""
+        """Short requests, one at a time, with prompts of 2, 4, 8, … 256 tokens: every kernel variant a prefill
+        of up to that many tokens picks (Triton compiles one per tile choice, ~1 s each on first use) is built
+        now rather than under the first users' requests. Then the kernel report is printed."""
         report.reset()
         extra = 0 if self.spec is None else self.spec.spec_config.num_speculative_tokens  # one verified step too
-        self.add_request("warmup", [self.tokenizer.bos_token_id or 0] * 2,
-                         SamplingParams(max_tokens=2 + extra, temperature=0.0, ignore_eos=True))
-        while self.has_unfinished_requests():
-            self.step()
+        limit = min(self.max_model_len - 2 - extra, self.config.max_num_batched_tokens, 256)
+        lengths = [n for n in (2, 4, 8, 16, 32, 64, 128, 256) if n <= limit] or [1]
+        bm = self.block_manager
+        caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False  # every prompt computed in full
+        for i, n in enumerate(lengths):
+            self.add_request(f"warmup-{i}", [self.tokenizer.bos_token_id or 0] * n,
+                             SamplingParams(max_tokens=2 + extra, temperature=0.0, ignore_eos=True))
+            while self.has_unfinished_requests():
+                self.step()
+        bm.enable_prefix_caching = caching
         from nvllm.logger import console
 
         console().print(report.format_table())
-        self.block_manager.reset_prefix_cache()
         self.stats = self._new_stats()
 
     def _new_stats(self) -> EngineStats:
