@@ -7,15 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 
-import httpx
 import numpy as np
 import pytest
 from fastapi import FastAPI, Request
@@ -27,6 +23,7 @@ from nvllm.bench.metrics import RequestResult
 from nvllm.bench.report import save_result
 from nvllm.cli import app
 from tests.conftest import SHARED_DATA
+from tests.server_utils import free_port, start_server
 
 runner = CliRunner()
 
@@ -252,18 +249,12 @@ def _fake_app(state: FakeState):
     return app
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fake_server():
     import uvicorn
 
     state = FakeState()
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(_fake_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -345,7 +336,7 @@ def test_serve_bad_input(fake_server, tmp_path):
     res, r = _bench(url, tmp_path, "--model", "no-such-model")
     assert res.exit_code == 2 and r is None
     assert "HTTP 404" in said(res) and "does not exist" in said(res)
-    res, _ = _bench(f"http://127.0.0.1:{_free_port()}", tmp_path)
+    res, _ = _bench(f"http://127.0.0.1:{free_port()}", tmp_path)
     assert res.exit_code == 2 and "cannot reach the server" in said(res)
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
@@ -359,25 +350,10 @@ def test_serve_bad_input(fake_server, tmp_path):
 # ---- end to end against the real `nvllm serve` (demo model, subprocess) ------------------------------------
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
-    port, key = _free_port(), "bench-key"
+    key = "bench-key"
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "nvllm.cli", "serve", "--port", str(port), "--api-key", key, "--device", "cpu",
-           "--log-stats-interval", "0", "--uvicorn-log-level", "warning", "--shutdown-timeout", "5"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
-    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not become healthy:\n{log_path.read_text()}")
-        time.sleep(0.25)
+    proc, base = start_server(["--api-key", key, "--device", "cpu", "--log-stats-interval", "0",
+                               "--uvicorn-log-level", "warning", "--shutdown-timeout", "5"], log_path)
     yield base, key
     proc.send_signal(signal.SIGTERM)
     try:

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -18,6 +15,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.server_utils import start_server
+
 KEY = "sk-test-key"
 MODEL = "stories260K"
 MAX_MODEL_LEN = 256
@@ -25,37 +24,13 @@ MAX_REQUEST_BYTES = 65536
 PROMPT = "Once upon a time"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """The server for the whole module; on teardown SIGTERM must shut it down cleanly (exit status 0)."""
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "nvllm.cli", "serve", "--port", str(port), "--api-key", KEY,
-           "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-model-len", str(MAX_MODEL_LEN),
-           "--device", "cpu", "--log-stats-interval", "0", "--uvicorn-log-level", "warning",
-           "--shutdown-timeout", "1"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not become healthy:\n{log_path.read_text()}")
-        time.sleep(0.25)
+    proc, base = start_server(["--api-key", KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES),
+                               "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu", "--log-stats-interval", "0",
+                               "--uvicorn-log-level", "warning", "--shutdown-timeout", "1"], log_path)
     yield base
     _shutdown_with_a_stream_in_flight(proc, base, log_path)
 

@@ -82,21 +82,24 @@ class DecoderLayer(nn.Module):
         self.down_proj = make_linear(s.intermediate_size, s.hidden_size, s.mlp_bias, None, dtype,
                                      quant.get("down_proj"))
 
-    def forward(self, positions, hidden, residual, kv_cache, meta: AttentionMetadata):
+    def split_qkv(self, qkv: torch.Tensor, positions: torch.Tensor):
+        """The fused projection's output → per-head q, k (normed for Qwen3, rotated) and v."""
         s = self.s
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        qkv = self.qkv_proj(hidden)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q = qkv[:, :q_size].view(-1, s.num_heads, s.head_dim)
         k = qkv[:, q_size:q_size + kv_size].view(-1, s.num_kv_heads, s.head_dim)
         v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        return (*self.rotary(positions, q, k), v)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta: AttentionMetadata):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        q, k, v = self.split_qkv(self.qkv_proj(hidden), positions)
         hidden = self.o_proj(self.attn(q, k, v, kv_cache, meta))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         hidden = self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))

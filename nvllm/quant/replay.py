@@ -44,7 +44,6 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: 
 def layer_forward(layer, x: torch.Tensor, positions: torch.Tensor, tap: Tap | None = None,
                   stop_after: str | None = None) -> torch.Tensor | None:
     """One decoder layer over full windows: ``x [B, S, hidden]`` → ``[B, S, hidden]`` (None when stopped)."""
-    s = layer.s
     batch, seq, hidden = x.shape
     flat = x.reshape(batch * seq, hidden)
 
@@ -56,14 +55,7 @@ def layer_forward(layer, x: torch.Tensor, positions: torch.Tensor, tap: Tap | No
     h = layer.input_layernorm(flat)
     if emit("qkv_proj", h):
         return None
-    qkv = layer.qkv_proj(h)
-    q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    q = qkv[:, :q_size].reshape(-1, s.num_heads, s.head_dim)
-    k = qkv[:, q_size:q_size + kv_size].reshape(-1, s.num_kv_heads, s.head_dim)
-    v = qkv[:, q_size + kv_size:].reshape(-1, s.num_kv_heads, s.head_dim)
-    if s.qk_norm:
-        q, k = layer.q_norm(q), layer.k_norm(k)
-    q, k = layer.rotary(positions.repeat(batch), q, k)
+    q, k, v = layer.split_qkv(layer.qkv_proj(h), positions.repeat(batch))
     attn = _causal_attention(q, k, v, batch, layer.attn.scale)
     if emit("o_proj", attn):
         return None

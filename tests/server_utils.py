@@ -1,0 +1,42 @@
+"""Starting the real `nvllm serve` as a subprocess for the tests that talk to it over HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], log_path: Path, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """`nvllm serve ARGS` on a free port (demo model unless ARGS say otherwise); waits for /health.
+    Returns the process and the base URL; a server that exits or never becomes healthy fails the test."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nvllm.cli", "serve", "--port", str(port), *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not become healthy:\n{log_path.read_text()}")
+        time.sleep(0.25)
