@@ -379,3 +379,19 @@ def test_cli_speculative_option():
     assert "Once upon a time, there was a little girl named Lily" in said and "n-gram lookup" in said
     res = CliRunner().invoke(app, ["generate", "--speculative", "k=3"])
     assert res.exit_code == 2 and "needs a draft model" in res.output
+
+
+def test_synthetic_acceptance_benchmark_mode(drafts, demo_dir):
+    """The benchmark mode overrides the models: a self-draft (naturally 100%) accepts at the set rate."""
+    assert parse_speculative("k=4,method=ngram,synthetic_acceptance=0.5").synthetic_acceptance == 0.5
+    for bad in ("k=4,method=ngram,synthetic_acceptance=1.5", "k=4,method=ngram,synthetic_acceptance=x"):
+        with pytest.raises(ConfigError, match="synthetic_acceptance"):
+            parse_speculative(bad)
+    rate = 0.5
+    llm = make_llm(demo_dir, speculative=spec_of("self", drafts, 4) + f",synthetic_acceptance={rate}")
+    llm.generate(prompts(8), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    s = llm.engine.stats.spec
+    # accepted tokens per draft of k=4 under Bernoulli(0.5) runs: E = 0.5 + 0.25 + 0.125 + 0.0625 = 0.9375
+    assert s.num_drafts > 60
+    assert abs(s.num_accepted_tokens / s.num_drafts - 0.9375) < 0.3
+    assert s.accepted_per_pos[0] > s.accepted_per_pos[1] > s.accepted_per_pos[3]

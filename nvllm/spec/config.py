@@ -6,6 +6,9 @@ Accepted forms (CLI `--speculative`, `LLM(speculative=...)`, `EngineConfig(specu
   "k=auto,draft=DIR"         k tuned per request from its recent acceptance (1..8)
   '{"draft_model": "DIR", "num_speculative_tokens": 4}'   JSON (also "method", "prompt_lookup_min/max")
   a dict of the JSON keys, or a SpeculativeConfig.
+  "...,synthetic_acceptance=0.7"   BENCHMARK MODE: each drafted token is accepted with this fixed probability,
+                                   whatever the models say, so speed can be read against a chosen acceptance
+                                   rate; outputs then do NOT follow the target's distribution.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ _KEYS = {"k": "num_speculative_tokens", "num_speculative_tokens": "num_speculati
          "draft": "draft_model", "draft_model": "draft_model", "model": "draft_model",
          "method": "method",
          "ngram_min": "prompt_lookup_min", "prompt_lookup_min": "prompt_lookup_min",
-         "ngram_max": "prompt_lookup_max", "prompt_lookup_max": "prompt_lookup_max"}
+         "ngram_max": "prompt_lookup_max", "prompt_lookup_max": "prompt_lookup_max",
+         "synthetic_acceptance": "synthetic_acceptance"}
 
 
 @dataclass
@@ -35,6 +39,7 @@ class SpeculativeConfig:
     auto: bool = False  # k=auto: raise/lower k per request from a moving window of its acceptance
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched
     prompt_lookup_max: int = 3  # ngram: longest suffix matched (tried first)
+    synthetic_acceptance: float | None = None  # benchmark mode: fixed per-token acceptance probability
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -46,6 +51,8 @@ class SpeculativeConfig:
         if not 1 <= self.num_speculative_tokens <= MAX_K:
             raise ConfigError(f"speculative k must be between 1 and {MAX_K} (or auto), "
                               f"got {self.num_speculative_tokens}")
+        if self.synthetic_acceptance is not None and not 0.0 <= self.synthetic_acceptance <= 1.0:
+            raise ConfigError(f"synthetic_acceptance must be in [0, 1], got {self.synthetic_acceptance}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("ngram sizes need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
@@ -54,7 +61,9 @@ class SpeculativeConfig:
         k = f"auto (from {self.num_speculative_tokens}, 1..{MAX_K})" if self.auto else str(self.num_speculative_tokens)
         src = (f"draft model {self.draft_model}" if self.method == "draft"
                else f"n-gram lookup (n {self.prompt_lookup_max}..{self.prompt_lookup_min})")
-        return f"k={k}, {src}"
+        mode = ("" if self.synthetic_acceptance is None else
+                f", BENCHMARK MODE: synthetic acceptance {self.synthetic_acceptance:g} per token")
+        return f"k={k}, {src}{mode}"
 
 
 def _int(key: str, value: Any) -> int:
@@ -90,6 +99,11 @@ def _from_mapping(items: dict[str, Any]) -> SpeculativeConfig:
         fields["method"] = "ngram"
     if fields.get("draft_model") is not None:
         fields["draft_model"] = str(fields["draft_model"])
+    if fields.get("synthetic_acceptance") is not None:
+        try:
+            fields["synthetic_acceptance"] = float(fields["synthetic_acceptance"])
+        except (TypeError, ValueError):
+            raise ConfigError(f"synthetic_acceptance must be a number, got {fields['synthetic_acceptance']!r}") from None
     return SpeculativeConfig(**fields)
 
 

@@ -81,7 +81,11 @@ class SpecDecoder:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = target.model.shape.vocab_size
         self.adaptive = AdaptiveK(start=sc.num_speculative_tokens) if sc.auto else None
-        self.sampler = RejectionSampler(config.seed)
+        self.sampler = RejectionSampler(config.seed, sc.synthetic_acceptance)
+        if sc.synthetic_acceptance is not None:
+            logger.warning("speculative decoding in BENCHMARK MODE: every drafted token is accepted with "
+                           "probability %g whatever the models say; outputs do NOT follow the target model",
+                           sc.synthetic_acceptance)
         self.device = target.device
         self.max_model_len = target.max_model_len
         self.draft_runner = None

@@ -60,6 +60,20 @@ def uniforms(n_rows: list[int], gens: list[torch.Generator | None], engine_gen: 
     return u
 
 
+def accepted_runs(flags: list[bool], counts: list[int]) -> tuple[list[int], list[int]]:
+    """Per request (k drafted rows + 1 bonus row each): drafts accepted before the first failed flag, and the
+    row whose distribution gives the token emitted after them."""
+    accepted, final_rows, start = [], [], 0
+    for k in counts:
+        a = 0
+        while a < k and flags[start + a]:
+            a += 1
+        accepted.append(a)
+        final_rows.append(start + a)
+        start += k + 1
+    return accepted, final_rows
+
+
 def rejection_sample(p: torch.Tensor | None, q: torch.Tensor | None, draft: torch.Tensor, target_argmax: torch.Tensor,
                      counts: list[int], greedy: list[bool], gens: list[torch.Generator | None],
                      engine_gen: torch.Generator) -> tuple[list[int], list[int]]:
@@ -80,15 +94,7 @@ def rejection_sample(p: torch.Tensor | None, q: torch.Tensor | None, draft: torc
         if any(greedy):
             row_greedy = host_tensor([g for g, n in zip(greedy, rows) for _ in range(n)], torch.bool, dev)
             accept = torch.where(row_greedy, draft == target_argmax, accept)
-    flags = accept.tolist()
-    accepted, final_rows, start = [], [], 0
-    for k in counts:
-        a = 0
-        while a < k and flags[start + a]:
-            a += 1
-        accepted.append(a)
-        final_rows.append(start + a)
-        start += k + 1
+    accepted, final_rows = accepted_runs(accept.tolist(), counts)
     idx = host_tensor(final_rows, torch.long, dev)
     if all(greedy):
         return accepted, target_argmax[idx].tolist()
@@ -122,8 +128,11 @@ class VerifyResult:
 
 
 class RejectionSampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, synthetic_acceptance: float | None = None):
+        """synthetic_acceptance (benchmark mode): accept each drafted token with this probability instead of
+        min(1, p/q), and emit the target's own choice after the accepted run; not lossless."""
         self.seed = seed
+        self.synthetic_acceptance = synthetic_acceptance
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -160,8 +169,11 @@ class RejectionSampler:
                     else:  # an n-gram proposal: the draft "distribution" is certain of its token
                         q[torch.arange(start, start + k, device=dev), draft[start:start + k]] = 1.0
                 start += k + 1
-        accepted, final = rejection_sample(p, q, draft, target_argmax, counts, greedy,
-                                           [r.generator for r in reqs], self.generator(dev))
+        if self.synthetic_acceptance is not None:
+            accepted, final = self._synthetic(p, target_argmax, counts, greedy, dev)
+        else:
+            accepted, final = rejection_sample(p, q, draft, target_argmax, counts, greedy,
+                                               [r.generator for r in reqs], self.generator(dev))
         out, start = [], 0
         for r, k, a, tok in zip(reqs, counts, accepted, final):
             toks = [*r.draft_ids[:a], tok]
@@ -171,3 +183,17 @@ class RejectionSampler:
             out.append(VerifyResult(a, toks, lps))
             start += k + 1
         return out
+
+    def _synthetic(self, p, target_argmax, counts, greedy, dev) -> tuple[list[int], list[int]]:
+        """Benchmark mode: accepted drafts per request from independent Bernoulli(rate) trials (stopping at
+        the first failure); the token after them is the target's argmax (greedy) or a draw from its p."""
+        gen = self.generator(dev)
+        flags = (torch.rand(sum(counts) + len(counts), generator=gen, device=dev)
+                 < self.synthetic_acceptance).tolist()
+        accepted, final_rows = accepted_runs(flags, counts)
+        idx = host_tensor(final_rows, torch.long, dev)
+        tokens = target_argmax[idx]
+        if not all(greedy):
+            drawn = draw(p[idx], [None] * len(counts), gen)
+            tokens = torch.where(host_tensor(greedy, torch.bool, dev), tokens, drawn)
+        return accepted, tokens.tolist()
