@@ -398,3 +398,32 @@ def test_async_engine_in_process():
         assert not engine.is_running and not core.has_unfinished_requests()
 
     asyncio.run(main())
+
+
+def test_async_engine_survives_an_add_cancelled_before_it_lands():
+    """A caller that gives up while its add waits behind a running step (a client gone, a timeout) must not
+    take the engine loop down: the add is dropped and everyone else carries on."""
+    from nvllm.config import EngineConfig
+    from nvllm.engine.async_engine import AsyncLLMEngine
+    from nvllm.engine.llm_engine import LLMEngine
+    from nvllm.sampling_params import SamplingParams
+
+    core = LLMEngine(EngineConfig(device="cpu", log_stats_interval=0, max_model_len=MAX_MODEL_LEN), warmup=False)
+    engine = AsyncLLMEngine(core)
+
+    async def main():
+        long = engine.open_stream()
+        await long.add(None, PROMPT, SamplingParams(max_tokens=100, ignore_eos=True))
+        await long.__anext__()
+        for _ in range(5):
+            task = asyncio.ensure_future(engine.open_stream().add(None, "The dog", SamplingParams(max_tokens=4)))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        last = [o async for o in long][-1]
+        assert engine.is_running and engine.error is None
+        assert last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 100
+        await engine.shutdown()
+
+    asyncio.run(main())

@@ -136,7 +136,7 @@ class AsyncLLMEngine:
         with self._cond:
             if self._stopping or (self._thread is not None and not self._thread.is_alive()):
                 if command[0] == "add":
-                    command[-1].set_exception(EngineDeadError("the engine is shutting down"))
+                    _fail(command[-1], EngineDeadError("the engine is shutting down"))
                 return
             self._commands.append(command)
             self._cond.notify()
@@ -166,7 +166,7 @@ class AsyncLLMEngine:
                 commands, self._commands = self._commands, []
             for command in commands:
                 if command[0] == "add":
-                    command[-1].set_exception(EngineDeadError("the engine is shutting down"))
+                    _fail(command[-1], EngineDeadError("the engine is shutting down"))
             for request_id in list(self._streams):
                 self._abort(request_id)
 
@@ -179,6 +179,8 @@ class AsyncLLMEngine:
                 self._abort(request_id)
             return
         _, request_id, prompt, params, arrival_time, stream, done = command
+        if not done.set_running_or_notify_cancel():  # the caller gave up before the engine got to it
+            return
         try:
             self.engine.add_request(request_id, prompt, params, arrival_time)
         except Exception as e:  # ValueError: bad input; the engine changed nothing
@@ -218,3 +220,9 @@ class AsyncLLMEngine:
                 hook(outputs)
             except Exception:
                 logger.exception("output hook failed")
+
+
+def _fail(done: concurrent.futures.Future, error: BaseException) -> None:
+    """Fail an add whose caller may have cancelled it meanwhile (a cancelled future takes no result)."""
+    if done.set_running_or_notify_cancel():
+        done.set_exception(error)
