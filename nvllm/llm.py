@@ -49,10 +49,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        for p in prompts:  # all-or-nothing validation
-            ids = self.engine.tokenize(p)
-            if len(ids) >= self.engine.max_model_len:
-                raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.engine.max_model_len}")
+        for p, sp in zip(prompts, params):  # all-or-nothing: every request is checked before any is queued
+            self.engine.validate(p, sp)
         ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
 

@@ -69,3 +69,31 @@ def test_same_prompt_twice_in_one_batch(demo_dir, alone):
     llm = make_llm(demo_dir)
     outs = llm.generate([p, p, p], GREEDY, use_tqdm=False)
     assert all(o.outputs[0].token_ids == alone[p] for o in outs)
+
+
+def test_pool_smaller_than_max_model_len(demo_dir):
+    """A sequence may grow to max_model_len, so the pool must hold that many tokens: the model's limit is
+    lowered to the pool (and an explicit larger one refused) instead of a lone sequence preempting itself
+    forever and blocking everyone behind it."""
+    from nvllm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="exceeds the KV cache's 32 tokens"):
+        make_llm(demo_dir, block_size=8, num_kv_blocks=4, max_model_len=256)
+    for caching in (True, False):
+        llm = make_llm(demo_dir, block_size=8, num_kv_blocks=4, max_num_batched_tokens=16,
+                       enable_prefix_caching=caching)
+        assert llm.engine.max_model_len == 32
+        big, small = llm.generate(["Once upon a time", "The dog"],
+                                  [SamplingParams(max_tokens=100, ignore_eos=True), SamplingParams(max_tokens=5)],
+                                  use_tqdm=False)
+        assert big.finished and big.outputs[0].finish_reason == "length"
+        assert len(big.prompt_token_ids) + len(big.outputs[0].token_ids) == 32
+        assert small.finished and len(small.outputs[0].token_ids) == 5
+
+
+def test_out_of_vocabulary_stop_token_refused_before_anything_runs(demo_dir):
+    llm = make_llm(demo_dir)
+    with pytest.raises(ValueError, match="stop token id 1000000 is outside the vocabulary"):
+        llm.generate(["The dog", "The cat"], [SamplingParams(), SamplingParams(min_tokens=2, stop_token_ids=[10**6])],
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

@@ -66,6 +66,7 @@ class LLMEngine:
 
             self.spec = SpecDecoder(config, self.runner, self.tokenizer, self.eos_token_ids)
             self.max_model_len = self.spec.max_model_len
+        self._fit_max_model_len_to_cache()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    lookahead=self.spec.lookahead if self.spec is not None else None)
@@ -82,6 +83,21 @@ class LLMEngine:
                     "on" if config.enable_prefix_caching else "off")
         if warmup:
             self._warmup()
+
+    def _fit_max_model_len_to_cache(self) -> None:
+        """A sequence may grow to max_model_len tokens, so the pool must hold that many: otherwise a lone long
+        sequence would preempt itself forever. An explicit max_model_len over the capacity is an error; the
+        model's own limit is lowered to the capacity, and the log says so."""
+        capacity = self.runner.num_blocks * self.config.block_size
+        if self.max_model_len <= capacity:
+            return
+        if self.config.max_model_len is not None:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the KV cache's {capacity} tokens; "
+                              "lower --max-model-len or give the cache more memory (--gpu-memory-utilization, "
+                              "--kv-cache-memory, --num-kv-blocks)")
+        logger.warning("max_model_len lowered from %d to %d, the tokens the KV cache holds", self.max_model_len,
+                       capacity)
+        self.max_model_len = capacity
 
     def _warmup(self) -> None:
         """Short requests, one at a time, with prompts of 2, 4, 8, … 256 tokens: every kernel variant a prefill
@@ -125,6 +141,17 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         return ids
 
+    def validate(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or ValueError naming what makes this request unservable."""
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(room for at least one generated token is needed)")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        return ids
+
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> str:
         """Validate and queue a request (n sequences); raises ValueError on bad input, changing nothing."""
@@ -132,14 +159,7 @@ class LLMEngine:
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                             "(room for at least one generated token is needed)")
-        bs = self.config.block_size
-        if -(-(len(ids) + 1) // bs) > self.block_manager.num_blocks:
-            raise ValueError(f"prompt has {len(ids)} tokens but the KV cache holds only "
-                             f"{self.block_manager.num_blocks * bs}")
+        ids = self.validate(prompt, params)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         seqs = []
         for i in range(params.n):
