@@ -32,6 +32,7 @@ def test_batch_with_chunked_prefill_and_preemption_equals_alone(demo_dir, alone)
     assert llm.engine.scheduler.num_preemptions > 0
     for p, o in zip(prompts(18), outs):
         assert o.outputs[0].token_ids == alone[p], p
+        assert o.num_cached_tokens < len(o.prompt_token_ids)  # re-admissions after preemption don't count
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 

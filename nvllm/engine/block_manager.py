@@ -81,7 +81,7 @@ class BlockManager:
             seq.block_table.append(bid)
             seq.block_hashes.append(h)
         hit = len(seq.block_table) * bs
-        seq.num_computed_tokens = seq.num_cached_tokens = hit
+        seq.num_computed_tokens = hit
         return hit
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -78,17 +78,18 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
-                self.bm.allocate_cached_prefix(seq)
+            hit = self.bm.allocate_cached_prefix(seq) if not seq.block_table else 0
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.bm.tokens_that_fit(seq))
             if n <= 0 or not self.bm.allocate_slots(seq, n):
                 self.bm.free_sequence(seq)  # don't pin cached blocks while waiting
-                seq.num_cached_tokens = 0
                 break
             self.waiting.popleft()
-            if self.bm.enable_prefix_caching:
+            if self.bm.enable_prefix_caching:  # every lookup counts, re-admissions after preemption too
                 self.bm.prefix_queries += seq.num_tokens
-                self.bm.prefix_hits += seq.num_cached_tokens
+                self.bm.prefix_hits += hit
+            if not seq.admitted:  # what usage reports: the prompt tokens the first admission found cached
+                seq.admitted = True
+                seq.num_cached_tokens = min(hit, seq.num_prompt_tokens)
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
@@ -98,7 +99,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_sequence(seq)
         seq.status = Status.WAITING
-        seq.num_cached_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

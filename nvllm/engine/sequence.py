@@ -29,7 +29,8 @@ class Sequence:
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    num_cached_tokens: int = 0  # of those, tokens that came from the prefix cache at admission
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at the first admission
+    admitted: bool = False  # scheduled at least once (a preempted sequence coming back is not new)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks in block_table
     # outputs
