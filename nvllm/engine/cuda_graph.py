@@ -40,12 +40,13 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        # pinned host staging: each step writes here, then three asynchronous copies (the engine waits for
-        # every step's sampled tokens, so a buffer is never rewritten while its copy is in flight)
+        # pinned host staging: each step writes here, then three asynchronous copies; the next write waits
+        # for them (a step of mid-prompt chunks samples nothing, so nothing else would wait)
         self.host_meta = torch.zeros(3, n, dtype=torch.int64, pin_memory=True)
         self.host_ctx = torch.zeros(n, dtype=torch.int32, pin_memory=True)
         self.host_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
         self.slot_mapping.fill_(-1)
+        self.copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -82,6 +83,7 @@ class DecodeGraphs:
         b = len(input_ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         width = len(block_tables[0])
+        self.copied.synchronize()  # the previous step's copies out of the staging buffers are done
         self.host_meta[:, :b] = torch.tensor([input_ids, positions, slots])
         self.host_meta[:2, b:bs] = 0  # padding rows: token 0 at position 0, stored nowhere (slot -1) ...
         self.host_meta[2, b:bs] = -1
@@ -92,6 +94,7 @@ class DecodeGraphs:
         self.meta.copy_(self.host_meta, non_blocking=True)
         self.context_lens.copy_(self.host_ctx, non_blocking=True)
         self.block_tables[:b].copy_(self.host_tables[:b], non_blocking=True)
+        self.copied.record()
         self.graphs[bs].replay()
         report.record("decode step", f"cuda graph (batch {bs})")
         return self.outputs[bs][:b]
