@@ -53,13 +53,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        # speculative lookahead may only use blocks the running sequences after it don't need for one token
+        need_one = [self.bm.blocks_needed(s, 1) for s in self.running] if self.lookahead is not None else []
+        reserve = sum(need_one)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self.lookahead is not None and n == seq.num_tokens - seq.num_computed_tokens == 1 and budget > 1:
+                reserve -= need_one[i]
                 k = min(self.lookahead(seq), budget - 1)
-                if k > 0 and self.bm.allocate_slots(seq, 1 + k):
+                if (k > 0 and self.bm.blocks_needed(seq, 1 + k) + reserve <= self.bm.num_free_blocks
+                        and self.bm.allocate_slots(seq, 1 + k)):
                     out.scheduled.append((seq, 1 + k))
                     budget -= 1 + k
                     i += 1
