@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MAX_STOP_STRINGS = 64
+MAX_STOP_LEN = 1024
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -46,6 +50,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        # every stop string is searched after every token, and the longest one holds back streamed text
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in self.stop):
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters")
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop token ids")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and v < 0:

@@ -144,7 +144,7 @@ def test_n_samples_and_logprobs(llm):
 
 def test_bad_requests_rejected(llm):
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(n=0),
-                dict(top_k=-2), dict(min_p=2)):
+                dict(top_k=-2), dict(min_p=2), dict(stop=["x"] * 65), dict(stop=["x" * 1025])):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="empty"):
