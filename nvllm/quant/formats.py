@@ -138,6 +138,26 @@ def resolve_group_size(group_size: int, in_features: int) -> int:
     return g
 
 
+def group_scale_zero(w: torch.Tensor, bits: int, sym: bool, zero_min: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of each group of ``w [..., g]`` (float32, the scale not yet rounded to its
+    storage dtype); the rules are ``quantize_rtn``'s."""
+    w = w.float()
+    maxq = 2**bits - 1
+    if sym:
+        scales = 2 * w.abs().amax(dim=-1).clamp(min=1e-8) / maxq
+        return scales, torch.full_like(scales, float((maxq + 1) // 2))
+    wmin = w.amin(dim=-1).clamp(max=0)
+    wmax = w.amax(dim=-1).clamp(min=0)
+    scales = ((wmax - wmin) / maxq).clamp(min=1e-8)
+    zeros = torch.round(-wmin / scales)
+    raised = zeros < zero_min
+    zeros = zeros.clamp(min=zero_min, max=maxq)
+    if bool(raised.any()):
+        room = (maxq - zeros).clamp(min=1)
+        scales = torch.where(raised, torch.maximum(scales, wmax / room), scales)
+    return scales, zeros
+
+
 def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool = False,
                  g_idx: torch.Tensor | None = None, zero_min: int = 0,
                  scale_dtype: torch.dtype = torch.float16) -> GroupQuant:
@@ -163,20 +183,7 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool = F
 
     order = torch.argsort(g_idx.long(), stable=True)            # columns grouped contiguously
     w = weight.float()[:, order].reshape(out_f, n_groups, g)
-    if sym:
-        amax = w.abs().amax(dim=-1).clamp(min=1e-8)             # [out, G]
-        scales = 2 * amax / maxq
-        zeros = torch.full_like(scales, float((maxq + 1) // 2))
-    else:
-        wmin = w.amin(dim=-1).clamp(max=0)
-        wmax = w.amax(dim=-1).clamp(min=0)
-        scales = ((wmax - wmin) / maxq).clamp(min=1e-8)
-        zeros = torch.round(-wmin / scales)
-        raised = zeros < zero_min
-        zeros = zeros.clamp(min=zero_min, max=maxq)
-        if bool(raised.any()):
-            room = (maxq - zeros).clamp(min=1)
-            scales = torch.where(raised, torch.maximum(scales, wmax / room), scales)
+    scales, zeros = group_scale_zero(w, bits, sym, zero_min)  # [out, G]
     scales = scales.to(scale_dtype)
     s = scales.float().unsqueeze(-1)
     q = torch.clamp(torch.round(w / s) + zeros.unsqueeze(-1), 0, maxq)

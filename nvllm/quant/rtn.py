@@ -1,6 +1,6 @@
 """Round-to-nearest group quantization: the baseline method, and the grid every other method rounds onto.
 
-``find_params`` computes a group's scale and zero point exactly as ``formats.quantize_rtn`` does (asym: the
+``find_params`` computes a group's scale and zero point with ``formats.group_scale_zero``, as ``quantize_rtn`` does (asym: the
 range widened to include 0, zero points optionally kept ≥ ``zero_min`` as GPTQ v1 needs; sym: ``2·max|w| /
 maxq`` around ``2^(bits-1)``; scales rounded to fp16 first, as the checkpoint stores them), so GPTQ's column
 by column rounding and AWQ's searches land on the values the writer packs.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nvllm.quant.formats import GroupQuant, quantize_rtn
+from nvllm.quant.formats import GroupQuant, group_scale_zero, quantize_rtn
 
 
 @dataclass(frozen=True)
@@ -32,21 +32,7 @@ def find_params(w: torch.Tensor, grid: Grid, scale_dtype: torch.dtype = torch.fl
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point of each group, the groups along ``w``'s last dimension: ``w [..., g]`` →
     ``(scale [...], zero [...])`` in float32 (the scale already rounded to ``scale_dtype``)."""
-    w = w.float()
-    maxq = grid.maxq
-    if grid.sym:
-        scale = 2 * w.abs().amax(dim=-1).clamp(min=1e-8) / maxq
-        zero = torch.full_like(scale, float((maxq + 1) // 2))
-    else:
-        wmin = w.amin(dim=-1).clamp(max=0)
-        wmax = w.amax(dim=-1).clamp(min=0)
-        scale = ((wmax - wmin) / maxq).clamp(min=1e-8)
-        zero = torch.round(-wmin / scale)
-        raised = zero < grid.zero_min
-        zero = zero.clamp(min=grid.zero_min, max=maxq)
-        if bool(raised.any()):
-            room = (maxq - zero).clamp(min=1)
-            scale = torch.where(raised, torch.maximum(scale, wmax / room), scale)
+    scale, zero = group_scale_zero(w, grid.bits, grid.sym, grid.zero_min)
     return scale.to(scale_dtype).float(), zero
 
 
