@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
-from nvllm.serve.errors import bad_request, from_value_error
+from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (ChoiceProgress, check_logprobs, check_supported, resolve_max_tokens,
+from nvllm.serve.params import (ChoiceProgress, check_logprobs, check_supported, resolve_max_tokens, submit,
                                 sampling_params, usage)
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -55,15 +55,7 @@ class ChatHandler:
         params = sampling_params(req, resolve_max_tokens(requested, len(ids), self.prompts.max_model_len, param),
                                  num_top)
         request_id = random_id("chatcmpl")
-        stream = self.engine.open_stream()
-        try:
-            await stream.add(request_id, ids, params)
-        except ValueError as e:
-            stream.close()
-            raise from_value_error(e) from None
-        except BaseException:
-            stream.close()
-            raise
+        stream = await submit(self.engine, [(request_id, ids, params)])
         return request_id, stream, ids
 
     async def full(self, req: ChatCompletionRequest, request_id: str, stream: OutputStream,

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
-from nvllm.serve.errors import bad_request, from_value_error
+from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (ChoiceProgress, check_logprobs, check_supported, resolve_max_tokens,
+from nvllm.serve.params import (ChoiceProgress, check_logprobs, check_supported, resolve_max_tokens, submit,
                                 sampling_params, usage)
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse,
@@ -60,16 +60,8 @@ class CompletionHandler:
         params = [sampling_params(req, resolve_max_tokens(req.max_tokens, len(ids), max_len, "max_tokens"),
                                   req.logprobs, prompt_logprobs) for ids in prompt_ids]
         request_id = random_id("cmpl")
-        stream = self.engine.open_stream()
-        try:
-            for i, (ids, p) in enumerate(zip(prompt_ids, params)):
-                await stream.add(f"{request_id}-{i}", ids, p)
-        except ValueError as e:
-            stream.close()
-            raise from_value_error(e) from None
-        except BaseException:
-            stream.close()
-            raise
+        stream = await submit(self.engine, [(f"{request_id}-{i}", ids, p)
+                                            for i, (ids, p) in enumerate(zip(prompt_ids, params))])
         return request_id, stream, prompt_ids
 
     @staticmethod

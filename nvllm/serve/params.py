@@ -14,6 +14,22 @@ MAX_LOGPROBS = 20
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
+async def submit(engine, requests: list[tuple[str, list[int], SamplingParams]]):
+    """Open one output stream and add the requests to it: bad input becomes the 400, and the stream is closed
+    on any failure (requests already added are aborted with it)."""
+    stream = engine.open_stream()
+    try:
+        for request_id, ids, params in requests:
+            await stream.add(request_id, ids, params)
+    except ValueError as e:
+        stream.close()
+        raise from_value_error(e) from None
+    except BaseException:
+        stream.close()
+        raise
+    return stream
+
+
 def check_supported(req: SamplingRequest) -> None:
     for name, neutral in _NEUTRAL.items():
         value = getattr(req, name)
