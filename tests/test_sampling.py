@@ -165,3 +165,15 @@ def test_detokenizer_never_splits_multibyte(llm):
     pieces = [detok.step([i]) for i in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_partial_outputs_do_not_change_after_they_are_handed_out(llm):
+    eng = llm.engine
+    eng.add_request("p", "Once upon a time", SamplingParams(temperature=0, max_tokens=6, logprobs=1))
+    first = eng.step()[0]
+    n_tokens, n_lps, t_last = len(first.outputs[0].token_ids), len(first.outputs[0].logprobs), \
+        first.metrics.last_token_time
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(first.outputs[0].token_ids) == n_tokens == n_lps == len(first.outputs[0].logprobs)
+    assert first.metrics.last_token_time == t_last and first.metrics.finished_time is None

@@ -3,6 +3,7 @@ the block manager and the model runner; everything above it (LLM, the server, be
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence as Seq
@@ -349,10 +350,13 @@ class LLMEngine:
             completions.append(CompletionOutput(
                 index=s.index, text=text, token_ids=list(s.output_token_ids),
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+                logprobs=None if s.logprobs is None else list(s.logprobs),
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
         first = seqs[0]
+        # copies: an output handed out must not change under its holder as the engine goes on
         return RequestOutput(
             request_id=request_id, prompt=self.prompts.get(request_id),
             prompt_token_ids=first.token_ids[:first.num_prompt_tokens], outputs=completions,
-            finished=all(s.finished for s in seqs), metrics=first.metrics,
-            prompt_logprobs=first.prompt_logprobs, num_cached_tokens=first.num_cached_tokens)
+            finished=all(s.finished for s in seqs), metrics=dataclasses.replace(first.metrics),
+            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+            num_cached_tokens=first.num_cached_tokens)
