@@ -8,6 +8,7 @@ integer form the writer packs, with the linear's relative output error on its ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,11 @@ class LinearResult:
     error: float          # relative output error on the calibration inputs
 
 
-def _finish(linear, before: torch.Tensor, gq: GroupQuant, h: torch.Tensor) -> LinearResult:
+def quantize_linear(linear, h: torch.Tensor, quantize: Callable[[torch.Tensor], GroupQuant]) -> LinearResult:
+    """Quantize one linear's float32 weight with `quantize`, put the dequantized weight back in place (the rest
+    of the layer then sees the quantized model) and measure the output error under the input statistics H."""
+    before = linear.weight.float().clone()
+    gq = quantize(before)
     deq = gq.dequantize().to(before.device)
     err = relative_error(before, deq, h)
     linear.weight.copy_(deq.to(linear.weight.dtype))
@@ -63,12 +68,8 @@ class RTNMethod:
 
     @torch.no_grad()
     def quantize_stage(self, layer, names, stats: dict[str, InputStats]) -> dict[str, LinearResult]:
-        out = {}
-        for name in names:
-            lin = getattr(layer, name)
-            w = lin.weight.float().clone()
-            out[name] = _finish(lin, w, rtn_quantize(w, self.grid, self.group_sizes[name]), stats[name].hessian)
-        return out
+        return {n: quantize_linear(getattr(layer, n), stats[n].hessian,
+                                   lambda w, n=n: rtn_quantize(w, self.grid, self.group_sizes[n])) for n in names}
 
 
 class GPTQMethod:
@@ -83,12 +84,10 @@ class GPTQMethod:
     @torch.no_grad()
     def quantize_stage(self, layer, names, stats: dict[str, InputStats]) -> dict[str, LinearResult]:
         out = {}
-        for name in names:
-            lin = getattr(layer, name)
-            w = lin.weight.float().clone()
-            h = stats[name].hessian
-            gq = gptq_quantize(w, h, self.grid, self.group_sizes[name], **self.kw)
-            out[name] = _finish(lin, w, gq, h)
+        for n in names:
+            h = stats[n].hessian
+            out[n] = quantize_linear(getattr(layer, n), h,
+                                     lambda w, n=n, h=h: gptq_quantize(w, h, self.grid, self.group_sizes[n], **self.kw))
         return out
 
 
@@ -117,14 +116,14 @@ class AWQMethod:
         out = {}
         s_ = layer.s
         for name in names:
-            lin = getattr(layer, name)
-            w = lin.weight.float().clone()
             g = self.group_sizes[name]
-            clipped = w
-            if self.opts.clip:
-                rows = slice(None)
-                if name == "qkv_proj":   # clip only the v rows
-                    rows = slice((s_.num_heads + s_.num_kv_heads) * s_.head_dim, None)
-                clipped = search_clip(w, hess[name], g, self.opts, rows)
-            out[name] = _finish(lin, w, rtn_quantize(clipped, self.grid, g), hess[name])
+            rows = slice(None)
+            if name == "qkv_proj":   # clip only the v rows
+                rows = slice((s_.num_heads + s_.num_kv_heads) * s_.head_dim, None)
+
+            def clip_and_round(w, name=name, g=g, rows=rows):
+                clipped = search_clip(w, hess[name], g, self.opts, rows) if self.opts.clip else w
+                return rtn_quantize(clipped, self.grid, g)
+
+            out[name] = quantize_linear(getattr(layer, name), hess[name], clip_and_round)
         return out
