@@ -146,6 +146,30 @@ def kv_runs(model_dir: Path, res: dict, dtypes: list[str], save) -> None:
         torch.cuda.empty_cache()
 
 
+def kv_throughput_runs(model_dir: Path, res: dict, dtypes: list[str], save, gib: float = 12.0) -> None:
+    """Offline throughput at a load the bf16 cache cannot hold: 400 requests of 1536 in / 256 out, up to 256 at
+    once (≈ 460K tokens) against a pool of `gib` GiB (≈ 224K bf16 tokens): the 8-bit caches fit about twice
+    the running sequences in the same bytes."""
+    from nvllm.bench.offline import run_throughput
+    from nvllm.config import EngineConfig
+    from nvllm.llm import LLM
+
+    for kv in dtypes:
+        config = EngineConfig(model=str(model_dir), load_format="dummy", dtype="bfloat16", max_model_len=4096,
+                              max_num_seqs=256, max_num_batched_tokens=8192, kv_cache_dtype=kv,
+                              kv_cache_memory=gib, log_stats_interval=10)
+        llm = LLM.from_config(config)
+        res[f"kvthr_{kv}_tokens"] = llm.engine.runner.num_blocks * llm.engine.runner.block_size
+        thr = run_throughput(config, num_prompts=400, input_len=1536, output_len=256, progress=False, llm=llm)
+        res[f"kvthr_{kv}_output_tok_s"] = thr["output_tokens_per_second"]
+        res[f"kvthr_{kv}_elapsed_s"] = thr["elapsed_time"]
+        res[f"kvthr_{kv}_preemptions"] = llm.engine.scheduler.num_preemptions
+        save()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def hf_baseline(model_dir: Path, res: dict) -> None:
     """HF transformers eager: batch-1 decode ms/token and prefill times at 512 / 2048 tokens."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -346,6 +370,13 @@ def table(res: dict) -> str:
                     if kv != "auto" and f"kv_auto_b{b}_8k_step_ms" in res:
                         line += f" ({res[f'kv_auto_b{b}_8k_step_ms'] / res[k]:.2f}x bf16 speed)"
             lines.append(line)
+    for kv in ("auto", "int8", "fp8_e4m3"):
+        if f"kvthr_{kv}_output_tok_s" in res:
+            line = (f"KV-bound throughput ({res[f'kvthr_{kv}_tokens']} {kv} tokens), 400 x 1536/256: "
+                    f"{res[f'kvthr_{kv}_output_tok_s']:.0f} output tok/s, {res[f'kvthr_{kv}_preemptions']} preemptions")
+            if kv != "auto" and "kvthr_auto_output_tok_s" in res:
+                line += f" ({res[f'kvthr_{kv}_output_tok_s'] / res['kvthr_auto_output_tok_s']:.2f}x bf16)"
+            lines.append(line)
     if "nvllm_throughput_output_tok_s" in res:
         lines.append(f"throughput {res['nvllm_throughput_requests']} x 512/256: "
                      f"{res['nvllm_throughput_output_tok_s']:.0f} output tok/s ({res['nvllm_throughput_elapsed_s']:.1f} s)")
@@ -362,6 +393,8 @@ def main() -> None:
     ap.add_argument("--throughput-prompts", type=int, default=1000)
     ap.add_argument("--profile", action="store_true", help="profile a prefill and decode steps (torch.profiler)")
     ap.add_argument("--kv", default="", help="comma-separated KV-cache dtypes to compare at 8K context: auto,int8,...")
+    ap.add_argument("--kv-throughput", default="",
+                    help="comma-separated KV-cache dtypes for the KV-bound throughput run: auto,int8,...")
     ap.add_argument("--quant", default="", help="comma-separated W4A16 formats to time at batch 1: awq,gptq")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "."))
@@ -387,6 +420,8 @@ def main() -> None:
         steps.append(("nvllm eager", lambda: nvllm_runs(model_dir, res, 0, True, save)))
     if args.kv:
         steps.append(("kv", lambda: kv_runs(model_dir, res, args.kv.split(","), save)))
+    if args.kv_throughput:
+        steps.append(("kv throughput", lambda: kv_throughput_runs(model_dir, res, args.kv_throughput.split(","), save)))
     if args.quant:
         steps.append(("quant", lambda: quant_runs(model_dir, res, args.quant.split(","), save)))
     for name, fn in steps:

@@ -141,6 +141,11 @@ def test_quant_linear_dispatch(monkeypatch):
 
     report.reset()
     monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    check(QG.quant_linear(x, qw, bias), ref, TIGHT[torch.float16])       # 6 rows: the GEMV kernel
+    assert report.snapshot() == {"quant_gemm": {"triton w4a16 awq gemv": 1}}
+
+    report.reset()
+    monkeypatch.setattr(QG, "GEMV_MAX_M", 4)                              # 6 rows: the fused GEMM kernel
     check(QG.quant_linear(x, qw, bias), ref, TIGHT[torch.float16])
     assert report.snapshot() == {"quant_gemm": {"triton w4a16 awq": 1}}
 

@@ -41,6 +41,7 @@ import torch
 
 from nvllm.kernels import report
 from nvllm.kernels.backend import triton_available, use_triton
+from nvllm.kernels.quant_gemv import gemv_supported, quant_gemv
 from nvllm.quant.formats import QuantWeight
 
 if triton_available():
@@ -54,6 +55,9 @@ else:  # the package imports without Triton; the kernels below then stay plain, 
     def _jit(fn):
         return fn
 
+
+GEMV_MAX_M = int(os.environ.get("NVLLM_QUANT_GEMV_MAX_M", "8"))
+"""Up to this many rows (and contiguous groups), ``quant_linear`` runs the GEMV kernel of ``quant_gemv``."""
 
 DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_QUANT_DEQUANT_MIN_M", "128"))
 """From this many rows on, ``quant_linear`` dequantizes and calls a dense matmul. A first H200 reading put
@@ -333,14 +337,20 @@ def dequant_matmul(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None =
 def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ W.T + bias`` for a quantized layer; ``x [..., K]`` → ``[..., N]`` in x's dtype.
 
-    Triton (``use_triton(x)``): the fused kernel below ``DEQUANT_MATMUL_MIN_M`` rows, Triton dequantize +
-    dense matmul from there on. Otherwise the torch reference (dequantize + fp32 matmul)."""
+    Triton (``use_triton(x)``): the GEMV kernel up to ``GEMV_MAX_M`` rows (contiguous groups), the fused
+    kernel below ``DEQUANT_MATMUL_MIN_M`` rows, Triton dequantize + dense matmul from there on. Otherwise the
+    torch reference (dequantize + fp32 matmul)."""
     if x.shape[-1] != qw.in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the quantized layer expects {qw.in_features}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, qw.in_features)
     if use_triton(x):
-        if x2.shape[0] >= DEQUANT_MATMUL_MIN_M:
+        m = x2.shape[0]
+        if m <= GEMV_MAX_M and gemv_supported(m, qw.in_features, qw.group_size, qw.act_order):
+            report.record("quant_gemm", f"triton w{qw.bits}a16 {qw.fmt} gemv")
+            y = quant_gemv(x2, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits,
+                           group_size=qw.group_size, bias=bias)
+        elif m >= DEQUANT_MATMUL_MIN_M:
             report.record("quant_gemm", f"triton dequant {qw.fmt} + torch matmul")
             y = dequant_matmul(x2, qw, bias)
         else:
