@@ -36,7 +36,8 @@ SHAPES = {"qkv": (4608, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, H
 GROUP = 128
 DEVICE = "cuda"
 GEMV_TILES = [dict(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in
-              itertools.product((32, 64, 128, 256), (32, 64, 128), (2, 4, 8))]
+              itertools.product((32, 64, 128), (32, 64, 128), (4, 8))]
+MAX_TILE_PRODUCTS = 32768   # block_m · block_k · block_n: past this the products no longer fit in registers
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -111,7 +112,9 @@ def main() -> int:
                 row["fused_us"] = 1e6 * cuda_graph_timer(fused, copies, nbytes / bw)
                 cands = []
                 for cfg in GEMV_TILES:
-                    if not gemv_supported(m, k, GROUP, False, cfg["block_k"]):
+                    bm = 1 << max(0, (m - 1).bit_length())
+                    if (not gemv_supported(m, k, GROUP, False, cfg["block_k"])
+                            or bm * cfg["block_k"] * cfg["block_n"] > MAX_TILE_PRODUCTS):
                         continue
                     for magic in (1, 0) if cfg == dict(block_n=64, block_k=128, num_warps=4) else (1,):
                         def call(i, cfg=cfg, magic=magic):
