@@ -195,6 +195,11 @@ def _decode_stage2_kernel(
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
 
+# arguments that vary with the batch (block-table width, split count): not specialized (see nvllm.kernels.jit)
+_decode_stage1_kernel.do_not_specialize = ("stride_bt", "stride_pb", "stride_ph", "partition_size")
+_decode_stage2_kernel.do_not_specialize = ("stride_pb", "stride_ph", "num_splits")
+
+
 def kv_scale_args(k_cache, v_cache, k_scale, v_scale):
     """(k_scale, v_scale, their strides) as the attention kernels take them: a quantized cache's scale tensors,
     or for an unquantized cache k_cache itself twice (never read) and zero strides."""

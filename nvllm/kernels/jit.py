@@ -2,7 +2,12 @@
 
 A kernel is jitted at its first launch, not at import: the package must import without Triton, and Triton
 must be imported only after TRITON_INTERPRET is chosen (the CPU tests pick the interpreter before the first
-launch). Kernel bodies refer to `tl` as a module global; `lazy_jit` binds it in the kernel's own module."""
+launch). Kernel bodies refer to `tl` as a module global; `lazy_jit` binds it in the kernel's own module.
+
+Triton compiles one variant of a kernel per combination of its integer arguments being 1, a multiple of 16,
+or neither. Arguments that change from step to step with the batch (a block table's row stride is the longest
+sequence's block count) would make a new batch shape compile a new variant — about a second, under live
+requests — so a kernel lists them in a ``do_not_specialize`` attribute and they are passed unspecialized."""
 
 from __future__ import annotations
 
@@ -15,4 +20,4 @@ def lazy_jit(kernel):
     import triton.language
 
     kernel.__globals__["tl"] = triton.language
-    return triton.jit(kernel)
+    return triton.jit(kernel, do_not_specialize=list(getattr(kernel, "do_not_specialize", ())))

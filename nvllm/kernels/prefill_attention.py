@@ -161,6 +161,9 @@ def _prefill_config(head_dim_padded: int, max_query_len: int) -> tuple[int, int,
     return block_m, block_n, num_warps, num_stages
 
 
+_prefill_kernel.do_not_specialize = ("stride_bt",)   # varies with the batch (see nvllm.kernels.jit)
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
                       max_query_len: int, out: torch.Tensor | None = None, *,
