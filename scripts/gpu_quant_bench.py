@@ -35,8 +35,13 @@ HIDDEN, INTER, LAYERS = 3584, 18944, 28
 SHAPES = {"qkv": (4608, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
 GROUP = 128
 DEVICE = "cuda"
-GEMV_TILES = [dict(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in
-              itertools.product((32, 64, 128), (32, 64, 128), (4, 8))]
+GEMV_TILES = {  # fmt: candidate configs (split_k None = about two waves of programs)
+    "gptq": [dict(block_n=bn, block_k=bk, num_warps=4, stages=st, split_k=sk) for bn, bk, st, sk in
+             itertools.product((16, 32, 64, 128), (64, 128), (1, 3), (None, 1))]
+    + [dict(block_n=32, block_k=128, num_warps=4, stages=1, split_k=None, magic=1)],
+    "awq": [dict(block_n=bn, block_k=bk, num_warps=4, stages=st) for bn, bk, st in
+            itertools.product((64, 128), (64, 128), (1, 3))],
+}
 MAX_TILE_PRODUCTS = 32768   # block_m · block_k · block_n: past this the products no longer fit in registers
 
 
@@ -74,7 +79,7 @@ def random_weight(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantWeight
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", default="1,2,4,8,16")
+    ap.add_argument("--ms", default="1,2,4")
     ap.add_argument("--fmts", default="awq,gptq")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
@@ -111,25 +116,26 @@ def main() -> int:
                 assert rel(fused(0)) < 1e-2, ("fused", rel(fused(0)))
                 row["fused_us"] = 1e6 * cuda_graph_timer(fused, copies, nbytes / bw)
                 cands = []
-                for cfg in GEMV_TILES:
+                for cfg in GEMV_TILES[fmt]:
+                    cfg = {"magic": 0, **cfg}
                     bm = 1 << max(0, (m - 1).bit_length())
                     if (not gemv_supported(m, k, GROUP, False, cfg["block_k"])
                             or bm * cfg["block_k"] * cfg["block_n"] > MAX_TILE_PRODUCTS):
                         continue
-                    for magic in (1, 0) if cfg == dict(block_n=64, block_k=128, num_warps=4) else (1,):
-                        def call(i, cfg=cfg, magic=magic):
-                            return quant_gemv(x, qws[i].qweight, qws[i].qzeros, qws[i].scales, fmt=fmt, bits=4,
-                                              group_size=GROUP, magic=magic, **cfg)
-                        try:
-                            err = rel(call(0))
-                            if err >= 1e-2:
-                                print(f"  WRONG {fmt} {name} m={m} {cfg} magic={magic}: rel err {err:.3g}")
-                                continue
-                            t = cuda_graph_timer(call, copies, nbytes / bw)
-                        except Exception as e:   # e.g. out of registers / shared memory for this tile
-                            print(f"  skip {cfg} magic={magic}: {type(e).__name__}")
+
+                    def call(i, cfg=cfg):
+                        return quant_gemv(x, qws[i].qweight, qws[i].qzeros, qws[i].scales, fmt=fmt, bits=4,
+                                          group_size=GROUP, **cfg)
+                    try:
+                        err = rel(call(0))
+                        if err >= 1e-2:
+                            print(f"  WRONG {fmt} {name} m={m} {cfg}: rel err {err:.3g}")
                             continue
-                        cands.append({**cfg, "magic": magic, "us": 1e6 * t})
+                        t = cuda_graph_timer(call, copies, nbytes / bw)
+                    except Exception as e:   # e.g. out of registers / shared memory for this tile
+                        print(f"  skip {cfg}: {type(e).__name__}")
+                        continue
+                    cands.append({**cfg, "us": 1e6 * t})
                 cands.sort(key=lambda c: c["us"])
                 row["gemv_candidates"] = cands
                 best = cands[0] if cands else None

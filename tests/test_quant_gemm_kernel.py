@@ -141,6 +141,7 @@ def test_quant_linear_dispatch(monkeypatch):
 
     report.reset()
     monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    monkeypatch.setattr(QG, "GEMV_MAX_M", 8)
     check(QG.quant_linear(x, qw, bias), ref, TIGHT[torch.float16])       # 6 rows: the GEMV kernel
     assert report.snapshot() == {"quant_gemm": {"triton w4a16 awq gemv": 1}}
 

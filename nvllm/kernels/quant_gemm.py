@@ -56,8 +56,10 @@ else:  # the package imports without Triton; the kernels below then stay plain, 
         return fn
 
 
-GEMV_MAX_M = int(os.environ.get("NVLLM_QUANT_GEMV_MAX_M", "8"))
-"""Up to this many rows (and contiguous groups), ``quant_linear`` runs the GEMV kernel of ``quant_gemv``."""
+GEMV_MAX_M = int(os.environ.get("NVLLM_QUANT_GEMV_MAX_M", "2"))
+"""Up to this many rows (and contiguous groups), ``quant_linear`` runs the GEMV kernel of ``quant_gemv``. H200,
+Qwen2.5-7B projections (docs/PERF.md): at M = 1 the GEMV beat the fused kernel, at M = 2 they tied, from M = 4
+on the fused kernel won."""
 
 DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_QUANT_DEQUANT_MIN_M", "128"))
 """From this many rows on, ``quant_linear`` dequantizes and calls a dense matmul. A first H200 reading put

@@ -5,13 +5,16 @@ layout (a trip through shared memory) and feeds tensor cores a 16-row tile of wh
 4 bits per weight it is ALU- and shuffle-bound, not memory-bound. This kernel keeps everything in registers
 and does less per weight:
 
-* multiply-and-sum on the CUDA cores (``tl.sum`` of ``x[:, :, None] * q[None, :, :]`` over K), with the
-  products of one packed word reduced inside the thread that loaded it;
+* multiply-and-sum on the CUDA cores. GPTQ words hold 8 consecutive inputs of one output: the thread that
+  loads a word multiplies and sums its fields, adds the group's zero-point and scale terms once per word, and
+  keeps a per-word accumulator that is reduced across threads once, after the K loop. AWQ words hold 8
+  outputs of one input: each K tile is summed across its rows as it comes;
 * the zero point and scale leave the inner loop: within one group ``Σ_k x_k (q_kn − z_n) s_n =
   s_n (Σ_k x_k q_kn − z_n Σ_k x_k)``, so per weight there remain a shift, a mask, the integer → float
   conversion and one FMA; the scale multiply is once per group and column;
-* the conversion without a conversion instruction (``MAGIC``): ``q | 0x4B000000`` read as a float32 is
-  ``2^23 + q`` exactly, one OR and one subtraction instead of the slower ``I2F``.
+* optionally (``MAGIC``) the conversion without a conversion instruction: ``q | 0x4B000000`` read as a
+  float32 is ``2^23 + q`` exactly, an OR and a subtraction; on the H200 the plain conversion measured a
+  few percent faster, so it is off by default.
 
 It needs every K tile inside one group (contiguous groups, ``group_size % BLOCK_K == 0``); act-order and
 large M stay with ``quant_gemm``. K is split across programs (fp32 ``atomic_add``) until about two waves of
@@ -50,6 +53,7 @@ def _quant_gemv_kernel(
     MAGIC: tl.constexpr,                      # integer → float through the 2^23 bit pattern
     HAS_BIAS: tl.constexpr,
     ATOMIC: tl.constexpr,                     # split-K: atomic_add into an fp32 output
+    STAGES: tl.constexpr,                     # software-pipeline depth of the K loop (1 = none)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     PER_WORD: tl.constexpr = 32 // BITS
@@ -69,37 +73,60 @@ def _quant_gemv_kernel(
     else:
         n_shift = field * BITS
 
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        if AWQ:   # qweight [K, N/8]
+    if AWQ:
+        # qweight [K, N/8], fields along N: Σ over the tile's K rows each step (they span threads)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_end
             words = tl.load(qw_ptr + offs_k[:, None] * stride_qw + wn[None, :],
-                            mask=mask_k[:, None] & mask_wn[None, :], other=0)
+                            mask=mask_k[:, None] & mask_wn[None, :], other=0, eviction_policy="evict_first")
             q = tl.reshape((words[:, :, None] >> n_shift[None, None, :]) & MASK, (BLOCK_K, BLOCK_N))
-        else:     # qweight [K/P, N]
-            WORDS_K: tl.constexpr = BLOCK_K // PER_WORD
-            wk = k0 // PER_WORD + tl.arange(0, WORDS_K)
+            if MAGIC:
+                qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            else:
+                qf = q.to(tl.float32)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            part = tl.sum(x[:, :, None] * qf[None, :, :], axis=1)      # [BLOCK_M, BLOCK_N]: Σ_k x q
+            xsum = tl.sum(x, axis=1)                                    # [BLOCK_M]: Σ_k x
+            grp = k0 // GROUP
+            s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
+            z = tl.reshape((zw[:, None] >> n_shift[None, :]) & MASK, (BLOCK_N,)).to(tl.float32)
+            acc += s[None, :] * (part - xsum[:, None] * z[None, :])
+    else:
+        # qweight [K/P, N], fields along K: each thread sums the P products of a word it loaded; the
+        # [BLOCK_M, WORDS_K, BLOCK_N] accumulator is reduced over K once, after the loop
+        WORDS_K: tl.constexpr = BLOCK_K // PER_WORD
+        wk_local = tl.arange(0, WORDS_K)
+        acc3 = tl.full((BLOCK_M, WORDS_K, BLOCK_N), 0.0, tl.float32)
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
+            wk = k0 // PER_WORD + wk_local
+            mask_wk = wk < k_end // PER_WORD
             words = tl.load(qw_ptr + wk[:, None] * stride_qw + offs_n[None, :],
-                            mask=(wk < k_end // PER_WORD)[:, None] & mask_n[None, :], other=0)
-            q = tl.reshape((words[:, None, :] >> (field * BITS)[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
-        if MAGIC:
-            qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        else:
-            qf = q.to(tl.float32)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        part = tl.sum(x[:, :, None] * qf[None, :, :], axis=1)      # [BLOCK_M, BLOCK_N]: Σ_k x q
-        xsum = tl.sum(x, axis=1)                                    # [BLOCK_M]: Σ_k x
-        grp = k0 // GROUP
-        s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
-        z = tl.reshape((zw[:, None] >> n_shift[None, :]) & MASK, (BLOCK_N,)).to(tl.float32)
-        if not AWQ:
-            z = z + 1.0                                              # GPTQ v1 stores zero − 1
-        acc += s[None, :] * (part - xsum[:, None] * z[None, :])
+                            mask=mask_wk[:, None] & mask_n[None, :], other=0, eviction_policy="evict_first")
+            x_rows = x_ptr + offs_m[:, None] * stride_xm + (wk * PER_WORD)[None, :]       # [BLOCK_M, WORDS_K]
+            x_mask = mask_m[:, None] & mask_wk[None, :]
+            part = tl.full((BLOCK_M, WORDS_K, BLOCK_N), 0.0, tl.float32)
+            xsum = tl.full((BLOCK_M, WORDS_K), 0.0, tl.float32)
+            for f in tl.static_range(PER_WORD):
+                q = (words >> (f * BITS)) & MASK
+                if MAGIC:
+                    qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                else:
+                    qf = q.to(tl.float32)
+                xf = tl.load(x_rows + f, mask=x_mask, other=0.0).to(tl.float32)
+                part += xf[:, :, None] * qf[None, :, :]
+                xsum += xf
+            grp = k0 // GROUP
+            s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
+            z = tl.reshape((zw[:, None] >> n_shift[None, :]) & MASK, (BLOCK_N,)).to(tl.float32) + 1.0
+            acc3 += s[None, None, :] * part - (s * z)[None, None, :] * xsum[:, :, None]
+        acc = tl.sum(acc3, axis=1)
 
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask_mn = mask_m[:, None] & mask_n[None, :]
@@ -123,14 +150,14 @@ def pick_gemv_config(M: int, K: int, group_size: int) -> dict[str, int]:
     block_m = 1 << max(0, (M - 1).bit_length())
     want_k = 128 if block_m <= 2 else 64 if block_m <= 4 else 32
     block_k = next((c for c in (want_k, 64, 32, 16) if c <= want_k and group_size % c == 0 and K % c == 0), 16)
-    return {"block_m": block_m, "block_n": 64, "block_k": block_k, "num_warps": 4, "magic": 1}
+    return {"block_m": block_m, "block_n": 64, "block_k": block_k, "num_warps": 4, "magic": 0, "stages": 1}
 
 
 def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *,
                fmt: str, bits: int, group_size: int, bias: torch.Tensor | None = None,
                split_k: int | None = None, **config: int) -> torch.Tensor:
     """``x [M, K]`` (M ≤ 16, contiguous rows) times the packed layer → ``[M, N]`` in x's dtype, fp32 math.
-    ``config`` overrides ``block_m``, ``block_n``, ``block_k``, ``num_warps``, ``magic`` (0/1)."""
+    ``config`` overrides ``block_m``, ``block_n``, ``block_k``, ``num_warps``, ``magic`` (0/1), ``stages``."""
     M, K = x.shape
     N = scales.shape[1]
     cfg = pick_gemv_config(M, K, group_size)
@@ -162,7 +189,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
         qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split,
         BITS=bits, AWQ=fmt == "awq", GROUP=group_size, MAGIC=bool(cfg["magic"]),
         HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"],
+        STAGES=cfg["stages"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"],
     )
     if atomic:
         if bias is not None:
