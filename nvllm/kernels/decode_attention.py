@@ -21,8 +21,9 @@ Kernel (flash-decoding):
   head_dim is padded to a power of two with masks.
   Quantized cache (KV_QUANT): the kernel dequantizes as it reads, never in a pass over the cache. A K tile
   is converted exactly to q's dtype (|int8| <= 127 and e4m3 values are exact in fp16/bf16/fp32) and its
-  per-token scales multiply the fp32 scores (QK^T of x·s is s·(QK^T of x)); a V tile is dequantized in
-  fp32 (v · scale per token) and cast to q's dtype before the PV dot.
+  per-token scales multiply the fp32 scores (QK^T of x·s is s·(QK^T of x)); a V tile is converted the same
+  way and its per-token scales multiply the probabilities before the PV dot (Σ p·(v·s) = Σ (p·s)·v): one
+  multiply per key instead of one per element.
 
 Split policy (``decode_split_policy``): enough programs to fill the GPU, but never a partition shorter than
 MIN_PARTITION tokens (below that the partial write and the merge cost more than the extra parallelism
@@ -132,8 +133,8 @@ def _decode_stage1_kernel(
         if KV_QUANT:
             k_s = tl.load(ks_head + blk * stride_sb + off * stride_so, mask=n_mask, other=0.0)
             v_s = tl.load(vs_head + blk * stride_sb + off * stride_so, mask=n_mask, other=0.0)
-            k = k.to(q.dtype)
-            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
+            k = k.to(q.dtype)     # int8 and e4m3 values are exact in fp16 / bf16
+            v = v.to(q.dtype)
 
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -147,6 +148,8 @@ def _decode_stage1_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_QUANT:
+            p = p * v_s[None, :]  # Σ p·(v·s) = Σ (p·s)·v: the V scales weigh the probabilities, not the tile
         if IEEE_DOT:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

@@ -20,8 +20,8 @@ Kernel (flash-attention forward over a paged cache):
   Online softmax in base 2 with fp32 max / sum / accumulator; QK^T and PV on tl.dot. Tiles of a sequence
   past its query_len do no work; head_dim is padded to a power of two with masks.
   Quantized cache (KV_QUANT): dequantized as the tiles are read, as in the decode kernel — K converted exactly
-  to q's dtype with its per-token scales applied to the fp32 scores, V dequantized in fp32 and cast to q's
-  dtype before the PV dot.
+  to q's dtype with its per-token scales applied to the fp32 scores, V converted alike with its scales
+  applied to the probabilities before the PV dot.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def _prefill_kernel(
         if KV_QUANT:
             k_s = tl.load(ks_head + blk * stride_sb + off * stride_so, mask=n_mask, other=0.0)
             v_s = tl.load(vs_head + blk * stride_sb + off * stride_so, mask=n_mask, other=0.0)
-            k = k.to(q.dtype)
-            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
+            k = k.to(q.dtype)     # int8 and e4m3 values are exact in fp16 / bf16
+            v = v.to(q.dtype)
 
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -137,6 +137,8 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_QUANT:
+            p = p * v_s[None, :]  # Σ p·(v·s) = Σ (p·s)·v: the V scales weigh the probabilities, not the tile
         if IEEE_DOT:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
