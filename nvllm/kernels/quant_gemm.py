@@ -40,6 +40,7 @@ import os
 import torch
 
 from nvllm.kernels import report
+from nvllm.kernels.split_k import finish_split_k, split_k_output, store_tile
 from nvllm.kernels.backend import triton_available, use_triton
 from nvllm.kernels.quant_gemv import gemv_supported, quant_gemv
 from nvllm.quant.formats import QuantWeight
@@ -191,12 +192,7 @@ def _quant_gemm_kernel(
 
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     mask_mn = mask_m[:, None] & mask_n[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask_mn)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_mn)
+    store_tile(out_ptrs, acc, mask_mn, bias_ptr, offs_n, mask_n, HAS_BIAS, ATOMIC)
 
 
 @_jit
@@ -281,8 +277,7 @@ def quant_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     split_k = triton.cdiv(K, k_per_split)
     atomic = split_k > 1
 
-    out = torch.zeros((M, N), device=x.device, dtype=torch.float32) if atomic else \
-        torch.empty((M, N), device=x.device, dtype=x.dtype)
+    out = split_k_output(M, N, x, split_k)
     if M == 0:
         return out.to(x.dtype)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split_k)
@@ -301,11 +296,7 @@ def quant_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if atomic:
-        if bias is not None:
-            out += bias.float()
-        out = out.to(x.dtype)
-    return out
+    return finish_split_k(out, bias, x.dtype, split_k)
 
 
 def dequantize_triton(qw: QuantWeight, dtype: torch.dtype) -> torch.Tensor:

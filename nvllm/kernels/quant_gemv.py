@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from nvllm.kernels.split_k import finish_split_k, split_k_output, store_tile
 from nvllm.kernels.backend import triton_available
 
 if triton_available():
@@ -130,12 +131,7 @@ def _quant_gemv_kernel(
 
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask_mn = mask_m[:, None] & mask_n[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask_mn)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_mn)
+    store_tile(out_ptrs, acc, mask_mn, bias_ptr, offs_n, mask_n, HAS_BIAS, ATOMIC)
 
 
 def gemv_supported(M: int, K: int, group_size: int, act_order: bool, block_k: int | None = None) -> bool:
@@ -179,8 +175,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     k_per_split = triton.cdiv(k_tiles, max(1, split_k)) * bk
     split_k = triton.cdiv(K, k_per_split)
     atomic = split_k > 1
-    out = torch.zeros((M, N), device=x.device, dtype=torch.float32) if atomic else \
-        torch.empty((M, N), device=x.device, dtype=x.dtype)
+    out = split_k_output(M, N, x, split_k)
     if M == 0:
         return out.to(x.dtype)
     _quant_gemv_kernel[(n_tiles, split_k)](
@@ -191,8 +186,4 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
         HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic,
         STAGES=cfg["stages"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"],
     )
-    if atomic:
-        if bias is not None:
-            out += bias.float()
-        out = out.to(x.dtype)
-    return out
+    return finish_split_k(out, bias, x.dtype, split_k)

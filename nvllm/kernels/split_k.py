@@ -1,0 +1,50 @@
+"""Split-K by atomics, shared by the weight-only quantized kernels (``quant_gemm``, ``quant_gemv``).
+
+When a layer's output tiles cannot fill the GPU, K is split across programs: each adds its partial tile into
+an fp32 buffer with ``atomic_add``; the bias and the cast to the activations' dtype follow. Unsplit, a program
+adds the bias and stores its tile directly. ``store_tile`` is the kernels' epilogue; ``split_k_output`` and
+``finish_split_k`` the host side around the launch."""
+
+from __future__ import annotations
+
+import torch
+
+from nvllm.kernels.backend import triton_available
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+else:  # the package imports without Triton; the helper below then stays a plain, never-called function
+    triton = tl = None
+
+    def _jit(fn):
+        return fn
+
+
+@_jit
+def store_tile(out_ptrs, acc, mask_mn, bias_ptr, offs_n, mask_n, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
+    """Write one fp32 ``[BLOCK_M, BLOCK_N]`` tile: added atomically (split-K), or with its bias and cast."""
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, acc, mask=mask_mn)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask_mn)
+
+
+def split_k_output(M: int, N: int, x: torch.Tensor, split_k: int) -> torch.Tensor:
+    """The launch's output: a zeroed fp32 buffer for split-K, else ``[M, N]`` in x's dtype."""
+    if split_k > 1:
+        return torch.zeros((M, N), device=x.device, dtype=torch.float32)
+    return torch.empty((M, N), device=x.device, dtype=x.dtype)
+
+
+def finish_split_k(out: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, split_k: int) -> torch.Tensor:
+    """After a split-K launch: add the bias and cast; unsplit outputs are final already."""
+    if split_k <= 1:
+        return out
+    if bias is not None:
+        out += bias.float()
+    return out.to(dtype)
