@@ -51,31 +51,42 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "enable_prefix_caching": _opt(True, bool, "share KV blocks of common prompt prefixes",
                                   "--enable-prefix-caching/--no-enable-prefix-caching"),
     "enforce_eager": _opt(False, bool, "never capture CUDA graphs"),
+    "tensor_parallel_size": _opt(1, int, "split the model over N GPUs (N processes; gloo ranks on CPU)",
+                                 "--tensor-parallel-size"),
     "log_stats_interval": _opt(5.0, float, "seconds between engine log lines (0: off)"),
     "speculative": _opt(None, Optional[str], "speculative decoding: k=4,draft=DIR | k=3,method=ngram | "
                         "k=auto,draft=DIR | JSON {\"draft_model\": DIR, \"num_speculative_tokens\": 4}"),
 }
 
 
-def engine_options(fn):
-    """Decorator: append ENGINE_OPTIONS to fn's CLI flags; fn receives `engine_config: EngineConfig`."""
-    sig = inspect.signature(fn)
-    hints = typing.get_type_hints(fn, include_extras=True)  # resolve string annotations for Typer
-    own = [p.replace(annotation=hints.get(name, p.annotation))
-           for name, p in sig.parameters.items() if name != "engine_config"]
-    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann)
-             for name, (default, ann) in ENGINE_OPTIONS.items()]
+def option_group(options: dict[str, tuple[Any, Any]], build, kwarg: str):
+    """A decorator adding `options` (name → (default, Annotated type)) to a Typer command's flags; the command
+    receives `kwarg=build(**values)` instead (a user mistake in build: one line and exit 2)."""
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        opts = {name: kwargs.pop(name) for name in ENGINE_OPTIONS}
-        try:
-            config = EngineConfig(**opts)
-        except USER_ERRORS as e:
-            fail(str(e))
-        return fn(*args, engine_config=config, **kwargs)
+    def decorate(fn):
+        sig = inspect.signature(fn)
+        hints = typing.get_type_hints(fn, include_extras=True)  # resolve string annotations for Typer
+        own = [p.replace(annotation=hints.get(name, p.annotation))
+               for name, p in sig.parameters.items() if name != kwarg]
+        extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann)
+                 for name, (default, ann) in options.items()]
 
-    wrapper.__signature__ = sig.replace(parameters=own + extra)
-    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
-    del wrapper.__wrapped__  # Typer must read the new signature, not the original's
-    return wrapper
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            opts = {name: kwargs.pop(name) for name in options}
+            try:
+                value = build(**opts)
+            except USER_ERRORS as e:
+                fail(str(e))
+            return fn(*args, **{kwarg: value}, **kwargs)
+
+        wrapper.__signature__ = sig.replace(parameters=own + extra)
+        wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+        del wrapper.__wrapped__  # Typer must read the new signature, not the original's
+        return wrapper
+
+    return decorate
+
+
+# Decorator: append ENGINE_OPTIONS to fn's CLI flags; fn receives `engine_config: EngineConfig`.
+engine_options = option_group(ENGINE_OPTIONS, EngineConfig, "engine_config")

@@ -39,6 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1  # ranks (GPUs) the model is split over; one worker process per extra rank
     log_stats_interval: float = 5.0  # seconds between periodic log lines; 0 turns them off
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # speculative decoding: "k=4,draft=DIR" | "k=3,method=ngram" | "k=auto,draft=DIR" | JSON | dict | None
@@ -70,11 +71,22 @@ class EngineConfig:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be at least 1")
+        self._check_tensor_parallel_size()
         self._check_kv_cache_dtype()
         if self.speculative is not None:
             from nvllm.spec.config import parse_speculative
 
             self.speculative = parse_speculative(self.speculative)
+
+    def _check_tensor_parallel_size(self) -> None:
+        n = self.tensor_parallel_size
+        if not isinstance(n, int) or n < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+        if n > 1 and self.device.startswith("cuda"):
+            first, count = torch.device(self.device).index or 0, torch.cuda.device_count()
+            if first + n > count:
+                raise ConfigError(f"tensor_parallel_size {n} needs GPUs cuda:{first}..cuda:{first + n - 1}, but "
+                                  f"{count} GPU(s) are visible")
 
     def _check_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:

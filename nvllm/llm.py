@@ -1,5 +1,7 @@
 """LLM: the offline entry point. `LLM(model=DIR, **engine_options).generate(prompts, SamplingParams(...))`
-returns one RequestOutput per prompt, in order."""
+returns one RequestOutput per prompt, in order. With `tensor_parallel_size=N` the engine runs N − 1 worker
+processes: `close()` (or a `with` block) stops them; otherwise garbage collection or interpreter exit does.
+A script that builds one must guard its top level with `if __name__ == "__main__":` (workers are spawned)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,16 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent); a split engine cannot generate afterwards."""
+        self.engine.runner.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

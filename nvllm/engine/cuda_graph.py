@@ -4,6 +4,9 @@ One graph per batch size of a ladder (1, 2, 4, 8, then every 16 up to max_num_se
 start-up over static input buffers; a decode batch of B sequences replays the graph of the smallest captured
 size ≥ B, its padding rows writing nowhere (slot −1) and attending to nothing (context length 0). Larger
 batches, prefills and `--enforce-eager` run eagerly. All graphs share one memory pool.
+
+Tensor parallelism: every rank captures the same ladder in the same order (the graphs hold the row-parallel
+layers' NCCL all-reduces), and every step replays the same graph on every rank, chosen from the same StepInputs.
 """
 
 from __future__ import annotations

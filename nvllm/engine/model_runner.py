@@ -1,24 +1,37 @@
 """The model runner owns the model, the paged KV cache tensors and the sampler. Each step it flattens the
 scheduled sequences into one batch (token ids, positions, slot mapping, block tables, context lengths), runs
-the model once, computes logits only for the rows that need them, and samples."""
+the model once, computes logits only for the rows that need them, and samples.
+
+A step is two halves: ``execute`` (the engine's call) builds the host-side ``StepInputs`` and keeps the
+bookkeeping (which sequence owns which row), and ``run_model`` runs the forward and the LM-head calls. With
+tensor parallelism (``tensor_parallel_size`` N > 1) rank 0's runner starts N − 1 worker processes
+(nvllm.distributed), each with its shard of the weights, its KV heads and its own CUDA graphs; ``execute``
+broadcasts the StepInputs, every rank runs ``run_model`` in lockstep, and rank 0 alone gets logits and samples.
+Start-up is the same code on every rank, collective for collective; the KV block count is the minimum over the
+ranks, so the block ids the scheduler hands out are valid everywhere."""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from nvllm.config import ConfigError, EngineConfig
-from nvllm.engine.sequence import Sequence
+from nvllm.distributed.group import TPGroup
+from nvllm.distributed.partition import check_tensor_parallel
 from nvllm.engine.cuda_graph import DecodeGraphs
+from nvllm.engine.sequence import Sequence
+from nvllm.engine.step_inputs import StepInputs
 from nvllm.kernels import report
 from nvllm.kernels.backend import use_triton
 from nvllm.layers.attention import (AttentionMetadata, allocate_kv_caches, kv_cache_bytes_per_token,
                                     kv_cache_element_dtype)
 from nvllm.layers.sampler import Sampler, SampleRow, batch_token_logprobs, host_tensor
-from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model
+from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model, quantization_plan
+from nvllm.models.registry import resolve_architecture
 
 logger = logging.getLogger("nvllm")
 _GiB = 1 << 30
@@ -36,16 +49,50 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None):
+        """``tp``: a tensor-parallel worker's group. Rank 0 passes None and, when ``tensor_parallel_size`` > 1,
+        starts the workers itself (stopped by ``shutdown()``, or when the runner is collected or the
+        interpreter exits)."""
         self.config = config
         self.device = torch.device(config.device)
         self.hf_config = load_hf_config(config.model)
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
+        self.tp = tp or TPGroup.single()
+        self.workers = None
+        if tp is None and config.tensor_parallel_size > 1:
+            self._start_workers()
+            try:
+                with self.workers.guard():
+                    self._build()
+            except BaseException:
+                self.shutdown()
+                raise
+        else:
+            self._build()
+
+    def _start_workers(self) -> None:
+        """Check that the model splits (one ConfigError before any process starts), then start the workers."""
+        import weakref
+
+        from nvllm.distributed.worker_pool import WorkerPool
+        from nvllm.models.llama import ModelShape
+
+        arch, _ = resolve_architecture(self.hf_config)
+        n = self.config.tensor_parallel_size
+        check_tensor_parallel(ModelShape(self.hf_config, arch, n), n,
+                              quantization_plan(self.config, self.hf_config, arch, log=False))
+        self.workers = WorkerPool(self.config, self.device)
+        self.tp = self.workers.group
+        weakref.finalize(self, self.workers.stop)
+
+    def _build(self) -> None:
+        """Weights, KV cache and CUDA graphs: the same sequence of collectives on every rank."""
+        config = self.config
         torch.manual_seed(config.seed)
-        self.model = load_model(config, self.hf_config, self.dtype, self.device)
+        self.model = load_model(config, self.hf_config, self.dtype, self.device, self.tp)
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = self._agree_num_blocks(self._num_kv_blocks())
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.sampler = Sampler(config.seed)
         if self.device.type == "cuda":
@@ -58,10 +105,26 @@ class ModelRunner:
         kv_dtype = str(kv_cache_element_dtype(self.dtype, config.kv_cache_dtype)).replace("torch.", "")
         if config.kv_cache_dtype != "auto":
             kv_dtype += " + fp32 scale per token and KV head"
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes (%.1f KiB) per token, %.2f GiB",
-                    self.num_blocks, self.block_size, self.num_blocks * self.block_size, kv_dtype,
-                    self.kv_bytes_per_token, self.kv_bytes_per_token / 1024,
-                    self.num_blocks * self.block_size * self.kv_bytes_per_token / _GiB)
+        logger.info("KV cache%s: %d blocks x %d tokens = %d tokens, %s, %d bytes (%.1f KiB) per token, %.2f GiB",
+                    " on each rank" if self.tp.size > 1 else "", self.num_blocks, self.block_size,
+                    self.num_blocks * self.block_size, kv_dtype, self.kv_bytes_per_token,
+                    self.kv_bytes_per_token / 1024, self.num_blocks * self.block_size * self.kv_bytes_per_token / _GiB)
+
+    def _agree_num_blocks(self, n: int) -> int:
+        """Every rank pages the same block ids: the smallest count any rank holds."""
+        if self.tp.size > 1:
+            counts = self.tp.all_gather_int(n)
+            n = min(counts)
+            logger.info("tensor parallel: KV blocks per rank %s; every rank uses %d", counts, n)
+        if n < 1:
+            raise ConfigError("no memory left for the KV cache; lower the model size or raise "
+                              "gpu_memory_utilization / kv_cache_memory")
+        return n
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them). Idempotent; no step runs afterwards."""
+        if self.workers is not None:
+            self.workers.stop()
 
     def _gemm_choices(self) -> None:
         """Small-batch GEMMs: load the measured cuBLAS-vs-Triton table shipped for this GPU (or the file named
@@ -86,12 +149,12 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         """K + V elements of every layer, plus their scales for an int8 / fp8 cache: the real bytes."""
         s = self.model.shape
-        return kv_cache_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype,
+        return kv_cache_bytes_per_token(s.num_layers, s.num_local_kv_heads, s.head_dim, self.dtype,
                                         self.config.kv_cache_dtype)
 
     def _allocate_kv_caches(self, num_blocks: int):
         s = self.model.shape
-        return allocate_kv_caches(s.num_layers, num_blocks, self.block_size, s.num_kv_heads, s.head_dim,
+        return allocate_kv_caches(s.num_layers, num_blocks, self.block_size, s.num_local_kv_heads, s.head_dim,
                                   self.dtype, self.config.kv_cache_dtype, self.device)
 
     def _max_model_len(self) -> int:
@@ -113,6 +176,7 @@ class ModelRunner:
         return limit
 
     def _num_kv_blocks(self) -> int:
+        """The blocks this rank's memory holds (the ranks then agree on the smallest count)."""
         c = self.config
         per_block = self.kv_bytes_per_token * c.block_size
         if c.num_kv_blocks is not None:
@@ -126,9 +190,6 @@ class ModelRunner:
             # CPU default: room for max_num_seqs full-length sequences, at most 4 GiB
             want = c.max_num_seqs * math.ceil(self.max_model_len / c.block_size)
             n = min(want, int(4 * _GiB // per_block))
-        if n < 1:
-            raise ConfigError("no memory left for the KV cache; lower the model size or raise "
-                              "gpu_memory_utilization / kv_cache_memory")
         return int(n)
 
     def _draft_footprint(self) -> tuple[int, int]:
@@ -184,74 +245,103 @@ class ModelRunner:
         drafts (speculative decoding): id(seq) → (drafted token ids, …). A chunk that runs past a sequence's
         tokens is its last real token followed by its drafts; the logits of all its rows are returned, in
         order, as `verify_logits` (the engine verifies them) instead of being sampled."""
+        step, sample_owner, plp = self._build_step(scheduled, drafts)
+        result = StepResult({}, {})
+
+        def record_prompt_logprobs(first: int, logits: torch.Tensor) -> None:
+            chunk = plp[first:first + _PROMPT_LOGPROB_ROWS]
+            lps = torch.log_softmax(logits, dim=-1)
+            toks = [seq.token_ids[p + 1] for seq, p in chunk]
+            infos = batch_token_logprobs(lps, toks, [seq.params.prompt_logprobs for seq, _ in chunk])
+            for (seq, p), tok, info in zip(chunk, toks, infos):
+                result.prompt_logprobs.setdefault(id(seq), []).append((p + 1, tok, info))
+
+        if self.workers is None:
+            result.verify_logits, logits = self.run_model(step, record_prompt_logprobs)
+        else:
+            with self.workers.guard():
+                self.tp.broadcast_message(step.pack())
+                result.verify_logits, logits = self.run_model(step, record_prompt_logprobs)
+        if logits is not None:
+            out = self.sampler(logits, sample_rows)
+            for seq, tok, lp in zip(sample_owner, out.token_ids, out.logprobs):
+                result.sampled[id(seq)] = (tok, lp)
+        if self.workers is not None:
+            self.workers.check()  # a worker that died during the step (e.g. an aborted NCCL op) voids its output
+        return result
+
+    def _build_step(self, scheduled: list[tuple[Sequence, int]], drafts: dict | None
+                    ) -> tuple[StepInputs, list[Sequence], list[tuple[Sequence, int]]]:
+        """The flattened batch, the sequences that sample (in row order) and the (sequence, position) of each
+        prompt-logprob row."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        ctx_lens: list[int] = []
-        logit_rows: list[int] = []  # rows of the flattened batch whose logits are needed
+        step = StepInputs([], [], [], [0], [], [])
         sample_owner: list[Sequence] = []
-        plp_rows: list[tuple[Sequence, int, int]] = []  # (seq, flattened row, position)
-        verify_rows: list[int] = []
+        plp: list[tuple[Sequence, int]] = []
+        qsl = step.query_start_loc
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n
             if drafts is not None and end > seq.num_tokens:
-                verify_rows.extend(range(qsl[-1], qsl[-1] + n))
-                input_ids.extend(seq.token_ids[start:])
-                input_ids.extend(drafts[id(seq)][0])
+                step.verify_rows.extend(range(qsl[-1], qsl[-1] + n))
+                step.input_ids.extend(seq.token_ids[start:])
+                step.input_ids.extend(drafts[id(seq)][0])
             else:
-                input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+                step.input_ids.extend(seq.token_ids[start:end])
+            step.positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             base = qsl[-1]
             qsl.append(base + n)
-            ctx_lens.append(end)
+            step.context_lens.append(end)
             if seq.wants_prompt_logprobs:
                 done = len(seq.prompt_logprobs or [None])  # positions 1.. already recorded
                 for p in range(max(start, done - 1), min(end, seq.num_prompt_tokens - 1)):
-                    plp_rows.append((seq, base + p - start, p))
+                    step.prompt_rows.append(base + p - start)
+                    plp.append((seq, p))
             if end == seq.num_tokens:
-                logit_rows.append(base + n - 1)
+                step.logit_rows.append(base + n - 1)
                 sample_owner.append(seq)
-        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in scheduled]
-        max_query_len = max(n for _, n in scheduled)
+        width = max(len(seq.block_table) for seq, _ in scheduled)
+        step.block_tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in scheduled]
+        step.max_query_len = max(n for _, n in scheduled)
+        step.max_context_len = max(step.context_lens)
+        return step, sample_owner, plp
+
+    @torch.inference_mode()
+    def run_model(self, step: StepInputs, on_prompt_logits: Callable[[int, torch.Tensor], None] | None = None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The forward of one step and its LM-head calls, on every rank. Returns (verify logits, logits of the
+        rows to sample) — on rank 0; None, None elsewhere. Prompt-logprob rows go through the LM head in chunks
+        of bounded size, each handed to ``on_prompt_logits(first row index, logits)`` on rank 0."""
         dev = self.device
-        if (self.graphs is not None and max_query_len == 1 and not plp_rows
-                and len(scheduled) <= self.graphs.max_batch):
-            hidden = self.graphs.run(input_ids, positions, slots, tables, ctx_lens)
+        if (self.graphs is not None and step.max_query_len == 1 and not step.prompt_rows
+                and step.num_seqs <= self.graphs.max_batch):
+            hidden = self.graphs.run(step.input_ids, step.positions, step.slots, step.block_tables,
+                                     step.context_lens)
         else:
             meta = AttentionMetadata(
-                slot_mapping=host_tensor(slots, torch.long, dev), block_tables=host_tensor(tables, torch.int32, dev),
-                query_start_loc=host_tensor(qsl, torch.int32, dev), context_lens=host_tensor(ctx_lens, torch.int32, dev),
-                max_query_len=max_query_len, max_context_len=max(ctx_lens))
-            hidden = self.model(host_tensor(input_ids, torch.long, dev), host_tensor(positions, torch.long, dev),
-                                self.kv_caches, meta)
+                slot_mapping=host_tensor(step.slots, torch.long, dev),
+                block_tables=host_tensor(step.block_tables, torch.int32, dev),
+                query_start_loc=host_tensor(step.query_start_loc, torch.int32, dev),
+                context_lens=host_tensor(step.context_lens, torch.int32, dev),
+                max_query_len=step.max_query_len, max_context_len=step.max_context_len)
+            hidden = self.model(host_tensor(step.input_ids, torch.long, dev),
+                                host_tensor(step.positions, torch.long, dev), self.kv_caches, meta)
 
-        result = StepResult({}, {})
-        if verify_rows:
-            result.verify_logits = self.model.compute_logits(hidden[host_tensor(verify_rows, torch.long, dev)])
-        for c in range(0, len(plp_rows), _PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] float32 temporaries
-            chunk = plp_rows[c:c + _PROMPT_LOGPROB_ROWS]
-            rows = host_tensor([r for _, r, _ in chunk], torch.long, dev)
-            lps = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
-            toks = [seq.token_ids[p + 1] for seq, _, p in chunk]
-            infos = batch_token_logprobs(lps, toks, [seq.params.prompt_logprobs for seq, _, _ in chunk])
-            for (seq, _, p), tok, info in zip(chunk, toks, infos):
-                result.prompt_logprobs.setdefault(id(seq), []).append((p + 1, tok, info))
-        if logit_rows:
-            if len(logit_rows) < hidden.shape[0]:
-                hidden = hidden[host_tensor(logit_rows, torch.long, dev)]
-            logits = self.model.compute_logits(hidden)
-            out = self.sampler(logits, sample_rows)
-            for seq, tok, lp in zip(sample_owner, out.token_ids, out.logprobs):
-                result.sampled[id(seq)] = (tok, lp)
-        return result
+        verify = self._logits(hidden, step.verify_rows) if step.verify_rows else None
+        for c in range(0, len(step.prompt_rows), _PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] temporaries
+            logits = self._logits(hidden, step.prompt_rows[c:c + _PROMPT_LOGPROB_ROWS])
+            if logits is not None and on_prompt_logits is not None:
+                on_prompt_logits(c, logits)
+        logits = self._logits(hidden, step.logit_rows) if step.logit_rows else None
+        return verify, logits
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[host_tensor(rows, torch.long, self.device)]
+        return self.model.compute_logits(hidden)
 
     @staticmethod
     def needs_sample(seq: Sequence, n: int) -> bool:
         return seq.num_computed_tokens + n == seq.num_tokens
-

@@ -28,7 +28,8 @@ from nvllm.sampling_params import SamplingParams
 Window = tuple[list[int], list[int]]  # (context tokens, continuation tokens to score)
 _ENGINE_KEYS = {"tokenizer", "dtype", "seed", "load_format", "allow_pickle", "max_model_len", "block_size",
                 "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
-                "max_num_batched_tokens", "enable_prefix_caching", "enforce_eager", "log_stats_interval"}
+                "max_num_batched_tokens", "enable_prefix_caching", "enforce_eager", "log_stats_interval",
+                "tensor_parallel_size"}
 _SAMPLING_KEYS = {"top_p", "top_k", "min_p", "seed"}
 
 

@@ -76,6 +76,7 @@ class AttentionMetadata:
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        """Head counts are this rank's under tensor parallelism (its KV cache holds only its KV heads)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
 

@@ -1,25 +1,35 @@
 """Linear layers. Dense weights run through `gemm`; merged projections (q/k/v, gate/up) are one parameter
-filled shard by shard by the loader."""
+filled shard by shard by the loader.
+
+Tensor parallelism: a column-parallel layer holds its rank's slice of each output shard; a row-parallel layer
+holds its rank's slice of the inputs, sums the ranks' partial outputs (one all-reduce) and adds its bias once,
+after the sum. ``load_tensor`` takes a full checkpoint tensor and keeps this rank's piece."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from nvllm.distributed.group import TPGroup
+from nvllm.distributed.partition import LinearShard, take_shard
 from nvllm.kernels.gemm import gemm
 
 
 class Linear(nn.Module):
     """y = x Wᵀ + b with W [out, in]. ``output_sizes`` splits the output into shards the checkpoint stores as
-    separate tensors (e.g. q, k, v), loaded into one fused parameter."""
+    separate tensors (e.g. q, k, v), loaded into one fused parameter. Sizes are this rank's; ``shard`` places
+    them in the checkpoint's tensors (None: the layer is whole), ``tp`` sums a row-parallel layer's outputs."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 output_sizes: list[int] | None = None, dtype: torch.dtype | None = None):
+                 output_sizes: list[int] | None = None, dtype: torch.dtype | None = None,
+                 shard: LinearShard | None = None, tp: TPGroup | None = None):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.output_sizes = output_sizes or [out_features]
         assert sum(self.output_sizes) == out_features
+        self.shard = shard
+        self.tp = tp if shard is not None and shard.row_parallel else None
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
@@ -29,5 +39,21 @@ class Linear(nn.Module):
         start = sum(self.output_sizes[:shard])
         return slice(start, start + self.output_sizes[shard])
 
+    def load_tensor(self, leaf: str, shard: int | None, tensor: torch.Tensor, ckpt_name: str) -> None:
+        """Copy this rank's piece of checkpoint tensor ``leaf`` ("weight" / "bias"; output shard ``shard`` of a
+        fused layer) into place."""
+        dst = getattr(self, leaf).data
+        if shard is not None:
+            dst = dst[self.shard_slice(shard)]
+        cuts = {}
+        if self.shard is not None and self.shard.outputs is not None:
+            cuts[0] = self.shard.outputs[shard or 0]
+        if self.shard is not None and self.shard.row_parallel and leaf == "weight":
+            cuts[1] = self.shard.inputs
+        dst.copy_(take_shard(tensor, tuple(dst.shape), cuts, ckpt_name))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm(x, self.weight, self.bias)
+        if self.tp is None or self.tp.size == 1:
+            return gemm(x, self.weight, self.bias)
+        y = self.tp.all_reduce(gemm(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -6,6 +6,12 @@ for GPTQ, ``g_idx``), so a fused projection (q/k/v, gate/up) is filled shard by 
 GPTQ's ``qzeros`` ``32 / bits`` of them, so a shard of ``n`` outputs covers ``n / 8`` (resp. ``n·bits / 32``)
 word columns — the plan only quantizes layers whose shard sizes are whole words. ``g_idx`` (one entry per
 input) is the same for every shard of a fused layer; the loader checks that they agree.
+
+Tensor parallelism splits along whole packed words and whole groups. Column-parallel: each rank keeps its
+output columns of every tensor (whole int32 words). Row-parallel: each rank keeps its rows of ``qweight`` (and
+of ``g_idx``) and, for AWQ, its groups' rows of ``scales`` / ``qzeros``. GPTQ may be act-order (a ``g_idx``
+that sends a rank's inputs to any group), so a row-parallel GPTQ layer reads every group's scales and zeros,
+and once loaded keeps only its own groups' when its ``g_idx`` turns out contiguous — all of them otherwise.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import torch
 from torch import nn
 
 from nvllm.config import ConfigError
+from nvllm.distributed.group import TPGroup
+from nvllm.distributed.partition import LinearShard, Part, take_shard
 from nvllm.kernels.quant_gemm import quant_linear
 from nvllm.quant.formats import QuantWeight, default_g_idx
 from nvllm.quant.plan import QuantScheme
@@ -23,7 +31,8 @@ class QuantLinear(nn.Module):
     """y = x Wᵀ + b with W stored packed. Same construction arguments as ``Linear`` plus the scheme."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, output_sizes: list[int] | None,
-                 scheme: QuantScheme, dtype: torch.dtype | None = None):
+                 scheme: QuantScheme, dtype: torch.dtype | None = None, shard: LinearShard | None = None,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.output_sizes = output_sizes or [out_features]
@@ -35,6 +44,14 @@ class QuantLinear(nn.Module):
         self.group_size = scheme.group_for(in_features)
         groups = in_features // self.group_size
         per_word = 32 // scheme.bits
+        self.shard = shard
+        row = shard is not None and shard.row_parallel
+        self.tp = tp if row else None
+        # row-parallel: the group rows of this rank's inputs (a group of -1 spans all inputs: its single row)
+        self._group_part = (Part(0, 1, 1) if scheme.group_size == -1 else shard.inputs.per(self.group_size)) \
+            if row else None
+        self._all_groups = row and scheme.fmt == "gptq"  # every group's scales/zeros until g_idx is known
+        self._act_order_all_groups = False
 
         def buf(*shape, dt=torch.int32):
             return nn.Parameter(torch.zeros(*shape, dtype=dt), requires_grad=False)
@@ -43,6 +60,8 @@ class QuantLinear(nn.Module):
             self.qweight = buf(in_features, out_features // 8)
             self.qzeros = buf(groups, out_features // 8)
         else:
+            if self._all_groups:
+                groups = self._group_part.total
             self.qweight = buf(in_features // per_word, out_features)
             self.qzeros = buf(groups, out_features // per_word)
             self.g_idx = buf(in_features)
@@ -66,14 +85,27 @@ class QuantLinear(nn.Module):
             return 8 if self.scheme.fmt == "awq" else 1
         return 8 if self.scheme.fmt == "awq" else 32 // self.scheme.bits      # qzeros
 
+    def _cuts(self, leaf: str, shard: int | None, ndim: int) -> dict[int, Part]:
+        """Which rows of each dimension of checkpoint tensor ``leaf`` this rank keeps (see the module doc)."""
+        if self.shard is None:
+            return {}
+        if self.shard.outputs is not None:  # column-parallel: the output columns (the last dimension)
+            return {} if leaf == "g_idx" else {ndim - 1: self.shard.outputs[shard or 0].per(self._packed_cols(leaf))}
+        inputs = self.shard.inputs
+        if leaf == "qweight":
+            return {0: inputs.per(1 if self.scheme.fmt == "awq" else 32 // self.scheme.bits)}
+        if leaf == "g_idx":
+            return {0: inputs}
+        if leaf in ("qzeros", "scales") and not self._all_groups:
+            return {0: self._group_part}
+        return {}
+
     def load_tensor(self, leaf: str, shard: int | None, tensor: torch.Tensor, ckpt_name: str) -> None:
-        """Copy one checkpoint tensor (a whole layer, or shard ``shard`` of a fused one) into place."""
+        """Copy this rank's piece of one checkpoint tensor (a whole layer, or shard ``shard`` of a fused one)."""
         self._qw = None
         dst = getattr(self, leaf).data
         if leaf == "g_idx":
-            if tuple(tensor.shape) != tuple(dst.shape):
-                raise ConfigError(f"shape mismatch for {ckpt_name!r}: checkpoint {tuple(tensor.shape)}, "
-                                  f"model expects {tuple(dst.shape)}")
+            tensor = take_shard(tensor, tuple(dst.shape), self._cuts(leaf, shard, 1), ckpt_name)
             if shard is not None and self._g_idx_loaded and not torch.equal(dst, tensor.to(dst)):
                 raise ConfigError(f"{ckpt_name!r} differs from the g_idx of the other projections fused with it")
             dst.copy_(tensor)
@@ -84,12 +116,10 @@ class QuantLinear(nn.Module):
             per = self._packed_cols(leaf)
             cols = slice(sl.start // per, sl.stop // per)
             dst = dst[cols] if dst.dim() == 1 else dst[:, cols]
-        if tuple(tensor.shape) != tuple(dst.shape):
-            raise ConfigError(f"shape mismatch for {ckpt_name!r}: checkpoint {tuple(tensor.shape)}, "
-                              f"model expects {tuple(dst.shape)}")
+        piece = take_shard(tensor, tuple(dst.shape), self._cuts(leaf, shard, dst.dim()), ckpt_name)
         if leaf in ("qweight", "qzeros") and tensor.dtype != torch.int32:
             raise ConfigError(f"{ckpt_name!r} must be int32, got {tensor.dtype}")
-        dst.copy_(tensor)
+        dst.copy_(piece)
 
     @torch.no_grad()
     def init_dummy(self, generator: torch.Generator) -> None:
@@ -100,7 +130,8 @@ class QuantLinear(nn.Module):
                                        device=t.device).to(torch.int32))
         self.scales.data.uniform_(5e-4, 1.5e-3, generator=generator)
         if self.scheme.fmt == "gptq":
-            self.g_idx.data.copy_(default_g_idx(self.in_features, self.group_size, self.g_idx.device))
+            first = self._group_part.start if self._all_groups else 0
+            self.g_idx.data.copy_(default_g_idx(self.in_features, self.group_size, self.g_idx.device) + first)
         if self.bias is not None:
             self.bias.data.uniform_(-1e-2, 1e-2, generator=generator)
 
@@ -108,19 +139,51 @@ class QuantLinear(nn.Module):
         self._qw = None
         return super()._apply(fn, recurse)
 
+    @torch.no_grad()
+    def _settle_groups(self) -> None:
+        """Row-parallel GPTQ, once loaded: contiguous groups → keep only this rank's groups' scales / zeros (and
+        renumber g_idx from 0); act-order → keep every group, g_idx pointing into all of them."""
+        if not self._all_groups:
+            return
+        self._all_groups = False
+        part = self._group_part
+        contiguous = default_g_idx(self.in_features, self.group_size, self.g_idx.device) + part.start
+        if not torch.equal(self.g_idx.data, contiguous):
+            self._act_order_all_groups = True
+            return
+        rows = slice(part.start, part.start + part.size)
+        self.scales.data = self.scales.data[rows].clone()
+        self.qzeros.data = self.qzeros.data[rows].clone()
+        self.g_idx.data -= part.start
+
+    def _act_order_weight(self) -> QuantWeight:
+        """A row-parallel act-order GPTQ piece: this rank's inputs, every group's scales and zeros."""
+        g = self.g_idx.data
+        if int(g.min()) < 0 or int(g.max()) >= self.scales.shape[0]:
+            raise ConfigError(f"g_idx of {self.extra_repr()} points outside its {self.scales.shape[0]} groups")
+        return QuantWeight("gptq", self.scheme.bits, self.group_size, self.in_features, self.out_features,
+                           self.qweight.data.contiguous(), self.qzeros.data.contiguous(),
+                           self.scales.data.contiguous(), g.to(torch.int32).contiguous())
+
     # ---- forward -------------------------------------------------------------------------------------------
     def quant_weight(self) -> QuantWeight:
         """The packed weight as a ``QuantWeight`` (validated once, then cached)."""
         if self._qw is None:
+            self._settle_groups()
             if self.scheme.fmt == "awq":
                 self._qw = QuantWeight.from_awq(self.qweight, self.qzeros, self.scales, self.group_size)
+            elif self._act_order_all_groups:
+                self._qw = self._act_order_weight()
             else:
                 self._qw = QuantWeight.from_gptq(self.qweight, self.qzeros, self.scales, self.g_idx,
                                                  self.scheme.bits, self.group_size)
         return self._qw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(x, self.quant_weight(), self.bias)
+        if self.tp is None or self.tp.size == 1:
+            return quant_linear(x, self.quant_weight(), self.bias)
+        y = self.tp.all_reduce(quant_linear(x, self.quant_weight()))  # partial sums of this rank's inputs
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.fmt} "

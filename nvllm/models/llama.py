@@ -1,6 +1,11 @@
 """One decoder for the Llama family: Llama (incl. llama3 RoPE scaling), Mistral, Qwen2/2.5 (qkv bias) and
 Qwen3 (per-head q/k RMSNorm). GQA, tied or untied embeddings. Parameter names follow the HF checkpoints
-except for the fused q/k/v and gate/up projections, which the loader fills shard by shard."""
+except for the fused q/k/v and gate/up projections, which the loader fills shard by shard.
+
+Tensor parallelism (``tp``, a TPGroup): each rank builds the same modules at its own sizes — its query and KV
+heads, its slice of the intermediate size and of the (padded) vocabulary — and every layer narrows the
+checkpoint tensors it is given to its piece (nvllm.distributed.partition says which). q/k norms act per head,
+so they are the same on every rank."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import torch
 from torch import nn
 
 from nvllm.config import ConfigError
+from nvllm.distributed.group import TPGroup
+from nvllm.distributed.partition import LinearShard, even_part, head_parts, layer_shards
 from nvllm.layers.activation import silu_and_mul
 from nvllm.layers.attention import Attention, AttentionMetadata
 from nvllm.layers.embed_head import LMHead, VocabEmbedding
@@ -27,9 +34,11 @@ STACKED = {
 
 
 class ModelShape:
-    """The numbers the decoder needs, read once from the HF config."""
+    """The numbers the decoder needs, read once from the HF config: the checkpoint's (``num_heads``, …) and,
+    for a rank of ``tp_size``, its own (``num_local_heads``, ``num_local_kv_heads``, ``local_intermediate_size``).
+    A model that cannot be split over ``tp_size`` ranks is a ConfigError."""
 
-    def __init__(self, hf_config, architecture: str):
+    def __init__(self, hf_config, architecture: str, tp_size: int = 1, tp_rank: int = 0):
         c = hf_config
         self.vocab_size = c.vocab_size
         self.hidden_size = c.hidden_size
@@ -51,44 +60,54 @@ class ModelShape:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of "
                               f"num_key_value_heads {self.num_kv_heads}")
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        q, kv = head_parts(self.num_heads, self.num_kv_heads, self.head_dim, tp_size, tp_rank)
+        self.num_local_heads, self.num_local_kv_heads = q.size // self.head_dim, kv.size // self.head_dim
+        self.local_intermediate_size = even_part(self.intermediate_size, tp_size, tp_rank, "intermediate_size").size
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, output_sizes: list[int] | None,
-                dtype: torch.dtype, scheme: QuantScheme | None) -> Linear | QuantLinear:
-    """A dense ``Linear``, or a ``QuantLinear`` when the checkpoint stores this layer quantized."""
+                dtype: torch.dtype, scheme: QuantScheme | None, shard: LinearShard | None = None,
+                tp: TPGroup | None = None) -> Linear | QuantLinear:
+    """A dense ``Linear``, or a ``QuantLinear`` when the checkpoint stores this layer quantized. Sizes are this
+    rank's; ``shard`` places them in the checkpoint's tensors (None: the whole layer)."""
     if scheme is None:
-        return Linear(in_features, out_features, bias, output_sizes, dtype)
-    return QuantLinear(in_features, out_features, bias, output_sizes, scheme, dtype)
+        return Linear(in_features, out_features, bias, output_sizes, dtype, shard, tp)
+    return QuantLinear(in_features, out_features, bias, output_sizes, scheme, dtype, shard, tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: ModelShape, dtype: torch.dtype, quant: dict[str, QuantScheme] | None = None):
+    def __init__(self, s: ModelShape, dtype: torch.dtype, quant: dict[str, QuantScheme] | None = None,
+                 tp: TPGroup | None = None):
         """``quant``: scheme of each of this layer's quantized linears ("qkv_proj", …); the others are dense."""
         super().__init__()
         self.s = s
         quant = quant or {}
-        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        shards = layer_shards(s, s.tp_size, s.tp_rank)
+        q, kv = s.num_local_heads * s.head_dim, s.num_local_kv_heads * s.head_dim
+        inter = s.local_intermediate_size
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
-        self.qkv_proj = make_linear(s.hidden_size, q + 2 * kv, s.qkv_bias, [q, kv, kv], dtype, quant.get("qkv_proj"))
-        self.o_proj = make_linear(q, s.hidden_size, False, None, dtype, quant.get("o_proj"))
+        self.qkv_proj = make_linear(s.hidden_size, q + 2 * kv, s.qkv_bias, [q, kv, kv], dtype, quant.get("qkv_proj"),
+                                    shards["qkv_proj"], tp)
+        self.o_proj = make_linear(q, s.hidden_size, False, None, dtype, quant.get("o_proj"), shards["o_proj"], tp)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(s.head_dim, s.max_position, s.rope_theta, s.rope_scaling)
-        self.attn = Attention(s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim ** -0.5)
+        self.attn = Attention(s.num_local_heads, s.num_local_kv_heads, s.head_dim, s.head_dim ** -0.5)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
-        self.gate_up_proj = make_linear(s.hidden_size, 2 * s.intermediate_size, s.mlp_bias,
-                                        [s.intermediate_size, s.intermediate_size], dtype, quant.get("gate_up_proj"))
-        self.down_proj = make_linear(s.intermediate_size, s.hidden_size, s.mlp_bias, None, dtype,
-                                     quant.get("down_proj"))
+        self.gate_up_proj = make_linear(s.hidden_size, 2 * inter, s.mlp_bias, [inter, inter], dtype,
+                                        quant.get("gate_up_proj"), shards["gate_up_proj"], tp)
+        self.down_proj = make_linear(inter, s.hidden_size, s.mlp_bias, None, dtype, quant.get("down_proj"),
+                                     shards["down_proj"], tp)
 
     def split_qkv(self, qkv: torch.Tensor, positions: torch.Tensor):
         """The fused projection's output → per-head q, k (normed for Qwen3, rotated) and v."""
         s = self.s
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        q = qkv[:, :q_size].view(-1, s.num_heads, s.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].view(-1, s.num_kv_heads, s.head_dim)
-        v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
+        q_size, kv_size = s.num_local_heads * s.head_dim, s.num_local_kv_heads * s.head_dim
+        q = qkv[:, :q_size].view(-1, s.num_local_heads, s.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(-1, s.num_local_kv_heads, s.head_dim)
+        v = qkv[:, q_size + kv_size:].view(-1, s.num_local_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return (*self.rotary(positions, q, k), v)
@@ -109,20 +128,23 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward() returns the final hidden states of every token; compute_logits() the LM head on chosen rows.
     ``quant_plan`` (``{"layers.{i}.{linear}": scheme}``, from ``nvllm.quant.plan``) makes those linears
-    ``QuantLinear``; embeddings, norms and the LM head stay in full precision."""
+    ``QuantLinear``; embeddings, norms and the LM head stay in full precision. ``tp``: this rank's
+    tensor-parallel group (None: the whole model on one device)."""
 
     def __init__(self, hf_config, architecture: str, dtype: torch.dtype,
-                 quant_plan: dict[str, QuantScheme] | None = None):
+                 quant_plan: dict[str, QuantScheme] | None = None, tp: TPGroup | None = None):
         super().__init__()
-        s = self.shape = ModelShape(hf_config, architecture)
-        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, dtype)
+        tp = tp or TPGroup.single()
+        s = self.shape = ModelShape(hf_config, architecture, tp.size, tp.rank)
+        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, dtype, tp)
         plan = quant_plan or {}
         self.layers = nn.ModuleList(
-            DecoderLayer(s, dtype, {k.rsplit(".", 1)[1]: v for k, v in plan.items() if k.startswith(f"layers.{i}.")})
+            DecoderLayer(s, dtype, {k.rsplit(".", 1)[1]: v for k, v in plan.items() if k.startswith(f"layers.{i}.")},
+                         tp)
             for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
         self.lm_head = LMHead(s.vocab_size, s.hidden_size, dtype,
-                              tied_to=self.embed_tokens if s.tie_word_embeddings else None)
+                              tied_to=self.embed_tokens if s.tie_word_embeddings else None, tp=tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
         hidden = self.embed_tokens(input_ids)
@@ -132,7 +154,9 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [rows, vocab_size]; with tensor parallelism on rank 0 only (None on the others, which
+        must still call it: the vocabulary slices are gathered)."""
         return self.lm_head(hidden)
 
     # ---- checkpoint names ---------------------------------------------------------------------------------
@@ -163,15 +187,11 @@ class LlamaForCausalLM(nn.Module):
                 raise ConfigError(f"unexpected tensor {ckpt_name!r} in the checkpoint (no such parameter)")
             owner_name, leaf = pname.rsplit(".", 1) if "." in pname else ("", pname)
             owner = self.get_submodule(owner_name)
-            if isinstance(owner, QuantLinear):
+            if hasattr(owner, "load_tensor"):  # linears and vocabulary layers take their own piece
                 owner.load_tensor(leaf, shard, tensor, ckpt_name)
                 filled.add((pname, shard))
                 continue
-            param = params[pname]
-            dst = param.data
-            if shard is not None:
-                owner = self.get_submodule(pname.rsplit(".", 1)[0])
-                dst = dst[owner.shard_slice(shard)]
+            dst = params[pname].data
             if tuple(tensor.shape) != tuple(dst.shape):
                 raise ConfigError(f"shape mismatch for {ckpt_name!r}: checkpoint {tuple(tensor.shape)}, "
                                   f"model expects {tuple(dst.shape)}")

@@ -94,7 +94,7 @@ def checkpoint_keys(model_dir: str) -> set[str] | None:
     return keys if files else None
 
 
-def quantization_plan(config: EngineConfig, hf_config, arch: str):
+def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = True):
     """``{"layers.{i}.{linear}": QuantScheme}`` for a quantized checkpoint (see nvllm.quant.plan), else None."""
     from nvllm.models.llama import ModelShape
     from nvllm.quant.plan import serving_plan
@@ -108,16 +108,22 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str):
         return None
     qcfg, plan = found
     total = 4 * hf_config.num_hidden_layers
-    logger.info("quantized checkpoint: %s %d-bit, group size %d; %d of %d decoder linears quantized (the rest, "
-                "embeddings and lm_head in full precision)", qcfg.method, qcfg.bits, qcfg.group_size, len(plan), total)
+    if log:
+        logger.info("quantized checkpoint: %s %d-bit, group size %d; %d of %d decoder linears quantized (the "
+                    "rest, embeddings and lm_head in full precision)", qcfg.method, qcfg.bits, qcfg.group_size,
+                    len(plan), total)
     return plan
 
 
-def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device):
+def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device, tp=None):
+    """The model with its weights on ``device``. ``tp`` (a TPGroup): build and load only this rank's shard;
+    each checkpoint tensor is read whole and narrowed to the rank's piece before it reaches the device."""
     arch, cls = resolve_architecture(hf_config)
     plan = quantization_plan(config, hf_config, arch)
+    extra = {"tp": tp} if tp is not None and tp.size > 1 else {}
     with torch.device(device):
-        model = cls(hf_config, arch, dtype, quant_plan=plan) if plan is not None else cls(hf_config, arch, dtype)
+        model = cls(hf_config, arch, dtype, quant_plan=plan, **extra) if plan is not None else \
+            cls(hf_config, arch, dtype, **extra)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
         logger.info("loaded %s with random weights (load_format=dummy)", arch)

@@ -1,0 +1,132 @@
+"""TPGroup: one rank's view of the tensor-parallel group.
+
+Two process groups join the ranks, both built directly on one TCPStore (no global default group, so one
+process may hold several engines): the *compute* group carries the model's collectives (NCCL on GPUs, one
+device per rank; gloo on the CPU) and the *control* group (gloo, CPU tensors) carries each step's inputs from
+rank 0 and the start-up agreements. ``TPGroup.single()`` is the one-rank group: every collective is then a
+no-op, so the layers call them unconditionally.
+
+Failure: gloo raises as soon as a peer's connection closes; NCCL waits for its timeout unless the group is
+aborted, which rank 0's worker watcher does when a worker dies (``abort``). NCCL's own error handling (unless
+TORCH_NCCL_ASYNC_ERROR_HANDLING is set) aborts the communicators on rank 0 without ending the process — it is
+the user's process, which reports the error — and ends a worker's process outright.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+CONTROL_TIMEOUT = datetime.timedelta(days=365)  # workers wait here between steps, for as long as the engine idles
+COMPUTE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("NVLLM_TP_TIMEOUT", "600")))
+STORE_TIMEOUT = datetime.timedelta(seconds=120)
+FIRST_WORDS = 1024  # a control message up to this long (any decode step of a modest batch) takes one round trip
+
+
+class TPGroup:
+    def __init__(self, rank: int = 0, size: int = 1, control=None, compute=None, backend: str = "none"):
+        self.rank, self.size, self.backend = rank, size, backend
+        self.control, self.compute = control, compute
+        self._first: torch.Tensor | None = None  # [length, first words of the message], reused by every broadcast
+
+    @classmethod
+    def single(cls) -> "TPGroup":
+        return cls()
+
+    @classmethod
+    def connect(cls, rank: int, size: int, store, device: torch.device) -> "TPGroup":
+        """Join the group (a rendezvous: returns once every rank has called it with the same store)."""
+        import torch.distributed as dist
+
+        control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, CONTROL_TIMEOUT)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = COMPUTE_TIMEOUT
+            opts.is_high_priority_stream = False
+            opts.global_ranks_in_group = list(range(size))
+            opts.group_name = "nvllm_tp"
+            key, preset = "TORCH_NCCL_ASYNC_ERROR_HANDLING", os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+            os.environ[key] = preset or ("2" if rank == 0 else "3")  # 2: abort, keep the process; 3: end it
+            try:  # read when the group is built
+                compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", store), rank, size, opts)
+            finally:
+                if preset is None:
+                    del os.environ[key]
+            backend = "nccl"
+        else:
+            compute = dist.ProcessGroupGloo(dist.PrefixStore("compute", store), rank, size, COMPUTE_TIMEOUT)
+            backend = "gloo"
+        return cls(rank, size, control, compute, backend)
+
+    # ---- the model's collectives (compute group) --------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks, in place; returns it."""
+        if self.size > 1:
+            self.compute.allreduce([t]).wait()
+        return t
+
+    def gather_first(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``t`` (same shape on all) in rank order on rank 0; None on the others."""
+        if self.size == 1:
+            return [t]
+        import torch.distributed as dist
+
+        t = t.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            parts = [torch.empty_like(t) for _ in range(self.size)]
+            self.compute.gather([parts], [t], opts).wait()
+            return parts
+        self.compute.gather([], [t], opts).wait()
+        return None
+
+    # ---- control messages (gloo, CPU) ---------------------------------------------------------------------
+    def broadcast_message(self, message: torch.Tensor | None = None) -> torch.Tensor:
+        """Rank 0 sends a 1-D int64 CPU tensor (``message``); every other rank returns it. One broadcast of a
+        fixed size carries the length and the first FIRST_WORDS words; a longer message takes a second one."""
+        if self._first is None:
+            self._first = torch.empty(1 + FIRST_WORDS, dtype=torch.int64)
+        first = self._first
+        if self.rank == 0:
+            n = message.numel()
+            first[0] = n
+            first[1:1 + min(n, FIRST_WORDS)] = message[:FIRST_WORDS]
+        self.control.broadcast(first, 0).wait()
+        n = int(first[0])
+        if self.rank == 0:
+            if n > FIRST_WORDS:
+                self.control.broadcast(message[FIRST_WORDS:].contiguous(), 0).wait()
+            return message
+        head = first[1:1 + min(n, FIRST_WORDS)].clone()
+        if n <= FIRST_WORDS:
+            return head
+        rest = torch.empty(n - FIRST_WORDS, dtype=torch.int64)
+        self.control.broadcast(rest, 0).wait()
+        return torch.cat([head, rest])
+
+    def all_gather_int(self, value: int) -> list[int]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        if self.size == 1:
+            return [value]
+        mine = torch.tensor([value], dtype=torch.int64)
+        out = [torch.empty(1, dtype=torch.int64) for _ in range(self.size)]
+        self.control.allgather([out], [mine]).wait()
+        return [int(t.item()) for t in out]
+
+    # ---- teardown -----------------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Make collectives in flight on the compute group fail now (NCCL: abort the communicator)."""
+        if self.backend == "nccl" and self.compute is not None:
+            try:
+                self.compute.abort()
+            except Exception:  # already torn down
+                pass
+
+    def close(self) -> None:
+        """Drop the process groups. An NCCL communicator is aborted rather than destroyed: destroying one that
+        CUDA graphs captured can wait forever."""
+        self.abort()
+        self.control = self.compute = None

@@ -1,0 +1,261 @@
+"""Tensor parallelism on the CPU: real worker processes joined by gloo.
+
+Two ranks give what one rank gives — greedy tokens, seeded samples, logprobs and prompt logprobs — for the demo
+model (with chunked prefill, prefix caching and an int8 KV cache), tiny Llama / Qwen2 (one KV head, so it is
+replicated) / Qwen3 models, and AWQ and act-order GPTQ copies; speculative decoding keeps a split target's greedy
+output. The shards of every weight put back together are the full weights. A worker killed mid-run ends the
+engine with an error within seconds, a worker's start-up error reaches rank 0 as itself, a model that does not
+split is one ConfigError before any process starts, and `nvllm generate --tensor-parallel-size 2` works.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from nvllm import SamplingParams
+from nvllm.config import ConfigError
+from nvllm.distributed.group import TPGroup
+from nvllm.distributed.worker_pool import WorkerFailure
+from nvllm.engine.step_inputs import SHUTDOWN, StepInputs
+from nvllm.kernels.quant_gemm import quant_linear
+from nvllm.layers.quant_linear import QuantLinear
+from nvllm.models.llama import LlamaForCausalLM
+from nvllm.models.loader import iterate_weights, load_hf_config, quantization_plan
+from tests.conftest import build_tiny_model, make_llm
+from tests.quant_utils import write_by_hand
+from tests.test_spec_decode import prompts, truncated_copy
+
+TOKEN_PROMPTS = [[1, 45, 300, 12, 99, 7, 250, 31, 400, 18, 77, 5, 301, 130, 64, 9, 200, 11, 17, 310], [1, 5, 6, 7]]
+STORY = "Once upon a time, there was a little dog named Max. He liked to play in the park with his red ball"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """Tiny checkpoints whose linears split in two (intermediate 128 = two groups of 32 per rank). The Llama has
+    MLP biases, so a row-parallel layer (down_proj) adds its bias after the sum."""
+    root = tmp_path_factory.mktemp("tp")
+    llama = build_tiny_model("llama", root / "llama", intermediate_size=128, mlp_bias=True)
+    qwen2 = build_tiny_model("qwen2", root / "qwen2", intermediate_size=128, num_key_value_heads=1)
+    qwen3 = build_tiny_model("qwen3", root / "qwen3", intermediate_size=128)
+    write_by_hand(qwen2, root / "awq", "awq", group=32)
+    write_by_hand(llama, root / "gptq", "gptq", group=32, sym=False, act_order=True)
+    return {"llama": str(llama), "qwen2-kv1": str(qwen2), "qwen3": str(qwen3), "awq": str(root / "awq"),
+            "gptq-actorder": str(root / "gptq")}
+
+
+def assert_workers_gone(llm) -> None:
+    procs = llm.engine.runner.workers.procs
+    assert procs and not any(p.is_alive() for p in procs)
+
+
+# ---- the shards ------------------------------------------------------------------------------------------
+def rank_models(path: str, tp: int = 2) -> tuple[LlamaForCausalLM, list[LlamaForCausalLM]]:
+    """The whole model and each rank's shard, loaded in this process (no collectives are run)."""
+    from nvllm.config import EngineConfig
+    from nvllm.models.registry import resolve_architecture
+
+    cfg = EngineConfig(model=path, device="cpu")
+    hf = load_hf_config(path)
+    arch, _ = resolve_architecture(hf)
+    plan = quantization_plan(cfg, hf, arch, log=False)
+    out = []
+    for group in [TPGroup.single()] + [TPGroup(rank, tp) for rank in range(tp)]:
+        m = LlamaForCausalLM(hf, arch, torch.float32, quant_plan=plan, tp=group)
+        with torch.no_grad():
+            m.load_weights(iterate_weights(path, "auto", False))
+        out.append(m)
+    return out[0], out[1:]
+
+
+def weight(linear) -> torch.Tensor:
+    return linear.quant_weight().dequantize() if isinstance(linear, QuantLinear) else linear.weight
+
+
+@pytest.mark.parametrize("name", ["qwen2-kv1", "awq", "gptq-actorder"])
+def test_shards_put_together_are_the_full_weights(models, name, monkeypatch):
+    full, ranks = rank_models(models[name])
+    s = full.shape
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    for i, layer in enumerate(full.layers):
+        pieces = [r.layers[i] for r in ranks]
+        qkv = [weight(p.qkv_proj) for p in pieces]
+        q_r, kv_r = q // 2, pieces[0].s.num_local_kv_heads * s.head_dim
+        torch.testing.assert_close(torch.cat([w[:q_r] for w in qkv]), weight(layer.qkv_proj)[:q])
+        k_full, v_full = weight(layer.qkv_proj)[q:q + kv], weight(layer.qkv_proj)[q + kv:]
+        if s.num_kv_heads == 1:  # replicated: every rank holds the single KV head
+            for w in qkv:
+                torch.testing.assert_close(w[q_r:q_r + kv_r], k_full)
+                torch.testing.assert_close(w[q_r + kv_r:], v_full)
+        else:
+            torch.testing.assert_close(torch.cat([w[q_r:q_r + kv_r] for w in qkv]), k_full)
+        inter = s.intermediate_size // 2
+        gu = [weight(p.gate_up_proj) for p in pieces]
+        torch.testing.assert_close(torch.cat([w[:inter] for w in gu] + [w[inter:] for w in gu]),
+                                   weight(layer.gate_up_proj))
+        for lin in ("o_proj", "down_proj"):
+            torch.testing.assert_close(torch.cat([weight(getattr(p, lin)) for p in pieces], dim=1),
+                                       weight(getattr(layer, lin)))
+        if name == "gptq-actorder":  # act-order: a rank's inputs use any group, so every group stays
+            assert pieces[0].down_proj.scales.shape == layer.down_proj.scales.shape
+            monkeypatch.setenv("NVLLM_KERNELS", "triton")  # the fused kernel on such a piece (interpreted)
+            x = torch.randn(3, s.intermediate_size, generator=torch.Generator().manual_seed(i))
+            half = s.intermediate_size // 2
+            partial = [quant_linear(x[:, r * half:(r + 1) * half], p.down_proj.quant_weight())
+                       for r, p in enumerate(pieces)]
+            ref = x @ weight(layer.down_proj).T
+            torch.testing.assert_close(partial[0] + partial[1], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+            monkeypatch.delenv("NVLLM_KERNELS")
+        if name == "awq":
+            assert pieces[0].down_proj.scales.shape[0] * 2 == layer.down_proj.scales.shape[0]
+    vocab = s.vocab_size
+    torch.testing.assert_close(torch.cat([r.embed_tokens.weight for r in ranks])[:vocab], full.embed_tokens.weight)
+
+
+def test_step_message_round_trip():
+    step = StepInputs([5, 6, 7], [0, 1, 9], [16, 17, 40], [0, 2, 3], [2, 10], [[1, 0, 0], [2, 3, 4]],
+                      logit_rows=[1, 2], verify_rows=[], prompt_rows=[0], max_query_len=2, max_context_len=10)
+    assert StepInputs.unpack(step.pack()) == step
+    assert StepInputs.unpack(SHUTDOWN) is None
+
+
+# ---- outputs: two ranks against one ------------------------------------------------------------------------
+def request_mix() -> tuple[list, list[SamplingParams]]:
+    """Greedy with logprobs, prompt logprobs, and seeded sampling (n = 2), over prompts that share a prefix;
+    two long prompts make the first step's message longer than one control broadcast carries."""
+    long = [[3 + (7 * i + k) % 500 for i in range(200)] for k in range(2)]
+    ps = [TOKEN_PROMPTS[0], TOKEN_PROMPTS[1], TOKEN_PROMPTS[0] + [3, 4, 5], TOKEN_PROMPTS[0][:12]] + long
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=24, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=1.0, top_k=20, seed=11, max_tokens=24, ignore_eos=True)] + \
+        [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 2
+    return ps, params
+
+
+def compare(one, two) -> None:
+    for a, b in zip(one, two):
+        assert a.prompt_logprobs is None or len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for pa, pb in zip(a.prompt_logprobs or [], b.prompt_logprobs or []):
+            assert (pa is None) == (pb is None)
+            for tok, lp in (pa or {}).items():
+                assert abs(lp.logprob - pb[tok].logprob) < 1e-4
+        for ca, cb in zip(a.outputs, b.outputs):
+            assert ca.token_ids == cb.token_ids
+            for la, lb, tok in zip(ca.logprobs or [], cb.logprobs or [], ca.token_ids):
+                assert abs(la[tok].logprob - lb[tok].logprob) < 1e-4
+                assert list(la) == list(lb)  # the same top tokens, in the same order
+
+
+CASES = {  # case → (model, ranks, engine options)
+    "demo": ("demo", 2, dict(max_num_batched_tokens=16, kv_cache_dtype="int8")),  # chunked prefill, int8 cache
+    "llama": ("llama", 2, {}),
+    "llama-4-ranks": ("llama", 4, {}),  # 2 KV heads over 4 ranks: ranks 0, 1 hold head 0; ranks 2, 3 head 1
+    "qwen2-kv1": ("qwen2-kv1", 2, {}), "qwen3": ("qwen3", 2, {}), "awq": ("awq", 2, {}),
+    "gptq-actorder": ("gptq-actorder", 2, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_model_matches_one_rank(models, demo_dir, case):
+    name, ranks, options = CASES[case]
+    path = demo_dir if name == "demo" else models[name]
+    ps, params = request_mix()
+    if name == "demo":
+        tok = AutoTokenizer.from_pretrained(path)
+        ps = [tok.encode(STORY), tok.encode(STORY[:40]), tok.encode(STORY) + [3, 4], tok.encode(STORY[:20])] + ps[4:]
+    one = make_llm(path, **options).generate(ps, params, use_tqdm=False)
+    with make_llm(path, tensor_parallel_size=ranks, **options) as llm:
+        two = llm.generate(ps, params, use_tqdm=False)
+        if name == "demo":
+            assert llm.engine.block_manager.prefix_hits > 0
+            assert llm.engine.runner.kv_caches[0].k.shape[2] == 2  # 4 KV heads: two on each rank
+    assert_workers_gone(llm)
+    compare(one, two)
+
+
+def test_speculative_decoding_with_a_split_target(demo_dir, tmp_path):
+    """A 4-layer draft on rank 0 (whole), the target split in two, with batching, prefix caching and
+    preemption: greedy outputs equal plain single-rank decoding."""
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    ps = prompts(10)
+    want = [o.outputs[0].token_ids for o in make_llm(demo_dir).generate(ps, greedy, use_tqdm=False)]
+    draft = truncated_copy(tmp_path / "t4", 4)
+    with make_llm(demo_dir, tensor_parallel_size=2, block_size=8, num_kv_blocks=10, max_num_batched_tokens=16,
+                  max_num_seqs=6, max_model_len=64, speculative=f"k=3,draft={draft}") as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)]
+        e = llm.engine
+        assert e.spec.draft_runner.workers is None and e.spec.draft_runner.tp.size == 1
+        assert e.stats.spec.num_drafts > 0 and e.scheduler.num_preemptions > 0
+    assert got == want
+
+
+# ---- failures ----------------------------------------------------------------------------------------------
+def test_killed_worker_ends_the_engine_within_seconds(demo_dir):
+    llm = make_llm(demo_dir, tensor_parallel_size=2)
+    pid = llm.engine.runner.workers.procs[0].pid
+    killed_at = []
+
+    def kill():
+        killed_at.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(0.5, kill)
+    timer.start()
+    with pytest.raises(WorkerFailure, match="rank 1 .* was killed by SIGKILL"):
+        llm.generate(["Once upon a time"] * 8, SamplingParams(temperature=0, max_tokens=480, ignore_eos=True),
+                     use_tqdm=False)
+    assert time.monotonic() - killed_at[0] < 5
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure):  # the engine stays down, and says so at once
+        llm.generate(["Once upon a time"], SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.close()
+    assert time.monotonic() - start < 5
+    assert_workers_gone(llm)
+
+
+def test_worker_startup_error_reaches_rank0_as_itself(models, tmp_path):
+    """A checkpoint missing a tensor: the worker's ConfigError is what rank 0 raises (its own is the cause)."""
+    src = models["llama"]
+    for f in os.listdir(src):
+        if f != "model.safetensors":
+            (tmp_path / f).write_bytes(open(os.path.join(src, f), "rb").read())
+    w = load_file(os.path.join(src, "model.safetensors"))
+    del w["model.layers.1.mlp.up_proj.weight"]
+    save_file(w, tmp_path / "model.safetensors")
+    with pytest.raises(ConfigError, match="missing tensors: layers.1.gate_up_proj.weight") as err:
+        make_llm(str(tmp_path), tensor_parallel_size=2)
+    assert isinstance(err.value.__cause__, ConfigError)
+    assert not multiprocessing.active_children()
+
+
+def test_shapes_that_do_not_split_are_one_config_error(models, tmp_path):
+    with pytest.raises(ConfigError, match="num_attention_heads 4 is not divisible by tensor_parallel_size 3"):
+        make_llm(models["llama"], tensor_parallel_size=3)
+    small = build_tiny_model("qwen2", tmp_path / "q", intermediate_size=96)  # 48 inputs a rank: not 2 groups of 32
+    write_by_hand(small, tmp_path / "awq", "awq", group=32)
+    with pytest.raises(ConfigError, match="cannot split the awq 4-bit layers.0.down_proj over tensor_parallel_size 2: "
+                                          "each rank's 48 inputs are not a whole number of groups of 32"):
+        make_llm(str(tmp_path / "awq"), tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive integer"):
+        make_llm(models["llama"], tensor_parallel_size=0)
+    assert not multiprocessing.active_children()  # refused before any process started
+
+
+def test_cli_generate_with_two_ranks():
+    r = subprocess.run([sys.executable, "-m", "nvllm.cli", "generate", "--tensor-parallel-size", "2",
+                        "--device", "cpu", "--max-tokens", "20", "--log-stats-interval", "0"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Once upon a time, there was a little girl named Lily")
+    assert "tensor parallel: 2 ranks (gloo)" in r.stderr
