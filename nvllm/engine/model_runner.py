@@ -36,6 +36,11 @@ from nvllm.models.registry import resolve_architecture
 logger = logging.getLogger("nvllm")
 _GiB = 1 << 30
 _PROMPT_LOGPROB_ROWS = 512  # prompt positions scored per log_softmax
+GRAPH_MAX_QUERY_LEN = 16
+"""Steps whose chunks are all this short replay the decode CUDA graphs with one row per token: each row's
+context ends at its own position, and every row's K/V is stored before any row attends, so a chunk of n
+tokens is exactly its causal attention. Speculative verification (k + 1 tokens a sequence), the draft's
+catch-up and short prompts then run without hundreds of eager launches."""
 
 
 @dataclass
@@ -315,10 +320,14 @@ class ModelRunner:
         rows to sample) — on rank 0; None, None elsewhere. Prompt-logprob rows go through the LM head in chunks
         of bounded size, each handed to ``on_prompt_logits(first row index, logits)`` on rank 0."""
         dev = self.device
-        if (self.graphs is not None and step.max_query_len == 1 and not step.prompt_rows
-                and step.num_seqs <= self.graphs.max_batch):
-            hidden = self.graphs.run(step.input_ids, step.positions, step.slots, step.block_tables,
-                                     step.context_lens)
+        if (self.graphs is not None and step.max_query_len <= GRAPH_MAX_QUERY_LEN and not step.prompt_rows
+                and len(step.input_ids) <= self.graphs.max_batch):
+            tables, ctx = step.block_tables, step.context_lens
+            if step.max_query_len > 1:  # one graph row per token, attending to the positions up to its own
+                qsl = step.query_start_loc
+                tables = [t for t, a, b in zip(step.block_tables, qsl, qsl[1:]) for _ in range(b - a)]
+                ctx = [p + 1 for p in step.positions]
+            hidden = self.graphs.run(step.input_ids, step.positions, step.slots, tables, ctx)
         else:
             meta = AttentionMetadata(
                 slot_mapping=host_tensor(step.slots, torch.long, dev),

@@ -1,0 +1,77 @@
+"""Short multi-token chunks through the decode-graph path (one row per token, context ending at the row's own
+position): on the CPU a stand-in for DecodeGraphs runs exactly what a replay runs — the model with one query
+token per row — and greedy outputs must equal the normal path's, for plain decoding with short prompts and for
+speculative decoding (verification of k + 1 tokens, the draft's catch-up)."""
+
+from __future__ import annotations
+
+import torch
+
+from nvllm import SamplingParams
+from nvllm.engine import model_runner as MR
+from nvllm.layers.attention import AttentionMetadata
+from tests.conftest import make_llm
+from tests.test_spec_decode import drafts, prompts, spec_of  # noqa: F401  (drafts: a module fixture)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20)
+
+
+class RowGraphs:
+    """DecodeGraphs' interface on the CPU: every row one query token, as the captured graphs compute."""
+
+    def __init__(self, model, kv_caches, max_batch: int = 64):
+        self.model, self.kv_caches, self.max_batch = model, kv_caches, max_batch
+        self.rows_seen: list[int] = []
+
+    def run(self, input_ids, positions, slots, block_tables, context_lens):
+        b = len(input_ids)
+        assert len(block_tables) == len(context_lens) == b
+        self.rows_seen.append(b)
+        width = max(len(t) for t in block_tables)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (width - len(t))
+                                                                         for t in block_tables], dtype=torch.int32),
+            query_start_loc=torch.arange(b + 1, dtype=torch.int32),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32), max_query_len=1,
+            max_context_len=max(context_lens))
+        return self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta)
+
+
+def with_row_graphs(llm) -> RowGraphs:
+    runners = [llm.engine.runner]
+    if llm.engine.spec is not None and llm.engine.spec.draft_runner is not None:
+        runners.append(llm.engine.spec.draft_runner)
+    fakes = [RowGraphs(r.model, r.kv_caches) for r in runners]
+    for r, f in zip(runners, fakes):
+        r.graphs = f
+    return fakes[0]
+
+
+def test_short_prompts_through_graph_rows(demo_dir):
+    ps = prompts(10)
+    want = [o.outputs[0].token_ids for o in make_llm(demo_dir).generate(ps, GREEDY, use_tqdm=False)]
+    llm = make_llm(demo_dir, block_size=8, max_num_seqs=2)
+    fake = with_row_graphs(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == want
+    assert any(n > 2 for n in fake.rows_seen)  # steps that carried several tokens of a sequence
+
+
+def test_speculative_verification_through_graph_rows(demo_dir, drafts):  # noqa: F811
+    ps = prompts(8)
+    want = [o.outputs[0].token_ids for o in make_llm(demo_dir).generate(ps, GREEDY, use_tqdm=False)]
+    for name in ("truncated", "ngram"):
+        llm = make_llm(demo_dir, block_size=8, speculative=spec_of(name, drafts, 4))
+        fake = with_row_graphs(llm)
+        outs = llm.generate(ps, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, name
+        assert llm.engine.stats.spec.num_drafts > 0
+        assert max(fake.rows_seen) > 1
+
+
+def test_long_chunks_stay_eager(demo_dir):
+    llm = make_llm(demo_dir)
+    fake = with_row_graphs(llm)
+    long_prompt = " ".join(["Once upon a time"] * 8)            # > GRAPH_MAX_QUERY_LEN tokens
+    assert len(llm.get_tokenizer().encode(long_prompt)) > MR.GRAPH_MAX_QUERY_LEN
+    llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert fake.rows_seen == [1, 1]                             # the prompt ran eagerly, the decodes in rows
