@@ -24,7 +24,12 @@ for _ in $(seq 1 180); do
   kill -0 $SERVER 2>/dev/null || { tail -20 "$OUT/server.log"; exit 1; }
   sleep 1
 done
+READY=$(mktemp)  # its mtime: kernels Triton compiles after this were compiled under live requests
 python3 -m nvllm.cli bench serve --base-url http://127.0.0.1:8000 --model qwen2.5-7b-dummy --tokenizer "$MODEL" \
   --dataset sharegpt --dataset-path .carry/sharegpt/ShareGPT_V3_filtered_500.json --num-prompts "$N" \
   --output-len 200 --ignore-eos --request-rate "$RATE" --metric-percentiles 50,90,99 \
   --goodput ttft:200 tpot:20 --save-result "$OUT/serve_bench.json" --no-progress
+if [ -n "${TRITON_CACHE_DIR:-}" ]; then
+  LATE=$(find "$TRITON_CACHE_DIR" -name '*.json' ! -name '__grp__*' -newer "$READY" | xargs -r -n1 basename | sort)
+  echo "Triton kernels compiled after start-up: $(echo -n "$LATE" | grep -c .) ${LATE//$'\n'/ }"
+fi
