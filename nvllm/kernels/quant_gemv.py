@@ -5,10 +5,9 @@ layout (a trip through shared memory) and feeds tensor cores a 16-row tile of wh
 4 bits per weight it is ALU- and shuffle-bound, not memory-bound. This kernel keeps everything in registers
 and does less per weight:
 
-* multiply-and-sum on the CUDA cores. GPTQ words hold 8 consecutive inputs of one output: the thread that
-  loads a word multiplies and sums its fields, adds the group's zero-point and scale terms once per word, and
-  keeps a per-word accumulator that is reduced across threads once, after the K loop. AWQ words hold 8
-  outputs of one input: each K tile is summed across its rows as it comes;
+* multiply-and-sum on the CUDA cores (``tl.sum`` of ``x[:, :, None] * q[None, :, :]`` over each K tile), the
+  K loop software-pipelined (``STAGES``). (A variant that kept a per-word accumulator for GPTQ and reduced
+  once after the loop measured 10–30% slower on the H200.)
 * the zero point and scale leave the inner loop: within one group ``Σ_k x_k (q_kn − z_n) s_n =
   s_n (Σ_k x_k q_kn − z_n Σ_k x_k)``, so per weight there remain a shift, a mask, the integer → float
   conversion and one FMA; the scale multiply is once per group and column;
@@ -74,60 +73,38 @@ def _quant_gemv_kernel(
     else:
         n_shift = field * BITS
 
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    if AWQ:
-        # qweight [K, N/8], fields along N: Σ over the tile's K rows each step (they span threads)
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < k_end
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        if AWQ:   # qweight [K, N/8]
             words = tl.load(qw_ptr + offs_k[:, None] * stride_qw + wn[None, :],
                             mask=mask_k[:, None] & mask_wn[None, :], other=0, eviction_policy="evict_first")
             q = tl.reshape((words[:, :, None] >> n_shift[None, None, :]) & MASK, (BLOCK_K, BLOCK_N))
-            if MAGIC:
-                qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            else:
-                qf = q.to(tl.float32)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            part = tl.sum(x[:, :, None] * qf[None, :, :], axis=1)      # [BLOCK_M, BLOCK_N]: Σ_k x q
-            xsum = tl.sum(x, axis=1)                                    # [BLOCK_M]: Σ_k x
-            grp = k0 // GROUP
-            s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
-            z = tl.reshape((zw[:, None] >> n_shift[None, :]) & MASK, (BLOCK_N,)).to(tl.float32)
-            acc += s[None, :] * (part - xsum[:, None] * z[None, :])
-    else:
-        # qweight [K/P, N], fields along K: each thread sums the P products of a word it loaded; the
-        # [BLOCK_M, WORDS_K, BLOCK_N] accumulator is reduced over K once, after the loop
-        WORDS_K: tl.constexpr = BLOCK_K // PER_WORD
-        wk_local = tl.arange(0, WORDS_K)
-        acc3 = tl.full((BLOCK_M, WORDS_K, BLOCK_N), 0.0, tl.float32)
-        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
-            wk = k0 // PER_WORD + wk_local
-            mask_wk = wk < k_end // PER_WORD
+        else:     # qweight [K/P, N]
+            WORDS_K: tl.constexpr = BLOCK_K // PER_WORD
+            wk = k0 // PER_WORD + tl.arange(0, WORDS_K)
             words = tl.load(qw_ptr + wk[:, None] * stride_qw + offs_n[None, :],
-                            mask=mask_wk[:, None] & mask_n[None, :], other=0, eviction_policy="evict_first")
-            x_rows = x_ptr + offs_m[:, None] * stride_xm + (wk * PER_WORD)[None, :]       # [BLOCK_M, WORDS_K]
-            x_mask = mask_m[:, None] & mask_wk[None, :]
-            part = tl.full((BLOCK_M, WORDS_K, BLOCK_N), 0.0, tl.float32)
-            xsum = tl.full((BLOCK_M, WORDS_K), 0.0, tl.float32)
-            for f in tl.static_range(PER_WORD):
-                q = (words >> (f * BITS)) & MASK
-                if MAGIC:
-                    qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                else:
-                    qf = q.to(tl.float32)
-                xf = tl.load(x_rows + f, mask=x_mask, other=0.0).to(tl.float32)
-                part += xf[:, :, None] * qf[None, :, :]
-                xsum += xf
-            grp = k0 // GROUP
-            s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
-            z = tl.reshape((zw[:, None] >> n_shift[None, :]) & MASK, (BLOCK_N,)).to(tl.float32) + 1.0
-            acc3 += s[None, None, :] * part - (s * z)[None, None, :] * xsum[:, :, None]
-        acc = tl.sum(acc3, axis=1)
+                            mask=(wk < k_end // PER_WORD)[:, None] & mask_n[None, :], other=0,
+                            eviction_policy="evict_first")
+            q = tl.reshape((words[:, None, :] >> (field * BITS)[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
+        if MAGIC:
+            qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        else:
+            qf = q.to(tl.float32)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        part = tl.sum(x[:, :, None] * qf[None, :, :], axis=1)      # [BLOCK_M, BLOCK_N]: Σ_k x q
+        xsum = tl.sum(x, axis=1)                                    # [BLOCK_M]: Σ_k x
+        grp = k0 // GROUP
+        s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
+        z = tl.reshape((zw[:, None] >> n_shift[None, :]) & MASK, (BLOCK_N,)).to(tl.float32)
+        if not AWQ:
+            z = z + 1.0                                              # GPTQ v1 stores zero − 1
+        acc += s[None, :] * (part - xsum[:, None] * z[None, :])
 
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask_mn = mask_m[:, None] & mask_n[None, :]
@@ -142,11 +119,14 @@ def gemv_supported(M: int, K: int, group_size: int, act_order: bool, block_k: in
 
 def pick_gemv_config(M: int, K: int, group_size: int) -> dict[str, int]:
     """Tile sizes: BLOCK_M covers the rows, BLOCK_K shrinks as rows grow (the [M, K, N] products live in
-    registers), the largest of 128/64/32 that divides the group."""
+    registers), the largest of 128/64/32 that divides the group. H200 sweep (scripts/gpu_quant_bench.py, the
+    Qwen2.5-7B projections, M 1–2): 128 × 128 tiles, 4 warps, a 3-stage K loop were best or within 10% on
+    every shape but GPTQ down (M = 1), for both layouts."""
     block_m = 1 << max(0, (M - 1).bit_length())
     want_k = 128 if block_m <= 2 else 64 if block_m <= 4 else 32
     block_k = next((c for c in (want_k, 64, 32, 16) if c <= want_k and group_size % c == 0 and K % c == 0), 16)
-    return {"block_m": block_m, "block_n": 64, "block_k": block_k, "num_warps": 4, "magic": 0, "stages": 1}
+    block_n = 128 if block_m <= 2 else 64
+    return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "magic": 0, "stages": 3}
 
 
 def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *,
