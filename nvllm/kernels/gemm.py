@@ -318,6 +318,11 @@ def _geometry(M: int, N: int, K: int, config: SkinnyConfig):
     return bm, bk, k_blocks, per_split, splits, _cdiv(N, config.block_n), _cdiv(M, bm)
 
 
+# the row count changes with the batch: not specialized (see nvllm.kernels.jit); run G compiled a new variant
+# under live requests without this
+_skinny_gemm_kernel.do_not_specialize = ("M", "ws_stride_s")
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton path: ``x [M, K]`` (any strides) times ``weight [N, K]`` (rows contiguous) (+ bias) →
