@@ -136,7 +136,9 @@ def main() -> None:
         sys.exit(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
     out = Path(os.environ.get("OUT", "."))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
-    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit.stdout.strip() or "unknown",
+    # the device machine gets the working tree without its git history: the caller passes NVLLM_COMMIT
+    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "commit": os.environ.get("NVLLM_COMMIT") or commit.stdout.strip() or "unknown",
            "cards": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
            "bandwidth_Bps": min(copy_bandwidth(0), copy_bandwidth(1)), "args": vars(args)}
 
