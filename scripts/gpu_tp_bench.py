@@ -127,6 +127,7 @@ def table(res: dict, batch: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-70b", action="store_true", help="only the Qwen2.5-7B runs")
+    ap.add_argument("--only-70b", action="store_true", help="only the Llama-3-70B run")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64, help="batch of the throughput runs")
@@ -146,7 +147,8 @@ def main() -> None:
         (out / "gpu_tp_bench.json").write_text(json.dumps(res, indent=2, default=str))
 
     save()
-    runs = [("qwen2.5-7b", 1), ("qwen2.5-7b", 2)] + ([] if args.skip_70b else [("llama-3-70b", 2)])
+    runs = ([] if args.only_70b else [("qwen2.5-7b", 1), ("qwen2.5-7b", 2)]) + \
+        ([] if args.skip_70b else [("llama-3-70b", 2)])
     for name, tp in runs:
         print(f"[run] {name} tensor_parallel_size={tp}", flush=True)
         measure(name, tp, args, res, save)

@@ -46,6 +46,18 @@ def _stat_rows(t: Table, result: dict[str, Any], name: str, label: str, header: 
         t.add_row(f"{stat.upper() if stat[1:2].isdigit() else stat.capitalize()} {label} (ms)", _fmt(result[k]))
 
 
+_DISAGG_ROWS = (("Mean prefill stage (ms)", "disagg_mean_prefill_ms"),
+                ("Mean handoff to decode (ms)", "disagg_mean_handoff_ms"),
+                ("Mean KV transfer (ms)", "disagg_mean_kv_transfer_ms"),
+                ("Mean first decode after KV (ms)", "disagg_mean_first_decode_ms"),
+                ("KV transferred (MB)", "disagg_kv_mb"),
+                ("KV transfer bandwidth (GB/s)", "disagg_kv_transfer_gb_per_s"),
+                ("Mean queued on prefill side", "disagg_mean_prefill_waiting"),
+                ("Mean queued on decode side", "disagg_mean_decode_waiting"),
+                ("Prompts recomputed on decode side", "disagg_kv_recomputed"),
+                ("Worker failures", "disagg_worker_failures"))
+
+
 def results_table(result: dict[str, Any]) -> Table:
     mode = result.get("mode")
     r = result
@@ -67,6 +79,12 @@ def results_table(result: dict[str, Any]) -> Table:
             t.add_row(label, _fmt(v))
         for name, label, header in METRICS:
             _stat_rows(t, r, name, label, header)
+        disagg = [(label, k) for label, k in _DISAGG_ROWS if r.get(k) is not None]
+        if disagg:  # a disaggregated deployment (see bench.server_metrics.disagg_stats)
+            t.add_section()
+            t.add_row("[bold]Disaggregation[/]", "")
+            for label, k in disagg:
+                t.add_row(label, _fmt(r[k]))
         if "spec_decode_acceptance_rate" in r:
             t.add_section()
             t.add_row("[bold]Speculative decoding[/]", "")

@@ -27,6 +27,7 @@ import httpx
 from nvllm.bench.arrivals import arrival_offsets, describe
 from nvllm.bench.datasets import SampleRequest
 from nvllm.bench.metrics import RequestResult, calculate_metrics
+from nvllm.bench.server_metrics import disagg_stats
 
 
 class BenchError(RuntimeError):
@@ -174,7 +175,8 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*(?:\{.*\})?)\s+(\S+)")
 
 
 async def prometheus_counters(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
-    """Every `*_total` sample of GET /metrics (labels kept in the key), or None where there is none."""
+    """Every `*_total`, `*_sum` and `*_count` sample of GET /metrics (labels kept in the key): the counters and
+    histogram totals whose change over a run means something; None where the server has no /metrics."""
     try:
         resp = await client.get(f"{base_url}/metrics")
     except httpx.HTTPError:
@@ -184,7 +186,7 @@ async def prometheus_counters(client: httpx.AsyncClient, base_url: str) -> dict[
     out = {}
     for line in resp.text.splitlines():
         m = _SAMPLE.match(line)
-        if m and m.group(1).split("{")[0].endswith("_total"):
+        if m and m.group(1).split("{")[0].endswith(("_total", "_sum", "_count")):
             try:
                 out[m.group(1)] = float(m.group(2))
             except ValueError:
@@ -267,6 +269,7 @@ async def benchmark(opts: ServeOptions, requests: list[SampleRequest], tokenizer
                  if v != counters_before.get(k, 0.0)}
         result["server_metrics_delta"] = delta
         result.update(spec_decode_stats(delta))
+        result.update(disagg_stats(delta, result["duration"]))
     return result
 
 

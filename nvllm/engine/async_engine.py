@@ -16,8 +16,11 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence as Seq
+from typing import Any
 
 from nvllm.engine.llm_engine import LLMEngine
+from nvllm.engine.kv_handoff import KVTarget
+from nvllm.engine.sequence import PrefilledSample
 from nvllm.outputs import RequestOutput
 from nvllm.sampling_params import SamplingParams
 
@@ -40,18 +43,34 @@ class OutputStream:
         self.pending: set[str] = set()  # requests added and not yet finished
 
     async def add(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams,
-                  arrival_time: float | None = None) -> str:
-        """Queue a request on the engine; raises ValueError (bad input) with nothing changed."""
+                  arrival_time: float | None = None, prefill_only: bool = False) -> str:
+        """Queue a request on the engine; raises ValueError (bad input) with nothing changed. prefill_only: see
+        LLMEngine.add_request (disaggregated prefill)."""
         request_id = request_id or uuid.uuid4().hex
+        await self._add(request_id, lambda e: e.add_request(request_id, prompt, params, arrival_time or time.time(),
+                                                            prefill_only), emit=False)
+        return request_id
+
+    async def add_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                            arrival_time: float, samples: list[PrefilledSample],
+                            prompt_logprobs: list | None = None) -> list[KVTarget]:
+        """Decode side of disaggregation: register a request a prefill worker started (LLMEngine.
+        add_prefilled_request); its first output (the first tokens) is in the stream at once. Returns where
+        the prompt KV of each sequence still decoding goes."""
+        return await self._add(request_id, lambda e: e.add_prefilled_request(
+            request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs), emit=True)
+
+    async def _add(self, request_id: str, add: Callable[[LLMEngine], Any], emit: bool) -> Any:
+        """emit: the request has output already once added (prefilled); it goes into the stream at once."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._engine._submit(("add", request_id, prompt, params, arrival_time or time.time(), self, done))
+        self._engine._submit(("add", request_id, add, emit, self, done))
         try:
-            await asyncio.wrap_future(done)
+            result = await asyncio.wrap_future(done)
         except asyncio.CancelledError:
             self._engine.abort(request_id)  # the add may still land: the abort queued behind it undoes it
             raise
         self.pending.add(request_id)
-        return request_id
+        return result
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # called on the engine thread
         try:
@@ -128,6 +147,13 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
 
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread, between steps; its result (or exception) in the future. For
+        code on other threads that must touch the engine (the KV transfer threads of disaggregation)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("call", fn, done))
+        return done
+
     def abort_all(self) -> None:
         """Abort every request in flight; each stream still ends with its final (finish_reason "abort") output."""
         self._submit(("abort_all",))
@@ -135,7 +161,7 @@ class AsyncLLMEngine:
     def _submit(self, command: tuple) -> None:
         with self._cond:
             if self._stopping or (self._thread is not None and not self._thread.is_alive()):
-                if command[0] == "add":
+                if command[0] in ("add", "call"):
                     _fail(command[-1], EngineDeadError("the engine is shutting down"))
                 return
             self._commands.append(command)
@@ -165,7 +191,7 @@ class AsyncLLMEngine:
                 self._stopping = True
                 commands, self._commands = self._commands, []
             for command in commands:
-                if command[0] == "add":
+                if command[0] in ("add", "call"):
                     _fail(command[-1], EngineDeadError("the engine is shutting down"))
             for request_id in list(self._streams):
                 self._abort(request_id)
@@ -178,16 +204,30 @@ class AsyncLLMEngine:
             for request_id in list(self._streams):
                 self._abort(request_id)
             return
-        _, request_id, prompt, params, arrival_time, stream, done = command
+        if command[0] == "call":
+            _, fn, done = command
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as e:  # noqa: BLE001 - the caller gets it
+                    done.set_exception(e)
+            return
+        _, request_id, add, emit, stream, done = command
         if not done.set_running_or_notify_cancel():  # the caller gave up before the engine got to it
             return
         try:
-            self.engine.add_request(request_id, prompt, params, arrival_time)
+            result = add(self.engine)
         except Exception as e:  # ValueError: bad input; the engine changed nothing
             done.set_exception(e)
             return
         self._streams[request_id] = stream
-        done.set_result(request_id)
+        if emit:
+            out = self.engine.output(request_id)
+            if out.finished:
+                self._streams.pop(request_id, None)
+            stream._put(out)
+            self._run_hooks([out])
+        done.set_result(result)
 
     def _abort(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)

@@ -13,14 +13,16 @@ import torch
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.engine.block_manager import BlockManager
 from nvllm.engine.detokenizer import IncrementalDetokenizer, find_stop
+from nvllm.engine.kv_handoff import KVHandoff, KVTarget
 from nvllm.engine.metrics import EngineStats, StatLogger
 from nvllm.engine.model_runner import ModelRunner
 from nvllm.engine.scheduler import Scheduler
-from nvllm.engine.sequence import Sequence
+from nvllm.engine.sequence import PrefilledSample, Sequence
+from nvllm.engine.step_profile import StepProfile, step_kind
 from nvllm.kernels import report
 from nvllm.models.hub import resolve_model_path
 from nvllm.layers.sampler import SampleRow
-from nvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nvllm.outputs import CompletionOutput, Logprob, LogprobsDict, RequestMetrics, RequestOutput
 from nvllm.sampling_params import SamplingParams
 from nvllm.spec.metrics import SpecStats
 
@@ -76,6 +78,8 @@ class LLMEngine:
         self._token_texts: dict[int, str] = {}
         self.stats = self._new_stats()
         self.stat_logger = StatLogger(config.log_stats_interval)
+        self.step_profile = StepProfile()
+        self.handoff = KVHandoff(self)  # disaggregated prefill / decode: held and arriving KV
         self._next_id = 0
         logger.info("engine ready: model %s, dtype %s, device %s, max_model_len %d, block_size %d, "
                     "max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s",
@@ -120,6 +124,7 @@ class LLMEngine:
 
         console().print(report.format_table())
         self.stats = self._new_stats()
+        self.step_profile = StepProfile()
 
     def _new_stats(self) -> EngineStats:
         return EngineStats(spec=SpecStats() if self.spec is not None else None)
@@ -154,14 +159,24 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Validate and queue a request (n sequences); raises ValueError on bad input, changing nothing."""
+                    arrival_time: float | None = None, prefill_only: bool = False) -> str:
+        """Validate and queue a request (n sequences); raises ValueError on bad input, changing nothing.
+        prefill_only (disaggregated prefill): each sequence stops after its first token and, unless that token
+        finished it, keeps its blocks under a KV handle (`handoff`) for a decode worker to fetch."""
         params = params or SamplingParams()
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.validate(prompt, params)
-        metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        seqs = self._new_request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time or time.time()))
+        self.prompts[request_id] = prompt if isinstance(prompt, str) else None
+        for seq in seqs:
+            seq.prefill_only = prefill_only
+            self.scheduler.add(seq)
+        return request_id
+
+    def _new_request(self, request_id: str, ids: list[int], params: SamplingParams,
+                     metrics: RequestMetrics) -> list[Sequence]:
         seqs = []
         for i in range(params.n):
             gen = None
@@ -175,10 +190,7 @@ class LLMEngine:
                 seq.prompt_logprobs = [None]
             seqs.append(seq)
         self.requests[request_id] = seqs
-        self.prompts[request_id] = prompt if isinstance(prompt, str) else None
-        for seq in seqs:
-            self.scheduler.add(seq)
-        return request_id
+        return seqs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (finish_reason "abort")."""
@@ -204,6 +216,8 @@ class LLMEngine:
             return []
         if self.spec is not None:
             return self._step_speculative(sched.scheduled, partial)
+        t0 = time.perf_counter()
+        prompt_chunks = [n for seq, n in sched.scheduled if seq.num_computed_tokens < seq.num_prompt_tokens]
         rows = [SampleRow(seq.params, seq.generator, self._banned(seq))
                 for seq, n in sched.scheduled if ModelRunner.needs_sample(seq, n)]
         result = self.runner.execute(sched.scheduled, rows)
@@ -214,6 +228,8 @@ class LLMEngine:
                 seq.metrics.first_scheduled_time = now
             self._advance(seq, n, result, now)
             touched[seq.request_id] = None
+        self.step_profile.record(step_kind(len(prompt_chunks), len(sched.scheduled) - len(prompt_chunks)),
+                                 time.perf_counter() - t0, sum(prompt_chunks))
         return self._finish_step(touched, partial)
 
     def _advance(self, seq: Sequence, n: int, result, now: float) -> None:
@@ -297,15 +313,17 @@ class LLMEngine:
         return text
 
     def _append_token(self, seq: Sequence, tok: int, lp_info, now: float) -> None:
+        """lp_info: the sampler's (logprob, rank, top-N), or a ready logprobs dict (a prefill worker's)."""
         p = seq.params
         seq.token_ids.append(tok)
         self.stats.generation_tokens += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         seq.metrics.last_token_time = now
-        if lp_info is not None:
-            seq.cumulative_logprob += lp_info[0]
-            seq.logprobs.append(self._logprob_dict(tok, *lp_info))
+        if lp_info is not None and seq.logprobs is not None:
+            d = lp_info if isinstance(lp_info, dict) else self._logprob_dict(tok, *lp_info)
+            seq.cumulative_logprob += d[tok].logprob
+            seq.logprobs.append(d)
         if tok in self.eos_token_ids and not p.ignore_eos:
             seq.finish_reason = "stop"
         elif tok in p.stop_token_ids:
@@ -324,8 +342,28 @@ class LLMEngine:
                 seq.finish_reason = "length"
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
+        elif seq.prefill_only:  # disaggregated prefill: done here; a decode worker fetches the KV
+            self.handoff.hold(seq)
+
+    # ---- disaggregated prefill / decode (nvllm.disagg calls these on the engine thread) ---------------
+    def export_kv(self, handle: str) -> list[int]:
+        """Prefill side: the blocks of a held sequence's prompt, for a transfer that then releases them."""
+        return self.handoff.export(handle)
+
+    def release_kv(self, handle: str) -> bool:
+        return self.handoff.release(handle)
+
+    def add_prefilled_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                              arrival_time: float, samples: list[PrefilledSample],
+                              prompt_logprobs: list[LogprobsDict | None] | None = None) -> list[KVTarget]:
+        """Decode side: a request whose prompt a prefill worker computed (see KVHandoff.add_prefilled)."""
+        return self.handoff.add_prefilled(request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs)
 
     # ---- outputs -------------------------------------------------------------------------------------
+    def output(self, request_id: str) -> RequestOutput:
+        """The request's output now (popped, and counted as finished, when every sequence has finished)."""
+        return self._output(request_id)
+
     def _output(self, request_id: str) -> RequestOutput:
         seqs = self.requests[request_id]
         if all(s.finished for s in seqs):

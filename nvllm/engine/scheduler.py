@@ -107,11 +107,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished (or aborted) sequence and free its blocks."""
+    def finish(self, seq: Sequence, free: bool = True) -> None:
+        """Remove a finished (or aborted) sequence and free its blocks. free=False keeps them (a prefill
+        worker's sequence waiting for a decode worker to fetch its KV); so does a sequence whose KV is still
+        arriving (RECEIVING): the transfer writes into its blocks, which are freed when it ends."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        receiving = seq.status is Status.RECEIVING
         seq.status = Status.FINISHED
-        self.bm.free_sequence(seq)
+        if free and not receiving:
+            self.bm.free_sequence(seq)

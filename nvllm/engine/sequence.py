@@ -15,6 +15,7 @@ from nvllm.sampling_params import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    RECEIVING = "receiving"  # decode side of disaggregation: its prompt's KV is on its way from a prefill worker
     FINISHED = "finished"
 
 
@@ -45,6 +46,8 @@ class Sequence:
     # speculative decoding
     num_draft_computed: int = 0  # tokens whose K/V are in the draft model's cache (same block table)
     spec_state: object = None  # k=auto: this request's k and acceptance window (nvllm.spec.adaptive.KState)
+    # disaggregated prefill: stop after the first token and keep the blocks for a decode worker to fetch
+    prefill_only: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -66,3 +69,16 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and (
             self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens)
+
+
+@dataclass
+class PrefilledSample:
+    """One sample of a request whose prompt a prefill worker computed: what the decode side needs to carry on
+    exactly where the prefill side stopped (the first token, its logprobs, the RNG state after drawing it)."""
+
+    first_token: int
+    logprobs: LogprobsDict | None = None  # the first token's logprobs (when the request asked for them)
+    generator_state: torch.Tensor | None = None  # the per-request RNG (seeded requests) after the first draw
+    num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None

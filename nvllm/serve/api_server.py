@@ -11,8 +11,10 @@ import contextlib
 import logging
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -28,6 +30,10 @@ from nvllm.serve.metrics import ServerMetrics
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                   ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+
+if TYPE_CHECKING:
+    from nvllm.disagg.config import DisaggConfig
+    from nvllm.disagg.worker import DisaggWorker
 
 logger = logging.getLogger("nvllm")
 
@@ -54,6 +60,21 @@ class ServerConfig:
             raise ConfigError(f"chat template file {self.chat_template} does not exist")
 
 
+@dataclass
+class ServingContext:
+    """What the OpenAI routes share, for the routes a disaggregation role adds beside them."""
+
+    engine: AsyncLLMEngine
+    config: ServerConfig
+    model_name: str
+    prompts: PromptProcessor
+    metrics: ServerMetrics
+    handlers: dict[str, CompletionHandler | ChatHandler]  # "completions", "chat"
+    check_model: Callable[[str | None], None]
+    # answer(handler, req, request, start=None): the OpenAI response; start replaces handler.start
+    answer: Callable[..., Awaitable[Response]]
+
+
 def default_model_name(engine_config: EngineConfig) -> str:
     from nvllm.assets import demo_model_path
 
@@ -62,7 +83,9 @@ def default_model_name(engine_config: EngineConfig) -> str:
     return engine_config.model
 
 
-def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
+              worker: "DisaggWorker | None" = None) -> FastAPI:
+    """The app; a prefill or decode worker (disaggregation) adds its internal routes."""
     from nvllm.engine.llm_engine import load_tokenizer
     from nvllm.kernels import report
 
@@ -80,6 +103,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str) -> 
         engine.start()
         yield
         logger.info("shutting down: aborting what is still in flight")
+        if worker is not None:
+            worker.stop()
         await engine.shutdown()
 
     app = FastAPI(title="nvllm", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -93,12 +118,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str) -> 
             raise APIError(404, f"The model `{name}` does not exist (this server serves `{model_name}`)",
                            "model", "model_not_found")
 
-    async def answer(handler, req, request: Request) -> Response:
+    async def answer(handler, req, request: Request, start=None) -> Response:
         check_model(req.model)
         if not engine.is_running:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         try:
-            request_id, stream, prompt_ids = await handler.start(req)
+            request_id, stream, prompt_ids = await (start or handler.start)(req)
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
         if req.stream:
@@ -153,6 +178,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str) -> 
         prompts.check_ids(req.tokens, "tokens")
         return DetokenizeResponse(prompt=prompts.decode(req.tokens))
 
+    if worker is not None:
+        api.include_router(worker.routes(ServingContext(engine, config, model_name, prompts, metrics,
+                                                        {"completions": completions, "chat": chat}, check_model,
+                                                        answer)))
     app.include_router(api)
 
     @app.get("/health")
@@ -170,7 +199,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str) -> 
     return app
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _url_host(configured: str, bound: str) -> str:
+    """The address other workers reach this one at: the bound one, loopback for a wildcard bind."""
+    host = configured if configured not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    return f"[{host}]" if ":" in host else host or bound
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -182,17 +217,24 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
-    """Build the engine, then serve until SIGINT/SIGTERM (uvicorn handles both)."""
+def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "DisaggConfig | None" = None) -> None:
+    """Build the engine (and, for a prefill or decode worker, join the KV transfer group), then serve until
+    SIGINT/SIGTERM (uvicorn handles both)."""
     from nvllm.engine.llm_engine import LLMEngine
     from nvllm.logger import setup_logging
 
     setup_logging()
-    sock = _bind(config.host, config.port)  # before the slow part, so a taken port fails at once
+    sock = bind_socket(config.host, config.port)  # before the slow part, so a taken port fails at once
     try:
         model_name = config.served_model_name or default_model_name(engine_config)
         engine = AsyncLLMEngine(LLMEngine(engine_config))
-        app = build_app(engine, config, model_name)
+        worker = None
+        if disagg is not None and disagg.role != "mixed":
+            from nvllm.disagg.worker import DisaggWorker
+
+            host, port = sock.getsockname()[:2]
+            worker = DisaggWorker(engine, disagg, config, f"http://{_url_host(config.host, host)}:{port}")
+        app = build_app(engine, config, model_name, worker)
         host, port = sock.getsockname()[:2]
         logger.info("serving %s at http://%s:%d/v1 (API key %s)", model_name, host, port,
                     "required" if config.api_key else "not required")

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
+from nvllm.sampling_params import SamplingParams
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
 from nvllm.serve.params import (ChoiceProgress, check_logprobs, check_supported, resolve_max_tokens, submit,
@@ -40,7 +41,14 @@ class ChatHandler:
         check_logprobs(req.top_logprobs, "top_logprobs")
         return (req.top_logprobs or 0) if req.logprobs else None
 
+    schema = ChatCompletionRequest
+
     async def start(self, req: ChatCompletionRequest) -> tuple[str, OutputStream, list[int]]:
+        request_id, requests, ids = self.prepare(req)
+        return request_id, await submit(self.engine, requests), ids
+
+    def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[tuple[str, list[int], SamplingParams]], list[int]]:
+        """Validate everything: the response id, the one engine request (id, prompt ids, params), the prompt."""
         check_supported(req)
         if req.tools:
             raise bad_request("tools are not supported by this server", "tools")
@@ -55,8 +63,7 @@ class ChatHandler:
         params = sampling_params(req, resolve_max_tokens(requested, len(ids), self.prompts.max_model_len, param),
                                  num_top)
         request_id = random_id("chatcmpl")
-        stream = await submit(self.engine, [(request_id, ids, params)])
-        return request_id, stream, ids
+        return request_id, [(request_id, ids, params)], ids
 
     async def full(self, req: ChatCompletionRequest, request_id: str, stream: OutputStream,
                    prompt_ids: list[int]) -> ChatCompletionResponse:

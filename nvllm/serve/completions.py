@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
+from nvllm.sampling_params import SamplingParams
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
 from nvllm.serve.params import (ChoiceProgress, check_logprobs, check_supported, resolve_max_tokens, submit,
@@ -45,8 +46,16 @@ class CompletionHandler:
     def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, model_name: str):
         self.engine, self.prompts, self.model_name = engine, prompts, model_name
 
+    schema = CompletionRequest
+
     async def start(self, req: CompletionRequest) -> tuple[str, OutputStream, list[list[int]]]:
         """Validate everything, then queue one engine request per prompt (all or none)."""
+        request_id, requests, prompt_ids = self.prepare(req)
+        return request_id, await submit(self.engine, requests), prompt_ids
+
+    def prepare(self, req: CompletionRequest) -> tuple[str, list[tuple[str, list[int], SamplingParams]],
+                                                       list[list[int]]]:
+        """Validate everything: the response id, the engine requests (id, prompt ids, params), the prompts."""
         check_supported(req)
         if req.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
@@ -60,9 +69,8 @@ class CompletionHandler:
         params = [sampling_params(req, resolve_max_tokens(req.max_tokens, len(ids), max_len, "max_tokens"),
                                   req.logprobs, prompt_logprobs) for ids in prompt_ids]
         request_id = random_id("cmpl")
-        stream = await submit(self.engine, [(f"{request_id}-{i}", ids, p)
-                                            for i, (ids, p) in enumerate(zip(prompt_ids, params))])
-        return request_id, stream, prompt_ids
+        return request_id, [(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompt_ids, params))], \
+            prompt_ids
 
     @staticmethod
     def _prompt_index(out: RequestOutput) -> int:

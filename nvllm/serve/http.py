@@ -46,13 +46,25 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def parse_body(request: Request, schema: type[M], limit: int) -> M:
-    body = await read_body(request, limit)
+    return parse_json(await read_body(request, limit), schema)
+
+
+def parse_json(body: bytes, schema: type[M]) -> M:
+    """A JSON object body → the schema; 400 naming what is wrong."""
+    return parse_model(json_object(body), schema)
+
+
+def json_object(body: bytes) -> dict:
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def parse_model(data: dict, schema: type[M]) -> M:
     try:
         return schema.model_validate(data)
     except ValidationError as e:

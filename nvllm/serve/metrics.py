@@ -51,6 +51,15 @@ class _EngineCollector:
                       sched.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
+        prof = e.step_profile  # engine steps by kind: decode-only, prefill-only, mixed (see engine.step_profile)
+        for name, doc, values in (
+                ("engine_steps", "Engine steps, by what they computed.", prof.steps),
+                ("engine_step_seconds", "Wall seconds of engine steps, by what they computed.", prof.seconds),
+                ("engine_step_prompt_tokens", "Prompt tokens computed, by the kind of step.", prof.prompt_tokens)):
+            c = CounterMetricFamily(f"nvllm:{name}", doc, labels=lbl + ["kind"])
+            for kind, v in values.items():
+                c.add_metric(self.labels + [kind], v)
+            yield c
         if stats.spec is not None:  # speculative decoding (see nvllm.spec.metrics for the definitions)
             sp = stats.spec
             yield counter("spec_decode_num_drafts", "Verifications of a request with drafted tokens.", sp.num_drafts)
@@ -100,8 +109,8 @@ class ServerMetrics:
                     self._seen.pop(out.request_id, None)
                     if m.finished_time is not None:
                         self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
-                    for c in out.outputs:
-                        self._success.labels(self._model_name, c.finish_reason or "abort").inc()
+                    for c in out.outputs:  # no reason: a prefill worker handed it to a decode worker
+                        self._success.labels(self._model_name, c.finish_reason or "handed_off").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,189 @@
+"""`nvllm bench …`: serve (any OpenAI-compatible server), advise (disaggregate or not), throughput and latency
+(offline, through the engine), compare. Each command parses its flags and calls the bench package."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from nvllm.cli_options import USER_ERRORS, engine_options, fail
+from nvllm.config import EngineConfig
+
+bench_app = typer.Typer(help="Benchmarks: serving (any OpenAI-compatible server), offline throughput and "
+                             "latency, compare, and the disaggregation advisor.", no_args_is_help=True)
+_DATA = "Dataset"
+
+
+@bench_app.command("serve")
+def bench_serve(
+    more_slos: Annotated[Optional[list[str]], typer.Argument(hidden=True, metavar="KEY:MS",
+                                                             help="more --goodput pairs")] = None,
+    base_url: Annotated[str, typer.Option(help="server root, e.g. http://127.0.0.1:8000")] = "http://127.0.0.1:8000",
+    endpoint: Annotated[str, typer.Option(help="/v1/completions or /v1/chat/completions")] = "/v1/completions",
+    model: Annotated[Optional[str], typer.Option(help="model name to request (default: the server's first)")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory for prompt lengths "
+                                                     "(default: --model if a directory, else the demo model's)")] = None,
+    dataset: Annotated[str, typer.Option("--dataset", "--dataset-name", help="random | sharegpt | jsonl | gsm8k",
+                                         rich_help_panel=_DATA)] = "random",
+    dataset_path: Annotated[Optional[str], typer.Option(rich_help_panel=_DATA)] = None,
+    num_prompts: Annotated[int, typer.Option(rich_help_panel=_DATA)] = 1000,
+    input_len: Annotated[Optional[int], typer.Option(help="random: prompt tokens (default 128)",
+                                                     rich_help_panel=_DATA)] = None,
+    output_len: Annotated[Optional[int], typer.Option(help="max_tokens per request (default: from the data; "
+                                                      "random: 128)", rich_help_panel=_DATA)] = None,
+    random_range_ratio: Annotated[float, typer.Option(rich_help_panel=_DATA)] = 0.0,
+    request_rate: Annotated[float, typer.Option(help="requests/s; inf sends all at once")] = float("inf"),
+    burstiness: Annotated[float, typer.Option(help="gamma shape of the gaps; 1 = Poisson")] = 1.0,
+    max_concurrency: Annotated[Optional[int], typer.Option(help="cap on requests in flight")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="ask the server to ignore EOS (vLLM extension)")] = False,
+    temperature: Annotated[Optional[float], typer.Option(help="default: the server's")] = None,
+    goodput: Annotated[Optional[list[str]], typer.Option(help="SLOs in ms, e.g. --goodput ttft:200 tpot:20")] = None,
+    metric_percentiles: Annotated[str, typer.Option(help="e.g. 50,90,99")] = "99",
+    seed: Annotated[int, typer.Option(help="dataset and arrival seed")] = 0,
+    api_key: Annotated[Optional[str], typer.Option(envvar="OPENAI_API_KEY", show_envvar=False)] = None,
+    save_result: Annotated[Optional[str], typer.Option(help="write the result JSON here")] = None,
+    progress: Annotated[bool, typer.Option(help="live progress bar")] = True,
+) -> None:
+    """Benchmark a running OpenAI-compatible server over streaming HTTP (TTFT, TPOT, ITL, E2EL, goodput)."""
+    from pathlib import Path
+
+    from nvllm.assets import demo_model_path
+    from nvllm.bench import datasets, metrics, report, serve
+    from nvllm.engine.llm_engine import load_tokenizer
+
+    if more_slos and not goodput:
+        fail(f"unexpected argument {more_slos[0]!r}")
+    try:
+        slos = metrics.parse_goodput((goodput or []) + (more_slos or []))
+        opts = serve.ServeOptions(base_url=base_url, endpoint=endpoint, model=model, request_rate=request_rate,
+                                  burstiness=burstiness, max_concurrency=max_concurrency, ignore_eos=ignore_eos,
+                                  temperature=temperature, percentiles=metrics.parse_percentiles(metric_percentiles),
+                                  goodput=slos, seed=seed, api_key=api_key, progress=progress)
+        tok = load_tokenizer(tokenizer or (model if model and Path(model).is_dir() else demo_model_path()))
+        requests = datasets.load_requests(dataset, tok, num_prompts, dataset_path, input_len, output_len,
+                                          random_range_ratio, seed)
+        result = serve.run_serve_benchmark(opts, requests, tok)
+    except (serve.BenchError, *USER_ERRORS) as e:
+        fail(str(e))
+    report.finish(result, save_result)
+    if result["completed"] == 0:
+        fail(f"all {result['failed']} requests failed", code=1)
+
+
+@bench_app.command("advise")
+def bench_advise(
+    base_url: Annotated[str, typer.Option(help="a mixed server's root")] = "http://127.0.0.1:8000",
+    endpoint: Annotated[str, typer.Option(help="/v1/completions or /v1/chat/completions")] = "/v1/completions",
+    model: Annotated[Optional[str], typer.Option(help="model name to request (default: the server's first)")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory (default: the demo model's)")] = None,
+    dataset: Annotated[str, typer.Option("--dataset", "--dataset-name", help="random | sharegpt | jsonl | gsm8k",
+                                         rich_help_panel=_DATA)] = "random",
+    dataset_path: Annotated[Optional[str], typer.Option(rich_help_panel=_DATA)] = None,
+    num_prompts: Annotated[int, typer.Option(rich_help_panel=_DATA)] = 200,
+    input_len: Annotated[Optional[int], typer.Option(rich_help_panel=_DATA)] = None,
+    output_len: Annotated[Optional[int], typer.Option(rich_help_panel=_DATA)] = None,
+    request_rate: Annotated[float, typer.Option(help="requests/s of the workload; inf: all at once")] = float("inf"),
+    max_concurrency: Annotated[Optional[int], typer.Option(help="cap on requests in flight")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="ask the server to ignore EOS")] = False,
+    num_gpus: Annotated[Optional[int], typer.Option(help="GPUs of the host to deploy on (default: this one's)")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="OPENAI_API_KEY", show_envvar=False)] = None,
+    save_result: Annotated[Optional[str], typer.Option(help="write the measurements and verdict (JSON) here")] = None,
+    progress: Annotated[bool, typer.Option(help="live progress bar")] = True,
+) -> None:
+    """Measure a workload on a mixed server and recommend whether (and how) to disaggregate prefill and decode."""
+    from pathlib import Path
+
+    from nvllm.assets import demo_model_path
+    from nvllm.bench import advise, datasets, report, serve
+    from nvllm.disagg.advisor import tables
+    from nvllm.engine.llm_engine import load_tokenizer
+    from nvllm.logger import console
+
+    if num_gpus is not None and num_gpus < 1:
+        fail("--num-gpus must be at least 1")
+    try:
+        opts = serve.ServeOptions(base_url=base_url, endpoint=endpoint, model=model, request_rate=request_rate,
+                                  max_concurrency=max_concurrency, ignore_eos=ignore_eos, api_key=api_key,
+                                  progress=progress)
+        tok = load_tokenizer(tokenizer or (model if model and Path(model).is_dir() else demo_model_path()))
+        requests = datasets.load_requests(dataset, tok, num_prompts, dataset_path, input_len, output_len)
+        result, workload, rec = advise.run_advise(opts, requests, tok, num_gpus)
+    except (serve.BenchError, *USER_ERRORS) as e:
+        fail(str(e))
+    for table in tables(workload, rec):
+        console().print(table)
+    if save_result:
+        report.save_result(result, save_result)
+        console().print(f"saved {save_result}", highlight=False)
+
+
+@bench_app.command("throughput")
+@engine_options
+def bench_throughput(
+    dataset: Annotated[str, typer.Option("--dataset", "--dataset-name", help="random | sharegpt | jsonl | gsm8k",
+                                         rich_help_panel=_DATA)] = "random",
+    dataset_path: Annotated[Optional[str], typer.Option(rich_help_panel=_DATA)] = None,
+    num_prompts: Annotated[int, typer.Option(rich_help_panel=_DATA)] = 100,
+    input_len: Annotated[Optional[int], typer.Option(help="random: prompt tokens (default 128)",
+                                                     rich_help_panel=_DATA)] = None,
+    output_len: Annotated[Optional[int], typer.Option(help="tokens per request (default: from the data; "
+                                                      "random: 128)", rich_help_panel=_DATA)] = None,
+    random_range_ratio: Annotated[float, typer.Option(rich_help_panel=_DATA)] = 0.0,
+    ignore_eos: Annotated[bool, typer.Option(help="generate exactly the output length")] = True,
+    save_result: Annotated[Optional[str], typer.Option(help="write the result JSON here")] = None,
+    progress: Annotated[bool, typer.Option(help="progress bar")] = True,
+    *, engine_config: EngineConfig,
+) -> None:
+    """Offline throughput through the engine: requests/s, output tok/s, total tok/s."""
+    from nvllm.bench import offline, report
+
+    try:
+        result = offline.run_throughput(engine_config, dataset, dataset_path, num_prompts, input_len, output_len,
+                                        random_range_ratio, ignore_eos, progress)
+    except USER_ERRORS as e:
+        fail(str(e))
+    report.finish(result, save_result)
+
+
+@bench_app.command("latency")
+@engine_options
+def bench_latency(
+    batch_size: Annotated[int, typer.Option()] = 8,
+    input_len: Annotated[int, typer.Option()] = 32,
+    output_len: Annotated[int, typer.Option()] = 128,
+    num_iters_warmup: Annotated[int, typer.Option()] = 10,
+    num_iters: Annotated[int, typer.Option()] = 30,
+    metric_percentiles: Annotated[str, typer.Option(help="TTFT/TPOT percentiles, e.g. 50,90,99")] = "99",
+    save_result: Annotated[Optional[str], typer.Option(help="write the result JSON here")] = None,
+    progress: Annotated[bool, typer.Option(help="progress bar")] = True,
+    *, engine_config: EngineConfig,
+) -> None:
+    """Offline latency of one batch: per-iteration latency percentiles, TTFT and TPOT."""
+    from nvllm.bench import metrics, offline, report
+
+    try:
+        result = offline.run_latency(engine_config, batch_size, input_len, output_len, num_iters_warmup, num_iters,
+                                     metrics.parse_percentiles(metric_percentiles), progress)
+    except USER_ERRORS as e:
+        fail(str(e))
+    report.finish(result, save_result)
+
+
+@bench_app.command("compare")
+def bench_compare(
+    a: Annotated[str, typer.Argument(help="baseline result JSON")],
+    b: Annotated[str, typer.Argument(help="result JSON to compare with it")],
+) -> None:
+    """Two saved results side by side, with B / A ratios."""
+    from nvllm.bench import report
+    from nvllm.logger import console
+
+    try:
+        ra, rb = report.load_result(a), report.load_result(b)
+    except ValueError as e:
+        fail(str(e))
+    if ra.get("mode") != rb.get("mode"):
+        console().print(f"[yellow]note:[/] comparing a {ra.get('mode')!r} result with a {rb.get('mode')!r} one")
+    for table in report.compare_tables(ra, rb, a, b):
+        console().print(table)

@@ -1,0 +1,138 @@
+"""The decode worker's transfer thread: fetches the prompt KV of prefilled requests, one transfer at a time.
+
+For each sequence waiting for its KV (the engine gave it blocks when the request was registered, sharing what
+its prefix cache already held, so only the missing blocks travel): the thread asks the prefill worker over
+HTTP to send the handle's remaining blocks to this rank with a fresh tag (control data only), receives the
+header and the staging buffer over the transfer group, scatters it into the blocks, and hands the sequence to
+the scheduler. Any failure — the prefill worker gone, the handle expired, a broken transfer — is not the
+request's end: its prompt is recomputed here instead, and the request goes on. All receives of this worker
+run on this one thread, in the order they were asked for, which keeps every (prefill worker, this worker)
+pair in one order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from nvllm.disagg.handoff import ReleaseCall, SendAccepted, SendCall
+from nvllm.disagg.metrics import TransferLogger, TransferStats
+from nvllm.disagg.staging import KVLayout
+from nvllm.disagg.transfer_group import TransferError, TransferGroup
+from nvllm.engine.async_engine import AsyncLLMEngine
+from nvllm.engine.kv_handoff import KVTarget
+
+logger = logging.getLogger("nvllm")
+
+
+@dataclass
+class ReceiveJob:
+    target: KVTarget
+    prefill_url: str
+    prefill_rank: int
+    handle: str | None  # None: nothing held on the prefill side (recompute here)
+
+    @property
+    def seq(self):
+        return self.target.seq
+
+
+class KVReceiver:
+    def __init__(self, engine: AsyncLLMEngine, group: TransferGroup, layout: KVLayout, stats: TransferStats,
+                 api_key: str | None, transfer_timeout: float, log_interval: float):
+        self.engine, self.group, self.layout, self.stats = engine, group, layout, stats
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(transfer_timeout, connect=5.0))
+        self.log = TransferLogger(stats, "decode", log_interval)
+        self._tags = itertools.count(1)
+        self._jobs: queue.Queue[ReceiveJob | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="nvllm-kv-receiver", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: ReceiveJob) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    @property
+    def queued(self) -> int:
+        return self._jobs.qsize()
+
+    def _run(self) -> None:
+        stream = None
+        if self.layout.device.type == "cuda":
+            torch.cuda.set_device(self.layout.device)
+            stream = torch.cuda.Stream(self.layout.device)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._receive(job, stream)
+            except Exception:  # noqa: BLE001 - never leave a sequence stranded
+                logger.exception("receiving the KV of %s failed", job.handle)
+                self._arrived(job, False)
+            self.log.maybe_log()
+
+    def _receive(self, job: ReceiveJob, stream) -> None:
+        t0 = time.perf_counter()
+        skip, block_ids = job.target.skip_blocks, job.target.block_ids
+        if block_ids is None:  # no room here: the engine queued the prompt to be recomputed
+            self.stats.add("recomputed")
+            self._release(job)
+            return
+        if job.handle is None or job.seq.finished:  # nothing held to fetch, or aborted meanwhile
+            self._release(job)
+            self._arrived(job, False)
+            return
+        if not block_ids:  # the whole prompt was in this worker's prefix cache
+            self._release(job)
+            self._arrived(job, True)
+            return
+        tag = next(self._tags) % (1 << 31)
+        nbytes = self.layout.nbytes(len(block_ids))
+        ok = False
+        try:
+            r = self._http.post(f"{job.prefill_url}/internal/kv/send", json=SendCall(
+                handle=job.handle, dst_rank=self.group.rank, tag=tag, skip_blocks=skip).model_dump())
+            if r.status_code != 200:
+                raise TransferError(f"the prefill worker answered {r.status_code}: {r.text[:200]}")
+            if SendAccepted.model_validate(r.json()).nbytes != nbytes:
+                raise TransferError("the prefill worker's KV layout does not match this worker's")
+            if stream is None:
+                self.layout.scatter(block_ids, self.group.recv(job.prefill_rank, tag, nbytes))
+            else:
+                with torch.cuda.stream(stream):
+                    self.layout.scatter(block_ids, self.group.recv(job.prefill_rank, tag, nbytes))
+                stream.synchronize()
+            ok = True
+        except (httpx.HTTPError, TransferError, ValueError) as e:
+            logger.warning("KV of %s not received from rank %d (%s); recomputing its prompt here", job.handle,
+                           job.prefill_rank, e)
+        self.stats.transfer(ok, nbytes, time.perf_counter() - t0)
+        self._arrived(job, ok)
+
+    def _arrived(self, job: ReceiveJob, ok: bool) -> None:
+        if ok:
+            self.stats.kv_arrived(job.seq.request_id)
+        elif not job.seq.finished:
+            self.stats.add("recomputed")
+        self.engine.call(lambda e: e.handoff.arrived(job.seq, ok))
+
+    def _release(self, job: ReceiveJob) -> None:
+        """Tell the prefill worker its held blocks will not be fetched (best effort: they expire anyway)."""
+        if job.handle is None:
+            return
+        try:
+            self._http.post(f"{job.prefill_url}/internal/kv/release",
+                            json=ReleaseCall(handles=[job.handle]).model_dump(), timeout=5.0)
+        except httpx.HTTPError:
+            pass

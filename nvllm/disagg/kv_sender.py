@@ -1,0 +1,106 @@
+"""The prefill worker's transfer thread: sends held KV to decode workers, one transfer at a time.
+
+A decode worker asks for a handle (POST /internal/kv/send); the request handler takes the block ids from the
+engine (export_kv, so the blocks can no longer expire) and queues a job here. The thread copies the blocks
+into one staging buffer, hands the blocks back to the engine at once (the copy holds the bytes), and sends
+the header and the buffer to the decode worker's rank. All sends of this worker run on this one thread, in the
+order they were asked for, so every (this worker, decode worker) pair sees its transfers in one order.
+
+Between jobs it expires handles no decode worker asked for within --kv-handle-timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nvllm.disagg.metrics import TransferLogger, TransferStats
+from nvllm.disagg.staging import KVLayout
+from nvllm.disagg.transfer_group import TransferError, TransferGroup
+from nvllm.engine.async_engine import AsyncLLMEngine
+
+logger = logging.getLogger("nvllm")
+
+
+@dataclass
+class SendJob:
+    handle: str
+    block_ids: list[int]
+    dst: int
+    tag: int
+
+
+class KVSender:
+    def __init__(self, engine: AsyncLLMEngine, group: TransferGroup, layout: KVLayout, stats: TransferStats,
+                 handle_timeout: float, log_interval: float):
+        self.engine, self.group, self.layout, self.stats = engine, group, layout, stats
+        self.handle_timeout = handle_timeout
+        self.log = TransferLogger(stats, "prefill", log_interval)
+        self._jobs: queue.Queue[SendJob | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="nvllm-kv-sender", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SendJob) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        stream = None
+        if self.layout.device.type == "cuda":
+            torch.cuda.set_device(self.layout.device)
+            stream = torch.cuda.Stream(self.layout.device)
+        while True:
+            try:
+                job = self._jobs.get(timeout=1.0)
+            except queue.Empty:
+                self._expire()
+                continue
+            if job is None:
+                return
+            self._send(job, stream)
+            self.log.maybe_log()
+
+    def _send(self, job: SendJob, stream) -> None:
+        t0 = time.perf_counter()
+        payload = None
+        try:
+            if stream is None:
+                payload = self.layout.gather(job.block_ids)
+            else:
+                with torch.cuda.stream(stream):
+                    payload = self.layout.gather(job.block_ids)
+                stream.synchronize()
+        except Exception:  # noqa: BLE001 - the receiver is told; the engine goes on
+            logger.exception("gathering the KV of %s failed", job.handle)
+        finally:
+            self.engine.call(lambda e: e.release_kv(job.handle))  # the staging copy holds the bytes now
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.group.send(job.dst, job.tag, payload)
+        except TransferError as e:
+            logger.warning("KV transfer of %s to rank %d failed: %s", job.handle, job.dst, e)
+            self.stats.transfer(False)
+            return
+        if payload is None:
+            self.stats.transfer(False)
+        else:
+            self.stats.transfer(True, payload.numel(), time.perf_counter() - t0)
+
+    def _expire(self) -> None:
+        try:
+            n = self.engine.call(lambda e: e.handoff.expire(self.handle_timeout)).result()
+        except Exception:  # noqa: BLE001 - the engine is shutting down
+            return
+        if n:
+            self.stats.add("expired", n)
+            logger.warning("released the KV of %d prefilled sequences no decode worker fetched within %.0f s",
+                           n, self.handle_timeout)
+

@@ -1,0 +1,367 @@
+"""`nvllm router`: one OpenAI endpoint in front of prefill and decode workers — or of mixed replicas.
+
+Disaggregated (--prefill URLS --decode URLS), per request:
+  1. the least-loaded prefill worker runs the prompt (POST /internal/prefill with the client's request, which it
+     validates exactly as /v1 would: its 4xx goes back to the client as is) and answers the handoff;
+  2. the least-loaded decode worker gets the request and the handoff (POST /internal/decode), fetches the KV
+     from the prefill worker over the transfer group, and answers as /v1 would — the router relays it (SSE
+     events whole, or the JSON body);
+  3. if no decode worker takes it, the router tells the prefill worker to release the held KV.
+A worker that fails is marked down and counted; a stream cut by a dying decode worker ends with an error event
+and [DONE]; every other failure is an OpenAI error JSON (503), and the router serves on with the workers left.
+
+Mixed (--mixed URLS): each request goes whole to the least-loaded replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nvllm.config import ConfigError
+from nvllm.disagg.router_metrics import RouterMetrics
+from nvllm.disagg.worker_pool import Worker, WorkerPool
+from nvllm.serve.errors import APIError, install_error_handlers
+from nvllm.serve.http import SSE_DONE, ClientGone, check_api_key, json_object, read_body, sse, until_disconnect
+
+logger = logging.getLogger("nvllm")
+
+
+def parse_urls(text: str | None, flag: str) -> list[str]:
+    urls = [u.strip().rstrip("/") for u in (text or "").split(",") if u.strip()]
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise ConfigError(f"{flag}: {u!r} is not an http(s):// URL")
+    return urls
+
+
+@dataclass
+class RouterConfig:
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    mixed: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_bytes: int = 16 * 1024 * 1024
+    poll_interval: float = 1.0
+    log_interval: float = 10.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.mixed and (self.prefill or self.decode):
+            raise ConfigError("give either --mixed replicas or --prefill and --decode workers, not both")
+        if not self.mixed and not (self.prefill and self.decode):
+            raise ConfigError("the router needs --prefill and --decode worker URLs (or --mixed replica URLs)")
+        if len(set(self.prefill + self.decode + self.mixed)) != len(self.prefill + self.decode + self.mixed):
+            raise ConfigError("a worker URL is listed twice")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.poll_interval <= 0:
+            raise ConfigError("--poll-interval must be positive")
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig):
+        self.cfg = cfg
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
+        self.pool = WorkerPool(cfg.prefill, cfg.decode, cfg.mixed, self.client, cfg.poll_interval, cfg.api_key)
+        self.metrics = RouterMetrics(self.pool)
+
+    # ---- a request ---------------------------------------------------------------------------------------
+    async def route(self, endpoint: str, request: Request) -> Response:
+        check_api_key(request, self.cfg.api_key)
+        data = json_object(await read_body(request, self.cfg.max_request_bytes))
+        headers = _forwarded(request)
+        t0 = time.perf_counter()
+        if not self.pool.disaggregated:
+            path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+            upstream, worker = await self._open("mixed", path, json.dumps(data), headers, request)
+            return await self._answer(upstream, worker, data, request, t0)
+        prefill = self.pool.pick("prefill")
+        if prefill is None or self.pool.pick("decode") is None:  # nothing to prefill for
+            self.metrics.outcome("failed")
+            raise APIError(503, f"no {'prefill' if prefill is None else 'decode'} worker is up",
+                           code="no_worker_available")
+        try:
+            with self.pool.busy(prefill):
+                resp = await until_disconnect(request, self.client.post(
+                    prefill.url + "/internal/prefill", headers=headers,
+                    content=json.dumps({"endpoint": endpoint, "request": data})))
+        except ClientGone:  # the prefill worker saw the disconnect too and released what it held
+            self.metrics.outcome("client_gone")
+            return Response(status_code=499)
+        except httpx.HTTPError as e:
+            self._failed(prefill, "prefill", e)
+            raise APIError(503, f"the prefill worker failed: {_describe(e)}", code="worker_failed") from None
+        if resp.status_code != 200:
+            return self._relay_error(resp, prefill, "prefill")
+        handoff = resp.json()
+        handoff["url"] = prefill.url
+        handles = [s["handle"] for r in handoff["requests"] for s in r["samples"] if s.get("handle")]
+        t1 = time.perf_counter()
+        self.metrics.prefill.observe(t1 - t0)
+
+        async def release() -> None:  # what the decode worker will not fetch now (the rest is a no-op)
+            await self._release(prefill, handles, headers)
+
+        try:
+            upstream, worker = await self._open("decode", "/internal/decode", json.dumps(
+                {"endpoint": endpoint, "request": data, "prefill": handoff}), headers, request)
+        except BaseException:
+            await release()
+            raise
+        if upstream.status_code != 200:
+            await release()
+        elif data.get("stream"):
+            self.metrics.handoff.observe(time.perf_counter() - t1)
+        return await self._answer(upstream, worker, data, request, t0, release)
+
+    async def _open(self, role: str, path: str, body: str, headers: dict,
+                    request: Request) -> tuple[httpx.Response, Worker]:
+        """Send the request to the least-loaded worker of the role that accepts a connection; the response is
+        open (stream) and counted in the worker's in-flight until _answer closes it."""
+        for worker in self.pool.candidates(role):
+            worker.in_flight += 1
+            try:
+                req = self.client.build_request("POST", worker.url + path, content=body, headers=headers)
+                return await until_disconnect(request, self.client.send(req, stream=True)), worker
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # it never saw the request: try the next
+                worker.in_flight -= 1
+                self._failed(worker, role, e)
+            except ClientGone:
+                worker.in_flight -= 1
+                self.metrics.outcome("client_gone")
+                raise APIError(499, "the client went away") from None
+            except httpx.HTTPError as e:
+                worker.in_flight -= 1
+                self._failed(worker, role, e)
+                raise APIError(503, f"the {role} worker failed: {_describe(e)}", code="worker_failed") from None
+        self.metrics.outcome("failed")
+        raise APIError(503, f"no {role} worker is up", code="no_worker_available")
+
+    async def _answer(self, upstream: httpx.Response, worker: Worker, data: dict, request: Request,
+                      t0: float, release=None) -> Response:
+        """Relay the worker's answer; release(): called when the worker fails before it is complete."""
+        if upstream.status_code != 200:
+            try:
+                await upstream.aread()
+            finally:
+                await upstream.aclose()
+                worker.in_flight -= 1
+            return self._relay_error(upstream, worker, worker.role)
+        if data.get("stream"):
+            closed = False
+
+            async def close() -> None:  # once: when the relay ends, or when the client left before it began
+                nonlocal closed
+                if not closed:
+                    closed = True
+                    worker.in_flight -= 1
+                    await upstream.aclose()
+
+            return _RelayResponse(self._relay(upstream, worker, t0, close, release), close)
+        try:
+            body = await until_disconnect(request, upstream.aread())
+        except ClientGone:
+            self.metrics.outcome("client_gone")
+            return Response(status_code=499)
+        except httpx.HTTPError as e:
+            self._failed(worker, worker.role, e)
+            self.metrics.outcome("failed")
+            if release is not None:
+                await release()
+            raise APIError(503, f"the {worker.role} worker failed: {_describe(e)}", code="worker_failed") from None
+        finally:
+            await upstream.aclose()
+            worker.in_flight -= 1
+        self.metrics.outcome("ok")
+        self.metrics.e2e.observe(time.perf_counter() - t0)
+        return Response(body, media_type="application/json")
+
+    async def _relay(self, upstream: httpx.Response, worker: Worker, t0: float, close, release=None):
+        """The worker's SSE events, whole; a stream cut short ends with an error event and [DONE]."""
+        done, error, event, start = False, None, [], t0
+        try:
+            async for line in upstream.aiter_lines():
+                if line:
+                    event.append(line)
+                    continue
+                if not event:
+                    continue
+                text, event = "\n".join(event) + "\n\n", []
+                if not done and text.startswith("data: [DONE]"):
+                    done = True
+                if t0:
+                    self.metrics.ttft.observe(time.perf_counter() - t0)
+                    t0 = 0.0
+                yield text
+        except httpx.HTTPError as e:
+            error = e
+            self._failed(worker, worker.role, e)
+        except BaseException:  # the client went away: closing the upstream aborts the request there
+            self.metrics.outcome("client_gone")
+            raise
+        finally:
+            await close()
+        if done:
+            self.metrics.outcome("ok")
+            self.metrics.e2e.observe(time.perf_counter() - start)
+            return
+        self.metrics.outcome("failed")
+        if release is not None:
+            await release()
+        why = _describe(error) if error is not None else "the stream ended early"
+        yield sse({"error": {"message": f"the {worker.role} worker failed mid-stream: {why}", "type": "server_error",
+                             "param": None, "code": "worker_failed"}})
+        yield SSE_DONE
+
+    def _relay_error(self, resp: httpx.Response, worker: Worker, role: str) -> Response:
+        if resp.status_code >= 500:
+            self._failed(worker, role, f"HTTP {resp.status_code}")
+        self.metrics.outcome("client_error" if resp.status_code < 500 else "failed")
+        return Response(resp.content, status_code=resp.status_code,
+                        media_type=resp.headers.get("content-type", "application/json"))
+
+    def _failed(self, worker: Worker, stage: str, error) -> None:
+        self.metrics.failures.labels(worker.role, worker.url, stage).inc()
+        self.pool.failed(worker, error if isinstance(error, str) else _describe(error))
+
+    async def _release(self, prefill: Worker, handles: list[str], headers: dict) -> None:
+        if not handles:
+            return
+        with contextlib.suppress(httpx.HTTPError):
+            await self.client.post(prefill.url + "/internal/kv/release", json={"handles": handles},
+                                   headers=headers, timeout=5.0)
+
+    # ---- the rest ----------------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        check_api_key(request, self.cfg.api_key)
+        for role in ("mixed", "prefill", "decode"):
+            for worker in self.pool.candidates(role):
+                try:
+                    r = await self.client.get(worker.url + "/v1/models", headers=_forwarded(request), timeout=10.0)
+                except httpx.HTTPError as e:
+                    self._failed(worker, "models", e)
+                    continue
+                return Response(r.content, status_code=r.status_code, media_type="application/json")
+        raise APIError(503, "no worker is up", code="no_worker_available")
+
+    def healthy(self) -> bool:
+        up = {w.role for w in self.pool.workers if w.up}
+        return "mixed" in up if not self.pool.disaggregated else {"prefill", "decode"} <= up
+
+    async def background(self) -> None:
+        """Poll the workers; log a line every log_interval seconds."""
+        last = time.monotonic()
+        while True:
+            await self.pool.poll_all()
+            if self.cfg.log_interval > 0 and time.monotonic() - last >= self.cfg.log_interval:
+                self.metrics.log_line()
+                last = time.monotonic()
+            await asyncio.sleep(self.cfg.poll_interval)
+
+
+class _RelayResponse(StreamingResponse):
+    """SSE relayed from a worker; `close` (closing the upstream, which aborts the request there) always runs,
+    even when the client leaves before the first event and the event generator never starts."""
+
+    def __init__(self, events, close):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
+
+
+def _forwarded(request: Request) -> dict:
+    auth = request.headers.get("authorization")
+    return {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def build_router_app(cfg: RouterConfig) -> FastAPI:
+    router = Router(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(router.background())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await router.client.aclose()
+
+    app = FastAPI(title="nvllm router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router = router
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.route("completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.route("chat", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.models(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if router.healthy():
+            return Response(status_code=200)
+        return JSONResponse({"status": "waiting for workers",
+                             "workers": [w.public() for w in router.pool.workers]}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        await router.pool.poll_all()  # the workers' counters as of now, not of the last poll
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/router/workers")
+    async def workers(request: Request) -> dict:
+        check_api_key(request, cfg.api_key)
+        return {"workers": [w.public() for w in router.pool.workers]}
+
+    return app
+
+
+def run_router(cfg: RouterConfig, sock=None) -> None:
+    """Serve until SIGINT/SIGTERM; sock: the listening socket when the caller bound it already."""
+    from nvllm.logger import setup_logging
+    from nvllm.serve.api_server import _exit_quietly_after_signals, bind_socket
+
+    setup_logging()
+    sock = sock or bind_socket(cfg.host, cfg.port)
+    try:
+        app = build_router_app(cfg)
+        host, port = sock.getsockname()[:2]
+        logger.info("router at http://%s:%d/v1: %s", host, port,
+                    f"mixed {', '.join(cfg.mixed)}" if cfg.mixed else
+                    f"prefill {', '.join(cfg.prefill)}; decode {', '.join(cfg.decode)}")
+        server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, timeout_graceful_shutdown=5))
+        with _exit_quietly_after_signals():
+            server.run(sockets=[sock])
+    finally:
+        sock.close()
+    logger.info("router stopped")

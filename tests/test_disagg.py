@@ -1,0 +1,380 @@
+"""Disaggregated serving end to end on the CPU (gloo, real processes on localhost): `nvllm router` in front of one
+prefill and two decode workers (`nvllm serve --role …`) against one mixed `nvllm serve`, the official `openai`
+client on both; then a worker's death; and `nvllm serve --disaggregate 1P1D` started and stopped as one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_utils import free_port, start_server
+from tests.test_serve import BAD_REQUESTS, PROMPTS
+
+KEY = "sk-disagg"
+MODEL = "stories260K"
+COMMON = ["--device", "cpu", "--max-model-len", "256", "--log-stats-interval", "0", "--uvicorn-log-level", "warning",
+          "--api-key", KEY, "--max-request-bytes", "65536"]
+MAX_PREFILL = 200
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _spawn(args: list[str], log_path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "nvllm.cli", *args, "--port", str(port)], stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log_path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"{url} exited with {proc.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"{url} did not become healthy:\n{log_path.read_text()}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """{"urls": {"mixed", "router", "prefill", "decode0", "decode1"}, "procs": {...}, "logs": {...}}; every process
+    started is stopped at the end, also when the set-up fails halfway."""
+    d = tmp_path_factory.mktemp("disagg")
+    master = f"127.0.0.1:{free_port()}"
+    group = ["--kv-world-size", "3", "--kv-master", master]
+    procs, urls, logs = {}, {}, {}
+    pool = ThreadPoolExecutor(1)
+    mixed = pool.submit(start_server, COMMON, d / "mixed.log")
+    try:
+        for name, role, rank, extra in (("prefill", "prefill", 0, ["--max-prefill-length", str(MAX_PREFILL)]),
+                                        ("decode0", "decode", 1, []), ("decode1", "decode", 2, [])):
+            logs[name] = d / f"{name}.log"
+            procs[name], urls[name] = _spawn(["serve", *COMMON, "--role", role, "--kv-rank", str(rank), *group,
+                                              *extra], logs[name])
+        for name in list(procs):
+            _wait_healthy(procs[name], urls[name], logs[name])
+        logs["router"] = d / "router.log"
+        procs["router"], urls["router"] = _spawn(
+            ["router", "--prefill", urls["prefill"], "--decode", f"{urls['decode0']},{urls['decode1']}",
+             "--api-key", KEY, "--max-request-bytes", "65536", "--poll-interval", "30",
+             "--uvicorn-log-level", "warning"], logs["router"])
+        _wait_healthy(procs["router"], urls["router"], logs["router"])
+        procs["mixed"], urls["mixed"] = mixed.result()
+        yield {"urls": urls, "procs": procs, "logs": logs}
+    finally:
+        pool.shutdown(wait=True)
+        if "mixed" not in procs and mixed.exception() is None:
+            procs["mixed"] = mixed.result()[0]
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _info(url: str) -> dict:
+    return httpx.get(f"{url}/internal/info", headers=AUTH, timeout=10).json()
+
+
+def _metrics(url: str) -> dict[str, float]:
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in family.samples:
+            if not s.name.endswith(("_bucket", "_created")):
+                label = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                out[f"{s.name}[{label}]" if label else s.name] = s.value
+    return out
+
+
+def _wait_pool_empty(url: str, timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = _info(url)
+        if info["num_free_blocks"] == info["num_blocks"] and not info["held"] and not info["running"]:
+            return info
+        assert time.monotonic() < deadline, f"{url} still holds blocks: {info}"
+        time.sleep(0.05)
+
+
+# ---- user mistakes: one line, exit 2 ---------------------------------------------------------------------------
+@pytest.mark.parametrize("args,message", [
+    (["serve", "--role", "decode"], "--kv-rank, --kv-world-size and --kv-master"),
+    (["serve", "--role", "sideways"], "unknown role"),
+    (["serve", "--role", "prefill", "--kv-rank", "2", "--kv-world-size", "2", "--kv-master", "h:1"], "--kv-rank"),
+    (["serve", "--role", "prefill", "--kv-rank", "0", "--kv-world-size", "2", "--kv-master", "nohost"], "HOST:PORT"),
+    (["serve", "--kv-rank", "0"], "need --role prefill or decode"),
+    (["serve", "--max-prefill-length", "10"], "--max-prefill-length needs --role prefill"),
+    (["serve", "--disaggregate", "1X1D"], "xPyD"),
+    (["serve", "--disaggregate", "1P1D", "--role", "prefill"], "launches the workers itself"),
+    (["serve", "--prefill-max-num-seqs", "4"], "goes with --disaggregate"),
+    (["router"], "--prefill and --decode"),
+    (["router", "--prefill", "http://a:1", "--decode", "b:2"], "not an http(s):// URL"),
+    (["router", "--mixed", "http://a:1", "--prefill", "http://b:1", "--decode", "http://c:1"], "not both"),
+])
+def test_cli_mistakes(args, message):
+    from typer.testing import CliRunner
+
+    from nvllm.cli import app
+
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 2 and message in res.output, res.output
+
+
+# ---- the same answers as one mixed server --------------------------------------------------------------------
+async def _all(url: str, stream: bool) -> list[tuple]:
+    async def one(ac: openai.AsyncOpenAI, prompt: str) -> tuple:
+        if not stream:
+            r = await ac.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+            return r.choices[0].text, r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens
+        text, finish, usage = "", None, None
+        async for ch in await ac.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}):
+            if ch.choices:
+                text += ch.choices[0].text
+                finish = ch.choices[0].finish_reason or finish
+            usage = ch.usage or usage
+        return text, finish, usage.prompt_tokens, usage.completion_tokens
+
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120) as ac:
+        return await asyncio.gather(*(one(ac, p) for p in PROMPTS[::2]))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_32_concurrent_requests_match_a_mixed_server(deployment, stream):
+    urls = deployment["urls"]
+    want = asyncio.run(_all(urls["mixed"], stream))
+    got = asyncio.run(_all(urls["router"], stream))
+    assert len(got) == 32 and got == want
+    assert all(text and finish in ("stop", "length") for text, finish, _, _ in got)
+    counts = [_info(u)["transfer"]["transfers_ok"] for u in (urls["decode0"], urls["decode1"])]
+    assert min(counts) > 0  # both decode workers took requests (least-loaded picking)
+
+
+def test_chat_stop_strings_logprobs_and_seeds_match(deployment):
+    router, mixed = _client(deployment["urls"]["router"]), _client(deployment["urls"]["mixed"])
+    messages = [{"role": "system", "content": "A story."}, {"role": "user", "content": "Tell me about a cat."}]
+    calls = [
+        ("chat", dict(messages=messages, max_tokens=20, temperature=0)),
+        ("chat", dict(messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)),
+        ("chat", dict(messages=messages, max_tokens=12, temperature=1.0, seed=5, n=2)),
+        ("completions", dict(prompt=PROMPTS[3], max_tokens=40, temperature=0, stop=[" the", "zzz"])),
+        ("completions", dict(prompt=PROMPTS[5], max_tokens=6, temperature=0, logprobs=3, echo=True)),
+        ("completions", dict(prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=10, temperature=0.8, seed=11, n=2)),
+        ("completions", dict(prompt=PROMPTS[7], max_tokens=1, temperature=0)),  # done at the prefill worker
+    ]
+    for kind, kw in calls:
+        api = (lambda c: c.chat.completions) if kind == "chat" else (lambda c: c.completions)
+        a, b = api(router).create(model=MODEL, **kw), api(mixed).create(model=MODEL, **kw)
+        strip = {"id", "created"}
+        assert a.model_dump(exclude=strip) == b.model_dump(exclude=strip), kw
+        if kind == "chat":  # streamed too: the same text and finish reasons
+            chunks = list(api(router).create(model=MODEL, stream=True, **kw))
+            for choice in b.choices:
+                text = "".join(c.choices[0].delta.content or "" for c in chunks
+                               if c.choices and c.choices[0].index == choice.index)
+                assert text == choice.message.content
+    _wait_pool_empty(deployment["urls"]["prefill"])
+
+
+# ---- bad input, metrics, disconnects ---------------------------------------------------------------------------
+ROUTED = [b for b in BAD_REQUESTS if b[1] in ("/v1/completions", "/v1/chat/completions", "/v1/models")]
+ROUTED += [("prompt over --max-prefill-length", "/v1/completions", {"prompt": [1] + [300] * MAX_PREFILL}, None, 400),
+           ("unknown route", "/v1/embeddings", {"input": "x"}, None, 404)]
+
+
+@pytest.mark.parametrize("what,path,body,headers,status", ROUTED, ids=[b[0] for b in ROUTED])
+def test_bad_input_at_the_router_answers_4xx(deployment, what, path, body, headers, status):
+    url = deployment["urls"]["router"]
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    h = {**AUTH, "Content-Type": "application/json", **(headers or {})}
+    r = httpx.get(url + path, headers=h) if body is None else httpx.post(url + path, headers=h, timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if "max-prefill" in what:
+        assert err["code"] == "prompt_too_long" and str(MAX_PREFILL) in err["message"]
+
+
+def test_metrics_split_and_pools_drain(deployment):
+    urls = deployment["urls"]
+    _client(urls["router"]).completions.create(model=MODEL, prompt=PROMPTS[9], max_tokens=4)
+    m = _metrics(urls["router"])
+    assert m["nvllm:kv_transfers_total[outcome=ok]"] > 0 and m["nvllm:kv_transfer_bytes_total"] > 0
+    assert m["nvllm:kv_transfer_seconds_total"] > 0 and m["nvllm:disagg_first_decodes_total"] > 0
+    assert m["nvllm:router_prefill_seconds_count"] > 0 and m["nvllm:router_handoff_seconds_count"] > 0
+    assert m["nvllm:router_requests_total[outcome=client_error]"] > 0
+    assert m[f"nvllm:router_worker_up[role=prefill,worker={urls['prefill']}]"] == 1
+    assert any(k.startswith("nvllm:router_worker_requests_waiting[role=decode") for k in m)
+    sent = _metrics(urls["prefill"])
+    assert sent["nvllm:kv_transfer_bytes_total"] == m["nvllm:kv_transfer_bytes_total"]  # sent = received
+    assert sent["nvllm:engine_steps_total[kind=prefill]"] > 0 and sent["nvllm:kv_handles_held"] == 0
+    assert m["nvllm:kv_recomputed_total"] == 0
+    for u in (urls["prefill"], urls["decode0"], urls["decode1"]):
+        _wait_pool_empty(u)
+
+
+def test_disconnected_clients_free_blocks_on_both_sides(deployment):
+    urls = deployment["urls"]
+
+    async def leave_early(ac: openai.AsyncOpenAI, i: int) -> None:
+        stream = await ac.completions.create(model=MODEL, prompt=f"{PROMPTS[i]} and", max_tokens=200,
+                                             stream=True, extra_body={"ignore_eos": True})
+        async for _ in stream:
+            break
+        await stream.close()
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{urls['router']}/v1", api_key=KEY, max_retries=0, timeout=60) as ac:
+            await asyncio.gather(*(leave_early(ac, i) for i in range(12)))
+
+    asyncio.run(main())
+    for u in (urls["prefill"], urls["decode0"], urls["decode1"]):
+        _wait_pool_empty(u)
+
+
+def test_router_in_front_of_mixed_replicas(deployment, tmp_path):
+    log = tmp_path / "router_mixed.log"
+    proc, url = _spawn(["router", "--mixed", deployment["urls"]["mixed"], "--api-key", KEY,
+                        "--uvicorn-log-level", "warning"], log)
+    try:
+        _wait_healthy(proc, url, log)
+        c, direct = _client(url), _client(deployment["urls"]["mixed"])
+        kw = dict(model=MODEL, prompt=PROMPTS[20], max_tokens=10, temperature=0)
+        assert c.completions.create(**kw).choices[0].text == direct.completions.create(**kw).choices[0].text
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw))
+        assert streamed == direct.completions.create(**kw).choices[0].text
+        assert [m.id for m in c.models.list().data] == [MODEL]
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+# ---- the benchmark and the advisor --------------------------------------------------------------------------
+def test_bench_serve_reports_the_disaggregation_split(deployment):
+    from nvllm.bench import datasets, serve
+    from nvllm.engine.llm_engine import load_tokenizer
+
+    tok = load_tokenizer(_demo())
+    requests = datasets.load_requests("random", tok, 16, input_len=40, output_len=8)
+    r = serve.run_serve_benchmark(serve.ServeOptions(base_url=deployment["urls"]["router"], api_key=KEY,
+                                                     progress=False, ignore_eos=True), requests, tok)
+    assert r["completed"] == 16 and r["failed"] == 0
+    assert r["disagg_kv_transfers"] == 16 and r["disagg_kv_bytes"] > 0 and r["disagg_kv_transfers_failed"] == 0
+    for k in ("disagg_mean_prefill_ms", "disagg_mean_handoff_ms", "disagg_mean_kv_transfer_ms",
+              "disagg_mean_first_decode_ms", "disagg_kv_transfer_gb_per_s"):
+        assert r[k] > 0, k
+    assert r["disagg_kv_recomputed"] == 0 and r["disagg_worker_failures"] == 0
+
+
+def test_advisor_against_a_live_mixed_server(deployment, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from nvllm.cli import app
+
+    out = tmp_path / "advice.json"
+    res = CliRunner().invoke(app, ["bench", "advise", "--base-url", deployment["urls"]["mixed"], "--api-key", KEY,
+                                   "--num-prompts", "24", "--input-len", "48", "--output-len", "12", "--ignore-eos",
+                                   "--num-gpus", "2", "--no-progress", "--save-result", str(out)],
+                             env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "recommendation" in res.output and "Prefill share of engine time" in res.output
+    saved = json.loads(out.read_text())
+    w, rec = saved["workload"], saved["recommendation"]
+    assert saved["mode"] == "advise" and w["num_requests"] == 24 and w["num_gpus"] == 2
+    assert w["inflation_source"] == "server steps" and w["decode_step_ms"] > 0 and 0 < w["prefill_share"] < 1
+    assert w["prompt_len_p50"] >= 40 and rec["verdict"] == "stay mixed"  # short prompts, light load
+    bad = CliRunner().invoke(app, ["bench", "advise", "--base-url", deployment["urls"]["mixed"], "--num-gpus", "0"])
+    assert bad.exit_code == 2 and "--num-gpus" in bad.output
+
+
+def _demo() -> str:
+    from nvllm.assets import demo_model_path
+
+    return demo_model_path()
+
+
+# ---- one command: --disaggregate ------------------------------------------------------------------------------
+def test_disaggregate_1p1d_launches_and_stops_as_one(tmp_path):
+    log = tmp_path / "launcher.log"
+    proc, url = _spawn(["serve", "--disaggregate", "1P1D", "--prefill-max-num-seqs", "4", *COMMON], log)
+    _wait_healthy(proc, url, log)
+    c = _client(url)
+    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens == 8
+    workers = httpx.get(f"{url}/router/workers", headers=AUTH).json()["workers"]
+    assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
+    pids = [w["info"]["pid"] for w in workers]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, log.read_text()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    text = log.read_text()
+    assert "[prefill-0]" in text and "--max-num-seqs 4" in text, text
+
+
+# ---- a worker dies (last: it takes the deployment's decode workers down) --------------------------------------
+def test_decode_worker_death_fails_its_requests_cleanly(deployment):
+    urls, procs = deployment["urls"], deployment["procs"]
+    router = _client(urls["router"])
+    stream = router.completions.create(model=MODEL, prompt=PROMPTS[11], max_tokens=240, n=16, temperature=1.0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it)
+    busy = [w for w in httpx.get(f"{urls['router']}/router/workers", headers=AUTH).json()["workers"]
+            if w["role"] == "decode" and w["in_flight"]]
+    assert len(busy) == 1
+    victim = next(name for name in ("decode0", "decode1") if urls[name] == busy[0]["url"])
+    procs[victim].kill()
+    with pytest.raises(openai.APIError, match="failed mid-stream"):
+        for _ in it:
+            pass
+    _wait_pool_empty(urls["prefill"])
+    # the router serves on with the decode worker left
+    survivor = urls["decode1" if victim == "decode0" else "decode0"]
+    before = _info(survivor)["transfer"]["transfers_ok"]
+    texts = [router.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text
+             for p in PROMPTS[:4]]
+    assert all(texts) and _info(survivor)["transfer"]["transfers_ok"] == before + 4
+    workers = {w["url"]: w for w in httpx.get(f"{urls['router']}/router/workers", headers=AUTH).json()["workers"]}
+    assert not workers[urls[victim]]["up"] and workers[urls[victim]]["failures"] >= 1
+    # the last decode worker dies too; the router (polling every 30 s here) finds out when it hands it a request:
+    # a clean 503, and the prefill worker releases the KV it held for that request
+    procs["decode1" if victim == "decode0" else "decode0"].kill()
+    procs["decode1" if victim == "decode0" else "decode0"].wait()
+    with pytest.raises(openai.InternalServerError, match="no decode worker"):
+        router.completions.create(model=MODEL, prompt=PROMPTS[12], max_tokens=6)
+    assert _wait_pool_empty(urls["prefill"])["held"] == 0
+    m = _metrics(urls["router"])
+    assert sum(v for k, v in m.items() if k.startswith("nvllm:router_failures_total")) >= 2
+    assert m["nvllm:router_requests_total[outcome=failed]"] >= 2
+    assert httpx.get(f"{urls['router']}/health").status_code == 503

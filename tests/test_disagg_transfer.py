@@ -1,0 +1,219 @@
+"""KV transfer for disaggregated serving, below HTTP: the staging layout, a real two-process gloo transfer (bit-exact
+for float32, bfloat16 and int8 + scale caches), and the engine hooks that hand a prefilled sequence from one
+engine to another (its continuation must equal an engine that did everything itself)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from nvllm.disagg.staging import KVLayout
+from nvllm.layers.attention import allocate_kv_caches
+from tests.server_utils import free_port
+
+LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 12, 4, 2, 8
+SRC_BLOCKS, DST_BLOCKS = [7, 2, 9, 4], [0, 11, 5, 3]
+
+
+def _filled_caches(dtype: torch.dtype, kv_dtype: str, seed: int):
+    """Caches whose every byte is random (so a byte out of place shows), the same for the same seed."""
+    caches = allocate_kv_caches(LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, dtype, kv_dtype, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    for c in caches:
+        for t in c:
+            if t is not None:
+                raw = t.view(torch.uint8)
+                raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+    return caches
+
+
+def _same_blocks(src, src_ids, dst, dst_ids) -> bool:
+    return all(torch.equal(a.view(torch.uint8)[src_ids], b.view(torch.uint8)[dst_ids])
+               for ca, cb in zip(src, dst) for a, b in zip(ca, cb) if a is not None)
+
+
+CASES = [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float32, "int8")]
+
+
+def test_staging_round_trip_in_process():
+    for dtype, kv_dtype in CASES:
+        src, dst = _filled_caches(dtype, kv_dtype, 1), _filled_caches(dtype, kv_dtype, 2)
+        before = [t.clone() for c in dst for t in c if t is not None]
+        layout = KVLayout(src)
+        staging = layout.gather(SRC_BLOCKS)
+        assert staging.dtype == torch.uint8 and staging.numel() == layout.nbytes(len(SRC_BLOCKS))
+        KVLayout(dst).scatter(DST_BLOCKS, staging)
+        assert _same_blocks(src, SRC_BLOCKS, dst, DST_BLOCKS)
+        untouched = [i for i in range(BLOCKS) if i not in DST_BLOCKS]  # nothing else was written
+        after = [t for c in dst for t in c if t is not None]
+        assert all(torch.equal(a.view(torch.uint8)[untouched], b.view(torch.uint8)[untouched])
+                   for a, b in zip(before, after))
+    int8 = KVLayout(_filled_caches(torch.float32, "int8", 0))
+    assert "int8" in int8.signature and "float32" in int8.signature  # the scales are part of the layout
+    assert int8.bytes_per_block == LAYERS * 2 * BLOCK_SIZE * HEADS * (HEAD_DIM + 4)
+    with pytest.raises(ValueError, match="block ids"):
+        int8.gather([BLOCKS])
+    with pytest.raises(ValueError, match="staging buffer"):
+        int8.scatter([1], torch.zeros(3, dtype=torch.uint8))
+
+
+def _transfer_proc(rank: int, port: int, results) -> None:
+    """rank 0 sends every case's blocks (and one failed transfer); rank 1 receives and checks them."""
+    from nvllm.disagg.transfer_group import TransferError, TransferGroup
+
+    try:
+        layouts = {}
+        for dtype, kv_dtype in CASES:
+            caches = _filled_caches(dtype, kv_dtype, 1) if rank == 0 else _filled_caches(dtype, kv_dtype, 2)
+            layouts[(dtype, kv_dtype)] = (caches, KVLayout(caches))
+        sig = ",".join(layout.signature for _, layout in layouts.values())
+        group = TransferGroup(rank, 2, ("127.0.0.1", port), "gloo", torch.device("cpu"),
+                              {"role": "prefill" if rank == 0 else "decode", "layout": sig, "url": ""}, 30.0, 60.0)
+        for tag, (caches, layout) in enumerate(layouts.values(), start=1):
+            if rank == 0:
+                group.send(1, tag, layout.gather(SRC_BLOCKS))
+            else:
+                layout.scatter(DST_BLOCKS, group.recv(0, tag, layout.nbytes(len(DST_BLOCKS))))
+                expected = _filled_caches(*list(layouts)[tag - 1], 1)
+                results.put(("exact", tag, _same_blocks(expected, SRC_BLOCKS, caches, DST_BLOCKS)))
+        if rank == 0:
+            group.send(1, 99, None)  # the sender could not gather: the receiver is told, not left waiting
+        else:
+            try:
+                group.recv(0, 99, 16)
+                results.put(("failed transfer", 99, False))
+            except TransferError as e:
+                results.put(("failed transfer", 99, "could not send" in str(e)))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        results.put(("error", rank, repr(e)))
+
+
+def test_two_process_gloo_transfer_is_bit_exact():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_transfer_proc, args=(r, port, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0, f"rank exited with {p.exitcode}"
+    got = [results.get(timeout=5) for _ in range(len(CASES) + 1)]
+    assert all(r[0] != "error" for r in got), got
+    assert all(r[2] is True for r in got), got
+
+
+def test_layout_mismatch_is_refused():
+    """Workers whose pools differ stop at the rendezvous with one clear error (here: both in one process,
+    rank 1 on a thread; the store's keys are all a rank needs to see the mismatch)."""
+    import threading
+
+    from nvllm.config import ConfigError
+    from nvllm.disagg.transfer_group import TransferGroup
+
+    port, errors = free_port(), []
+
+    def join(rank: int, layout: str) -> None:
+        try:
+            TransferGroup(rank, 2, ("127.0.0.1", port), "gloo", torch.device("cpu"),
+                          {"role": ("prefill", "decode")[rank], "layout": layout, "url": ""}, 10.0, 30.0)
+        except ConfigError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=join, args=(r, f"float32[{r}]")) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(errors) == 2 and all("layout differs" in e for e in errors), errors
+
+
+# ---- the engine hooks, two engines in one process ---------------------------------------------------------------
+def _engine(**kw):
+    from nvllm.config import EngineConfig
+    from nvllm.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(device="cpu", log_stats_interval=0, max_model_len=256, **kw), warmup=False)
+
+
+def _run(engine) -> dict:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_prefilled_request_continues_exactly(kv_dtype):
+    from nvllm.disagg.handoff import decode_state, encode_state
+    from nvllm.engine.kv_handoff import kv_handle_id
+    from nvllm.engine.sequence import PrefilledSample
+    from nvllm.sampling_params import SamplingParams
+
+    prefill, decode, mixed = (_engine(kv_cache_dtype=kv_dtype) for _ in range(3))
+    prompt = prefill.tokenize("Once upon a time there was a little girl who liked to play in the park")
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(n=2, max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)]
+    for i, p in enumerate(params):
+        mixed.add_request(f"r{i}", prompt, p)
+        prefill.add_request(f"r{i}", prompt, p, prefill_only=True)
+    want, got = _run(mixed), _run(prefill)
+    for i, p in enumerate(params):
+        out = got[f"r{i}"]
+        assert [len(c.token_ids) for c in out.outputs] == [1] * p.n
+        assert all(c.finish_reason is None for c in out.outputs)  # held, not finished
+        samples = []
+        for c in out.outputs:
+            held = prefill.handoff.held[kv_handle_id(f"r{i}", c.index)]
+            samples.append(PrefilledSample(c.token_ids[0], c.logprobs[0] if c.logprobs else None,
+                                           decode_state(encode_state(held.generator_state)), out.num_cached_tokens))
+        for t in decode.add_prefilled_request(f"r{i}", prompt, p, out.metrics.arrival_time, samples):
+            handle = kv_handle_id(f"r{i}", t.seq.index)
+            src = prefill.export_kv(handle)[t.skip_blocks:]
+            with pytest.raises(KeyError):  # one transfer per handle
+                prefill.export_kv(handle)
+            assert not prefill.handoff.release(handle, exported=False)  # the transfer owns it now
+            KVLayout(decode.runner.kv_caches).scatter(t.block_ids, KVLayout(prefill.runner.kv_caches).gather(src))
+            assert prefill.release_kv(handle) and not prefill.release_kv(handle)
+            decode.handoff.arrived(t.seq, True)
+    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks  # all released
+    done = _run(decode)
+    for rid, w in want.items():
+        assert [c.token_ids for c in done[rid].outputs] == [c.token_ids for c in w.outputs]
+        assert [c.text for c in done[rid].outputs] == [c.text for c in w.outputs]
+    assert done["r0"].outputs[0].cumulative_logprob == pytest.approx(want["r0"].outputs[0].cumulative_logprob)
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+def test_decode_side_recomputes_and_aborts_cleanly():
+    from nvllm.engine.sequence import PrefilledSample
+    from nvllm.sampling_params import SamplingParams
+
+    decode, mixed = _engine(), _engine()
+    prompt = decode.tokenize("The little dog ran to the park")
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    mixed.add_request("m", prompt, p)
+    want = _run(mixed)["m"].outputs[0]
+    # the KV never comes: the prompt is recomputed here and the answer is the same
+    (t,) = decode.add_prefilled_request("a", prompt, p, 0.0, [PrefilledSample(want.token_ids[0])])
+    assert t.block_ids and t.skip_blocks == 0
+    decode.handoff.arrived(t.seq, False)
+    assert _run(decode)["a"].outputs[0].token_ids == want.token_ids
+    # the prompt's full blocks are in the prefix cache now: only its last, partial block is fetched
+    (t,) = decode.add_prefilled_request("c", prompt, p, 0.0, [PrefilledSample(want.token_ids[0])])
+    assert t.skip_blocks == len(prompt) // 16 and len(t.block_ids) == 1
+    decode.abort_request("c")
+    decode.handoff.arrived(t.seq, False)
+    # aborted while its KV is on the way: its blocks stay until the transfer ends, then are freed
+    (t,) = decode.add_prefilled_request("b", prompt, p, 0.0, [PrefilledSample(want.token_ids[0])])
+    assert decode.abort_request("b").outputs[0].finish_reason == "abort"
+    assert decode.block_manager.num_free_blocks < decode.block_manager.num_blocks
+    decode.handoff.arrived(t.seq, True)
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        decode.add_prefilled_request("d", prompt, p, 0.0, [PrefilledSample(10**6)])
+    assert "d" not in decode.requests
