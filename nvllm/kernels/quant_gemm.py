@@ -40,7 +40,7 @@ import os
 import torch
 
 from nvllm.kernels import report
-from nvllm.kernels.split_k import finish_split_k, split_k_output, store_tile
+from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
 from nvllm.kernels.backend import triton_available, use_triton
 from nvllm.kernels.quant_gemv import gemv_supported, quant_gemv
 from nvllm.quant.formats import QuantWeight
@@ -223,12 +223,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def _pick_config(M: int, K: int, group: int, act_order: bool, dtype: torch.dtype) -> dict[str, int]:
     """Tile sizes. From one H200 sweep (bf16, CUDA graphs, BLOCK_N 32/64/128 × BLOCK_K 64/128 × split-K on/off,
     qkv 3584→4608 and down 18944→3584, M 1/16/64): BLOCK_N 128, BLOCK_K 128 and split-K to ~2 waves were best
@@ -270,11 +264,7 @@ def quant_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     uniform = (not act_order) and group_size % bk == 0
 
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    k_tiles = triton.cdiv(K, bk)
-    if split_k is None:
-        split_k = max(1, min(triton.cdiv(2 * _num_sms(x.device), tiles), k_tiles // 2, 32))
-    k_per_split = triton.cdiv(k_tiles, max(1, split_k)) * bk
-    split_k = triton.cdiv(K, k_per_split)
+    split_k, k_per_split = plan_split_k(tiles, K, bk, x.device, split_k)
     atomic = split_k > 1
 
     out = split_k_output(M, N, x, split_k)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from nvllm.kernels.split_k import finish_split_k, split_k_output, store_tile
+from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
 from nvllm.kernels.backend import triton_available
 
 if triton_available():
@@ -148,12 +148,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     if x.stride(1) != 1:
         x = x.contiguous()
     n_tiles = triton.cdiv(N, bn)
-    k_tiles = K // bk
-    if split_k is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        split_k = max(1, min(triton.cdiv(2 * sms, n_tiles), k_tiles // 2, 32))
-    k_per_split = triton.cdiv(k_tiles, max(1, split_k)) * bk
-    split_k = triton.cdiv(K, k_per_split)
+    split_k, k_per_split = plan_split_k(n_tiles, K, bk, x.device, split_k)
     atomic = split_k > 1
     out = split_k_output(M, N, x, split_k)
     if M == 0:

@@ -2,8 +2,8 @@
 
 When a layer's output tiles cannot fill the GPU, K is split across programs: each adds its partial tile into
 an fp32 buffer with ``atomic_add``; the bias and the cast to the activations' dtype follow. Unsplit, a program
-adds the bias and stores its tile directly. ``store_tile`` is the kernels' epilogue; ``split_k_output`` and
-``finish_split_k`` the host side around the launch."""
+adds the bias and stores its tile directly. ``store_tile`` is the kernels' epilogue; ``plan_split_k``,
+``split_k_output`` and ``finish_split_k`` the host side around the launch."""
 
 from __future__ import annotations
 
@@ -32,6 +32,17 @@ def store_tile(out_ptrs, acc, mask_mn, bias_ptr, offs_n, mask_n, HAS_BIAS: tl.co
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask_mn)
+
+
+def plan_split_k(tiles: int, K: int, block_k: int, device: torch.device, split_k: int | None) -> tuple[int, int]:
+    """(splits, K range of one split, a multiple of block_k). ``split_k=None``: split K until about two waves of
+    programs fill the GPU (at most 32 splits, at least two K tiles each)."""
+    k_tiles = -(-K // block_k)
+    if split_k is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        split_k = max(1, min(-(-2 * sms // tiles), k_tiles // 2, 32))
+    k_per_split = -(-k_tiles // max(1, split_k)) * block_k
+    return -(-K // k_per_split), k_per_split
 
 
 def split_k_output(M: int, N: int, x: torch.Tensor, split_k: int) -> torch.Tensor:
