@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
@@ -26,6 +24,7 @@ from nvllm.disagg.handoff import ReleaseCall, SendAccepted, SendCall
 from nvllm.disagg.metrics import TransferLogger, TransferStats
 from nvllm.disagg.staging import KVLayout
 from nvllm.disagg.transfer_group import TransferError, TransferGroup
+from nvllm.disagg.transfer_thread import TransferThread
 from nvllm.engine.async_engine import AsyncLLMEngine
 from nvllm.engine.kv_handoff import KVTarget
 
@@ -44,43 +43,21 @@ class ReceiveJob:
         return self.target.seq
 
 
-class KVReceiver:
+class KVReceiver(TransferThread):
     def __init__(self, engine: AsyncLLMEngine, group: TransferGroup, layout: KVLayout, stats: TransferStats,
                  api_key: str | None, transfer_timeout: float, log_interval: float):
-        self.engine, self.group, self.layout, self.stats = engine, group, layout, stats
+        self.engine, self.group, self.stats = engine, group, stats
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(transfer_timeout, connect=5.0))
-        self.log = TransferLogger(stats, "decode", log_interval)
         self._tags = itertools.count(1)
-        self._jobs: queue.Queue[ReceiveJob | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="nvllm-kv-receiver", daemon=True)
-        self._thread.start()
+        super().__init__(layout, TransferLogger(stats, "decode", log_interval), "nvllm-kv-receiver")
 
-    def submit(self, job: ReceiveJob) -> None:
-        self._jobs.put(job)
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-
-    @property
-    def queued(self) -> int:
-        return self._jobs.qsize()
-
-    def _run(self) -> None:
-        stream = None
-        if self.layout.device.type == "cuda":
-            torch.cuda.set_device(self.layout.device)
-            stream = torch.cuda.Stream(self.layout.device)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._receive(job, stream)
-            except Exception:  # noqa: BLE001 - never leave a sequence stranded
-                logger.exception("receiving the KV of %s failed", job.handle)
-                self._arrived(job, False)
-            self.log.maybe_log()
+    def handle(self, job: ReceiveJob, stream) -> None:
+        try:
+            self._receive(job, stream)
+        except Exception:  # noqa: BLE001 - never leave a sequence stranded
+            logger.exception("receiving the KV of %s failed", job.handle)
+            self._arrived(job, False)
 
     def _receive(self, job: ReceiveJob, stream) -> None:
         t0 = time.perf_counter()

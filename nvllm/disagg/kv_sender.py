@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
@@ -23,6 +21,7 @@ import torch
 from nvllm.disagg.metrics import TransferLogger, TransferStats
 from nvllm.disagg.staging import KVLayout
 from nvllm.disagg.transfer_group import TransferError, TransferGroup
+from nvllm.disagg.transfer_thread import TransferThread
 from nvllm.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("nvllm")
@@ -36,39 +35,19 @@ class SendJob:
     tag: int
 
 
-class KVSender:
+class KVSender(TransferThread):
+    idle_timeout = 1.0  # handles are expired between jobs, at least once a second
+
     def __init__(self, engine: AsyncLLMEngine, group: TransferGroup, layout: KVLayout, stats: TransferStats,
                  handle_timeout: float, log_interval: float):
-        self.engine, self.group, self.layout, self.stats = engine, group, layout, stats
+        self.engine, self.group, self.stats = engine, group, stats
         self.handle_timeout = handle_timeout
-        self.log = TransferLogger(stats, "prefill", log_interval)
-        self._jobs: queue.Queue[SendJob | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="nvllm-kv-sender", daemon=True)
-        self._thread.start()
+        super().__init__(layout, TransferLogger(stats, "prefill", log_interval), "nvllm-kv-sender")
 
-    def submit(self, job: SendJob) -> None:
-        self._jobs.put(job)
+    def on_idle(self) -> None:
+        self._expire()
 
-    def stop(self) -> None:
-        self._jobs.put(None)
-
-    def _run(self) -> None:
-        stream = None
-        if self.layout.device.type == "cuda":
-            torch.cuda.set_device(self.layout.device)
-            stream = torch.cuda.Stream(self.layout.device)
-        while True:
-            try:
-                job = self._jobs.get(timeout=1.0)
-            except queue.Empty:
-                self._expire()
-                continue
-            if job is None:
-                return
-            self._send(job, stream)
-            self.log.maybe_log()
-
-    def _send(self, job: SendJob, stream) -> None:
+    def handle(self, job: SendJob, stream) -> None:
         t0 = time.perf_counter()
         payload = None
         try:
