@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from nvllm.engine.sequence import Sequence
-from nvllm.layers.attention import AttentionMetadata
+from nvllm.engine.step_inputs import StepInputs
 from nvllm.layers.sampler import host_tensor
 from nvllm.spec.rejection_sampler import draw, shaped_probs
 
@@ -53,7 +53,6 @@ class DraftModelProposer:
         """runner: the draft's ModelRunner (its model, KV cache and CUDA graphs are used, not its sampler);
         vocab_size: the target's (draft logits are cut or padded to it); banned(seq) → (rows, token ids)."""
         self.runner = runner
-        self.model = runner.model
         self.block_size = runner.block_size
         self.vocab_size = vocab_size
         self.banned = banned
@@ -62,40 +61,27 @@ class DraftModelProposer:
     def _forward(self, items: list[tuple[Sequence, int, list[int]]], want: list[int]) -> torch.Tensor | None:
         """items: (sequence, first position, token ids). Returns logits [len(want), V] of the last row of
         items[i] for i in want, cut or padded to the target's vocabulary (None when none is wanted)."""
-        bs, dev = self.block_size, self.runner.device
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl, ctx_lens, last = [0], [], []
+        bs = self.block_size
+        step = StepInputs([], [], [], [0], [], [])
+        last = []
         for seq, start, ids in items:
             end = start + len(ids)
-            input_ids.extend(ids)
-            positions.extend(range(start, end))
+            step.input_ids.extend(ids)
+            step.positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            qsl.append(qsl[-1] + len(ids))
-            ctx_lens.append(end)
-            last.append(qsl[-1] - 1)
+            step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            step.query_start_loc.append(step.query_start_loc[-1] + len(ids))
+            step.context_lens.append(end)
+            last.append(step.query_start_loc[-1] - 1)
         width = max(len(seq.block_table) for seq, _, _ in items)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _, _ in items]
-        max_q = max(len(ids) for _, _, ids in items)
-        graphs = self.runner.graphs
-        if graphs is not None and max_q == 1 and len(items) <= graphs.max_batch:
-            hidden = graphs.run(input_ids, positions, slots, tables, ctx_lens)
-        else:
-            meta = AttentionMetadata(
-                slot_mapping=host_tensor(slots, torch.long, dev), block_tables=host_tensor(tables, torch.int32, dev),
-                query_start_loc=host_tensor(qsl, torch.int32, dev),
-                context_lens=host_tensor(ctx_lens, torch.int32, dev), max_query_len=max_q,
-                max_context_len=max(ctx_lens))
-            hidden = self.model(host_tensor(input_ids, torch.long, dev), host_tensor(positions, torch.long, dev),
-                                self.runner.kv_caches, meta)
-        if not want:
+        step.block_tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _, _ in items]
+        step.max_query_len = max(len(ids) for _, _, ids in items)
+        step.max_context_len = max(step.context_lens)
+        step.logit_rows = [last[i] for i in want]
+        # the runner's own path: decode graphs for single tokens and short catch-up chunks, eager otherwise
+        _, logits = self.runner.run_model(step)
+        if logits is None:
             return None
-        rows = [last[i] for i in want]
-        if len(rows) < hidden.shape[0]:
-            hidden = hidden[host_tensor(rows, torch.long, dev)]
-        logits = self.model.compute_logits(hidden)
         v = logits.shape[-1]
         if v > self.vocab_size:
             logits = logits[:, :self.vocab_size].contiguous()
