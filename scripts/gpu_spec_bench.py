@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
     ap.add_argument("--acceptance", default="0.5,0.7,0.8,0.9")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--drafts", default="0.5b,int4", help="which drafts: 0.5b (the small model), int4 (self-draft)")
     args = ap.parse_args()
     from nvllm.config import EngineConfig
     from nvllm.llm import LLM
@@ -76,8 +77,12 @@ def main() -> None:
         (out / "spec_bench.json").write_text(json.dumps(res, indent=1, default=str))
 
     target = build_model_dir(Path(args.tokenizer_dir))
-    drafts = {"0.5B-shaped": model_copy(target, REPO / "scripts/models/qwen2.5-0.5b"),
-              "INT4 GPTQ self-draft": model_copy(target, quant=QUANT_CONFIGS["gptq"])}
+    chosen = args.drafts.split(",")
+    drafts = {}
+    if "0.5b" in chosen:
+        drafts["0.5B-shaped"] = model_copy(target, REPO / "scripts/models/qwen2.5-0.5b")
+    if "int4" in chosen:
+        drafts["INT4 GPTQ self-draft"] = model_copy(target, quant=QUANT_CONFIGS["gptq"])
     base = dict(model=str(target), load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
                 log_stats_interval=0)
     config = EngineConfig(**base)
