@@ -151,6 +151,9 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"subset of {','.join(SHAPES)}")
     ap.add_argument("--budget-s", type=float, default=150.0,
                     help="stop timing new Triton candidates after this many seconds of tuning")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="the shapes one rank of an N-way tensor-parallel engine runs: qkv, gate_up and lm_head split "
+                         "along N, o and down along K (the rows the engine's table needs with --tensor-parallel-size)")
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="exercise the script on the CPU (Triton interpreter, shapes / 64, fake timings)")
     args = ap.parse_args()
@@ -176,7 +179,10 @@ def main() -> int:
 
     out_dir = Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
-    shapes = {s: (v[0] // 64, v[1] // 64, v[2]) for s, v in SHAPES.items()} if dry else SHAPES
+    row_parallel = ("o", "down")
+    shapes = {s: (n, k // args.tp, c) if s in row_parallel else (n // args.tp, k, c) for s, (n, k, c) in SHAPES.items()}
+    if dry:
+        shapes = {s: (v[0] // 64, v[1] // 64, v[2]) for s, v in shapes.items()}
     if dry:
         device, dev_name, sms, l2 = torch.device("cpu"), "cpu (dry run)", 132, None
     else:
