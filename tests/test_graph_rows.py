@@ -34,7 +34,8 @@ class RowGraphs:
             query_start_loc=torch.arange(b + 1, dtype=torch.int32),
             context_lens=torch.tensor(context_lens, dtype=torch.int32), max_query_len=1,
             max_context_len=max(context_lens))
-        return self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta)
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids)   # draft: on the device
+        return self.model(ids, torch.tensor(positions), self.kv_caches, meta)
 
 
 def with_row_graphs(llm) -> RowGraphs:

@@ -80,14 +80,17 @@ class DecodeGraphs:
         logger.info("captured %d CUDA graphs for decode batch sizes %s in %.1f s", len(self.sizes),
                     self.sizes, time.perf_counter() - start)
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
-            context_lens: list[int]) -> torch.Tensor:
-        """Replay the graph for len(input_ids) sequences (one token each); returns their final hidden states."""
-        b = len(input_ids)
+    def run(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
+            block_tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:
+        """Replay the graph for len(positions) rows (one token each); returns their final hidden states.
+        ``input_ids`` may be a device tensor (tokens the host has not seen, e.g. the draft's previous step): it
+        is copied on the device, so nothing waits for it."""
+        b = len(positions)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         width = len(block_tables[0])
+        on_device = isinstance(input_ids, torch.Tensor)
         self.copied.synchronize()  # the previous step's copies out of the staging buffers are done
-        self.host_meta[:, :b] = torch.tensor([input_ids, positions, slots])
+        self.host_meta[:, :b] = torch.tensor([[0] * b if on_device else input_ids, positions, slots])
         self.host_meta[:2, b:bs] = 0  # padding rows: token 0 at position 0, stored nowhere (slot -1) ...
         self.host_meta[2, b:bs] = -1
         self.host_ctx[:b] = torch.tensor(context_lens, dtype=torch.int32)
@@ -98,6 +101,8 @@ class DecodeGraphs:
         self.context_lens.copy_(self.host_ctx, non_blocking=True)
         self.block_tables[:b].copy_(self.host_tables[:b], non_blocking=True)
         self.copied.record()
+        if on_device:
+            self.input_ids[:b].copy_(input_ids)
         self.graphs[bs].replay()
         report.record("decode step", f"cuda graph (batch {bs})")
         return self.outputs[bs][:b]

@@ -348,7 +348,8 @@ class ModelRunner:
                 query_start_loc=host_tensor(step.query_start_loc, torch.int32, dev),
                 context_lens=host_tensor(step.context_lens, torch.int32, dev),
                 max_query_len=step.max_query_len, max_context_len=step.max_context_len)
-            hidden = self.model(host_tensor(step.input_ids, torch.long, dev),
+            ids = step.input_ids
+            hidden = self.model(ids if isinstance(ids, torch.Tensor) else host_tensor(ids, torch.long, dev),
                                 host_tensor(step.positions, torch.long, dev), self.kv_caches, meta)
 
         verify = self._logits(hidden, step.verify_rows) if step.verify_rows else None

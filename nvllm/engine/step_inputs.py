@@ -18,7 +18,7 @@ _HEADER = 8  # tokens, sequences, block-table width, logit rows, verify rows, pr
 
 @dataclass
 class StepInputs:
-    input_ids: list[int]
+    input_ids: list[int] | torch.Tensor  # a device tensor only for a draft model's steps (never packed)
     positions: list[int]
     slots: list[int]
     query_start_loc: list[int]  # num_seqs + 1 offsets into the flattened tokens

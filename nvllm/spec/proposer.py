@@ -58,9 +58,11 @@ class DraftModelProposer:
         self.banned = banned
 
     # ---- one forward of the draft ----------------------------------------------------------------------
-    def _forward(self, items: list[tuple[Sequence, int, list[int]]], want: list[int]) -> torch.Tensor | None:
+    def _forward(self, items: list[tuple[Sequence, int, list[int]]], want: list[int],
+                 device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """items: (sequence, first position, token ids). Returns logits [len(want), V] of the last row of
-        items[i] for i in want, cut or padded to the target's vocabulary (None when none is wanted)."""
+        items[i] for i in want, cut or padded to the target's vocabulary (None when none is wanted).
+        device_ids: the step's token ids as a device tensor (then the items' ids only give the lengths)."""
         bs = self.block_size
         step = StepInputs([], [], [], [0], [], [])
         last = []
@@ -78,6 +80,8 @@ class DraftModelProposer:
         step.max_query_len = max(len(ids) for _, _, ids in items)
         step.max_context_len = max(step.context_lens)
         step.logit_rows = [last[i] for i in want]
+        if device_ids is not None:
+            step.input_ids = device_ids
         # the runner's own path: decode graphs for single tokens and short catch-up chunks, eager otherwise
         _, logits = self.runner.run_model(step)
         if logits is None:
@@ -92,10 +96,7 @@ class DraftModelProposer:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], j: int,
                 gen: torch.Generator) -> tuple[list[int], torch.Tensor | None]:
         """Draft token j (0-based) of each sequence, and the shaped distributions it was drawn from."""
-        for i, seq in enumerate(seqs):
-            rows, ids = self.banned(seq)
-            if ids and j < rows:
-                logits[i, ids] = float("-inf")
+        logits = self._masked(logits, seqs, j)
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
         argmax = logits.argmax(dim=-1)
@@ -129,6 +130,8 @@ class DraftModelProposer:
         logits = self._forward(items, want)
         if logits is None:
             return {}
+        if all(s.params.greedy for s in spec_seqs):
+            return self._propose_greedy(logits, spec_seqs, plan)
         toks, probs = self._sample(logits, spec_seqs, 0, gen)
         drafts = {id(s): [t] for s, t in zip(spec_seqs, toks)}
         dists: dict[int, list[torch.Tensor]] = {id(s): [] for s in spec_seqs}
@@ -148,6 +151,32 @@ class DraftModelProposer:
             q = torch.stack(dists[id(s)]) if not s.params.greedy and dists[id(s)] else None
             out[id(s)] = (drafts[id(s)], q)
         return out
+
+    def _propose_greedy(self, logits: torch.Tensor, seqs: list[Sequence], plan: dict[int, int]) -> dict[int, Proposal]:
+        """Greedy drafts without a host round trip per token: each step's argmax stays on the device and feeds
+        the next step's inputs (positions, slots and block tables are known on the host beforehand), so the
+        k steps are queued back to back and the host reads all drafted tokens once, at the end."""
+        dev = logits.device
+        k_max = max(plan[id(s)] for s in seqs)
+        drafted = torch.zeros((k_max, len(seqs)), dtype=torch.long, device=dev)
+        drafted[0] = self._masked(logits, seqs, 0).argmax(dim=-1)
+        for j in range(1, k_max):
+            active = [i for i, s in enumerate(seqs) if plan[id(s)] > j]
+            rows = host_tensor(active, torch.long, dev)
+            ids = drafted[j - 1].index_select(0, rows)
+            items = [(seqs[i], seqs[i].num_tokens - 1 + j, [0]) for i in active]
+            step_logits = self._forward(items, list(range(len(items))), device_ids=ids)
+            drafted[j].index_copy_(0, rows, self._masked(step_logits, [seqs[i] for i in active], j).argmax(dim=-1))
+        toks = drafted.t().tolist()
+        return {id(s): (toks[i][:plan[id(s)]], None) for i, s in enumerate(seqs)}
+
+    def _masked(self, logits: torch.Tensor, seqs: list[Sequence], j: int) -> torch.Tensor:
+        """logits with the tokens banned at draft position j (min_tokens: EOS and stop ids) set to -inf."""
+        for i, seq in enumerate(seqs):
+            rows, ids = self.banned(seq)
+            if ids and j < rows:
+                logits[i, ids] = float("-inf")
+        return logits
 
     @staticmethod
     def after_verify(seq: Sequence, drafted: int, accepted: int) -> None:
