@@ -293,6 +293,16 @@ def test_metrics_exact_on_a_self_draft(demo_dir, drafts, caplog):
     assert "spec_decode" not in plain
 
 
+def test_sampled_self_draft_accepts_everything(demo_dir, drafts):
+    """A self-draft sampling at the target's temperature proposes from q = p, so every draft is accepted
+    (min(1, p/q) = 1): any wrong token fed back between draft steps would show as a rejection."""
+    llm = make_llm(demo_dir, speculative=spec_of("self", drafts, 4))
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=21, ignore_eos=True, seed=3)
+    llm.generate(prompts(6), params, use_tqdm=False)
+    s = llm.engine.stats.spec
+    assert s.num_drafts > 0 and s.acceptance_rate == 1.0
+
+
 def test_spec_stats_and_ngram_proposals():
     s = SpecStats()
     for drafted, accepted in [(4, 4), (4, 1), (2, 0), (0, 0)]:

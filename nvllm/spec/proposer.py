@@ -94,19 +94,20 @@ class DraftModelProposer:
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], j: int,
-                gen: torch.Generator) -> tuple[list[int], torch.Tensor | None]:
-        """Draft token j (0-based) of each sequence, and the shaped distributions it was drawn from."""
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft token j (0-based) of each sequence, on the device, and the shaped distributions it was drawn
+        from (None when every sequence is greedy)."""
         logits = self._masked(logits, seqs, j)
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
         argmax = logits.argmax(dim=-1)
         if all(greedy):
-            return argmax.tolist(), None
+            return argmax, None
         probs = shaped_probs(logits, params)
         tok = draw(probs, [None if g else s.generator for g, s in zip(greedy, seqs)], gen)
         if any(greedy):
             tok = torch.where(host_tensor(greedy, torch.bool, logits.device), argmax, tok)
-        return tok.tolist(), probs
+        return tok, probs
 
     # ---- a step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -130,45 +131,35 @@ class DraftModelProposer:
         logits = self._forward(items, want)
         if logits is None:
             return {}
-        if all(s.params.greedy for s in spec_seqs):
-            return self._propose_greedy(logits, spec_seqs, plan)
-        toks, probs = self._sample(logits, spec_seqs, 0, gen)
-        drafts = {id(s): [t] for s, t in zip(spec_seqs, toks)}
-        dists: dict[int, list[torch.Tensor]] = {id(s): [] for s in spec_seqs}
-        if probs is not None:
-            for i, s in enumerate(spec_seqs):
-                dists[id(s)].append(probs[i])
-        for j in range(1, max(plan[id(s)] for s in spec_seqs)):
-            active = [s for s in spec_seqs if plan[id(s)] > j]
-            items = [(s, s.num_tokens - 1 + j, [drafts[id(s)][-1]]) for s in active]
-            toks, probs = self._sample(self._forward(items, list(range(len(items)))), active, j, gen)
-            for i, (s, t) in enumerate(zip(active, toks)):
-                drafts[id(s)].append(t)
-                if probs is not None:
-                    dists[id(s)].append(probs[i])
-        out: dict[int, Proposal] = {}
-        for s in spec_seqs:
-            q = torch.stack(dists[id(s)]) if not s.params.greedy and dists[id(s)] else None
-            out[id(s)] = (drafts[id(s)], q)
-        return out
+        return self._draft(logits, spec_seqs, plan, gen)
 
-    def _propose_greedy(self, logits: torch.Tensor, seqs: list[Sequence], plan: dict[int, int]) -> dict[int, Proposal]:
-        """Greedy drafts without a host round trip per token: each step's argmax stays on the device and feeds
-        the next step's inputs (positions, slots and block tables are known on the host beforehand), so the
-        k steps are queued back to back and the host reads all drafted tokens once, at the end."""
+    def _draft(self, logits: torch.Tensor, seqs: list[Sequence], plan: dict[int, int],
+               gen: torch.Generator) -> dict[int, Proposal]:
+        """The k drafts of each sequence without a host round trip per token: each step's tokens stay on the
+        device and feed the next step's inputs (positions, slots and block tables are known on the host
+        beforehand), so the steps queue back to back and the host reads every drafted token once, at the end."""
         dev = logits.device
         k_max = max(plan[id(s)] for s in seqs)
         drafted = torch.zeros((k_max, len(seqs)), dtype=torch.long, device=dev)
-        drafted[0] = self._masked(logits, seqs, 0).argmax(dim=-1)
-        for j in range(1, k_max):
-            active = [i for i, s in enumerate(seqs) if plan[id(s)] > j]
-            rows = host_tensor(active, torch.long, dev)
-            ids = drafted[j - 1].index_select(0, rows)
-            items = [(seqs[i], seqs[i].num_tokens - 1 + j, [0]) for i in active]
-            step_logits = self._forward(items, list(range(len(items))), device_ids=ids)
-            drafted[j].index_copy_(0, rows, self._masked(step_logits, [seqs[i] for i in active], j).argmax(dim=-1))
+        dists: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        for j in range(k_max):
+            if j:
+                active = [i for i in active if plan[id(seqs[i])] > j]
+                rows = host_tensor(active, torch.long, dev)
+                items = [(seqs[i], seqs[i].num_tokens - 1 + j, [0]) for i in active]
+                logits = self._forward(items, list(range(len(items))), device_ids=drafted[j - 1].index_select(0, rows))
+            tok, probs = self._sample(logits, [seqs[i] for i in active], j, gen)
+            if j:
+                drafted[j].index_copy_(0, rows, tok)
+            else:
+                drafted[0] = tok
+            if probs is not None:
+                for r, i in enumerate(active):
+                    dists[i].append(probs[r])
         toks = drafted.t().tolist()
-        return {id(s): (toks[i][:plan[id(s)]], None) for i, s in enumerate(seqs)}
+        return {id(s): (toks[i][:plan[id(s)]], torch.stack(dists[i]) if not s.params.greedy and dists[i] else None)
+                for i, s in enumerate(seqs)}
 
     def _masked(self, logits: torch.Tensor, seqs: list[Sequence], j: int) -> torch.Tensor:
         """logits with the tokens banned at draft position j (min_tokens: EOS and stop ids) set to -inf."""
