@@ -23,6 +23,17 @@ def triton_available() -> bool:
     return True
 
 
+def eager_triton():
+    """(triton, triton.language, triton.jit) for kernel files that jit at import; without Triton (None, None,
+    a no-op decorator), so the package still imports and those kernels stay plain, never-launched functions."""
+    if not triton_available():
+        return None, None, lambda fn: fn
+    import triton
+    import triton.language as tl
+
+    return triton, tl, triton.jit
+
+
 def use_triton(t: torch.Tensor) -> bool:
     choice = os.environ.get("NVLLM_KERNELS", "auto").lower()
     if choice == "torch":

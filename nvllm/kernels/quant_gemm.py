@@ -41,20 +41,11 @@ import torch
 
 from nvllm.kernels import report
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
-from nvllm.kernels.backend import triton_available, use_triton
+from nvllm.kernels.backend import eager_triton, use_triton
 from nvllm.kernels.quant_gemv import gemv_supported, quant_gemv
 from nvllm.quant.formats import QuantWeight
 
-if triton_available():
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-else:  # the package imports without Triton; the kernels below then stay plain, never-launched functions
-    triton = tl = None
-
-    def _jit(fn):
-        return fn
+triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
 
 GEMV_MAX_M = int(os.environ.get("NVLLM_QUANT_GEMV_MAX_M", "2"))

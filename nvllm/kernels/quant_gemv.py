@@ -26,18 +26,9 @@ from __future__ import annotations
 import torch
 
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
-from nvllm.kernels.backend import triton_available
+from nvllm.kernels.backend import eager_triton
 
-if triton_available():
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-else:  # the package imports without Triton; the kernel below then stays a plain, never-launched function
-    triton = tl = None
-
-    def _jit(fn):
-        return fn
+triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
 
 @_jit

@@ -9,18 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from nvllm.kernels.backend import triton_available
+from nvllm.kernels.backend import eager_triton
 
-if triton_available():
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-else:  # the package imports without Triton; the helper below then stays a plain, never-called function
-    triton = tl = None
-
-    def _jit(fn):
-        return fn
+triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
 
 @_jit
