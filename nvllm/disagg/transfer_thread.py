@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -15,7 +16,7 @@ from nvllm.disagg.metrics import TransferLogger
 from nvllm.disagg.staging import KVLayout
 
 
-class TransferThread:
+class TransferThread(ABC):
     idle_timeout: float | None = None  # seconds without a job before on_idle() runs; None: wait forever
 
     def __init__(self, layout: KVLayout, log: TransferLogger, name: str):
@@ -35,8 +36,9 @@ class TransferThread:
     def queued(self) -> int:
         return self._jobs.qsize()
 
+    @abstractmethod
     def handle(self, job, stream: torch.cuda.Stream | None) -> None:
-        raise NotImplementedError
+        """Run one job on this thread (``stream``: the thread's CUDA stream, None on the CPU)."""
 
     def on_idle(self) -> None:
         pass
