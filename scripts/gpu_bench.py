@@ -28,21 +28,23 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def measure_bandwidth(gib: float = 4.0) -> float:
-    """Device-to-device copy; bytes read + written per second (median of 20)."""
+def measure_bandwidth(gib: float = 4.0, device: int | str = "cuda") -> float:
+    """Device-to-device copy on one GPU: bytes read + written per second (median of 20 after 5 warm-ups)."""
     n = int(gib * (1 << 30)) // 2
-    a = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    a = torch.randn(n, dtype=torch.bfloat16, device=device)
     b = torch.empty_like(a)
     times = []
-    for _ in range(25):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
+    with torch.cuda.device(a.device):
+        for _ in range(25):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            b.copy_(a)
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
     t = sorted(times[5:])[len(times[5:]) // 2]
     del a, b
+    torch.cuda.empty_cache()
     return 2 * n * 2 / t
 
 

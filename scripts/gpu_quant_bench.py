@@ -22,10 +22,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from gpu_bench import measure_bandwidth  # noqa: E402
 from nvllm.kernels.gemm_tuner import cuda_graph_timer  # noqa: E402
 from nvllm.kernels.quant_gemm import quant_gemm, quant_gemm_reference  # noqa: E402
 from nvllm.kernels.quant_gemv import gemv_supported, quant_gemv  # noqa: E402
@@ -43,22 +45,6 @@ GEMV_TILES = {  # fmt: candidate configs (split_k None = about two waves of prog
             itertools.product((64, 128), (64, 128), (1, 3))],
 }
 MAX_TILE_PRODUCTS = 32768   # block_m · block_k · block_n: past this the products no longer fit in registers
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
 def random_weight(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantWeight:
@@ -85,7 +71,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "."))
     ms = [int(m) for m in args.ms.split(",")]
-    bw = copy_bandwidth()
+    bw = measure_bandwidth()
     res = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "bandwidth_Bps": bw,
            "commit": os.environ.get("NVLLM_COMMIT", "unknown"), "rows": []}
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)

@@ -31,27 +31,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from gpu_bench import measure_bandwidth  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def copy_bandwidth(device: int, gib: float = 4.0) -> float:
-    """Device-to-device copy on one GPU: bytes read + written per second (median of 20 after 5 warm-ups)."""
-    n = int(gib * (1 << 30)) // 2
-    a = torch.randn(n, dtype=torch.bfloat16, device=f"cuda:{device}")
-    b = torch.empty_like(a)
-    times = []
-    with torch.cuda.device(device):
-        for _ in range(25):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            b.copy_(a)
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n * 2 / sorted(times[5:])[10]
 
 
 def model_dir(name: str) -> Path:
@@ -141,7 +125,7 @@ def main() -> None:
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "commit": os.environ.get("NVLLM_COMMIT") or commit.stdout.strip() or "unknown",
            "cards": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
-           "bandwidth_Bps": min(copy_bandwidth(0), copy_bandwidth(1)), "args": vars(args)}
+           "bandwidth_Bps": min(measure_bandwidth(device=0), measure_bandwidth(device=1)), "args": vars(args)}
 
     def save() -> None:
         (out / "gpu_tp_bench.json").write_text(json.dumps(res, indent=2, default=str))
