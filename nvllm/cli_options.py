@@ -51,6 +51,9 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "enable_prefix_caching": _opt(True, bool, "share KV blocks of common prompt prefixes",
                                   "--enable-prefix-caching/--no-enable-prefix-caching"),
     "enforce_eager": _opt(False, bool, "never capture CUDA graphs"),
+    "async_scheduling": _opt(None, Optional[bool], "schedule and launch the next step while the GPU runs this "
+                             "one (default: on for one GPU without speculative decoding)",
+                             "--async-scheduling/--no-async-scheduling"),
     "tensor_parallel_size": _opt(1, int, "split the model over N GPUs (N processes; gloo ranks on CPU)",
                                  "--tensor-parallel-size"),
     "log_stats_interval": _opt(5.0, float, "seconds between engine log lines (0: off)"),

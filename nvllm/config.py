@@ -39,6 +39,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # schedule and launch step N + 1 while step N runs, its sampled tokens fed on the device; None: on for one
+    # CUDA device without speculative decoding
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1  # ranks (GPUs) the model is split over; one worker process per extra rank
     log_stats_interval: float = 5.0  # seconds between periodic log lines; 0 turns them off
     hf_overrides: dict[str, Any] = field(default_factory=dict)
@@ -77,6 +80,17 @@ class EngineConfig:
             from nvllm.spec.config import parse_speculative
 
             self.speculative = parse_speculative(self.speculative)
+        self._check_async_scheduling()
+
+    def _check_async_scheduling(self) -> None:
+        if self.async_scheduling and self.speculative is not None:
+            raise ConfigError("async_scheduling does not combine with speculative decoding (its steps read the "
+                              "verified tokens back at once)")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ConfigError("async_scheduling runs on one rank; turn it off with tensor_parallel_size > 1")
+        if self.async_scheduling is None:
+            self.async_scheduling = (self.device.startswith("cuda") and self.speculative is None
+                                     and self.tensor_parallel_size == 1)
 
     def _check_tensor_parallel_size(self) -> None:
         n = self.tensor_parallel_size

@@ -26,9 +26,10 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The server for the whole module; on teardown SIGTERM must shut it down cleanly (exit status 0)."""
+    """The server for the whole module; on teardown SIGTERM must shut it down cleanly (exit status 0). It
+    schedules asynchronously, as it does by default on a GPU."""
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    proc, base = start_server(["--api-key", KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES),
+    proc, base = start_server(["--api-key", KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES), "--async-scheduling",
                                "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu", "--log-stats-interval", "0",
                                "--uvicorn-log-level", "warning", "--shutdown-timeout", "1"], log_path)
     yield base

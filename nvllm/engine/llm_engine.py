@@ -15,7 +15,7 @@ from nvllm.engine.block_manager import BlockManager
 from nvllm.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvllm.engine.kv_handoff import KVHandoff, KVTarget
 from nvllm.engine.metrics import EngineStats, StatLogger
-from nvllm.engine.model_runner import ModelRunner
+from nvllm.engine.model_runner import ModelRunner, PendingTokens
 from nvllm.engine.scheduler import Scheduler
 from nvllm.engine.sequence import PrefilledSample, Sequence
 from nvllm.engine.step_profile import StepProfile, step_kind
@@ -80,12 +80,20 @@ class LLMEngine:
         self.stat_logger = StatLogger(config.log_stats_interval)
         self.step_profile = StepProfile()
         self.handoff = KVHandoff(self)  # disaggregated prefill / decode: held and arriving KV
+        # asynchronous scheduling: the launched step whose sampled tokens are not read yet, and the placeholder
+        # index of each of its rows in its sequence's token_ids
+        self.async_scheduling = bool(config.async_scheduling) and self.spec is None and self.runner.tp.size == 1
+        self._inflight: PendingTokens | None = None
+        self._inflight_steps: list[tuple[Sequence, int]] = []
+        self._inflight_slots: list[int] = []
         self._next_id = 0
         logger.info("engine ready: model %s, dtype %s, device %s, max_model_len %d, block_size %d, "
                     "max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s",
                     config.model, str(self.runner.dtype).replace("torch.", ""), config.device,
                     self.max_model_len, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                     "on" if config.enable_prefix_caching else "off")
+        logger.info("asynchronous scheduling %s", "on: step N + 1 is launched before step N's tokens are read"
+                    if self.async_scheduling else "off")
         if warmup:
             self._warmup()
 
@@ -200,44 +208,97 @@ class LLMEngine:
         for seq in seqs:
             if not seq.finished:
                 seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self._finish(seq)
         return self._pop_output(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self, partial: bool = True) -> list[RequestOutput]:
         """One scheduling + model step. Returns an output for every request that progressed, or with
-        partial=False only for the requests that finished (offline callers skip building the rest)."""
-        sched = self.scheduler.schedule()
-        self.stats.num_preemptions = self.scheduler.num_preemptions
-        if not sched.scheduled:
-            return []
+        partial=False only for the requests that finished (offline callers skip building the rest).
+
+        With asynchronous scheduling a step's sampled tokens stay on the device: the next call schedules and
+        launches the following step (its inputs take those tokens on the device) and only then reads them and
+        does their bookkeeping, while the GPU runs. A sequence that turns out to have finished on the token
+        read late had one more position computed for nothing; one certain to finish (its length limit) is held
+        out of the step."""
         if self.spec is not None:
-            return self._step_speculative(sched.scheduled, partial)
-        t0 = time.perf_counter()
-        prompt_chunks = [n for seq, n in sched.scheduled if seq.num_computed_tokens < seq.num_prompt_tokens]
-        rows = [SampleRow(seq.params, seq.generator, self._banned(seq))
-                for seq, n in sched.scheduled if ModelRunner.needs_sample(seq, n)]
-        result = self.runner.execute(sched.scheduled, rows)
-        now = time.time()
+            sched = self.scheduler.schedule()
+            self.stats.num_preemptions = self.scheduler.num_preemptions
+            return self._step_speculative(sched.scheduled, partial) if sched.scheduled else []
+        prev = self._inflight
+        sched = self.scheduler.schedule(self._finishes_pending if prev is not None else None)
+        self.stats.num_preemptions = self.scheduler.num_preemptions
         touched: dict[str, None] = {}
-        for seq, n in sched.scheduled:
+        if not sched.scheduled:
+            if prev is None:
+                return []
+            self._read_inflight(touched)
+            return self._finish_step(touched, partial)
+        t0 = time.perf_counter()
+        scheduled = sched.scheduled
+        prompt_chunks = [n for seq, n in scheduled if seq.num_computed_tokens < seq.num_prompt_tokens]
+        rows = [SampleRow(seq.params, seq.generator, self._banned(seq))
+                for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
+        defer = self.async_scheduling and not any(
+            seq.params.logprobs is not None or seq.wants_prompt_logprobs or seq.prefill_only for seq, _ in scheduled)
+        result = self.runner.execute(scheduled, rows, prev_tokens=prev.device if prev is not None else None,
+                                     defer=defer)
+        now = time.time()
+        for seq, n in scheduled:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-            self._advance(seq, n, result, now)
-            touched[seq.request_id] = None
-        self.step_profile.record(step_kind(len(prompt_chunks), len(sched.scheduled) - len(prompt_chunks)),
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += n
+            self.stats.prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+        if prev is not None:
+            self._read_inflight(touched)
+        if result.pending is not None:
+            self._inflight, self._inflight_steps = result.pending, scheduled
+            self._inflight_slots = []
+            for row, seq in enumerate(result.pending.owners):
+                seq.token_ids.append(-1 - row)
+                seq.pending += 1
+                self._inflight_slots.append(len(seq.token_ids) - 1)
+        else:
+            for seq, n in scheduled:
+                if not seq.finished:
+                    touched[seq.request_id] = None
+                    self._advance(seq, result, now)
+        self.step_profile.record(step_kind(len(prompt_chunks), len(scheduled) - len(prompt_chunks)),
                                  time.perf_counter() - t0, sum(prompt_chunks))
         return self._finish_step(touched, partial)
 
-    def _advance(self, seq: Sequence, n: int, result, now: float) -> None:
-        """Bookkeeping for one computed chunk: the cache count, prefix-cache hashes, prompt logprobs, and the
-        sampled token when the chunk reached the sequence's end."""
-        start = seq.num_computed_tokens
-        seq.num_computed_tokens += n
-        self.stats.prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+    def _finishes_pending(self, seq: Sequence) -> bool:
+        """A sequence whose pending token ends it whatever its value: not scheduled again (nothing past its end
+        may be computed: the position could be past the model's and the cache's length)."""
+        if not seq.pending:
+            return False
+        p = seq.params
+        return (seq.prefill_only or seq.num_tokens >= self.max_model_len
+                or (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens))
+
+    def _read_inflight(self, touched: dict[str, None]) -> None:
+        """Wait for the launched step's tokens and do what step() does for a step's results."""
+        pending, steps, slots = self._inflight, self._inflight_steps, self._inflight_slots
+        self._inflight, self._inflight_steps, self._inflight_slots = None, [], []
+        tokens = pending.wait()
+        now = time.time()
+        for seq, _ in steps:
+            if not seq.finished:
+                touched[seq.request_id] = None
+                self.block_manager.register_full_blocks(seq)
+        for seq, slot, tok in zip(pending.owners, slots, tokens):
+            if not seq.finished:
+                seq.token_ids[slot] = tok
+                seq.pending -= 1
+                self._on_token(seq, tok, None, now, slot + 1)
+
+    def _advance(self, seq: Sequence, result, now: float) -> None:
+        """Bookkeeping for one computed chunk (its cache count already advanced): prefix-cache hashes, prompt
+        logprobs, and the sampled token when the chunk reached the sequence's end."""
         self.block_manager.register_full_blocks(seq)
         for pos, tok, (lp, rank, top) in result.prompt_logprobs.get(id(seq), []):
             if pos == len(seq.prompt_logprobs):
@@ -268,7 +329,10 @@ class LLMEngine:
             touched[seq.request_id] = None
             v = verified.get(id(seq))
             if v is None:
-                self._advance(seq, n, result, now)
+                start = seq.num_computed_tokens
+                seq.num_computed_tokens += n
+                self.stats.prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+                self._advance(seq, result, now)
             else:
                 drafted = len(drafts[id(seq)][0])
                 self.stats.spec.record(drafted, v.accepted)
@@ -314,8 +378,13 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, tok: int, lp_info, now: float) -> None:
         """lp_info: the sampler's (logprob, rank, top-N), or a ready logprobs dict (a prefill worker's)."""
-        p = seq.params
         seq.token_ids.append(tok)
+        self._on_token(seq, tok, lp_info, now, seq.num_tokens - seq.pending)
+
+    def _on_token(self, seq: Sequence, tok: int, lp_info, now: float, length: int) -> None:
+        """A new token is known; ``length``: the sequence's tokens up to and including it. Metrics, logprobs,
+        text, and the finish checks."""
+        p = seq.params
         self.stats.generation_tokens += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
@@ -336,14 +405,20 @@ class LLMEngine:
                 i, s = hit
                 seq.text = seq.text[:i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
                 seq.finish_reason, seq.stop_reason = "stop", s
-            elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            elif p.max_tokens is not None and length - seq.num_prompt_tokens >= p.max_tokens:
                 seq.finish_reason = "length"
-            elif seq.num_tokens >= self.max_model_len:
+            elif length >= self.max_model_len:
                 seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
+            self._finish(seq)
         elif seq.prefill_only:  # disaggregated prefill: done here; a decode worker fetches the KV
             self.handoff.hold(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        """Out of the scheduler, blocks freed (a step still running that wrote to them comes first on the
+        stream), placeholders of tokens that will not be read dropped."""
+        seq.drop_pending()
+        self.scheduler.finish(seq)
 
     # ---- disaggregated prefill / decode (nvllm.disagg calls these on the engine thread) ---------------
     def export_kv(self, handle: str) -> list[int]:

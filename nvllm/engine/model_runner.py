@@ -51,6 +51,36 @@ class StepResult:
     sampled: dict[int, tuple[int, tuple | None]]  # id(seq) → (token, logprob info)
     prompt_logprobs: dict[int, list[tuple[int, int, tuple]]]
     verify_logits: torch.Tensor | None = None  # speculative: every row of the verified chunks, in order
+    pending: "PendingTokens | None" = None  # execute(defer=True): the sampled tokens, still on the device
+
+
+class PendingTokens:
+    """Tokens a step sampled, left on the device so the host can schedule and launch the next step before they
+    are known (asynchronous scheduling): the device tensor feeds the next step's inputs, and a copy to pinned
+    host memory is read once the step is done."""
+
+    def __init__(self, owners: list[Sequence], tokens: torch.Tensor):
+        self.owners = owners  # the sequence of each row, in row order
+        self.device = tokens
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = tokens, None
+
+    def wait(self) -> list[int]:
+        """The tokens on the host: waits for the step that samples them (and everything before it)."""
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.tolist()
+
+
+def resolve_placeholders(input_ids: list[int], prev: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Token ids on the device, each placeholder −1 − r replaced by row r of the previous step's sampled tokens."""
+    ids = host_tensor(input_ids, torch.long, device)
+    return torch.where(ids < 0, prev[(-1 - ids).clamp_(min=0)], ids)
 
 
 class ModelRunner:
@@ -256,14 +286,22 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], sample_rows: list[SampleRow],
-                drafts: dict[int, tuple[list[int], object]] | None = None) -> StepResult:
+                drafts: dict[int, tuple[list[int], object]] | None = None,
+                prev_tokens: torch.Tensor | None = None, defer: bool = False) -> StepResult:
         """Run the model on the scheduled chunks; sample for the sequences whose chunk reaches their end
         (in `scheduled` order, one SampleRow each, given by the engine).
 
         drafts (speculative decoding): id(seq) → (drafted token ids, …). A chunk that runs past a sequence's
         tokens is its last real token followed by its drafts; the logits of all its rows are returned, in
-        order, as `verify_logits` (the engine verifies them) instead of being sampled."""
+        order, as `verify_logits` (the engine verifies them) instead of being sampled.
+
+        Asynchronous scheduling (one rank): ``prev_tokens`` are the previous step's sampled tokens on the device,
+        which the placeholders among the sequences' tokens stand for; ``defer`` leaves this step's samples on
+        the device (``result.pending``) instead of reading them back (no logprobs then)."""
         step, sample_owner, plp = self._build_step(scheduled, drafts)
+        if prev_tokens is not None and step.has_placeholders:
+            assert self.workers is None, "asynchronous scheduling runs on one rank"
+            step.input_ids = resolve_placeholders(step.input_ids, prev_tokens, self.device)
         result = StepResult({}, {})
 
         def record_prompt_logprobs(first: int, logits: torch.Tensor) -> None:
@@ -280,7 +318,9 @@ class ModelRunner:
             with self.workers.guard():
                 self.tp.broadcast_message(step.pack())
                 result.verify_logits, logits = self.run_model(step, record_prompt_logprobs)
-        if logits is not None:
+        if logits is not None and defer:
+            result.pending = PendingTokens(sample_owner, self.sampler.sample(logits, sample_rows))
+        elif logits is not None:
             out = self.sampler(logits, sample_rows)
             for seq, tok, lp in zip(sample_owner, out.token_ids, out.logprobs):
                 result.sampled[id(seq)] = (tok, lp)
@@ -306,6 +346,7 @@ class ModelRunner:
                 step.input_ids.extend(drafts[id(seq)][0])
             else:
                 step.input_ids.extend(seq.token_ids[start:end])
+            step.has_placeholders |= seq.pending > 0
             step.positions.extend(range(start, end))
             table = seq.block_table
             step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))

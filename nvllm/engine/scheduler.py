@@ -50,7 +50,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold: Callable[[Sequence], bool] | None = None) -> SchedulerOutput:
+        """``hold`` (asynchronous scheduling): running sequences to leave out of this step — those certain to
+        finish on a token the host has not read yet."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         # speculative lookahead may only use blocks the running sequences after it don't need for one token
@@ -59,6 +61,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if hold is not None and hold(seq):
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self.lookahead is not None and n == seq.num_tokens - seq.num_computed_tokens == 1 and budget > 1:
                 reserve -= need_one[i]

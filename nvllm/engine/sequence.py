@@ -48,6 +48,9 @@ class Sequence:
     spec_state: object = None  # k=auto: this request's k and acceptance window (nvllm.spec.adaptive.KState)
     # disaggregated prefill: stop after the first token and keep the blocks for a decode worker to fetch
     prefill_only: bool = False
+    # asynchronous scheduling: tokens sampled on the device and not read yet, at the end of token_ids as
+    # placeholders −1 − (their row in that step's sampled tokens), which the next step's inputs resolve on the device
+    pending: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -55,11 +58,19 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The generated tokens the host knows (pending placeholders excluded)."""
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.pending]
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, pending ones included: what the sampler's next draw counts from."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def drop_pending(self) -> None:
+        """Forget placeholders whose tokens will never be read (the sequence finished before them)."""
+        if self.pending:
+            del self.token_ids[len(self.token_ids) - self.pending:]
+            self.pending = 0
 
     @property
     def finished(self) -> bool:

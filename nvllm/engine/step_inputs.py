@@ -18,7 +18,7 @@ _HEADER = 8  # tokens, sequences, block-table width, logit rows, verify rows, pr
 
 @dataclass
 class StepInputs:
-    input_ids: list[int] | torch.Tensor  # a device tensor only for a draft model's steps (never packed)
+    input_ids: list[int] | torch.Tensor  # a device tensor for draft steps and resolved placeholders (never packed)
     positions: list[int]
     slots: list[int]
     query_start_loc: list[int]  # num_seqs + 1 offsets into the flattened tokens
@@ -29,6 +29,7 @@ class StepInputs:
     prompt_rows: list[int] = field(default_factory=list)  # rows whose prompt log-probabilities are reported
     max_query_len: int = 0
     max_context_len: int = 0
+    has_placeholders: bool = False  # rank 0 only: some input ids stand for tokens still on the device
 
     @property
     def num_seqs(self) -> int:

@@ -53,41 +53,13 @@ class Sampler:
         return self._generators[device]
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-        """logits: [N, V] float32, one row per sequence that samples this step."""
-        report.record("sampler", "torch")
-        n = logits.shape[0]
-        device = logits.device
+        """logits: [N, V] float32, one row per sequence that samples this step. The tokens are read back (a wait
+        for the device); ``sample`` leaves them on the device."""
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        for i, r in enumerate(rows):
-            if r.banned:
-                logits[i, r.banned] = float("-inf")
-
-        greedy = [r.params.greedy for r in rows]
-        if all(greedy):
-            chosen = logits.argmax(dim=-1)
-        else:
-            ps = [r.params for r in rows]
-            temps = host_tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)], torch.float32, device)
-            x = logits / temps[:, None]
-            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in ps):
-                x = apply_top_k_top_p_min_p(x, host_tensor([p.top_k for p in ps], torch.long, device),
-                                            host_tensor([p.top_p for p in ps], torch.float32, device),
-                                            host_tensor([p.min_p for p in ps], torch.float32, device))
-            probs = x.softmax(dim=-1)
-            # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1), one draw per row and token; rows
-            # with their own seed draw from their own generator, so a seeded request ignores its batch.
-            noise = torch.empty_like(probs).exponential_(generator=self._engine_generator(device))
-            for i, r in enumerate(rows):
-                if r.generator is not None and not greedy[i]:
-                    noise[i].exponential_(generator=r.generator)
-            chosen = (probs / noise).argmax(dim=-1)
-            if any(greedy):
-                chosen = torch.where(host_tensor(greedy, torch.bool, device), logits.argmax(dim=-1), chosen)
-
-        token_ids = chosen.tolist()
-        logprobs: list = [None] * n
+        token_ids = self.sample(logits, rows).tolist()
+        logprobs: list = [None] * len(rows)
         if raw_logprobs is not None:
             want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
             infos = batch_token_logprobs(raw_logprobs[want], [token_ids[i] for i in want],
@@ -95,6 +67,38 @@ class Sampler:
             for i, info in zip(want, infos):
                 logprobs[i] = info
         return SamplerOutput(token_ids, logprobs)
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """The chosen token of every row, as an int64 device tensor; nothing waits for the device (logits is
+        modified in place: banned tokens are masked)."""
+        report.record("sampler", "torch")
+        device = logits.device
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned]
+        if banned:
+            bi, bt = zip(*banned)
+            logits[host_tensor(list(bi), torch.long, device), host_tensor(list(bt), torch.long, device)] = float("-inf")
+
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        ps = [r.params for r in rows]
+        temps = host_tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)], torch.float32, device)
+        x = logits / temps[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in ps):
+            x = apply_top_k_top_p_min_p(x, host_tensor([p.top_k for p in ps], torch.long, device),
+                                        host_tensor([p.top_p for p in ps], torch.float32, device),
+                                        host_tensor([p.min_p for p in ps], torch.float32, device))
+        probs = x.softmax(dim=-1)
+        # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1), one draw per row and token; rows
+        # with their own seed draw from their own generator, so a seeded request ignores its batch.
+        noise = torch.empty_like(probs).exponential_(generator=self._engine_generator(device))
+        for i, r in enumerate(rows):
+            if r.generator is not None and not greedy[i]:
+                noise[i].exponential_(generator=r.generator)
+        chosen = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            chosen = torch.where(host_tensor(greedy, torch.bool, device), logits.argmax(dim=-1), chosen)
+        return chosen
 
 
 def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -227,6 +227,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
     sock = bind_socket(config.host, config.port)  # before the slow part, so a taken port fails at once
     try:
         model_name = config.served_model_name or default_model_name(engine_config)
+        if disagg is not None and disagg.role != "mixed" and engine_config.async_scheduling:
+            # KV blocks move on another stream: a block freed under a step still running must not be handed to
+            # a transfer, so a prefill or decode worker reads every step's tokens before the next
+            logger.info("asynchronous scheduling off on a %s worker", disagg.role)
+            engine_config.async_scheduling = False
         engine = AsyncLLMEngine(LLMEngine(engine_config))
         worker = None
         if disagg is not None and disagg.role != "mixed":

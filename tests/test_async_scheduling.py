@@ -1,0 +1,131 @@
+"""Asynchronous scheduling (step N + 1 launched before step N's tokens are read) changes nothing users see:
+the same tokens, texts, finish reasons and logprobs as the synchronous engine, whatever ends a sequence
+(EOS, stop strings, stop ids, max_tokens, max_model_len, abort), with prefix caching, preemption, n > 1,
+min_tokens and seeded sampling in the batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from nvllm import SamplingParams
+from nvllm.config import ConfigError, EngineConfig
+from tests.conftest import make_llm
+
+_STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+          "One day, she saw a big, red ball.")
+PROMPTS = [
+    _STORY + " She wanted",
+    _STORY + " Her mom said",  # shares whole blocks with the first
+    "The cat sat on the mat and",
+    "One day, Lily went to the park",
+    "Tim had a big red ball",
+    "She was very happy",
+]
+
+
+def _params() -> list[SamplingParams]:
+    return [
+        SamplingParams(max_tokens=40, temperature=0.0),  # ends on EOS or at max_tokens
+        SamplingParams(max_tokens=1, temperature=0.0),  # one token: certain to finish on its pending token
+        SamplingParams(max_tokens=60, temperature=0.0, stop=["park", "."]),
+        SamplingParams(max_tokens=30, temperature=0.8, seed=7, n=2),  # seeded: reproducible anywhere
+        SamplingParams(max_tokens=25, temperature=0.0, min_tokens=20, logprobs=2),  # a step that reads at once
+        SamplingParams(max_tokens=50, temperature=1.0, top_k=20, seed=3, ignore_eos=True, stop_token_ids=[13]),
+    ]
+
+
+def _summary(outputs):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+              None if c.logprobs is None else [sorted((t, round(lp.logprob, 5)) for t, lp in d.items())
+                                               for d in c.logprobs])
+             for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def engines(demo_dir):
+    sync = make_llm(demo_dir, async_scheduling=False)
+    asyn = make_llm(demo_dir, async_scheduling=True)
+    return sync, asyn
+
+
+def test_same_outputs_as_synchronous(engines):
+    sync, asyn = engines
+    assert asyn.engine.async_scheduling and not sync.engine.async_scheduling
+    want = _summary(sync.generate(PROMPTS, _params(), use_tqdm=False))
+    got = _summary(asyn.generate(PROMPTS, _params(), use_tqdm=False))
+    assert got == want
+    assert not asyn.engine.has_unfinished_requests()
+    assert asyn.engine.block_manager.num_free_blocks == asyn.engine.block_manager.num_blocks
+    # a second run hits the prefix cache the first one filled: the blocks were hashed with real tokens
+    again = _summary(asyn.generate(PROMPTS, _params(), use_tqdm=False))
+    assert again == want
+    assert asyn.engine.block_manager.prefix_hits > 0
+
+
+def test_steps_really_overlap(engines):
+    """Between two decode steps a step is in flight: the next one was launched before its tokens were read."""
+    _, asyn = engines
+    e = asyn.engine
+    e.add_request("overlap", "Once upon a time", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    seen_inflight = 0
+    outputs = []
+    while e.has_unfinished_requests():
+        outputs += e.step()
+        seen_inflight += e._inflight is not None
+        seq = e.requests.get("overlap", [None])[0]
+        if seq is not None:  # what users see never holds a placeholder
+            assert all(t >= 0 for t in seq.output_token_ids)
+    assert seen_inflight >= 6
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 8
+
+
+def test_max_model_len_and_preemption(demo_dir):
+    """A small pool forces preemptions of sequences with a token still pending; a short max_model_len ends
+    sequences by length, never computing a position past it."""
+    prompts = [p + " and then" for p in PROMPTS] * 2
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    kw = dict(max_model_len=64, num_kv_blocks=12, block_size=8, max_num_seqs=8)
+    sync = make_llm(demo_dir, async_scheduling=False, **kw)
+    asyn = make_llm(demo_dir, async_scheduling=True, **kw)
+    furthest = {}
+    for name, llm in (("sync", sync), ("async", asyn)):
+        def checked(scheduled, *args, _execute=llm.engine.runner.execute, _name=name, **kw):
+            furthest[_name] = max(furthest.get(_name, 0), *(seq.num_computed_tokens + n for seq, n in scheduled))
+            return _execute(scheduled, *args, **kw)
+
+        llm.engine.runner.execute = checked
+    want = _summary(sync.generate(prompts, params, use_tqdm=False))
+    got = _summary(asyn.generate(prompts, params, use_tqdm=False))
+    assert got == want
+    # a sequence certain to end on its pending token is held out: no position past what the synchronous engine
+    # computes (the last token of a full-length sequence is sampled, never computed)
+    assert furthest["async"] == furthest["sync"] == 63
+    assert all(c[2] == "length" for o in got for c in o)
+    assert asyn.engine.scheduler.num_preemptions > 0
+
+
+def test_abort_with_a_step_in_flight(engines):
+    _, asyn = engines
+    e = asyn.engine
+    free = e.block_manager.num_free_blocks
+    e.add_request("keep", "Tim had a big red ball", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    e.add_request("drop", "She was very happy", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        e.step()
+    assert e._inflight is not None
+    out = e.abort_request("drop")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert all(t >= 0 for t in out.outputs[0].token_ids)
+    done = []
+    while e.has_unfinished_requests():
+        done += [o for o in e.step() if o.finished]
+    assert [o.request_id for o in done] == ["keep"] and len(done[0].outputs[0].token_ids) == 12
+    assert e.block_manager.num_free_blocks == free
+
+
+def test_config_checks(demo_dir):
+    assert EngineConfig(model=demo_dir, device="cpu").async_scheduling is False
+    with pytest.raises(ConfigError, match="speculative"):
+        EngineConfig(model=demo_dir, device="cpu", async_scheduling=True, speculative="k=2,method=ngram")
+    with pytest.raises(ConfigError, match="one rank"):
+        EngineConfig(model=demo_dir, device="cpu", async_scheduling=True, tensor_parallel_size=2)
