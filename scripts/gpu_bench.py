@@ -279,16 +279,16 @@ def profile_steps(llm, res: dict) -> None:
 
 
 def nvllm_runs(model_dir: Path, res: dict, throughput_prompts: int, enforce_eager: bool, save,
-               profile: bool = False) -> None:
+               profile: bool = False, async_scheduling: bool = True) -> None:
     from nvllm.bench.offline import run_latency, run_throughput
     from nvllm.config import EngineConfig
     from nvllm.kernels import report
     from nvllm.llm import LLM
 
-    tag = "eager" if enforce_eager else "graphs"
+    tag = "eager" if enforce_eager else "graphs" if async_scheduling else "sync"
     config = EngineConfig(model=str(model_dir), load_format="dummy", dtype="bfloat16", max_model_len=4096,
                           max_num_seqs=256, max_num_batched_tokens=8192, enforce_eager=enforce_eager,
-                          log_stats_interval=10)
+                          async_scheduling=async_scheduling and not enforce_eager, log_stats_interval=10)
     t0 = time.perf_counter()
     llm = LLM.from_config(config)
     res[f"nvllm_{tag}_startup_s"] = time.perf_counter() - t0
@@ -317,10 +317,11 @@ def nvllm_runs(model_dir: Path, res: dict, throughput_prompts: int, enforce_eage
         report.reset()
         thr = run_throughput(config, num_prompts=throughput_prompts, input_len=512, output_len=256, progress=False,
                              llm=llm)
-        res["nvllm_throughput_output_tok_s"] = thr["output_tokens_per_second"]
-        res["nvllm_throughput_elapsed_s"] = thr["elapsed_time"]
-        res["nvllm_throughput_requests"] = thr["num_requests"]
-        res["nvllm_throughput_kernel_report"] = thr["kernel_report"]
+        key = "nvllm_throughput" if tag == "graphs" else f"nvllm_{tag}_throughput"
+        res[f"{key}_output_tok_s"] = thr["output_tokens_per_second"]
+        res[f"{key}_elapsed_s"] = thr["elapsed_time"]
+        res[f"{key}_requests"] = thr["num_requests"]
+        res[f"{key}_kernel_report"] = thr["kernel_report"]
     del llm, model
     gc.collect()
     torch.cuda.empty_cache()
@@ -335,7 +336,7 @@ def table(res: dict) -> str:
     wall_ms = 1000 * res["decode_step_weight_bytes"] / bw
     if wall_ms:
         lines.append(f"decode wall (batch 1, weights only): {wall_ms:.2f} ms/token = {1000 / wall_ms:.0f} tok/s")
-    for tag in ("graphs", "eager"):
+    for tag in ("graphs", "sync", "eager"):
         k = f"nvllm_{tag}_tpot_ms"
         if k in res:
             t = res[k]
@@ -346,7 +347,7 @@ def table(res: dict) -> str:
     for n in (512, 2048) if res["num_params"] else ():
         limit_ms = 1000 * 2 * res["num_params"] * n / fl
         row = f"prefill {n}: FLOP limit {limit_ms:.1f} ms"
-        for tag in ("graphs", "eager"):
+        for tag in ("graphs", "sync", "eager"):
             k = f"nvllm_{tag}_ttft_{n}_ms"
             if k in res:
                 row += f"; nvllm {tag} {res[k]:.1f} ms ({res[k] / limit_ms:.2f}x)"
@@ -379,9 +380,10 @@ def table(res: dict) -> str:
             if kv != "auto" and "kvthr_auto_output_tok_s" in res:
                 line += f" ({res[f'kvthr_{kv}_output_tok_s'] / res['kvthr_auto_output_tok_s']:.2f}x bf16)"
             lines.append(line)
-    if "nvllm_throughput_output_tok_s" in res:
-        lines.append(f"throughput {res['nvllm_throughput_requests']} x 512/256: "
-                     f"{res['nvllm_throughput_output_tok_s']:.0f} output tok/s ({res['nvllm_throughput_elapsed_s']:.1f} s)")
+    for key, what in (("nvllm_throughput", "async scheduling"), ("nvllm_sync_throughput", "synchronous")):
+        if f"{key}_output_tok_s" in res:
+            lines.append(f"throughput {res[f'{key}_requests']} x 512/256 ({what}): "
+                         f"{res[f'{key}_output_tok_s']:.0f} output tok/s ({res[f'{key}_elapsed_s']:.1f} s)")
     return "\n".join(lines)
 
 
@@ -392,6 +394,7 @@ def main() -> None:
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-nvllm", action="store_true", help="skip the bf16 latency/prefill/throughput runs")
     ap.add_argument("--skip-eager", action="store_true")
+    ap.add_argument("--sync", action="store_true", help="also run the graphs engine with asynchronous scheduling off")
     ap.add_argument("--throughput-prompts", type=int, default=1000)
     ap.add_argument("--profile", action="store_true", help="profile a prefill and decode steps (torch.profiler)")
     ap.add_argument("--kv", default="", help="comma-separated KV-cache dtypes to compare at 8K context: auto,int8,...")
@@ -418,6 +421,9 @@ def main() -> None:
     if not args.skip_nvllm:
         steps.append(("nvllm graphs", lambda: nvllm_runs(model_dir, res, args.throughput_prompts, False, save,
                                                          args.profile)))
+    if args.sync:
+        steps.append(("nvllm sync", lambda: nvllm_runs(model_dir, res, args.throughput_prompts, False, save,
+                                                       async_scheduling=False)))
     if not args.skip_eager:
         steps.append(("nvllm eager", lambda: nvllm_runs(model_dir, res, 0, True, save)))
     if args.kv:
