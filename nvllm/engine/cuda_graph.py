@@ -57,6 +57,11 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
+    @property
+    def pool(self):
+        """The graphs' memory pool (after capture), for other graphs replayed on the same stream to share."""
+        return self.graphs[self.sizes[-1]].pool() if self.graphs else None
+
     def _meta(self, bs: int) -> AttentionMetadata:
         # max_context_len=None: the decode kernel sizes its split grid from the block-table capacity, a
         # number fixed at capture time

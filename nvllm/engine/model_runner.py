@@ -23,6 +23,7 @@ from nvllm.config import ConfigError, EngineConfig
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import check_tensor_parallel
 from nvllm.engine.cuda_graph import DecodeGraphs
+from nvllm.engine.piecewise_graphs import PiecewiseGraphs
 from nvllm.engine.sequence import Sequence
 from nvllm.engine.step_inputs import StepInputs
 from nvllm.kernels import report
@@ -36,6 +37,9 @@ from nvllm.models.registry import resolve_architecture
 logger = logging.getLogger("nvllm")
 _GiB = 1 << 30
 _PROMPT_LOGPROB_ROWS = 512  # prompt positions scored per log_softmax
+PIECEWISE_MAX_TOKENS = 2048
+"""Largest step (in tokens) replayed as piecewise CUDA graphs (nvllm.engine.piecewise_graphs); above it a step's
+GPU work hides its launches and it runs eagerly."""
 GRAPH_MAX_QUERY_LEN = 16
 """Steps whose chunks are all this short replay the decode CUDA graphs with one row per token: each row's
 context ends at its own position, and every row's K/V is stored before any row attends, so a chunk of n
@@ -133,10 +137,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._gemm_choices()
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and use_triton(self.kv_caches[0][0]):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
                                        -(-self.max_model_len // self.block_size), self.device)
             self.graphs.capture()
+            self.piecewise = PiecewiseGraphs(self.model, self.kv_caches,
+                                             min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS), self.device,
+                                             pool=self.graphs.pool)
+            self.piecewise.capture()
         if self.device.type == "cuda":
             self._build_lm_head_variants()
         kv_dtype = str(kv_cache_element_dtype(self.dtype, config.kv_cache_dtype)).replace("torch.", "")
@@ -383,15 +392,19 @@ class ModelRunner:
                 ctx = [p + 1 for p in step.positions]
             hidden = self.graphs.run(step.input_ids, step.positions, step.slots, tables, ctx)
         else:
+            piecewise = self.piecewise is not None and self.piecewise.fits(len(step.positions))
             meta = AttentionMetadata(
-                slot_mapping=host_tensor(step.slots, torch.long, dev),
+                slot_mapping=step.slots if piecewise else host_tensor(step.slots, torch.long, dev),
                 block_tables=host_tensor(step.block_tables, torch.int32, dev),
                 query_start_loc=host_tensor(step.query_start_loc, torch.int32, dev),
                 context_lens=host_tensor(step.context_lens, torch.int32, dev),
                 max_query_len=step.max_query_len, max_context_len=step.max_context_len)
             ids = step.input_ids
-            hidden = self.model(ids if isinstance(ids, torch.Tensor) else host_tensor(ids, torch.long, dev),
-                                host_tensor(step.positions, torch.long, dev), self.kv_caches, meta)
+            if piecewise:
+                hidden = self.piecewise.run(ids, step.positions, meta)
+            else:
+                hidden = self.model(ids if isinstance(ids, torch.Tensor) else host_tensor(ids, torch.long, dev),
+                                    host_tensor(step.positions, torch.long, dev), self.kv_caches, meta)
 
         verify = self._logits(hidden, step.verify_rows) if step.verify_rows else None
         for c in range(0, len(step.prompt_rows), _PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] temporaries

@@ -112,17 +112,30 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return (*self.rotary(positions, q, k), v)
 
-    def forward(self, positions, hidden, residual, kv_cache, meta: AttentionMetadata):
+    # forward = pre_attention → attn → post_attention. The two halves hold no attention and no cache access:
+    # every op in them acts on each token row alone (with tensor parallelism, o_proj / down_proj all-reduce
+    # row by row), so nvllm.engine.piecewise_graphs captures them, padded rows included, as CUDA graphs.
+    def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """Input norm (with the residual add, except at the first layer: ``residual`` None), the fused q/k/v
+        projection, q/k norms (Qwen3) and rotary → (q [T, H, D], k [T, H_kv, D], v [T, H_kv, D], residual)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         q, k, v = self.split_qkv(self.qkv_proj(hidden), positions)
-        hidden = self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return q, k, v, residual
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
+        """o_proj, post-attention norm (with the residual add) and the MLP → (hidden, residual)."""
+        hidden = self.o_proj(attn_out)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         hidden = self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
         return hidden, residual
+
+    def forward(self, positions, hidden, residual, kv_cache, meta: AttentionMetadata):
+        q, k, v, residual = self.pre_attention(positions, hidden, residual)
+        return self.post_attention(self.attn(q, k, v, kv_cache, meta), residual)
 
 
 class LlamaForCausalLM(nn.Module):
