@@ -52,6 +52,7 @@ class DecodeGraphs:
         self.copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.recorded: dict[int, object] = {}  # batch size → the kernel-report records its capture made
 
     @property
     def max_batch(self) -> int:
@@ -77,7 +78,7 @@ class DecodeGraphs:
             self.model(*args)  # warm-up: compiles kernels, settles the allocator
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with report.recording() as self.recorded[bs], torch.cuda.graph(graph, pool=pool):
                 self.outputs[bs] = self.model(*args)
             pool = graph.pool()
             self.graphs[bs] = graph
@@ -110,4 +111,5 @@ class DecodeGraphs:
             self.input_ids[:b].copy_(input_ids)
         self.graphs[bs].replay()
         report.record("decode step", f"cuda graph (batch {bs})")
+        report.replay(self.recorded[bs])
         return self.outputs[bs][:b]

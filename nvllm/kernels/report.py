@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _lock = threading.Lock()
 _counts: Counter[tuple[str, str]] = Counter()
@@ -17,6 +19,26 @@ _counts: Counter[tuple[str, str]] = Counter()
 def record(op: str, impl: str, times: int = 1) -> None:
     with _lock:
         _counts[(op, impl)] += times
+
+
+@contextmanager
+def recording() -> Iterator[Counter]:
+    """The records made inside the block (they count in the report as usual). Around a CUDA graph capture: what
+    the graph holds, which ``replay`` counts again at each replay, so graphs show what they run."""
+    with _lock:
+        before = Counter(_counts)
+    made: Counter[tuple[str, str]] = Counter()
+    try:
+        yield made
+    finally:
+        with _lock:
+            made.update(_counts - before)
+
+
+def replay(made: Counter) -> None:
+    """Count a recorded set of dispatches again (a CUDA graph replay)."""
+    with _lock:
+        _counts.update(made)
 
 
 def snapshot() -> dict[str, dict[str, int]]:
