@@ -261,7 +261,8 @@ def demo_qkv(demo_dir):
     """Every layer's (q, k, v) of the demo model on a 32-token story, captured from the engine (fp32)."""
     llm = make_llm(demo_dir, kv_cache_memory=0.01)
     captured = []
-    hooks = [layer.attn.register_forward_pre_hook(lambda m, args: captured.append([t.clone() for t in args[:3]]))
+    # after the call: the fused rotary + KV store rotates q and k in place
+    hooks = [layer.attn.register_forward_hook(lambda m, args, out: captured.append([t.clone() for t in args[:3]]))
              for layer in llm.engine.runner.model.layers]
     prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with"
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)

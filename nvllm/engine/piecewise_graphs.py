@@ -4,17 +4,18 @@ A prefill step cannot replay one whole-model graph: its attention grid depends o
 else is row-wise, so — as vLLM does — the model is cut at its attention calls and the parts between two
 attentions are captured, once per token-count bucket:
 
-  piece 0      embedding + layer 0 pre-attention (input norm, qkv_proj, q/k norms, rotary)
+  piece 0      embedding + layer 0 pre-attention (input norm, qkv_proj, q/k norms; q and k left unrotated)
   piece i      layer i−1 post-attention (o_proj, norm, gate_up, SiLU·mul, down) + layer i pre-attention
   piece L      layer L−1 post-attention + final norm
 
 A step of T tokens runs with the smallest bucket n ≥ T: its inputs are staged into static buffers (padding rows:
-token 0 at position 0, slot −1), piece 0 is replayed, then for each layer the KV store and paged attention run
-eagerly on rows [0, n) — with the step's real query_start_loc / context_lens / block tables, so attention reads
-and writes only the real rows and the real sequences' cache blocks; padding rows store nowhere (slot −1) and
-their attention output is never written — and the next piece is replayed. Every op of a piece acts on each row
-alone, so whatever the padding rows hold never reaches a real row. About 3·L + 1 Python launches a step
-instead of ≈ 16·L.
+token 0 at position 0, slot −1), piece 0 is replayed, then for each layer its attention step
+(``DecoderLayer.attention``: rotary of q and k fused with the KV store, then paged attention) runs eagerly on
+rows [0, n) — with the step's real query_start_loc / context_lens / block tables, so attention reads and writes
+only the real rows and the real sequences' cache blocks; padding rows store nowhere (slot −1; they are rotated,
+at position 0, like any row) and their attention output is never written — and the next piece is replayed.
+Every op of a piece acts on each row alone, so whatever the padding rows hold never reaches a real row. About
+3·L + 1 Python launches a step instead of ≈ 16·L.
 
 Memory: the pieces pass data only through static buffers allocated here, outside the graph pool — inputs
 (token ids, positions, slots), q/k/v (one [n, (H + 2·H_kv)·D] buffer, the fused projection's layout), the
@@ -41,8 +42,6 @@ from collections.abc import Callable
 import torch
 
 from nvllm.kernels import report
-from nvllm.kernels.kv_store import store_kv
-from nvllm.kernels.paged_attention import paged_attention
 from nvllm.layers.attention import AttentionMetadata
 
 logger = logging.getLogger("nvllm")
@@ -113,7 +112,7 @@ class PiecewiseGraphs:
     ``model(input_ids, positions, kv_caches, meta)`` computes them (the row-wise ops run on the bucket's n rows,
     so GEMM results may differ in the last bits where the GEMM library picks another kernel for n rows).
 
-    ``model``: a LlamaForCausalLM (``embed_tokens``, ``layers`` with ``pre_attention`` / ``attn`` /
+    ``model``: a LlamaForCausalLM (``embed_tokens``, ``layers`` with ``pre_attention`` / ``attention`` /
     ``post_attention``, ``norm``); ``kv_caches``: its per-layer caches; ``max_tokens``: the largest step to
     capture (the ladder's top); ``sizes``: the buckets (default ``token_bucket_ladder(max_tokens)``); ``pool``:
     a graph memory pool to share (e.g. the decode graphs'); ``graph_factory(fn, pool)``: makes a piece
@@ -155,6 +154,7 @@ class PiecewiseGraphs:
         self.attn_out = torch.zeros(n, self.q_size, dtype=dtype, device=self.device)
         self.hidden = torch.zeros(n, s.hidden_size, dtype=dtype, device=self.device)
         self.pieces: dict[int, list] = {}  # bucket → its L + 1 pieces, in replay order
+        self.recorded: dict[int, object] = {}  # bucket → kernel-report records of its captures
         self._bucket_views: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @property
@@ -173,7 +173,7 @@ class PiecewiseGraphs:
     # ---- the pieces ------------------------------------------------------------------------------------
     def _stage_qkv(self, n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """q, k, v → the static buffer: one copy when they are the column ranges of one row-major tensor (the
-        projection's output, rotated in place), three otherwise (Qwen3's normed q and k are new tensors)."""
+        projection's output), three otherwise (Qwen3's normed q and k are new tensors)."""
         w, e = self.qkv.shape[1], q.element_size()
         d = self.head_dim
         fused = (q.stride() == (w, d, 1) and k.stride() == (w, d, 1) and v.stride() == (w, d, 1)
@@ -200,7 +200,7 @@ class PiecewiseGraphs:
             else:
                 hidden, residual = layers[i - 1].post_attention(attn_out, residual_buf)
             if i < len(layers):
-                q, k, v, residual = layers[i].pre_attention(pos, hidden, residual)
+                q, k, v, residual = layers[i].pre_attention(pos, hidden, residual, rotate=False)
                 self._stage_qkv(n, q, k, v)
                 residual_buf.copy_(residual)
             else:
@@ -210,27 +210,22 @@ class PiecewiseGraphs:
         return piece
 
     def _views(self, n: int) -> tuple[torch.Tensor, ...]:
-        """Rows [0, n) of q, k, v, the attention output (as [n, H, D]) and the slots, made once per bucket."""
+        """Rows [0, n) of q, k, v, the attention output (as [n, H, D]), the slots and the positions, made once
+        per bucket."""
         views = self._bucket_views.get(n)
         if views is None:
             views = self._bucket_views[n] = (self.q[:n], self.k[:n], self.v[:n],
                                              self.attn_out[:n].view(n, self.heads, self.head_dim),
-                                             self.slot_mapping[:n])
+                                             self.slot_mapping[:n], self.positions[:n])
         return views
 
     @staticmethod
     def _attend(layer, kv_cache, views, meta: AttentionMetadata) -> None:
-        """What ``layer.attn`` computes (Attention.forward: KV store, then paged attention over the cache) on the
-        bucket's rows, written into the static buffer the next piece reads (``out=``: no copy)."""
-        if len(kv_cache) == 2:
-            (k_cache, v_cache), k_scale, v_scale = kv_cache, None, None
-        else:
-            k_cache, v_cache, k_scale, v_scale = kv_cache
-        q, k, v, out, _ = views
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
-                        layer.attn.scale, meta.max_query_len, out=out, max_context_len=meta.max_context_len,
-                        k_scale=k_scale, v_scale=v_scale)
+        """The layer's attention step (``DecoderLayer.attention``: rotary of the staged q and k fused with the
+        KV store, then paged attention over the cache) on the bucket's rows, written into the static buffer
+        the next piece reads (``out=``: no copy)."""
+        q, k, v, out, _, positions = views
+        layer.attention(positions, q, k, v, kv_cache, meta, out=out)
 
     # ---- start-up --------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -248,11 +243,12 @@ class PiecewiseGraphs:
             if cuda:
                 torch.cuda.synchronize(self.device)
             pieces = []
-            for fn in fns:
-                piece = self.graph_factory(fn, self.pool)
-                if self.pool is None:
-                    self.pool = piece.pool()
-                pieces.append(piece)
+            with report.recording() as self.recorded[n]:  # what the captured pieces run, for the kernel report
+                for fn in fns:
+                    piece = self.graph_factory(fn, self.pool)
+                    if self.pool is None:
+                        self.pool = piece.pool()
+                    pieces.append(piece)
             self.pieces[n] = pieces
         grown = ""
         if cuda:
@@ -306,4 +302,5 @@ class PiecewiseGraphs:
             self._attend(layer, kv_cache, views, padded)
             piece.replay()
         report.record("prefill step", f"piecewise cuda graphs (bucket {n})")
+        report.replay(self.recorded[n])
         return self.hidden[:t]

@@ -1,5 +1,6 @@
 """Attention over the paged KV cache. The model runner builds one AttentionMetadata per step; every layer
-stores its new K/V by slot mapping and attends through the block tables.
+stores its new K/V by slot mapping (in the decoder fused with the rotary embedding of q and k: ``rope_store``)
+and attends through the block tables.
 
 Each layer's cache is a ``KVCache``: K and V blocks ``[num_blocks, block_size, num_kv_heads, head_dim]`` and, for
 a quantized cache (``kv_cache_dtype`` int8 / fp8_e4m3), their fp32 scales ``[num_blocks, block_size,
@@ -16,6 +17,7 @@ from torch import nn
 
 from nvllm.kernels.kv_store import store_kv
 from nvllm.kernels.paged_attention import paged_attention
+from nvllm.kernels.rope_store import rope_store
 
 # --kv-cache-dtype -> element type of the cache (None: the model's dtype, no scales)
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8,
@@ -81,14 +83,26 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache | tuple,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, H_kv, D] → [T, H·D]. ``kv_cache``: a KVCache (or a plain (k, v) tuple)."""
+                meta: AttentionMetadata, positions: torch.Tensor | None = None, rotary=None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, H_kv, D] → [T, H·D]. ``kv_cache``: a KVCache (or a plain (k, v) tuple).
+
+        With ``positions`` [T] and ``rotary`` (a RotaryEmbedding: its cos/sin tables) q and k come unrotated:
+        one fused kernel rotates both in place and stores k and v into the cache (``rope_store``, the same
+        bits as rotary then store). Without them q and k are already rotated and only the store runs.
+        ``out``: a [T, H, D] buffer (e.g. a view of a static one) the attention writes into; the result is
+        then a view of it."""
         if len(kv_cache) == 2:
             (k_cache, v_cache), k_scale, v_scale = kv_cache, None, None
         else:
             k_cache, v_cache, k_scale, v_scale = kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        if rotary is None:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        else:
+            assert positions is not None, "the fused rotary + KV store needs the positions"
+            rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
+                       k_scale, v_scale)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
-                              self.scale, meta.max_query_len, max_context_len=meta.max_context_len,
+                              self.scale, meta.max_query_len, out=out, max_context_len=meta.max_context_len,
                               k_scale=k_scale, v_scale=v_scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

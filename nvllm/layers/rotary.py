@@ -1,5 +1,7 @@
 """Rotary position embedding (the rotate-half form HF Llama/Qwen/Mistral use), with the `llama3` and `linear`
-rope_scaling types."""
+rope_scaling types. Every scaling acts on the inverse frequencies only, so it is all in the fp32 cos/sin tables:
+the kernels (``apply_rotary``, and ``rope_store``, which the decoder's attention step uses to rotate q and k
+fused with the KV store) just read those tables by position."""
 
 from __future__ import annotations
 

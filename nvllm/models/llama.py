@@ -17,7 +17,6 @@ from torch import nn
 from nvllm.config import ConfigError
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, even_part, head_parts, layer_shards
-from nvllm.layers.activation import silu_and_mul
 from nvllm.layers.attention import Attention, AttentionMetadata
 from nvllm.layers.embed_head import LMHead, VocabEmbedding
 from nvllm.layers.linear import Linear
@@ -101,8 +100,9 @@ class DecoderLayer(nn.Module):
         self.down_proj = make_linear(inter, s.hidden_size, s.mlp_bias, None, dtype, quant.get("down_proj"),
                                      shards["down_proj"], tp)
 
-    def split_qkv(self, qkv: torch.Tensor, positions: torch.Tensor):
-        """The fused projection's output → per-head q, k (normed for Qwen3, rotated) and v."""
+    def split_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotate: bool = True):
+        """The fused projection's output → per-head q, k (normed for Qwen3, rotated in place unless ``rotate``
+        is False: then the attention step rotates them, fused with the KV store) and v."""
         s = self.s
         q_size, kv_size = s.num_local_heads * s.head_dim, s.num_local_kv_heads * s.head_dim
         q = qkv[:, :q_size].view(-1, s.num_local_heads, s.head_dim)
@@ -110,32 +110,43 @@ class DecoderLayer(nn.Module):
         v = qkv[:, q_size + kv_size:].view(-1, s.num_local_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return (*self.rotary(positions, q, k), v)
+        if rotate:
+            q, k = self.rotary(positions, q, k)
+        return q, k, v
 
-    # forward = pre_attention → attn → post_attention. The two halves hold no attention and no cache access:
-    # every op in them acts on each token row alone (with tensor parallelism, o_proj / down_proj all-reduce
-    # row by row), so nvllm.engine.piecewise_graphs captures them, padded rows included, as CUDA graphs.
-    def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+    # forward = pre_attention → attention → post_attention. The two halves hold no attention and no cache
+    # access: every op in them acts on each token row alone (with tensor parallelism, o_proj / down_proj
+    # all-reduce row by row), so nvllm.engine.piecewise_graphs captures them, padded rows included, as CUDA
+    # graphs. The attention step (``attention``) rotates q and k and stores k and v in one kernel.
+    def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                      rotate: bool = True):
         """Input norm (with the residual add, except at the first layer: ``residual`` None), the fused q/k/v
-        projection, q/k norms (Qwen3) and rotary → (q [T, H, D], k [T, H_kv, D], v [T, H_kv, D], residual)."""
+        projection, q/k norms (Qwen3) and, unless ``rotate`` is False, rotary → (q [T, H, D], k [T, H_kv, D],
+        v [T, H_kv, D], residual). ``rotate=False`` leaves the rotation to ``attention``."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        q, k, v = self.split_qkv(self.qkv_proj(hidden), positions)
+        q, k, v = self.split_qkv(self.qkv_proj(hidden), positions, rotate)
         return q, k, v, residual
+
+    def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
+                  meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotary of the unrotated q, k (``pre_attention(..., rotate=False)``) fused with the KV store, then
+        paged attention → [T, H·D] (into ``out`` [T, H, D] when given)."""
+        return self.attn(q, k, v, kv_cache, meta, positions=positions, rotary=self.rotary, out=out)
 
     def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
         """o_proj, post-attention norm (with the residual add) and the MLP → (hidden, residual)."""
         hidden = self.o_proj(attn_out)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        hidden = self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        hidden = self.down_proj.forward_silu_mul(self.gate_up_proj(hidden))  # SiLU·mul fused where it can be
         return hidden, residual
 
     def forward(self, positions, hidden, residual, kv_cache, meta: AttentionMetadata):
-        q, k, v, residual = self.pre_attention(positions, hidden, residual)
-        return self.post_attention(self.attn(q, k, v, kv_cache, meta), residual)
+        q, k, v, residual = self.pre_attention(positions, hidden, residual, rotate=False)
+        return self.post_attention(self.attention(positions, q, k, v, kv_cache, meta), residual)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,210 @@
+"""Rotary embedding of q and k fused with the KV-cache store: one kernel where the decoder ran two
+(``apply_rotary`` then ``store_kv``), one launch fewer per layer and step.
+
+``rope_store(q [T, H, D], k [T, H_kv, D], v [T, H_kv, D], positions [T], cos [P, D/2], sin [P, D/2], k_cache,
+v_cache, slot_mapping [T], k_scale=None, v_scale=None)`` does exactly what
+
+    apply_rotary(q, k, positions, cos, sin)                                   # nvllm/kernels/rotary.py
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)          # nvllm/kernels/kv_store.py
+
+does, with the same results bit for bit (q and k rotated in place and rounded to their dtype; the cache,
+and for an int8 / fp8 e4m3 cache the per-(token, head) scales, written from the rounded k and from v; slot
+−1 rows store nothing but are still rotated), and returns (q, k). q, k, v may be strided views of the fused
+qkv projection's output. The rotate-half (neox) form is the only one the models use; every rope scaling
+(linear, llama3) lives in the cos/sin tables (nvllm/layers/rotary.py), so it needs nothing here.
+
+Attention reads this step's K/V from the cache only (paged / prefill / decode kernels), so rotating k in
+place is for the contract's sake (callers and hooks that look at k see what was stored), not for attention.
+
+This file holds the op's three parts: the torch reference, the Triton kernel and the dispatch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nvllm.kernels import report
+from nvllm.kernels.backend import use_triton
+from nvllm.kernels.jit import lazy_jit
+from nvllm.kernels.kv_store import KV_QMAX, store_kv_reference
+from nvllm.kernels.rotary import apply_rotary_reference
+
+tl = None  # triton.language, bound by lazy_jit at the first launch
+_jit = lazy_jit
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+def rope_store_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary (in place), then the KV store: the two torch references one after the other."""
+    apply_rotary_reference(q, k, positions, cos, sin)
+    store_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q, k
+
+
+# ------------------------------------------------------------------------------------------------- Triton
+
+
+def _rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    stride_qt, stride_qh, stride_qd,          # q [T, H, D]
+    stride_kt, stride_kh, stride_kd,          # k [T, H_kv, D]
+    stride_vt, stride_vh, stride_vd,          # v [T, H_kv, D]
+    stride_cosp, stride_cosd,                 # cos [P, D/2]
+    stride_sinp, stride_sind,                 # sin [P, D/2]
+    stride_cb, stride_co, stride_ch, stride_cd,   # k_cache [num_blocks, block_size, H_kv, D]
+    stride_ub, stride_uo, stride_uh, stride_ud,   # v_cache (may differ from k_cache's strides)
+    stride_sb, stride_so, stride_sh,          # k_scale / v_scale [num_blocks, block_size, H_kv] (QUANT only)
+    num_heads, num_kv_heads, half,
+    BLOCK_SIZE: tl.constexpr,                 # tokens per cache block
+    BLOCK_H: tl.constexpr,                    # next power of two >= num_heads
+    BLOCK_HKV: tl.constexpr,                  # next power of two >= num_kv_heads
+    BLOCK_HALF: tl.constexpr,                 # next power of two >= D/2
+    QUANT: tl.constexpr,                      # 0: plain copy + cast; 1: int8; 2: fp8 e4m3 (with scales)
+    QMAX: tl.constexpr,                       # 127 (int8) or 448 (fp8 e4m3)
+):
+    """Two programs per token (grid [T, 2]), both with that position's cos/sin row: program 0 rotates the
+    token's k heads in place and stores k and v into its cache slot (quantizing per head with QUANT), program
+    1 rotates its q heads in place. Every tile is [heads, D/2]: the two halves of rotate-half are separate
+    loads, and the cache rows are written half by half. Each element is read before it is written and no two
+    programs touch the same one. The arithmetic is ``_rotary_kernel``'s, then ``_store_kv_kernel``'s on the
+    rotated k rounded to k's dtype, so the results are the same bits."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < half
+    c = tl.load(cos_ptr + pos * stride_cosp + d * stride_cosd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * stride_sinp + d * stride_sind, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    d = d[None, :]
+
+    if tl.program_id(1) == 0:
+        h = tl.arange(0, BLOCK_HKV)[:, None]
+        mask = (h < num_kv_heads) & d_mask[None, :]
+        p1 = k_ptr + t * stride_kt + h * stride_kh + d * stride_kd
+        p2 = p1 + half * stride_kd
+        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+        k1 = (x1 * c - x2 * s).to(k_ptr.dtype.element_ty)
+        k2 = (x2 * c + x1 * s).to(k_ptr.dtype.element_ty)
+        tl.store(p1, k1, mask=mask)
+        tl.store(p2, k2, mask=mask)
+
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            v_src = v_ptr + t * stride_vt + h * stride_vh + d * stride_vd
+            v1 = tl.load(v_src, mask=mask)
+            v2 = tl.load(v_src + half * stride_vd, mask=mask)
+            k_dst = k_cache_ptr + blk * stride_cb + off * stride_co + h * stride_ch + d * stride_cd
+            v_dst = v_cache_ptr + blk * stride_ub + off * stride_uo + h * stride_uh + d * stride_ud
+            if QUANT == 0:
+                tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(k_dst + half * stride_cd, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(v_dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(v_dst + half * stride_ud, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            else:
+                hh = tl.arange(0, BLOCK_HKV)
+                s_off = blk * stride_sb + off * stride_so + hh * stride_sh
+                h_mask = hh < num_kv_heads
+                # key: amax per head over both halves, y = x * QMAX / amax, rounded into the cache type
+                k1f = tl.where(mask, k1.to(tl.float32), 0.0)   # masked lanes: 0, not garbage
+                k2f = tl.where(mask, k2.to(tl.float32), 0.0)
+                k_amax = tl.maximum(tl.maximum(tl.max(tl.abs(k1f), 1), tl.max(tl.abs(k2f), 1)), 1e-10)
+                k_mul = (QMAX / k_amax)[:, None]
+                k1y = k1f * k_mul
+                k2y = k2f * k_mul
+                if QUANT == 1:
+                    k1y = tl.floor(k1y + 0.5)
+                    k2y = tl.floor(k2y + 0.5)
+                k1y = tl.minimum(tl.maximum(k1y, -QMAX), QMAX)
+                k2y = tl.minimum(tl.maximum(k2y, -QMAX), QMAX)
+                tl.store(k_dst, k1y.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(k_dst + half * stride_cd, k2y.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(k_scale_ptr + s_off, k_amax / QMAX, mask=h_mask)
+                # value: the same
+                v1f = tl.where(mask, v1.to(tl.float32), 0.0)
+                v2f = tl.where(mask, v2.to(tl.float32), 0.0)
+                v_amax = tl.maximum(tl.maximum(tl.max(tl.abs(v1f), 1), tl.max(tl.abs(v2f), 1)), 1e-10)
+                v_mul = (QMAX / v_amax)[:, None]
+                v1y = v1f * v_mul
+                v2y = v2f * v_mul
+                if QUANT == 1:
+                    v1y = tl.floor(v1y + 0.5)
+                    v2y = tl.floor(v2y + 0.5)
+                v1y = tl.minimum(tl.maximum(v1y, -QMAX), QMAX)
+                v2y = tl.minimum(tl.maximum(v2y, -QMAX), QMAX)
+                tl.store(v_dst, v1y.to(v_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(v_dst + half * stride_ud, v2y.to(v_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(v_scale_ptr + s_off, v_amax / QMAX, mask=h_mask)
+    else:  # names of their own: Triton checks names bound in both branches for one type
+        hq = tl.arange(0, BLOCK_H)[:, None]
+        q_mask = (hq < num_heads) & d_mask[None, :]
+        q1 = q_ptr + t * stride_qt + hq * stride_qh + d * stride_qd
+        q2 = q1 + half * stride_qd
+        y1 = tl.load(q1, mask=q_mask, other=0.0).to(tl.float32)
+        y2 = tl.load(q2, mask=q_mask, other=0.0).to(tl.float32)
+        tl.store(q1, (y1 * c - y2 * s).to(q_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(q2, (y2 * c + y1 * s).to(q_ptr.dtype.element_ty), mask=q_mask)
+
+
+def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``rope_store_reference``. Grid [T, 2]: per token one program for k (rotate, store k
+    and v) and one for q (rotate); q/k/v/cos/sin/caches may be strided."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), (q.shape, k.shape, v.shape, k_cache.shape)
+    assert positions.shape == slot_mapping.shape == (num_tokens,), (positions.shape, slot_mapping.shape)
+    assert head_dim % 2 == 0 and cos.shape[-1] == sin.shape[-1] == head_dim // 2, (head_dim, cos.shape)
+    assert v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim, (k_cache.shape, v_cache.shape)
+    if num_tokens == 0:
+        return q, k
+    import triton
+
+    if k_scale is None:
+        quant, qmax, scale_strides = 0, 1.0, (0, 0, 0)
+        k_scale = v_scale = k_cache                      # never read
+    else:
+        quant = 1 if k_cache.dtype == torch.int8 else 2
+        qmax = KV_QMAX[k_cache.dtype]
+        assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+        assert k_scale.dtype == v_scale.dtype == torch.float32 and v_cache.dtype == k_cache.dtype
+        scale_strides = k_scale.stride()
+    block_h = triton.next_power_of_2(num_heads)
+    block_hkv = triton.next_power_of_2(num_kv_heads)
+    block_half = triton.next_power_of_2(head_dim // 2)
+    tile = max(block_h, 2 * block_hkv) * block_half
+    _jit(_rope_store_kernel)[(num_tokens, 2)](
+        q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+        *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
+        *k_cache.stride(), *v_cache.stride(), *scale_strides,
+        num_heads, num_kv_heads, head_dim // 2,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half,
+        QUANT=quant, QMAX=qmax,
+        num_warps=4 if tile >= 1024 else (2 if tile >= 256 else 1),
+    )
+    return q, k
+
+
+# ----------------------------------------------------------------------------------------------- dispatch
+
+
+def rope_store(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    """Rotates q and k in place, stores k and v into the paged cache (see the module docstring); returns
+    (q, k). The report keeps the ``kv_store`` entries the separate store records (the same store, the same
+    bits) and says under ``rotary`` that it ran fused."""
+    quant = k_scale is not None
+    if use_triton(q):
+        report.record("rotary", "triton rope_store (fused with kv_store)")
+        report.record("kv_store", "triton store_kv (quantize)" if quant else "triton store_kv")
+        return rope_store_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    report.record("rotary", "torch reference (in place)")
+    report.record("kv_store", "torch quantize + index_copy" if quant else "torch index_copy")
+    return rope_store_reference(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
