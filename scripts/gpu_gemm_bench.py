@@ -18,15 +18,6 @@ Usage (repository root, one GPU; about 2-3 minutes on an H200, most of it Triton
 ``--dry-run-cpu`` runs the same flow on the CPU under the Triton interpreter at shapes scaled down 64×, with
 an eager wall-clock timer (checks the script, measures nothing).
 
-``--silu-mul`` (about 1.5 minutes) instead times the MLP's down projection (W [3584, 18944], bf16, per --tp)
-fused against unfused at every M of --ms: ``silu_and_mul`` + ``gemm`` (the separate activation kernel, then the
-table's choice) against ``gemm_silu_mul`` (SiLU·mul fused into the skinny kernel's operand loads, same table
-entry); also the activation kernel alone, the cuBLAS pair, and — for --sweep-s seconds — other fused configs,
-to see whether the fused kernel would want table entries of its own. The table is the one shipped for this
-GPU (nvllm/kernels/configs/, or --table); missing down-shape entries are tuned first. Checks: the report
-names the fused kernel, fused output vs unfused (rel err < 1e-2, bitwise equality noted), split-K repeats
-bitwise equal. Writes $OUT/gemm_silu_mul_bench.json.
-
 Prints a compact table; writes $OUT/gemm_bench.json (everything, including every candidate's time) and
 $OUT/gemm_table.json (the dispatch table, loadable with ``nvllm.kernels.gemm.load_gemm_table``), both
 rewritten after every shape so a run cut short still leaves results. OUT defaults to ".".
@@ -154,199 +145,6 @@ def verify_dispatch(G, report, name, n, k, ms, dtype, device) -> list[dict]:
     return out
 
 
-def silu_mul_main(args, ms: list[int]) -> int:
-    """--silu-mul: the down projection, SiLU·mul fused vs unfused (see the module doc)."""
-    import triton
-
-    from nvllm.kernels import activation as A
-    from nvllm.kernels import gemm as G
-    from nvllm.kernels import gemm_tuner as T
-    from nvllm.kernels import report
-
-    dry = args.dry_run_cpu
-    t_start = time.perf_counter()
-    out_dir = Path(os.environ.get("OUT", "."))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    n, k, calls = SHAPES["down"]
-    k //= args.tp
-    if dry:
-        n, k = n // 64, k // 64
-        device, dev_name, sms, l2 = torch.device("cpu"), "cpu (dry run)", 132, None
-        timer = cpu_timer
-    else:
-        device = torch.device("cuda", torch.cuda.current_device())
-        props = torch.cuda.get_device_properties(device)
-        dev_name, sms, l2 = props.name, props.multi_processor_count, getattr(props, "L2_cache_size", None)
-        timer = T.cuda_graph_timer
-    dtype, el = torch.bfloat16, 2
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": dev_name, "sms": sms, "l2_bytes": l2,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "commit": git_commit(), "dtype": "bfloat16", "ms": ms, "n": n, "k": k, "tp": args.tp,
-            "command": "python scripts/gpu_gemm_bench.py " + " ".join(sys.argv[1:])}
-    log(f"{dev_name}: {sms} SMs, L2 {l2}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-        f"triton {triton.__version__}, commit {meta['commit']}")
-    log(f"down projection W [{n}, {k}] {meta['dtype']}, x_gate_up [M, {2 * k}], M {ms}")
-    bw = copy_bandwidth(device) if not dry else {"GBps_median": 1.0, "GBps_best": 1.0, "dry_run": True}
-    peak = bw["GBps_median"] * 1e9
-    log(f"copy bandwidth: {bw['GBps_median']:.0f} GB/s median ({bw['GBps_best']:.0f} best)")
-    result = {"meta": meta, "copy_bandwidth": bw, "rows": [], "errors": []}
-
-    # ---- the dispatch table: shipped (or --table), missing entries of this shape tuned now
-    G.clear_gemm_table()
-    table = args.table or G.gemm_table_path(dev_name)
-    if os.path.isfile(table):
-        log(f"table: {G.load_gemm_table(table)} entries from {table}")
-        meta["table"] = table
-    missing = [m for m in ms if G.gemm_bucket(m) is not None
-               and (n, k, G.gemm_bucket(m), dtype) not in G.gemm_table()]
-    tiles = {"fma_tiles": T.FMA_TILES, "mma_tiles": T.MMA_TILES}
-    if dry:  # two tiles of each kind, BLOCK_K cut to the scaled-down K
-        tiles = {"fma_tiles": [(bn, 64, w, st) for bn, _, w, st in T.FMA_TILES[1:3]],
-                 "mma_tiles": [(bn, 64, w, st) for bn, _, w, st in T.MMA_TILES[1:3]]}
-    if missing:
-        log(f"tuning the down shape for M {missing} (not in the table)")
-        dry_kwargs = {"timer": cpu_timer, "rotate_bytes": 1, **tiles}
-        recs = T.GemmTuner(budget_s=60.0, max_err=MAX_REL_ERR, log=lambda s: log("  " + s),
-                           **(dry_kwargs if dry else {})).tune([(n, k)], missing, dtype, device)
-        if dry:  # the interpreter never beats F.linear: route to Triton anyway, to exercise the fused path
-            for r in recs:
-                if r["best_config"]:
-                    G.set_gemm_choice(n, k, r["m"], dtype, G.SkinnyConfig.from_dict(r["best_config"]))
-        meta["tuned_ms"] = missing
-
-    # ---- weights rotated past L2 (as the tuner does); one gate_up input per M (L2-resident, as in decode)
-    w_bytes = n * k * el
-    rotate = 1 if dry else max(4 * (l2 or 64 << 20), 256 << 20)
-    n_copies = max(2, min(64, -(-rotate // w_bytes)))
-    gen = torch.Generator(device=device).manual_seed(0)
-    weights = [(torch.randn((n, k), generator=gen, device=device) * 0.05).to(dtype) for _ in range(n_copies)]
-    estimate = w_bytes / 3e12
-    sweep_left = args.sweep_s
-    for m in ms:
-        x = (torch.randn((m, 2 * k), generator=gen, device=device) * 2).to(dtype)
-        nbytes = (n * k + m * 2 * k + m * n) * el          # fused: W + gate_up + y
-        choice = G.gemm_choice(n, k, m, dtype)
-        fused_name = choice.describe(fused="silu·mul") if isinstance(choice, G.SkinnyConfig) else None
-        row = {"m": m, "bytes": nbytes, "table_choice": choice.to_dict() if fused_name else choice}
-        try:
-            # correctness and the report first (also compiles)
-            report.reset()
-            y_unfused = G.gemm(A.silu_and_mul(x), weights[0])
-            row["report_unfused"] = report.snapshot()
-            report.reset()
-            y_fused = G.gemm_silu_mul(x, weights[0])
-            row["report_fused"] = report.snapshot()
-            sync(device)
-            row["report_ok"] = row["report_fused"] == ({"gemm": {fused_name: 1}} if fused_name
-                                                       else row["report_unfused"])
-            row["rel_err"] = T._rel_err(y_fused, y_unfused)
-            row["bitwise_equal"] = bool(torch.equal(y_fused, y_unfused))
-            if fused_name and choice.split_k > 1:
-                row["repeat_mismatches"] = sum(int(not torch.equal(G.gemm_silu_mul(x, weights[0]), y_fused))
-                                               for _ in range(50 if not dry else 2))
-            # timings (CUDA graph over the weight copies)
-            act = A.silu_and_mul(x)
-            row["silu_and_mul_us"] = timer(lambda i: A.silu_and_mul(x), n_copies, 2e-6, "silu_and_mul") * 1e6
-            row["unfused_us"] = timer(lambda i: G.gemm(A.silu_and_mul(x), weights[i]), n_copies, estimate,
-                                      "unfused") * 1e6
-            row["fused_us"] = timer(lambda i: G.gemm_silu_mul(x, weights[i]), n_copies, estimate, "fused") * 1e6
-            row["gemm_only_us"] = timer(lambda i: G.gemm(act, weights[i]), n_copies, estimate, "gemm") * 1e6
-            row["cublas_pair_us"] = timer(lambda i: F.linear(A.silu_and_mul(x), weights[i]), n_copies, estimate,
-                                          G.CUBLAS) * 1e6
-            row["speedup"] = row["unfused_us"] / row["fused_us"]
-            row["fused_frac_bw"] = nbytes / (row["fused_us"] * 1e-6) / peak
-            row["unfused_frac_bw"] = nbytes / (row["unfused_us"] * 1e-6) / peak
-            # other fused configs, as long as the sweep budget lasts (its share per remaining M)
-            share = sweep_left / (len(ms) - ms.index(m))
-            t_sweep = time.perf_counter()
-            cands = T.candidate_configs(n, k, m, sms, **tiles)
-            # the fused kernel recomputes the activation once per output tile: wide tiles first
-            cands = sorted((c for c in cands if c != choice), key=lambda c: (c.kernel != "fma", -c.block_n))
-            sweep = []
-            for cfg in cands:
-                if time.perf_counter() - t_sweep > share:
-                    break
-                rec = {"config": cfg.to_dict()}
-                try:
-                    err = T._rel_err(G.skinny_gemm(x, weights[0], None, cfg, silu_mul=True), y_unfused)
-                    rec["rel_err"] = err
-                    if err < MAX_REL_ERR:
-                        rec["us"] = timer(lambda i, cfg=cfg: G.skinny_gemm(x, weights[i], None, cfg, silu_mul=True),
-                                          n_copies, estimate, cfg) * 1e6
-                    else:
-                        rec["error"] = f"relative error {err:.3g}"
-                except Exception as e:
-                    rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                sweep.append(rec)
-            sweep_left -= time.perf_counter() - t_sweep
-            timed = [c for c in sweep if "us" in c]
-            best = min(timed, key=lambda c: c["us"]) if timed else None
-            row["sweep"] = sweep
-            row["sweep_best"] = best
-        except Exception as e:
-            msg = f"M={m}: {type(e).__name__}: {e}"
-            log("  FAILED " + msg)
-            result["errors"].append(msg)
-        result["rows"].append(row)
-        result["elapsed_s"] = time.perf_counter() - t_start
-        write_json(out_dir / "gemm_silu_mul_bench.json", result)
-        if "fused_us" in row:
-            b = row["sweep_best"]
-            log(f"[{time.perf_counter() - t_start:6.1f}s] M={m:2d}: unfused {row['unfused_us']:.2f} us "
-                f"(silu {row['silu_and_mul_us']:.2f} + gemm {row['gemm_only_us']:.2f}), fused "
-                f"{row['fused_us']:.2f} us, sweep best {b['us'] if b else float('nan'):.2f} us of "
-                f"{len(row['sweep'])}")
-
-    # ---- table
-    log("")
-    log(f"copy bandwidth {peak / 1e9:.0f} GB/s; %bw = (W + gate_up + y bytes / time) / copy bandwidth; "
-        f"pair = silu_and_mul kernel + GEMM, each launch inside one CUDA graph")
-    hdr = (f"{'M':>3s} | {'silu us':>7s} {'gemm us':>7s} {'pair us':>7s} {'%bw':>5s} | {'fused us':>8s} {'%bw':>5s} "
-           f"{'x':>5s} | {'cuBLAS pair':>11s} | {'sweep best':>10s} | table config -> fused / sweep best config")
-    log(hdr)
-    log("-" * len(hdr))
-
-    def cfg_s(c):
-        return (f"{c['kernel']} {c['block_n']}x{c['block_k']} s{c['split_k']} w{c['num_warps']} "
-                f"st{c['num_stages']}") if isinstance(c, dict) else str(c)
-
-    step = {}
-    for r in result["rows"]:
-        if "fused_us" not in r:
-            continue
-        b = r["sweep_best"]
-        log(f"{r['m']:3d} | {r['silu_and_mul_us']:7.2f} {r['gemm_only_us']:7.2f} {r['unfused_us']:7.2f} "
-            f"{100 * r['unfused_frac_bw']:5.1f} | {r['fused_us']:8.2f} {100 * r['fused_frac_bw']:5.1f} "
-            f"{r['speedup']:5.2f} | {r['cublas_pair_us']:11.2f} | {b['us'] if b else float('nan'):10.2f} | "
-            f"{cfg_s(r['table_choice'])} / {cfg_s(b['config']) if b else '-'}")
-        step[r["m"]] = {"saved_us_per_step": calls * (r["unfused_us"] - r["fused_us"]),
-                        "saved_us_per_step_sweep_best": calls * (r["unfused_us"] - min(r["fused_us"], b["us"]))
-                        if b else None}
-    for m, s in step.items():
-        log(f"M={m:2d}: fusing saves {s['saved_us_per_step']:.1f} us per decode step ({calls} layers) with the "
-            f"table's configs" + (f", {s['saved_us_per_step_sweep_best']:.1f} us with the sweep's best"
-                                  if s["saved_us_per_step_sweep_best"] is not None else ""))
-    result["decode_step"] = step
-
-    rows = [r for r in result["rows"] if "fused_us" in r]
-    bad = [r["m"] for r in rows if not (r["report_ok"] and r["rel_err"] < MAX_REL_ERR
-                                         and not r.get("repeat_mismatches"))]
-    log(f"checks: report names the fused kernel, fused vs unfused rel err < {MAX_REL_ERR:g}, split-K repeats "
-        f"bitwise equal: {'ok' if not bad else f'FAIL at M {bad}'}; fused bitwise equal to unfused at M "
-        f"{[r['m'] for r in rows if r['bitwise_equal']]}")
-    for r in rows:
-        if r["m"] in bad:
-            log(f"  FAIL M={r['m']}: report {r['report_fused']}, rel err {r['rel_err']:.2e}, "
-                f"repeat mismatches {r.get('repeat_mismatches')}")
-    for e in result["errors"]:
-        log(f"  ERROR {e}")
-    result["checks_ok"] = not bad and not result["errors"] and len(rows) == len(ms)
-    result["elapsed_s"] = time.perf_counter() - t_start
-    write_json(out_dir / "gemm_silu_mul_bench.json", result)
-    log(f"wrote {out_dir / 'gemm_silu_mul_bench.json'} in {result['elapsed_s']:.0f} s")
-    return 0 if result["checks_ok"] else 1
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,2,4,8,16", help="batch sizes M (comma-separated)")
@@ -358,13 +156,6 @@ def main() -> int:
                          "along N, o and down along K (the rows the engine's table needs with --tensor-parallel-size)")
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="exercise the script on the CPU (Triton interpreter, shapes / 64, fake timings)")
-    ap.add_argument("--silu-mul", action="store_true",
-                    help="time the down projection with SiLU·mul fused into the skinny GEMM against silu_and_mul + "
-                         "GEMM (the shipped table's choices), instead of tuning every shape")
-    ap.add_argument("--table", default=None,
-                    help="--silu-mul: the dispatch table to use (default: the one shipped for this GPU)")
-    ap.add_argument("--sweep-s", type=float, default=40.0,
-                    help="--silu-mul: seconds spent timing other fused configs (0: none)")
     args = ap.parse_args()
     dry = args.dry_run_cpu
     if dry:
@@ -380,8 +171,6 @@ def main() -> int:
         return 2
 
     os.environ["NVLLM_KERNELS"] = "triton" if dry else "auto"  # gemm() consults the tuned table
-    if args.silu_mul:
-        return silu_mul_main(args, ms)
     import triton
 
     from nvllm.kernels import gemm as G

@@ -39,13 +39,6 @@ workspace and counters are allocated once per (device, shape, split) — outside
 captured graph keeps valid pointers — and shared by same-shape calls, which is safe because launches on one
 stream are ordered (two streams running the same shape at once would need separate workspaces).
 
-Fused SiLU·mul (constexpr ``SILU_MUL``, for the MLP's down projection): x is the gate_up projection's output
-``[M, 2K]`` and every x load reads the gate tile (columns k) and the up tile (columns K + k) and forms
-silu(gate)·up in fp32 with ``silu_and_mul``'s two roundings to x's dtype, so the operand that meets W is
-exactly the one the separate kernel would have written — and that kernel (≈1.2 µs + a launch gap per layer
-at decode) and its ``[M, K]`` intermediate disappear. Each program computes the activation for its own K
-blocks (and M tile) only; programs along N recompute it from L2 (x is tiny next to W).
-
 Dispatch
 --------
 ``gemm()`` looks ``(N, K, M-bucket, dtype)`` up in a table (one dict lookup; M-bucket = next power of two,
@@ -55,9 +48,6 @@ on the GPU by ``tune_gemm(shapes, batch_sizes, dtype, device)`` — cuBLAS and e
 inside a CUDA graph over several copies of the weight (so L2 holds none of them), candidates checked
 against F.linear first — or by hand (``set_gemm_choice``), or from a saved JSON (``load_gemm_table``).
 The kernel report names what ran: ``gemm: triton skinny (BLOCK_N=.. ...)`` or ``gemm: torch F.linear (cuBLAS)``.
-``gemm_silu_mul(x_gate_up, W)`` takes the fused kernel exactly where ``gemm`` would take the skinny kernel for
-the activation (same entry, same M limit) and reports ``gemm: triton skinny (silu·mul fused, ...)``; elsewhere
-it runs ``silu_and_mul`` then ``gemm`` (reported as those two ops).
 
 This file holds the op's parts: the torch reference, the Triton kernel, its launcher and the dispatch
 table (gemm_tuner.py fills it by measurement). Triton is imported lazily (the package imports without it).
@@ -74,7 +64,6 @@ import torch
 import torch.nn.functional as F
 
 from nvllm.kernels import report
-from nvllm.kernels.activation import silu_and_mul, silu_and_mul_reference
 from nvllm.kernels.backend import use_triton
 from nvllm.kernels.jit import lazy_jit
 
@@ -114,12 +103,6 @@ def gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return F.linear(x, weight, bias)
 
 
-def gemm_silu_mul_reference(x_gate_up: torch.Tensor, weight: torch.Tensor,
-                            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu_and_mul`` then the GEMM: x_gate_up ``[..., 2K]``, weight ``[N, K]``."""
-    return F.linear(silu_and_mul_reference(x_gate_up), weight, bias)
-
-
 # ------------------------------------------------------------------------------------------------- config
 
 
@@ -152,10 +135,8 @@ class SkinnyConfig:
             return min(FMA_MAX_M, _next_pow2(m))
         return min(64, max(16, _next_pow2(m)))
 
-    def describe(self, fused: str | None = None) -> str:
-        """The kernel report's name; ``fused``: the prologue fused into the operand loads (e.g. "silu·mul")."""
-        pre = f"{fused} fused, " if fused else ""
-        return (f"triton skinny ({pre}BLOCK_N={self.block_n} BLOCK_K={self.block_k} SPLIT_K={self.split_k} "
+    def describe(self) -> str:
+        return (f"triton skinny (BLOCK_N={self.block_n} BLOCK_K={self.block_k} SPLIT_K={self.split_k} "
                 f"{self.kernel} warps={self.num_warps} stages={self.num_stages})")
 
     def to_dict(self) -> dict:
@@ -185,17 +166,11 @@ def _skinny_gemm_kernel(
     UPCAST: tl.constexpr,         # interpreter + 16-bit: feed tl.dot fp32 copies (see skinny_gemm)
     DOT_PRECISION: tl.constexpr,
     FMA_STAGES: tl.constexpr,     # fma: software-pipeline depth of the K loop (1 = none)
-    SILU_MUL: tl.constexpr,       # x is gate_up [M, 2K]: the A operand is silu(x[:, :K]) · x[:, K:]
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M)). Program (n, s, m) computes the partial
     ``y[m-tile, n-tile]`` over K blocks [s·blocks_per_split, (s+1)·blocks_per_split) and, unsplit or last to
-    arrive, the final tile. Tiles are held transposed, ``[BLOCK_N, BLOCK_M]``.
-
-    ``SILU_MUL``: every x load reads the gate tile (column k) and the up tile (column K + k) of the gate_up
-    output and forms silu(gate) · up with the rounding steps of ``silu_and_mul`` (silu in fp32 rounded to x's
-    dtype, the product in fp32 rounded to x's dtype), so the operand is bit for bit the one the unfused
-    kernel would read; each program does this for its own K blocks only (split-K included)."""
+    arrive, the final tile. Tiles are held transposed, ``[BLOCK_N, BLOCK_M]``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -208,8 +183,6 @@ def _skinny_gemm_kernel(
     w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn        # [BLOCK_N, 1]
     kb_begin = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_begin + blocks_per_split, k_blocks)
-    x_ty = x_ptr.dtype.element_ty
-    up_off = K * stride_xk        # SILU_MUL: the up half starts K columns after the gate half
 
     if USE_DOT:
         x_cols = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[None, :] * stride_xm       # [1, BLOCK_M]
@@ -219,22 +192,12 @@ def _skinny_gemm_kernel(
             if EVEN_K:
                 w = tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first")
                 xt = tl.load(x_cols + offs_k[:, None] * stride_xk, eviction_policy="evict_last")
-                if SILU_MUL:
-                    ut = tl.load(x_cols + up_off + offs_k[:, None] * stride_xk, eviction_policy="evict_last")
             else:
                 mk = offs_k < K
                 w = tl.load(w_rows + offs_k[None, :], mask=mk[None, :], other=0.0,
                             eviction_policy="evict_first")
                 xt = tl.load(x_cols + offs_k[:, None] * stride_xk, mask=mk[:, None], other=0.0,
                              eviction_policy="evict_last")
-                if SILU_MUL:
-                    ut = tl.load(x_cols + up_off + offs_k[:, None] * stride_xk, mask=mk[:, None], other=0.0,
-                                 eviction_policy="evict_last")
-            if SILU_MUL:
-                # silu rounded to x's dtype, times up in fp32 (exact for 16-bit values), rounded once more
-                gt = xt.to(tl.float32)
-                st = (gt / (1.0 + tl.exp(-gt))).to(x_ty).to(tl.float32)
-                xt = (st * ut.to(tl.float32)).to(x_ty)
             if UPCAST:
                 acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
             else:
@@ -263,14 +226,6 @@ def _skinny_gemm_kernel(
                 w = tl.load(w_rows + offs_k[None, :], mask=mk[None, :], other=0.0,
                             eviction_policy="evict_first").to(tl.float32)
                 x0 = tl.load(x_r0 + xk, mask=mk, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            if SILU_MUL:
-                if EVEN_K:
-                    u0 = tl.load(x_r0 + up_off + xk, eviction_policy="evict_last").to(tl.float32)
-                else:
-                    u0 = tl.load(x_r0 + up_off + xk, mask=mk, other=0.0,
-                                 eviction_policy="evict_last").to(tl.float32)
-                s0 = (x0 / (1.0 + tl.exp(-x0))).to(x_ty).to(tl.float32)
-                x0 = (s0 * u0).to(x_ty).to(tl.float32)
             p0 = w * x0[None, :]
             if ACC_K == 1:
                 p0 = tl.reduce(p0, 1, tl.standard._sum_combine, keep_dims=True)
@@ -280,14 +235,6 @@ def _skinny_gemm_kernel(
                     x1 = tl.load(x_r1 + xk, eviction_policy="evict_last").to(tl.float32)
                 else:
                     x1 = tl.load(x_r1 + xk, mask=mk, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                if SILU_MUL:
-                    if EVEN_K:
-                        u1 = tl.load(x_r1 + up_off + xk, eviction_policy="evict_last").to(tl.float32)
-                    else:
-                        u1 = tl.load(x_r1 + up_off + xk, mask=mk, other=0.0,
-                                     eviction_policy="evict_last").to(tl.float32)
-                    s1 = (x1 / (1.0 + tl.exp(-x1))).to(x_ty).to(tl.float32)
-                    x1 = (s1 * u1).to(x_ty).to(tl.float32)
                 p1 = w * x1[None, :]
                 if ACC_K == 1:
                     p1 = tl.reduce(p1, 1, tl.standard._sum_combine, keep_dims=True)
@@ -299,19 +246,6 @@ def _skinny_gemm_kernel(
                 else:
                     x2 = tl.load(x_r2 + xk, mask=mk, other=0.0, eviction_policy="evict_last").to(tl.float32)
                     x3 = tl.load(x_r3 + xk, mask=mk, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                if SILU_MUL:
-                    if EVEN_K:
-                        u2 = tl.load(x_r2 + up_off + xk, eviction_policy="evict_last").to(tl.float32)
-                        u3 = tl.load(x_r3 + up_off + xk, eviction_policy="evict_last").to(tl.float32)
-                    else:
-                        u2 = tl.load(x_r2 + up_off + xk, mask=mk, other=0.0,
-                                     eviction_policy="evict_last").to(tl.float32)
-                        u3 = tl.load(x_r3 + up_off + xk, mask=mk, other=0.0,
-                                     eviction_policy="evict_last").to(tl.float32)
-                    s2 = (x2 / (1.0 + tl.exp(-x2))).to(x_ty).to(tl.float32)
-                    s3 = (x3 / (1.0 + tl.exp(-x3))).to(x_ty).to(tl.float32)
-                    x2 = (s2 * u2).to(x_ty).to(tl.float32)
-                    x3 = (s3 * u3).to(x_ty).to(tl.float32)
                 p2 = w * x2[None, :]
                 p3 = w * x3[None, :]
                 if ACC_K == 1:
@@ -390,22 +324,14 @@ _skinny_gemm_kernel.do_not_specialize = ("M", "ws_stride_s")
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
-                out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton path: ``x [M, K]`` (any strides) times ``weight [N, K]`` (rows contiguous) (+ bias) →
     ``[M, N]`` in x's dtype (or into ``out``, a contiguous-rows [M, N] tensor). Raises RuntimeError when a
-    split-K workspace would have to be allocated during CUDA-graph capture (warm up before capturing).
-
-    ``silu_mul``: x is a gate_up output ``[M, 2K]`` (gate = columns [0, K), up = [K, 2K)) and the product is
-    ``silu_and_mul(x) Wᵀ (+ b)``, the activation formed in the kernel's operand loads (see the kernel)."""
+    split-K workspace would have to be allocated during CUDA-graph capture (warm up before capturing)."""
     M, K = x.shape
-    if silu_mul:
-        if K % 2:
-            raise ValueError(f"silu_mul: the gate_up input needs an even number of columns, got {K}")
-        K //= 2
     N = weight.shape[0]
     if weight.shape[1] != K:
-        raise ValueError(f"x has {K} features{' (after silu·mul)' if silu_mul else ''}, the weight "
-                         f"{tuple(weight.shape)} expects {weight.shape[1]}")
+        raise ValueError(f"x has {K} features, the weight {tuple(weight.shape)} expects {weight.shape[1]}")
     if weight.stride(1) != 1:
         raise ValueError("the skinny GEMM needs the weight's rows contiguous (stride(1) == 1)")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
@@ -443,7 +369,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         UPCAST=sixteen_bit and _interpreting(),
         DOT_PRECISION="tf32" if sixteen_bit else "ieee",
         FMA_STAGES=config.num_stages,
-        SILU_MUL=silu_mul,
         BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=bk,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -521,53 +446,20 @@ def load_gemm_table(path: str) -> int:
     return len(entries)
 
 
-def _skinny_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, M: int,
-                   K: int) -> SkinnyConfig | None:
-    """The table's SkinnyConfig when an M-row, K-feature product with this weight runs the Triton kernel
-    (tuned shape, matching dtypes, contiguous weight rows, and during CUDA-graph capture a split-K workspace
-    already allocated); None: F.linear. The caller has checked ``_TABLE and use_triton(x)``."""
-    if not 0 < M <= MAX_TUNED_M:
-        return None
-    choice = _TABLE.get((weight.shape[0], K, _BUCKETS[M], x.dtype))
-    if (isinstance(choice, SkinnyConfig) and weight.dtype == x.dtype and weight.stride(-1) == 1
-            and weight.dim() == 2 and (bias is None or bias.dtype == x.dtype)):
-        bm, _, _, _, splits, n_tiles, m_tiles = _geometry(M, weight.shape[0], K, choice)
-        if splits == 1 or not _capturing(x.device) or _workspace(
-                x.device, splits, m_tiles * bm, weight.shape[0], n_tiles * m_tiles, allocate=False):
-            return choice
-    return None
-
-
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x Wᵀ (+ b)`` through the measured choice for this shape; F.linear unless the table says Triton."""
     if _TABLE and use_triton(x):
         K = x.shape[-1]
         M = x.numel() // K if K else 0
-        choice = _skinny_choice(x, weight, bias, M, K)
-        if choice is not None:
-            report.record("gemm", choice.describe())
-            y = skinny_gemm(x.reshape(M, K), weight, bias, choice)
-            return y.view(*x.shape[:-1], weight.shape[0])
+        if 0 < M <= MAX_TUNED_M:
+            choice = _TABLE.get((weight.shape[0], K, _BUCKETS[M], x.dtype))
+            if (isinstance(choice, SkinnyConfig) and weight.dtype == x.dtype and weight.stride(-1) == 1
+                    and weight.dim() == 2 and (bias is None or bias.dtype == x.dtype)):
+                bm, _, _, _, splits, n_tiles, m_tiles = _geometry(M, weight.shape[0], K, choice)
+                if splits == 1 or not _capturing(x.device) or _workspace(
+                        x.device, splits, m_tiles * bm, weight.shape[0], n_tiles * m_tiles, allocate=False):
+                    report.record("gemm", choice.describe())
+                    y = skinny_gemm(x.reshape(M, K), weight, bias, choice)
+                    return y.view(*x.shape[:-1], weight.shape[0])
     report.record("gemm", "torch F.linear (cuBLAS)" if x.is_cuda else "torch F.linear (cpu)")
     return F.linear(x, weight, bias)
-
-
-def gemm_silu_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = silu_and_mul(x_gate_up) Wᵀ (+ b)``: x_gate_up ``[..., 2K]`` (gate = columns [0, K), up = [K, 2K)),
-    weight ``[N, K]`` → ``[..., N]``. Where ``gemm`` would run the skinny kernel for the ``[M, K]`` activation
-    (same table entry, same M limit, same conditions) the kernel forms the activation in its operand loads —
-    one launch, no ``[M, K]`` intermediate; otherwise ``silu_and_mul`` then ``gemm`` (cuBLAS / CPU / torch).
-    Either way the operand is rounded exactly as ``silu_and_mul`` rounds it. Report: ``gemm: triton skinny
-    (silu·mul fused, ...)``, or the unfused pair's two entries."""
-    K2 = x_gate_up.shape[-1]
-    if K2 % 2:
-        raise ValueError(f"gemm_silu_mul: the gate_up input needs an even number of columns, got {K2}")
-    K = K2 // 2
-    if _TABLE and use_triton(x_gate_up) and weight.dim() == 2 and weight.shape[1] == K:
-        M = x_gate_up.numel() // K2 if K2 else 0
-        choice = _skinny_choice(x_gate_up, weight, bias, M, K)
-        if choice is not None:
-            report.record("gemm", choice.describe(fused="silu·mul"))
-            y = skinny_gemm(x_gate_up.reshape(M, K2), weight, bias, choice, silu_mul=True)
-            return y.view(*x_gate_up.shape[:-1], weight.shape[0])
-    return gemm(silu_and_mul(x_gate_up), weight, bias)

@@ -12,7 +12,7 @@ from torch import nn
 
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, take_shard
-from nvllm.kernels.gemm import gemm, gemm_silu_mul
+from nvllm.kernels.gemm import gemm
 
 
 class Linear(nn.Module):
@@ -56,15 +56,4 @@ class Linear(nn.Module):
         if self.tp is None or self.tp.size == 1:
             return gemm(x, self.weight, self.bias)
         y = self.tp.all_reduce(gemm(x, self.weight))
-        return y if self.bias is None else y + self.bias
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``self(silu_and_mul(gate_up))`` for the MLP's down projection, gate_up ``[..., 2·in_features]``
-        (gate half first): where the small-batch Triton GEMM runs, SiLU·mul is fused into its operand loads
-        (one launch, no intermediate); elsewhere the two ops run as before. Tensor parallelism as ``forward``:
-        this rank's partial product (its gate/up columns are its slice of the inputs), one all-reduce, the
-        bias added once after it. Bypasses module hooks, like a direct ``forward`` call."""
-        if self.tp is None or self.tp.size == 1:
-            return gemm_silu_mul(gate_up, self.weight, self.bias)
-        y = self.tp.all_reduce(gemm_silu_mul(gate_up, self.weight))
         return y if self.bias is None else y + self.bias

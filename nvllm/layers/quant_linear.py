@@ -22,7 +22,6 @@ from torch import nn
 from nvllm.config import ConfigError
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, Part, take_shard
-from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.quant_gemm import quant_linear
 from nvllm.quant.formats import QuantWeight, default_g_idx
 from nvllm.quant.plan import QuantScheme
@@ -185,11 +184,6 @@ class QuantLinear(nn.Module):
             return quant_linear(x, self.quant_weight(), self.bias)
         y = self.tp.all_reduce(quant_linear(x, self.quant_weight()))  # partial sums of this rank's inputs
         return y if self.bias is None else y + self.bias
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``self(silu_and_mul(gate_up))``: the dense ``Linear``'s method name, so the model calls either
-        uniformly (nothing is fused here: the quantized kernels read a materialized activation)."""
-        return self(silu_and_mul(gate_up))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.fmt} "
