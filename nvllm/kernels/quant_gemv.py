@@ -1,24 +1,42 @@
 """Weight-only quantized GEMV for decode (a handful of rows): ``y = x @ dequant(W).T`` without ``tl.dot``.
 
-The fused GEMM in ``quant_gemm`` dequantizes a ``[BLOCK_K, BLOCK_N]`` tile, converts it to the dot-operand
-layout (a trip through shared memory) and feeds tensor cores a 16-row tile of which decode uses one row; at
-4 bits per weight it is ALU- and shuffle-bound, not memory-bound. This kernel keeps everything in registers
-and does less per weight:
+The fused GEMM in ``quant_gemm`` feeds tensor cores a 16-row tile of which decode uses one row; this kernel
+multiplies and sums on the CUDA cores in fp32, everything in registers, the K loop software-pipelined
+(``STAGES``). Scales leave the inner loop: within one group ``Σ_k x_k (q_kn − z_n) s_n = s_n Σ_k x_k (q_kn −
+z_n)``, one multiply per group and column. Variants (config key ``variant``; ``scripts/gpu_quant_bench.py``
+compares them):
 
-* multiply-and-sum on the CUDA cores (``tl.sum`` of ``x[:, :, None] * q[None, :, :]`` over each K tile), the
-  K loop software-pipelined (``STAGES``). (A variant that kept a per-word accumulator for GPTQ and reduced
-  once after the loop measured 10–30% slower on the H200.)
-* the zero point and scale leave the inner loop: within one group ``Σ_k x_k (q_kn − z_n) s_n =
-  s_n (Σ_k x_k q_kn − z_n Σ_k x_k)``, so per weight there remain a shift, a mask, the integer → float
-  conversion and one FMA; the scale multiply is once per group and column;
-* optionally (``MAGIC``) the conversion without a conversion instruction: ``q | 0x4B000000`` read as a
-  float32 is ``2^23 + q`` exactly, an OR and a subtraction; on the H200 the plain conversion measured a
-  few percent faster, so it is off by default.
+* ``tile`` (default until the sweep has chosen): unpack to a ``[BLOCK_K, BLOCK_N]`` tile (``tl.reshape`` of
+  ``[words, fields, ...]``, a layout conversion through shared memory), ``tl.sum`` over K of ``x · q`` (a
+  cross-thread reduction per K step); the zero as ``− z_n Σ_k x_k``; integer → float by conversion or
+  (``magic``) through the 2^23 bit pattern.
+* ``field``: no reshape. GPTQ: the ``[BLOCK_K/P, BLOCK_N]`` word tile field by field (P = 32/bits, a static
+  loop; field f meets x at ``k0 + P·w + f``, a strided load), products summed elementwise over the fields,
+  then over the words once per K step. AWQ: the ``[BLOCK_K, BLOCK_N/8]`` word tile broadcast to ``[BLOCK_K,
+  8, BLOCK_N/8]`` (index i is column ``8w + i``), summed over K into an accumulator of that shape; one permute
+  and reshape after the loop put the columns in order.
+* ``l1``: gemlite-style, the ``[BLOCK_K, BLOCK_N]`` tile loaded directly with word offsets ``k // P`` (GPTQ)
+  or ``n // 8`` (AWQ), each word fetched P (8) times (L1 hits), each element shifting out its own field.
+* ``row``: one word row at a time (a static loop over the K step's BLOCK_K/P GPTQ or BLOCK_K AWQ word rows,
+  each a 1-D load), FMAs straight into the ``[BLOCK_M, BLOCK_N]`` (AWQ ``[BLOCK_M, 8, BLOCK_N/8]``)
+  accumulator: no reduction and no layout change in the loop, few registers.
+
+``field``, ``l1`` and ``row`` unpack a field in place (``_in_place``): masked inside its 16-bit half-word and
+OR'ed into the float 2^23 bit pattern it reads as ``2^23 + q·2^pos`` exactly, and one FFMA, ``· 2^-pos −
+(2^(23−pos) + z)``, yields ``q − z`` exactly: per weight a LOP3 and an FFMA before the FMA with x, no shift,
+no conversion, no ``Σ x`` term. The high half-word is shifted by 12 (4-bit) so that none of its fields sits
+at bit 0 (a shift-and-mask to bit 0 compiles to a three-instruction bit-field extract); 2^23 is passed at
+run time (as an immediate each LOP3 would need a MOV). In these variants the threads run along N (a column,
+or an AWQ word, per thread and repeat): the K sums stay within a thread, and the x loads are shared by
+``BLOCK_N / (32 · num_warps)`` columns (AWQ: words).
 
 It needs every K tile inside one group (contiguous groups, ``group_size % BLOCK_K == 0``); act-order and
-large M stay with ``quant_gemm``. K is split across programs (fp32 ``atomic_add``) until about two waves of
-programs fill the GPU. The torch reference is ``quant_gemm.quant_gemm_reference``; which rows go here is
-decided by ``quant_gemm.quant_linear`` (``GEMV_MAX_M``).
+large M stay with ``quant_gemm``. K is split across programs until about ``waves`` programs per SM (0: two
+waves, ``plan_split_k``); the splits ``atomic_add`` into a zeroed fp32 output that is then cast, or
+(``serial``) into a persistent workspace whose last split writes the output (one launch instead of three).
+``TUNED`` holds the measured per-(format, rows) defaults. The torch reference is
+``quant_gemm.quant_gemm_reference``; which rows go here is decided by ``quant_gemm.quant_linear``
+(``GEMV_MAX_M``).
 """
 
 from __future__ import annotations
@@ -30,24 +48,83 @@ from nvllm.kernels.backend import eager_triton
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
+VARIANTS = ("tile", "field", "l1", "row")
+
+
+@_jit
+def _words(ptrs, mask):
+    """Packed words, read once (evicted first), as uint32 so that shifts are logical."""
+    return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+
+
+@_jit
+def _in_place(src, pos, inv, zc, MASK: tl.constexpr, magic):
+    """``q − z`` in float32 for the field at bit ``pos`` of ``src`` (``pos + bits ≤ 23``), given ``inv =
+    2^-pos``, ``zc = 2^(23 − pos) + z`` and ``magic = 0x4B000000``: the masked field OR'ed into the 2^23 bit
+    pattern reads as ``2^23 + q·2^pos`` exactly; times 2^-pos minus zc is one FFMA with an exact result."""
+    return ((src & (MASK << pos)) | magic).to(tl.float32, bitcast=True) * inv - zc
+
+
+@_jit
+def _gptq_field(words, hi, f: tl.constexpr, z, BITS: tl.constexpr, HS: tl.constexpr, magic):
+    """``q − z`` of field f of GPTQ words (``hi = words >> HS``), z the true zero point."""
+    HALF: tl.constexpr = 16 // BITS
+    P: tl.constexpr = BITS * (f % HALF) + (f // HALF) * (16 - HS)
+    if f < HALF:
+        src = words
+    else:
+        src = hi
+    return _in_place(src, P, 1.0 / (1 << P), 8388608.0 / (1 << P) + z, (1 << BITS) - 1, magic)
+
+
+@_jit
+def _epilogue(acc, out_ptr, stride_om, offs_m, mask_m, offs_n, mask_n, bias_ptr, ws_ptr, cnt_ptr, N,
+              HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, SERIAL: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write the ``[BLOCK_M, BLOCK_N]`` fp32 tile: ``store_tile`` (direct, or atomically into the zeroed fp32
+    output of split-K), or with ``SERIAL`` split-K in one kernel: every split adds into a persistent zeroed
+    fp32 workspace and takes a ticket; the last split of the column tile reads the sum back (through L2),
+    adds the bias, stores the output in its dtype and zeroes the workspace and its ticket counter again."""
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    if SERIAL:
+        ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.atomic_add(ws_ptrs, acc, mask=mask_mn, sem="relaxed")
+        tl.debug_barrier()                                   # every thread's adds before the ticket
+        ticket = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if ticket == tl.num_programs(1) - 1:
+            tl.debug_barrier()
+            total = tl.load(ws_ptrs, mask=mask_mn, other=0.0, cache_modifier=".cg")
+            store_tile(out_ptrs, total, mask_mn, bias_ptr, offs_n, mask_n, HAS_BIAS, False)
+            tl.store(ws_ptrs, tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), mask=mask_mn)
+            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)
+    else:
+        store_tile(out_ptrs, acc, mask_mn, bias_ptr, offs_n, mask_n, HAS_BIAS, ATOMIC)
+
 
 @_jit
 def _quant_gemv_kernel(
-    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr,
+    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K,
     stride_xm, stride_om,
     stride_qw, stride_qz, stride_s,           # row strides of qweight, qzeros, scales (columns contiguous)
     k_per_split,                              # K range of one split (a multiple of BLOCK_K)
+    magic,                                    # 0x4B000000 (l1), a runtime value: as an immediate it costs MOVs
     BITS: tl.constexpr,
     AWQ: tl.constexpr,                        # True: AWQ-GEMM layout (fields along N); False: GPTQ v1 (along K)
     GROUP: tl.constexpr,                      # group size, a multiple of BLOCK_K
     MAGIC: tl.constexpr,                      # integer → float through the 2^23 bit pattern
     HAS_BIAS: tl.constexpr,
     ATOMIC: tl.constexpr,                     # split-K: atomic_add into an fp32 output
+    SERIAL: tl.constexpr,                     # split-K finished in the kernel (see _epilogue)
     STAGES: tl.constexpr,                     # software-pipeline depth of the K loop (1 = none)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    L1: tl.constexpr = False,                 # variant "l1" (else "tile")
 ):
+    """Variants ``tile`` and ``l1``: a ``[BLOCK_K, BLOCK_N]`` float tile per K step, summed over K."""
     PER_WORD: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = PER_WORD // 2
+    HS: tl.constexpr = 12 if BITS == 4 else 16   # high-half shift (see _in_place)
     MASK: tl.constexpr = (1 << BITS) - 1
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -63,93 +140,272 @@ def _quant_gemv_kernel(
         n_shift = ((field % 2) * 4 + field // 2) * 4              # AWQ nibble order 0, 2, 4, 6, 1, 3, 5, 7
     else:
         n_shift = field * BITS
+    # l1: where each tile element sits in its word: (half-word shift, in-place position, 2^-position)
+    r = tl.arange(0, BLOCK_K)
+    if AWQ:
+        c = offs_n % 8
+        hs = (c % 2) * HS                                         # odd columns in the high half-word
+        pos = (c // 2) * 4 + (c % 2) * (16 - HS)
+    else:
+        f = r % PER_WORD                                          # k0 is a multiple of PER_WORD
+        hs = (f // HALF) * HS
+        pos = (f % HALF) * BITS + (f // HALF) * (16 - HS)
+    inv = 1.0 / (1 << pos).to(tl.float32)
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+        offs_k = k0 + r
         mask_k = offs_k < k_end
-        if AWQ:   # qweight [K, N/8]
-            words = tl.load(qw_ptr + offs_k[:, None] * stride_qw + wn[None, :],
-                            mask=mask_k[:, None] & mask_wn[None, :], other=0, eviction_policy="evict_first")
-            q = tl.reshape((words[:, :, None] >> n_shift[None, None, :]) & MASK, (BLOCK_K, BLOCK_N))
-        else:     # qweight [K/P, N]
-            WORDS_K: tl.constexpr = BLOCK_K // PER_WORD
-            wk = k0 // PER_WORD + tl.arange(0, WORDS_K)
-            words = tl.load(qw_ptr + wk[:, None] * stride_qw + offs_n[None, :],
-                            mask=(wk < k_end // PER_WORD)[:, None] & mask_n[None, :], other=0,
-                            eviction_policy="evict_first")
-            q = tl.reshape((words[:, None, :] >> (field * BITS)[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
-        if MAGIC:
-            qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        else:
-            qf = q.to(tl.float32)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        part = tl.sum(x[:, :, None] * qf[None, :, :], axis=1)      # [BLOCK_M, BLOCK_N]: Σ_k x q
-        xsum = tl.sum(x, axis=1)                                    # [BLOCK_M]: Σ_k x
         grp = k0 // GROUP
         s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
-        z = tl.reshape((zw[:, None] >> n_shift[None, :]) & MASK, (BLOCK_N,)).to(tl.float32)
-        if not AWQ:
-            z = z + 1.0                                              # GPTQ v1 stores zero − 1
-        acc += s[None, :] * (part - xsum[:, None] * z[None, :])
+        if L1:
+            if AWQ:   # qweight [K, N/8], each word fetched for its 8 columns
+                words = _words(qw_ptr + offs_k[:, None] * stride_qw + (offs_n // 8)[None, :],
+                               mask_k[:, None] & mask_n[None, :])
+                zw = tl.load(qz_ptr + grp * stride_qz + offs_n // 8, mask=mask_n, other=0)
+                zc = (8388608.0 * inv + ((zw >> (hs + pos)) & MASK).to(tl.float32))[None, :]
+                q = _in_place(words >> hs[None, :], pos[None, :], inv[None, :], zc, MASK, magic)
+            else:     # qweight [K/P, N], each word fetched for its P inputs
+                wk = k0 // PER_WORD + r // PER_WORD
+                words = _words(qw_ptr + wk[:, None] * stride_qw + offs_n[None, :], mask_k[:, None] & mask_n[None, :])
+                zw = tl.load(qz_ptr + grp * stride_qz + offs_n // PER_WORD, mask=mask_n, other=0)
+                z = ((zw >> (offs_n % PER_WORD) * BITS) & MASK).to(tl.float32) + 1.0    # v1 stores zero − 1
+                q = _in_place(words >> hs[:, None], pos[:, None], inv[:, None],
+                              (8388608.0 * inv)[:, None] + z[None, :], MASK, magic)
+            acc += s[None, :] * tl.sum(x[:, :, None] * q[None, :, :], axis=1)
+        else:
+            if AWQ:   # qweight [K, N/8]
+                words = tl.load(qw_ptr + offs_k[:, None] * stride_qw + wn[None, :],
+                                mask=mask_k[:, None] & mask_wn[None, :], other=0, eviction_policy="evict_first")
+                q = tl.reshape((words[:, :, None] >> n_shift[None, None, :]) & MASK, (BLOCK_K, BLOCK_N))
+            else:     # qweight [K/P, N]
+                WORDS_K: tl.constexpr = BLOCK_K // PER_WORD
+                wk = k0 // PER_WORD + tl.arange(0, WORDS_K)
+                words = tl.load(qw_ptr + wk[:, None] * stride_qw + offs_n[None, :],
+                                mask=(wk < k_end // PER_WORD)[:, None] & mask_n[None, :], other=0,
+                                eviction_policy="evict_first")
+                q = tl.reshape((words[:, None, :] >> (field * BITS)[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
+            if MAGIC:
+                qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            else:
+                qf = q.to(tl.float32)
+            part = tl.sum(x[:, :, None] * qf[None, :, :], axis=1)      # [BLOCK_M, BLOCK_N]: Σ_k x q
+            xsum = tl.sum(x, axis=1)                                    # [BLOCK_M]: Σ_k x
+            zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
+            z = tl.reshape((zw[:, None] >> n_shift[None, :]) & MASK, (BLOCK_N,)).to(tl.float32)
+            if not AWQ:
+                z = z + 1.0                                              # GPTQ v1 stores zero − 1
+            acc += s[None, :] * (part - xsum[:, None] * z[None, :])
 
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    mask_mn = mask_m[:, None] & mask_n[None, :]
-    store_tile(out_ptrs, acc, mask_mn, bias_ptr, offs_n, mask_n, HAS_BIAS, ATOMIC)
+    _epilogue(acc, out_ptr, stride_om, offs_m, mask_m, offs_n, mask_n, bias_ptr, ws_ptr, cnt_ptr, N,
+              HAS_BIAS, ATOMIC, SERIAL, BLOCK_M, BLOCK_N)
 
 
-def gemv_supported(M: int, K: int, group_size: int, act_order: bool, block_k: int | None = None) -> bool:
+@_jit
+def _quant_gemv_field_kernel(
+    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K,
+    stride_xm, stride_om,
+    stride_qw, stride_qz, stride_s,
+    k_per_split, magic,                       # magic: 0x4B000000, a runtime value (an immediate costs a MOV)
+    BITS: tl.constexpr, AWQ: tl.constexpr, GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, SERIAL: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,                       # variant "row" (else "field")
+):
+    """Variants ``field`` and ``row``: the packed words as loaded, field by field, in place (arguments as
+    ``_quant_gemv_kernel``)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = PER_WORD // 2
+    HS: tl.constexpr = 12 if BITS == 4 else 16   # high-half shift (see _in_place)
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    x_rows = x_ptr + offs_m * stride_xm       # (K tiles are whole: gemv_supported wants K % BLOCK_K == 0)
+    if AWQ:   # qweight [K, N/8]: one word row per input, its 8 fields are 8 columns
+        WORDS_N: tl.constexpr = BLOCK_N // 8
+        wn = pid_n * WORDS_N + tl.arange(0, WORDS_N)
+        mask_wn = wn < N // 8
+        i = tl.arange(0, 8)                   # index i: column 8w + i, in nibble (i % 2) * 4 + i // 2
+        hs = ((i % 2) * HS)[:, None]          # odd columns in the high half-word
+        pos = ((i // 2) * 4 + (i % 2) * (16 - HS))[:, None]
+        inv = 1.0 / (1 << pos).to(tl.float32)
+        cols = 8 * wn[None, :] + i[:, None]   # [8, WORDS_N]
+        mask_c = mask_wn[None, :] & (i < 8)[:, None]
+        acc3 = tl.full((BLOCK_M, 8, WORDS_N), 0.0, tl.float32)
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
+            grp = k0 // GROUP
+            s = tl.load(s_ptr + grp * stride_s + cols, mask=mask_c, other=0.0).to(tl.float32)
+            zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
+            zc = 8388608.0 * inv + ((zw[None, :] >> (hs + pos)) & MASK).to(tl.float32)   # [8, WORDS_N]
+            if ROWS:   # one word row at a time, FMAs straight into the accumulator
+                for kk in tl.static_range(BLOCK_K):
+                    words = _words(qw_ptr + (k0 + kk) * stride_qw + wn, mask_wn)                 # [WORDS_N]
+                    q = _in_place(words[None, :] >> hs, pos, inv, zc, MASK, magic)        # [8, WORDS_N]
+                    x = tl.load(x_rows + k0 + kk, mask=mask_m, other=0.0).to(tl.float32)  # [BLOCK_M]
+                    if kk == 0:
+                        part = x[:, None, None] * q[None, :, :]
+                    else:
+                        part += x[:, None, None] * q[None, :, :]
+            else:      # the [BLOCK_K, 8, WORDS_N] tile, summed over K
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                words = _words(qw_ptr + offs_k[:, None] * stride_qw + wn[None, :], mask_wn[None, :])  # [BK, WN]
+                q = _in_place(words[:, None, :] >> hs[None, :, :], pos[None, :, :], inv[None, :, :],
+                              zc[None, :, :], MASK, magic)
+                x = tl.load(x_rows[:, None] + offs_k[None, :], mask=mask_m[:, None], other=0.0).to(tl.float32)
+                part = tl.sum(x[:, :, None, None] * q[None, :, :, :], axis=1)              # [BLOCK_M, 8, WN]
+            acc3 += s[None, :, :] * part
+        acc = tl.reshape(tl.permute(acc3, (0, 2, 1)), (BLOCK_M, BLOCK_N))   # columns in order, once
+    else:     # qweight [K/P, N]: word row w holds inputs P·w .. P·w + P-1 of each column
+        WORDS_K: tl.constexpr = BLOCK_K // PER_WORD
+        r = tl.arange(0, WORDS_K)
+        zshift = (offs_n % PER_WORD) * BITS
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
+            grp = k0 // GROUP
+            s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            zw = tl.load(qz_ptr + grp * stride_qz + offs_n // PER_WORD, mask=mask_n, other=0)
+            z = ((zw >> zshift) & MASK).to(tl.float32) + 1.0                               # v1 stores zero − 1
+            if ROWS:   # one word row at a time: [BLOCK_N] words, P inputs, FMAs into [BLOCK_M, BLOCK_N]
+                for w in tl.static_range(WORDS_K):
+                    words = _words(qw_ptr + (k0 // PER_WORD + w) * stride_qw + offs_n, mask_n)    # [BLOCK_N]
+                    hi = words >> HS
+                    for f in tl.static_range(PER_WORD):
+                        q = _gptq_field(words, hi, f, z, BITS, HS, magic)
+                        x = tl.load(x_rows + k0 + PER_WORD * w + f, mask=mask_m, other=0.0).to(tl.float32)
+                        if w + f == 0:
+                            part = x[:, None] * q[None, :]
+                        else:
+                            part += x[:, None] * q[None, :]
+            else:      # the [WORDS_K, BLOCK_N] tile, field f times x at k0 + P·w + f (strided)
+                wk = k0 // PER_WORD + r
+                words = _words(qw_ptr + wk[:, None] * stride_qw + offs_n[None, :], mask_n[None, :])   # [WK, BN]
+                hi = words >> HS
+                for f in tl.static_range(PER_WORD):
+                    q = _gptq_field(words, hi, f, z[None, :], BITS, HS, magic)
+                    x = tl.load(x_rows[:, None] + (k0 + r * PER_WORD + f)[None, :], mask=mask_m[:, None],
+                                other=0.0).to(tl.float32)                                 # [BLOCK_M, WORDS_K]
+                    if f == 0:
+                        part3 = x[:, :, None] * q[None, :, :]
+                    else:
+                        part3 += x[:, :, None] * q[None, :, :]
+                part = tl.sum(part3, axis=1)                  # one reduction over the words per tile
+            acc += s[None, :] * part
+
+    _epilogue(acc, out_ptr, stride_om, offs_m, mask_m, offs_n, mask_n, bias_ptr, ws_ptr, cnt_ptr, N,
+              HAS_BIAS, ATOMIC, SERIAL, BLOCK_M, BLOCK_N)
+
+
+TUNED: dict[tuple[str, int], dict[str, int | str]] = {}
+"""(format, BLOCK_M) → config overrides, from the "best single config" lines of ``scripts/gpu_quant_bench.py``
+(empty until the variants have been measured: ``tile`` with the heuristic's tiles everywhere)."""
+
+
+def gemv_supported(M: int, K: int, group_size: int, act_order: bool, block_k: int | None = None,
+                   fmt: str | None = None) -> bool:
     """Whether ``quant_gemv`` can take this call: few rows, contiguous groups that whole K tiles fit in."""
-    bk = block_k or pick_gemv_config(M, K, group_size)["block_k"]
+    bk = block_k or pick_gemv_config(M, K, group_size, fmt)["block_k"]
     return M <= 16 and not act_order and group_size % bk == 0 and K % bk == 0
 
 
-def pick_gemv_config(M: int, K: int, group_size: int) -> dict[str, int]:
+def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None) -> dict[str, int | str]:
     """Tile sizes: BLOCK_M covers the rows, BLOCK_K shrinks as rows grow (the [M, K, N] products live in
     registers), the largest of 128/64/32 that divides the group. H200 sweep (scripts/gpu_quant_bench.py, the
-    Qwen2.5-7B projections, M 1–2): 128 × 128 tiles, 4 warps, a 3-stage K loop were best or within 10% on
-    every shape but GPTQ down (M = 1), for both layouts."""
+    Qwen2.5-7B projections, M 1–2), variant ``tile``: 128 × 128 tiles, 4 warps, a 3-stage K loop were best or
+    within 10% on every shape but GPTQ down (M = 1), for both layouts. Then ``TUNED[(fmt, BLOCK_M)]`` where
+    its BLOCK_K fits the group and K."""
     block_m = 1 << max(0, (M - 1).bit_length())
     want_k = 128 if block_m <= 2 else 64 if block_m <= 4 else 32
     block_k = next((c for c in (want_k, 64, 32, 16) if c <= want_k and group_size % c == 0 and K % c == 0), 16)
     block_n = 128 if block_m <= 2 else 64
-    return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "magic": 0, "stages": 3}
+    cfg = {"variant": "tile", "block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
+           "magic": 0, "stages": 3, "waves": 0, "serial": 0}
+    tuned = TUNED.get((fmt, block_m), {})
+    if tuned and group_size % tuned.get("block_k", block_k) == 0 and K % tuned.get("block_k", block_k) == 0:
+        cfg.update(tuned)
+    return cfg
+
+
+def _splits(n_tiles: int, K: int, block_k: int, device: torch.device, waves: int) -> int | None:
+    """Splits for about ``waves`` programs per SM (at most 64, at least two K tiles each); None: the default."""
+    if not waves:
+        return None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(-(-waves * sms // n_tiles), K // block_k // 2, 64))
+
+
+_WORKSPACES: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The zeroed fp32 workspace and int32 ticket counters of ``serial`` split-K on this device (the kernels
+    leave them zeroed), grown as needed; older ones stay allocated (CUDA graphs may hold them). None while a
+    CUDA graph is being captured and none large enough exists yet: the caller then takes the atomic path.
+    One per device: calls on concurrent streams must not use ``serial``."""
+    held = _WORKSPACES.setdefault(device, [])
+    if held and held[-1][0].numel() >= numel and held[-1][1].numel() >= tiles:
+        return held[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    held.append((torch.zeros(max(numel, 1 << 20), device=device, dtype=torch.float32),
+                 torch.zeros(max(tiles, 4096), device=device, dtype=torch.int32)))
+    return held[-1]
 
 
 def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *,
                fmt: str, bits: int, group_size: int, bias: torch.Tensor | None = None,
-               split_k: int | None = None, **config: int) -> torch.Tensor:
+               split_k: int | None = None, **config: int | str) -> torch.Tensor:
     """``x [M, K]`` (M ≤ 16, contiguous rows) times the packed layer → ``[M, N]`` in x's dtype, fp32 math.
-    ``config`` overrides ``block_m``, ``block_n``, ``block_k``, ``num_warps``, ``magic`` (0/1), ``stages``."""
+    ``config`` overrides ``variant`` (``VARIANTS``), ``block_m``, ``block_n``, ``block_k``, ``num_warps``,
+    ``magic`` (0/1, variant tile), ``stages``, ``waves`` (ignored with an explicit ``split_k``), ``serial``
+    (0/1: split-K finished inside the kernel, no zeroing and cast launches; see ``_workspace``)."""
     M, K = x.shape
     N = scales.shape[1]
-    cfg = pick_gemv_config(M, K, group_size)
+    cfg = pick_gemv_config(M, K, group_size, fmt)
     unknown = set(config) - set(cfg)
     if unknown:
         raise TypeError(f"unknown quant_gemv config keys {sorted(unknown)}")
     cfg.update(config)
+    variant = cfg["variant"]
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown quant_gemv variant {variant!r}; expected one of {VARIANTS}")
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    if bm < M or not gemv_supported(M, K, group_size, False, bk):
+    if bm < M or not gemv_supported(M, K, group_size, False, bk, fmt):
         raise ValueError(f"quant_gemv cannot take M={M}, K={K}, group {group_size} with block_m {bm}, "
                          f"block_k {bk}")
+    if bn % 8 or bk % (32 // bits) or (fmt == "awq" and bits != 4):
+        raise ValueError(f"quant_gemv: block_n {bn} / block_k {bk} do not hold whole {bits}-bit {fmt} words")
     if x.stride(1) != 1:
         x = x.contiguous()
     n_tiles = triton.cdiv(N, bn)
+    if split_k is None:
+        split_k = _splits(n_tiles, K, bk, x.device, cfg["waves"])
     split_k, k_per_split = plan_split_k(n_tiles, K, bk, x.device, split_k)
-    atomic = split_k > 1
-    out = split_k_output(M, N, x, split_k)
+    ws = _workspace(x.device, M * N, n_tiles) if cfg["serial"] and split_k > 1 else None
+    atomic = split_k > 1 and ws is None
+    out = split_k_output(M, N, x, 2 if atomic else 1)
     if M == 0:
         return out.to(x.dtype)
-    _quant_gemv_kernel[(n_tiles, split_k)](
-        x, qweight, qzeros, scales, bias if (bias is not None and not atomic) else qweight, out,
-        M, N, K, x.stride(0), out.stride(0),
-        qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split,
-        BITS=bits, AWQ=fmt == "awq", GROUP=group_size, MAGIC=bool(cfg["magic"]),
-        HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic,
-        STAGES=cfg["stages"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"],
-    )
-    return finish_split_k(out, bias, x.dtype, split_k)
+    direct_bias = bias is not None and not atomic
+    args = (x, qweight, qzeros, scales, bias if direct_bias else qweight, out,
+            *(ws if ws is not None else (out, out)),
+            M, N, K, x.stride(0), out.stride(0),
+            qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split, 0x4B000000)
+    common = dict(BITS=bits, AWQ=fmt == "awq", GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic,
+                  SERIAL=ws is not None, STAGES=cfg["stages"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                  num_warps=cfg["num_warps"])
+    if variant in ("field", "row"):
+        _quant_gemv_field_kernel[(n_tiles, split_k)](*args, ROWS=variant == "row", **common)
+    else:
+        _quant_gemv_kernel[(n_tiles, split_k)](*args, MAGIC=bool(cfg["magic"]), L1=variant == "l1", **common)
+    return finish_split_k(out, bias, x.dtype, 2 if atomic else 1)
