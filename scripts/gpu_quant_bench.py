@@ -296,7 +296,7 @@ def report_variants(rows: list[dict], fmts, ms, shapes, variants) -> None:
             if full:
                 best = cfgs[full[0][1]]
                 keys = ("variant", "block_n", "block_k", "num_warps", "stages", "waves", "serial")
-                tuned.append(f"    ({fmt!r}, {best['block_m']}): dict("
+                tuned.append(f"    ({fmt!r}, 4, {best['block_m']}): dict("
                              + ", ".join(f"{k}={best[k]!r}" for k in keys) + "),")
     if tuned:
         print("\nas quant_gemv.TUNED entries:\n" + "\n".join(tuned))

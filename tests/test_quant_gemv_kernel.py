@@ -128,12 +128,14 @@ def test_gemv_serial_split_k(variant):
 
 
 def test_gemv_tuned_defaults(monkeypatch):
-    assert QV.pick_gemv_config(1, 256, 128)["variant"] == "tile"          # nothing measured yet
-    monkeypatch.setitem(QV.TUNED, ("awq", 2), dict(variant="row", block_n=64, block_k=64, num_warps=1, serial=1))
-    cfg = QV.pick_gemv_config(2, 256, 128, "awq")
+    assert QV.pick_gemv_config(1, 256, 128)["variant"] == "tile"          # no format: the heuristic
+    assert QV.pick_gemv_config(1, 256, 128, "gptq", 8)["variant"] == "tile"  # 8 bits: not measured
+    monkeypatch.setitem(QV.TUNED, ("awq", 4, 2), dict(variant="row", block_n=64, block_k=64, num_warps=1, serial=1))
+    monkeypatch.delitem(QV.TUNED, ("gptq", 4, 2))
+    cfg = QV.pick_gemv_config(2, 256, 128, "awq", 4)
     assert (cfg["variant"], cfg["block_n"], cfg["block_k"], cfg["serial"]) == ("row", 64, 64, 1)
-    assert QV.pick_gemv_config(2, 256, 32, "awq")["variant"] == "tile"    # its K tile would span groups
-    assert QV.pick_gemv_config(2, 256, 128, "gptq")["variant"] == "tile"
+    assert QV.pick_gemv_config(2, 256, 32, "awq", 4)["variant"] == "tile"    # its K tile would span groups
+    assert QV.pick_gemv_config(2, 256, 128, "gptq", 4)["variant"] == "tile"
     qw = make_weight(*CASES[1])
     x = torch.randn(2, qw.in_features)
     check(run_gemv(x, qw, split_k=2), semantic_ref(x, qw, None), TIGHT[torch.float32])

@@ -320,7 +320,8 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = N
     x2 = x.reshape(-1, qw.in_features)
     if use_triton(x):
         m = x2.shape[0]
-        if m <= GEMV_MAX_M and gemv_supported(m, qw.in_features, qw.group_size, qw.act_order):
+        if m <= GEMV_MAX_M and gemv_supported(m, qw.in_features, qw.group_size, qw.act_order, fmt=qw.fmt,
+                                              bits=qw.bits):
             report.record("quant_gemm", f"triton w{qw.bits}a16 {qw.fmt} gemv")
             y = quant_gemv(x2, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits,
                            group_size=qw.group_size, bias=bias)

@@ -34,7 +34,7 @@ It needs every K tile inside one group (contiguous groups, ``group_size % BLOCK_
 large M stay with ``quant_gemm``. K is split across programs until about ``waves`` programs per SM (0: two
 waves, ``plan_split_k``); the splits ``atomic_add`` into a zeroed fp32 output that is then cast, or
 (``serial``) into a persistent workspace whose last split writes the output (one launch instead of three).
-``TUNED`` holds the measured per-(format, rows) defaults. The torch reference is
+``TUNED`` holds the measured per-(format, bits, rows) defaults. The torch reference is
 ``quant_gemm.quant_gemm_reference``; which rows go here is decided by ``quant_gemm.quant_linear``
 (``GEMV_MAX_M``).
 """
@@ -306,23 +306,31 @@ def _quant_gemv_field_kernel(
               HAS_BIAS, ATOMIC, SERIAL, BLOCK_M, BLOCK_N)
 
 
-TUNED: dict[tuple[str, int], dict[str, int | str]] = {}
-"""(format, BLOCK_M) → config overrides, from the "best single config" lines of ``scripts/gpu_quant_bench.py``
-(empty until the variants have been measured: ``tile`` with the heuristic's tiles everywhere)."""
+TUNED: dict[tuple[str, int, int], dict[str, int | str]] = {
+    # run M (H200, scripts/gpu_quant_bench.py, Qwen2.5-7B projections, 4-bit g128): the best single config over
+    # the four shapes; 28 layers at M = 1: AWQ 1.967 ms (tile 3.179), GPTQ 2.151 ms (tile 2.567)
+    ("awq", 4, 1): dict(variant="row", block_n=1024, block_k=32, num_warps=4, stages=1, waves=8, serial=1),
+    ("awq", 4, 2): dict(variant="row", block_n=1024, block_k=32, num_warps=4, stages=1, waves=8, serial=1),
+    ("gptq", 4, 1): dict(variant="row", block_n=128, block_k=64, num_warps=1, stages=3, waves=8, serial=1),
+    ("gptq", 4, 2): dict(variant="row", block_n=128, block_k=64, num_warps=1, stages=3, waves=8, serial=1),
+}
+"""(format, bits, BLOCK_M) → config overrides, from the "best single config" lines of
+``scripts/gpu_quant_bench.py``; elsewhere (8 bits: not measured) ``tile`` with the heuristic's tiles."""
 
 
 def gemv_supported(M: int, K: int, group_size: int, act_order: bool, block_k: int | None = None,
-                   fmt: str | None = None) -> bool:
+                   fmt: str | None = None, bits: int | None = None) -> bool:
     """Whether ``quant_gemv`` can take this call: few rows, contiguous groups that whole K tiles fit in."""
-    bk = block_k or pick_gemv_config(M, K, group_size, fmt)["block_k"]
+    bk = block_k or pick_gemv_config(M, K, group_size, fmt, bits)["block_k"]
     return M <= 16 and not act_order and group_size % bk == 0 and K % bk == 0
 
 
-def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None) -> dict[str, int | str]:
+def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None,
+                     bits: int | None = None) -> dict[str, int | str]:
     """Tile sizes: BLOCK_M covers the rows, BLOCK_K shrinks as rows grow (the [M, K, N] products live in
     registers), the largest of 128/64/32 that divides the group. H200 sweep (scripts/gpu_quant_bench.py, the
     Qwen2.5-7B projections, M 1–2), variant ``tile``: 128 × 128 tiles, 4 warps, a 3-stage K loop were best or
-    within 10% on every shape but GPTQ down (M = 1), for both layouts. Then ``TUNED[(fmt, BLOCK_M)]`` where
+    within 10% on every shape but GPTQ down (M = 1), for both layouts. Then ``TUNED[(fmt, bits, BLOCK_M)]`` where
     its BLOCK_K fits the group and K."""
     block_m = 1 << max(0, (M - 1).bit_length())
     want_k = 128 if block_m <= 2 else 64 if block_m <= 4 else 32
@@ -330,7 +338,7 @@ def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None) ->
     block_n = 128 if block_m <= 2 else 64
     cfg = {"variant": "tile", "block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
            "magic": 0, "stages": 3, "waves": 0, "serial": 0}
-    tuned = TUNED.get((fmt, block_m), {})
+    tuned = TUNED.get((fmt, bits, block_m), {})
     if tuned and group_size % tuned.get("block_k", block_k) == 0 and K % tuned.get("block_k", block_k) == 0:
         cfg.update(tuned)
     return cfg
@@ -371,7 +379,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     (0/1: split-K finished inside the kernel, no zeroing and cast launches; see ``_workspace``)."""
     M, K = x.shape
     N = scales.shape[1]
-    cfg = pick_gemv_config(M, K, group_size, fmt)
+    cfg = pick_gemv_config(M, K, group_size, fmt, bits)
     unknown = set(config) - set(cfg)
     if unknown:
         raise TypeError(f"unknown quant_gemv config keys {sorted(unknown)}")
@@ -380,7 +388,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     if variant not in VARIANTS:
         raise ValueError(f"unknown quant_gemv variant {variant!r}; expected one of {VARIANTS}")
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    if bm < M or not gemv_supported(M, K, group_size, False, bk, fmt):
+    if bm < M or not gemv_supported(M, K, group_size, False, bk, fmt, bits):
         raise ValueError(f"quant_gemv cannot take M={M}, K={K}, group {group_size} with block_m {bm}, "
                          f"block_k {bk}")
     if bn % 8 or bk % (32 // bits) or (fmt == "awq" and bits != 4):
