@@ -15,13 +15,19 @@ the user's process, which reports the error — and ends a worker's process outr
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import threading
 
 import torch
 
 CONTROL_TIMEOUT = datetime.timedelta(days=365)  # workers wait here between steps, for as long as the engine idles
 COMPUTE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("NVLLM_TP_TIMEOUT", "600")))
 STORE_TIMEOUT = datetime.timedelta(seconds=120)
+ABORT_WAIT_S = 5.0
+"""How long ``abort`` waits for an NCCL communicator to be torn down before leaving it to the process's exit: on
+the H200 machine, aborting one that CUDA graphs captured collectives on did not return (device run O)."""
+logger = logging.getLogger("nvllm")
 FIRST_WORDS = 1024  # a control message up to this long (any decode step of a modest batch) takes one round trip
 
 
@@ -118,12 +124,23 @@ class TPGroup:
 
     # ---- teardown -----------------------------------------------------------------------------------------
     def abort(self) -> None:
-        """Make collectives in flight on the compute group fail now (NCCL: abort the communicator)."""
+        """Make collectives in flight on the compute group fail now (NCCL: abort the communicator). Bounded: the
+        abort runs on a daemon thread, given ``ABORT_WAIT_S`` seconds."""
         if self.backend == "nccl" and self.compute is not None:
-            try:
-                self.compute.abort()
-            except Exception:  # already torn down
-                pass
+            compute = self.compute
+
+            def run() -> None:
+                try:
+                    compute.abort()
+                except Exception:  # already torn down
+                    pass
+
+            t = threading.Thread(target=run, name="nvllm-nccl-abort", daemon=True)
+            t.start()
+            t.join(ABORT_WAIT_S)
+            if t.is_alive():
+                logger.warning("the NCCL communicator did not finish aborting in %.0f s; the process's exit ends it",
+                               ABORT_WAIT_S)
 
     def close(self) -> None:
         """Drop the process groups. An NCCL communicator is aborted rather than destroyed: destroying one that
