@@ -405,3 +405,27 @@ def test_synthetic_acceptance_benchmark_mode(drafts, demo_dir):
     assert s.num_drafts > 60
     assert abs(s.num_accepted_tokens / s.num_drafts - 0.9375) < 0.3
     assert s.accepted_per_pos[0] > s.accepted_per_pos[1] > s.accepted_per_pos[3]
+
+
+def test_disable_by_batch_size(drafts, demo_dir):
+    """No drafting while the batch is at the limit; when it shrinks the draft catches up on what it skipped and
+    speculation resumes — greedy outputs unchanged throughout."""
+    ps = prompts(6)
+    params = [SamplingParams(temperature=0, max_tokens=8 if i else 40, ignore_eos=True) for i in range(len(ps))]
+    want = [o.outputs[0].token_ids for o in make_llm(demo_dir).generate(ps, params, use_tqdm=False)]
+    llm = make_llm(demo_dir, speculative=spec_of("self", drafts) + ",disable_by_batch_size=3")
+    drafted_at: list[int] = []
+    verify = llm.engine.spec.verify
+
+    def recording(logits, entries):
+        drafted_at.append(len(llm.engine.scheduler.running))
+        return verify(logits, entries)
+
+    llm.engine.spec.verify = recording
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)] == want
+    assert drafted_at and max(drafted_at) < 3  # drafts only once the five short requests were done
+    s = llm.engine.stats.spec
+    assert s.num_drafts > 0 and s.acceptance_rate == 1.0  # the skipped tokens were caught up exactly
+    assert "off from 3 running" in llm.engine.spec.spec_config.describe()
+    with pytest.raises(ConfigError, match="at least 2"):
+        parse_speculative("k=2,method=ngram,disable_by_batch_size=1")

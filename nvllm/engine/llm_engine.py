@@ -225,6 +225,7 @@ class LLMEngine:
         read late had one more position computed for nothing; one certain to finish (its length limit) is held
         out of the step."""
         if self.spec is not None:
+            self.spec.begin_step(len(self.scheduler.running))
             sched = self.scheduler.schedule()
             self.stats.num_preemptions = self.scheduler.num_preemptions
             return self._step_speculative(sched.scheduled, partial) if sched.scheduled else []

@@ -6,6 +6,8 @@ Accepted forms (CLI `--speculative`, `LLM(speculative=...)`, `EngineConfig(specu
   "k=auto,draft=DIR"         k tuned per request from its recent acceptance (1..8)
   '{"draft_model": "DIR", "num_speculative_tokens": 4}'   JSON (also "method", "prompt_lookup_min/max")
   a dict of the JSON keys, or a SpeculativeConfig.
+  "...,disable_by_batch_size=16"   no drafting while 16 or more sequences run (large batches are compute-bound:
+                                   verifying k + 1 positions per sequence costs more than it saves)
   "...,synthetic_acceptance=0.7"   BENCHMARK MODE: each drafted token is accepted with this fixed probability,
                                    whatever the models say, so speed can be read against a chosen acceptance
                                    rate; outputs then do NOT follow the target's distribution.
@@ -28,7 +30,7 @@ _KEYS = {"k": "num_speculative_tokens", "num_speculative_tokens": "num_speculati
          "method": "method",
          "ngram_min": "prompt_lookup_min", "prompt_lookup_min": "prompt_lookup_min",
          "ngram_max": "prompt_lookup_max", "prompt_lookup_max": "prompt_lookup_max",
-         "synthetic_acceptance": "synthetic_acceptance"}
+         "synthetic_acceptance": "synthetic_acceptance", "disable_by_batch_size": "disable_by_batch_size"}
 
 
 @dataclass
@@ -40,6 +42,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched
     prompt_lookup_max: int = 3  # ngram: longest suffix matched (tried first)
     synthetic_acceptance: float | None = None  # benchmark mode: fixed per-token acceptance probability
+    disable_by_batch_size: int | None = None  # no drafting in a step that starts with this many running sequences
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -53,6 +56,8 @@ class SpeculativeConfig:
                               f"got {self.num_speculative_tokens}")
         if self.synthetic_acceptance is not None and not 0.0 <= self.synthetic_acceptance <= 1.0:
             raise ConfigError(f"synthetic_acceptance must be in [0, 1], got {self.synthetic_acceptance}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ConfigError(f"disable_by_batch_size must be at least 2, got {self.disable_by_batch_size}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("ngram sizes need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
@@ -63,7 +68,9 @@ class SpeculativeConfig:
                else f"n-gram lookup (n {self.prompt_lookup_max}..{self.prompt_lookup_min})")
         mode = ("" if self.synthetic_acceptance is None else
                 f", BENCHMARK MODE: synthetic acceptance {self.synthetic_acceptance:g} per token")
-        return f"k={k}, {src}{mode}"
+        off = ("" if self.disable_by_batch_size is None else
+               f", off from {self.disable_by_batch_size} running sequences")
+        return f"k={k}, {src}{off}{mode}"
 
 
 def _int(key: str, value: Any) -> int:
@@ -80,8 +87,9 @@ def _from_mapping(items: dict[str, Any]) -> SpeculativeConfig:
     for key, value in items.items():
         name = _KEYS.get(str(key).strip().lower())
         if name is None:
-            raise ConfigError(f"unknown speculative option {key!r}; use k, draft, method, ngram_min, ngram_max "
-                              "(JSON: num_speculative_tokens, draft_model, method, prompt_lookup_min/max)")
+            raise ConfigError(f"unknown speculative option {key!r}; use k, draft, method, ngram_min, ngram_max, "
+                              "disable_by_batch_size (JSON: num_speculative_tokens, draft_model, method, "
+                              "prompt_lookup_min/max, disable_by_batch_size)")
         if name in fields:
             raise ConfigError(f"speculative option {key!r} given twice")
         fields[name] = value
@@ -90,8 +98,8 @@ def _from_mapping(items: dict[str, Any]) -> SpeculativeConfig:
         fields["num_speculative_tokens"], fields["auto"] = 4, True
     elif k is not None:
         fields["num_speculative_tokens"] = _int("k", k)
-    for name in ("prompt_lookup_min", "prompt_lookup_max"):
-        if name in fields:
+    for name in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+        if name in fields and fields[name] is not None:
             fields[name] = _int(name, fields[name])
     if "method" in fields:
         fields["method"] = str(fields["method"]).strip().lower()

@@ -92,6 +92,7 @@ class SpecDecoder:
         self.max_model_len = target.max_model_len
         self.draft_runner = None
         self._pending: dict[int, list[int]] = {}  # n-gram proposals made while scheduling
+        self.drafting = True  # False in a step that disable_by_batch_size turns speculation off for
         if sc.method == "draft":
             self.draft_runner = load_draft_runner(config, target, tokenizer)
             self.max_model_len = min(target.max_model_len, self.draft_runner.max_model_len)
@@ -119,10 +120,19 @@ class SpecDecoder:
             seq.spec_state = self.adaptive.new_state()
         return seq.spec_state.k
 
+    def begin_step(self, num_running: int) -> None:
+        """Before scheduling: a batch of ``disable_by_batch_size`` running sequences or more decodes plainly."""
+        limit = self.spec_config.disable_by_batch_size
+        drafting = limit is None or num_running < limit
+        if drafting != self.drafting:
+            logger.debug("speculative decoding %s at %d running sequences", "resumed" if drafting else "paused",
+                         num_running)
+        self.drafting = drafting
+
     def lookahead(self, seq: Sequence) -> int:
         """Drafted positions to reserve for a decoding sequence this step (0: decode plainly). Never more
         than the request can still use: the step emits up to k + 1 tokens."""
-        if seq.wants_prompt_logprobs:
+        if seq.wants_prompt_logprobs or not self.drafting:
             return 0
         k = min(self.target_k(seq), self.max_model_len - seq.num_tokens - 1)
         if seq.params.max_tokens is not None:
@@ -142,6 +152,8 @@ class SpecDecoder:
         if isinstance(self.proposer, NgramProposer):
             props = {i: (self._pending[i][:k], None) for i, k in plan.items()}  # the budget may have cut k
             self._pending.clear()
+        elif not self.drafting:  # paused: the draft's cache falls behind and catches up when drafting resumes
+            return list(scheduled), {}
         else:  # the draft model also mirrors this step's prefill chunks, so it runs even without a plan
             props = self.proposer.propose(scheduled, plan, self.sampler.generator(self.device))
         props = {i: p for i, p in props.items() if p[0]}
