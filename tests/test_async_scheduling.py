@@ -129,3 +129,17 @@ def test_config_checks(demo_dir):
         EngineConfig(model=demo_dir, device="cpu", async_scheduling=True, speculative="k=2,method=ngram")
     with pytest.raises(ConfigError, match="one rank"):
         EngineConfig(model=demo_dir, device="cpu", async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_generated_blocks_hashed_with_real_tokens(demo_dir):
+    """Blocks completed by a token the host had not read yet are hashed once it is known: a follow-up prompt that
+    repeats the whole conversation finds as many cached tokens as with the synchronous engine."""
+    got = {}
+    for mode in (False, True):
+        llm = make_llm(demo_dir, async_scheduling=mode, block_size=8)
+        first = llm.generate([_STORY], SamplingParams(max_tokens=45, temperature=0.0, ignore_eos=True),
+                             use_tqdm=False)[0]
+        follow = list(first.prompt_token_ids) + list(first.outputs[0].token_ids) + [13]
+        again = llm.generate([follow], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
+        got[mode] = again.num_cached_tokens
+    assert got[True] == got[False] > 40

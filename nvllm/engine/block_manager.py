@@ -101,11 +101,12 @@ class BlockManager:
         return True
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """After a step: hash the blocks that are now full of computed tokens so later requests can share."""
+        """After a step: hash the blocks that are now full of computed tokens whose ids are known (not pending
+        placeholders: asynchronous scheduling), so later requests can share them."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        full = min(min(seq.num_computed_tokens, seq.num_tokens - seq.pending) // bs, len(seq.block_table))
         for i in range(len(seq.block_hashes), full):
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, ids)

@@ -3,7 +3,6 @@ the block manager and the model runner; everything above it (LLM, the server, be
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence as Seq
@@ -15,41 +14,21 @@ from nvllm.engine.block_manager import BlockManager
 from nvllm.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvllm.engine.kv_handoff import KVHandoff, KVTarget
 from nvllm.engine.metrics import EngineStats, StatLogger
-from nvllm.engine.model_runner import ModelRunner, PendingTokens
+from nvllm.engine.inflight import InflightStep
+from nvllm.engine.model_runner import ModelRunner
+from nvllm.engine.output_builder import OutputBuilder
 from nvllm.engine.scheduler import Scheduler
 from nvllm.engine.sequence import PrefilledSample, Sequence
 from nvllm.engine.step_profile import StepProfile, step_kind
+from nvllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nvllm.kernels import report
 from nvllm.models.hub import resolve_model_path
 from nvllm.layers.sampler import SampleRow
-from nvllm.outputs import CompletionOutput, Logprob, LogprobsDict, RequestMetrics, RequestOutput
+from nvllm.outputs import LogprobsDict, RequestMetrics, RequestOutput
 from nvllm.sampling_params import SamplingParams
 from nvllm.spec.metrics import SpecStats
 
 logger = logging.getLogger("nvllm")
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        raise ConfigError(f"cannot load a tokenizer from {path}: {e}") from e
-
-
-def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except Exception:  # no generation_config.json: the tokenizer's EOS alone
-        pass
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 class LLMEngine:
@@ -75,17 +54,14 @@ class LLMEngine:
                                    lookahead=self.spec.lookahead if self.spec is not None else None)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
-        self._token_texts: dict[int, str] = {}
+        self.outputs = OutputBuilder(self.tokenizer)
         self.stats = self._new_stats()
         self.stat_logger = StatLogger(config.log_stats_interval)
         self.step_profile = StepProfile()
         self.handoff = KVHandoff(self)  # disaggregated prefill / decode: held and arriving KV
-        # asynchronous scheduling: the launched step whose sampled tokens are not read yet, and the placeholder
-        # index of each of its rows in its sequence's token_ids
+        # asynchronous scheduling: the launched step whose sampled tokens are not read yet
         self.async_scheduling = bool(config.async_scheduling) and self.spec is None and self.runner.tp.size == 1
-        self._inflight: PendingTokens | None = None
-        self._inflight_steps: list[tuple[Sequence, int]] = []
-        self._inflight_slots: list[int] = []
+        self._inflight: InflightStep | None = None
         self._next_id = 0
         logger.info("engine ready: model %s, dtype %s, device %s, max_model_len %d, block_size %d, "
                     "max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s",
@@ -245,7 +221,7 @@ class LLMEngine:
                 for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
         defer = self.async_scheduling and not any(
             seq.params.logprobs is not None or seq.wants_prompt_logprobs or seq.prefill_only for seq, _ in scheduled)
-        result = self.runner.execute(scheduled, rows, prev_tokens=prev.device if prev is not None else None,
+        result = self.runner.execute(scheduled, rows, prev_tokens=prev.tokens if prev is not None else None,
                                      defer=defer)
         now = time.time()
         for seq, n in scheduled:
@@ -257,12 +233,7 @@ class LLMEngine:
         if prev is not None:
             self._read_inflight(touched)
         if result.pending is not None:
-            self._inflight, self._inflight_steps = result.pending, scheduled
-            self._inflight_slots = []
-            for row, seq in enumerate(result.pending.owners):
-                seq.token_ids.append(-1 - row)
-                seq.pending += 1
-                self._inflight_slots.append(len(seq.token_ids) - 1)
+            self._inflight = InflightStep(scheduled, result.pending)
         else:
             for seq, n in scheduled:
                 if not seq.finished:
@@ -283,19 +254,16 @@ class LLMEngine:
 
     def _read_inflight(self, touched: dict[str, None]) -> None:
         """Wait for the launched step's tokens and do what step() does for a step's results."""
-        pending, steps, slots = self._inflight, self._inflight_steps, self._inflight_slots
-        self._inflight, self._inflight_steps, self._inflight_slots = None, [], []
-        tokens = pending.wait()
+        inflight, self._inflight = self._inflight, None
+        filled = inflight.read()
         now = time.time()
-        for seq, _ in steps:
+        for seq, _ in inflight.scheduled:
             if not seq.finished:
                 touched[seq.request_id] = None
                 self.block_manager.register_full_blocks(seq)
-        for seq, slot, tok in zip(pending.owners, slots, tokens):
+        for seq, length, tok in filled:
             if not seq.finished:
-                seq.token_ids[slot] = tok
-                seq.pending -= 1
-                self._on_token(seq, tok, None, now, slot + 1)
+                self._on_token(seq, tok, None, now, length)
 
     def _advance(self, seq: Sequence, result, now: float) -> None:
         """Bookkeeping for one computed chunk (its cache count already advanced): prefix-cache hashes, prompt
@@ -303,7 +271,7 @@ class LLMEngine:
         self.block_manager.register_full_blocks(seq)
         for pos, tok, (lp, rank, top) in result.prompt_logprobs.get(id(seq), []):
             if pos == len(seq.prompt_logprobs):
-                seq.prompt_logprobs.append(self._logprob_dict(tok, lp, rank, top))
+                seq.prompt_logprobs.append(self.outputs.logprob_dict(tok, lp, rank, top))
         if id(seq) in result.sampled:
             tok, lp_info = result.sampled[id(seq)]
             self._append_token(seq, tok, lp_info, now)
@@ -365,18 +333,6 @@ class LLMEngine:
             return []
         return sorted(set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids))
 
-    def _logprob_dict(self, tok: int, lp: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
-        d = {t: Logprob(v, r + 1, self._token_text(t)) for r, (t, v) in enumerate(top)}
-        d[tok] = Logprob(lp, rank, self._token_text(tok))
-        return d
-
-    def _token_text(self, tok: int) -> str:
-        """One token decoded alone, cached (bounded by the vocabulary): logprobs ask for it at every position."""
-        text = self._token_texts.get(tok)
-        if text is None:
-            text = self._token_texts[tok] = self.tokenizer.decode([tok])
-        return text
-
     def _append_token(self, seq: Sequence, tok: int, lp_info, now: float) -> None:
         """lp_info: the sampler's (logprob, rank, top-N), or a ready logprobs dict (a prefill worker's)."""
         seq.token_ids.append(tok)
@@ -391,7 +347,7 @@ class LLMEngine:
             seq.metrics.first_token_time = now
         seq.metrics.last_token_time = now
         if lp_info is not None and seq.logprobs is not None:
-            d = lp_info if isinstance(lp_info, dict) else self._logprob_dict(tok, *lp_info)
+            d = lp_info if isinstance(lp_info, dict) else self.outputs.logprob_dict(tok, *lp_info)
             seq.cumulative_logprob += d[tok].logprob
             seq.logprobs.append(d)
         if tok in self.eos_token_ids and not p.ignore_eos:
@@ -444,33 +400,11 @@ class LLMEngine:
         seqs = self.requests[request_id]
         if all(s.finished for s in seqs):
             return self._pop_output(request_id)
-        return self._make_output(request_id, seqs)
+        return self.outputs.build(request_id, seqs, self.prompts.get(request_id))
 
     def _pop_output(self, request_id: str) -> RequestOutput:
         seqs = self.requests.pop(request_id)
-        out = self._make_output(request_id, seqs)
-        self.prompts.pop(request_id, None)
+        out = self.outputs.build(request_id, seqs, self.prompts.pop(request_id, None))
         self.stats.finished_requests += 1
         out.metrics.finished_time = time.time()
         return out
-
-    def _make_output(self, request_id: str, seqs: list[Sequence]) -> RequestOutput:
-        completions = []
-        for s in seqs:
-            text = s.text
-            if not s.finished and s.params.stop:  # hold back what may be the start of a stop string
-                hold = max(len(x) for x in s.params.stop) - 1
-                text = text[:max(0, len(text) - hold)]
-            completions.append(CompletionOutput(
-                index=s.index, text=text, token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=None if s.logprobs is None else list(s.logprobs),
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
-        first = seqs[0]
-        # copies: an output handed out must not change under its holder as the engine goes on
-        return RequestOutput(
-            request_id=request_id, prompt=self.prompts.get(request_id),
-            prompt_token_ids=first.token_ids[:first.num_prompt_tokens], outputs=completions,
-            finished=all(s.finished for s in seqs), metrics=dataclasses.replace(first.metrics),
-            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
-            num_cached_tokens=first.num_cached_tokens)

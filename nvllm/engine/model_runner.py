@@ -23,6 +23,7 @@ from nvllm.config import ConfigError, EngineConfig
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import check_tensor_parallel
 from nvllm.engine.cuda_graph import DecodeGraphs
+from nvllm.engine.inflight import PendingTokens, resolve_placeholders
 from nvllm.engine.piecewise_graphs import PiecewiseGraphs
 from nvllm.engine.sequence import Sequence
 from nvllm.engine.step_inputs import StepInputs
@@ -55,36 +56,7 @@ class StepResult:
     sampled: dict[int, tuple[int, tuple | None]]  # id(seq) → (token, logprob info)
     prompt_logprobs: dict[int, list[tuple[int, int, tuple]]]
     verify_logits: torch.Tensor | None = None  # speculative: every row of the verified chunks, in order
-    pending: "PendingTokens | None" = None  # execute(defer=True): the sampled tokens, still on the device
-
-
-class PendingTokens:
-    """Tokens a step sampled, left on the device so the host can schedule and launch the next step before they
-    are known (asynchronous scheduling): the device tensor feeds the next step's inputs, and a copy to pinned
-    host memory is read once the step is done."""
-
-    def __init__(self, owners: list[Sequence], tokens: torch.Tensor):
-        self.owners = owners  # the sequence of each row, in row order
-        self.device = tokens
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
-        else:
-            self._host, self._done = tokens, None
-
-    def wait(self) -> list[int]:
-        """The tokens on the host: waits for the step that samples them (and everything before it)."""
-        if self._done is not None:
-            self._done.synchronize()
-        return self._host.tolist()
-
-
-def resolve_placeholders(input_ids: list[int], prev: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Token ids on the device, each placeholder −1 − r replaced by row r of the previous step's sampled tokens."""
-    ids = host_tensor(input_ids, torch.long, device)
-    return torch.where(ids < 0, prev[(-1 - ids).clamp_(min=0)], ids)
+    pending: PendingTokens | None = None  # execute(defer=True): the sampled tokens, still on the device
 
 
 class ModelRunner:

@@ -38,7 +38,7 @@ class Row:
 
 def check_same_tokenizer(baseline_dir: str, candidate_dir: str) -> None:
     """Refuse to compare models whose tokenizers differ: their samples would not be the same token sequences."""
-    from nvllm.engine.llm_engine import load_tokenizer
+    from nvllm.engine.tokenizer import load_tokenizer
 
     a, b = load_tokenizer(baseline_dir), load_tokenizer(candidate_dir)
     probe = "Question: 12 + 30 = ?\nAnswer: 42 ✓ déjà vu"

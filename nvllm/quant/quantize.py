@@ -143,7 +143,7 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
                    progress: Progress | None = None, on_start=None) -> QuantizeSummary:
     """Quantize ``model_dir`` into ``out_dir``. ``on_start(summary, num_layers)`` is called once every
     check has passed (before the model loads); ``progress(layer, stage)`` as layers advance."""
-    from nvllm.engine.llm_engine import load_tokenizer
+    from nvllm.engine.tokenizer import load_tokenizer
     from nvllm.models.loader import checkpoint_dtype, load_model
 
     t0 = time.perf_counter()

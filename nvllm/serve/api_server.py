@@ -86,7 +86,7 @@ def default_model_name(engine_config: EngineConfig) -> str:
 def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
               worker: "DisaggWorker | None" = None) -> FastAPI:
     """The app; a prefill or decode worker (disaggregation) adds its internal routes."""
-    from nvllm.engine.llm_engine import load_tokenizer
+    from nvllm.engine.tokenizer import load_tokenizer
     from nvllm.kernels import report
 
     core = engine.engine

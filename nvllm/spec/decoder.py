@@ -29,7 +29,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 def check_draft_vocab(draft_dir: str, draft_vocab: int, target_vocab: int, tokenizer) -> bool:
     """Draft and target must speak the same vocabulary: the same token → id map (when the draft ships a
     tokenizer) and a logit width covering every token. Returns whether the draft has its own tokenizer."""
-    from nvllm.engine.llm_engine import load_tokenizer
+    from nvllm.engine.tokenizer import load_tokenizer
 
     has_tok = any(os.path.isfile(os.path.join(draft_dir, f)) for f in _TOKENIZER_FILES)
     if has_tok:

@@ -1,0 +1,69 @@
+"""Asynchronous scheduling's launched step: the tokens it samples stay on the device (``PendingTokens``) while
+the host schedules and launches the next step, whose inputs take them on the device (``resolve_placeholders``);
+each left a placeholder −1 − row at the end of its sequence's token ids (``InflightStep``), filled when the host
+reads the tokens back."""
+
+from __future__ import annotations
+
+import torch
+
+from nvllm.engine.sequence import Sequence
+from nvllm.layers.sampler import host_tensor
+
+
+class PendingTokens:
+    """Tokens a step sampled, left on the device so the host can schedule and launch the next step before they
+    are known (asynchronous scheduling): the device tensor feeds the next step's inputs, and a copy to pinned
+    host memory is read once the step is done."""
+
+    def __init__(self, owners: list[Sequence], tokens: torch.Tensor):
+        self.owners = owners  # the sequence of each row, in row order
+        self.device = tokens
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = tokens, None
+
+    def wait(self) -> list[int]:
+        """The tokens on the host: waits for the step that samples them (and everything before it)."""
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.tolist()
+
+
+def resolve_placeholders(input_ids: list[int], prev: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Token ids on the device, each placeholder −1 − r replaced by row r of the previous step's sampled tokens."""
+    ids = host_tensor(input_ids, torch.long, device)
+    return torch.where(ids < 0, prev[(-1 - ids).clamp_(min=0)], ids)
+
+
+class InflightStep:
+    """A step launched with its sampled tokens left on the device (``execute(defer=True)``): its scheduled chunks,
+    and one placeholder per sampled row appended to that row's sequence."""
+
+    def __init__(self, scheduled: list[tuple[Sequence, int]], pending: PendingTokens):
+        self.scheduled, self.pending = scheduled, pending
+        self.slots = []  # index of each row's placeholder in its sequence's token ids
+        for row, seq in enumerate(pending.owners):
+            seq.token_ids.append(-1 - row)
+            seq.pending += 1
+            self.slots.append(len(seq.token_ids) - 1)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The sampled tokens on the device, for the next step's inputs."""
+        return self.pending.device
+
+    def read(self) -> list[tuple[Sequence, int, int]]:
+        """Wait for the tokens and fill the placeholders of the sequences still unfinished (a finished one dropped
+        its placeholders). Returns (sequence, length up to and including the token, token) per filled row."""
+        filled = []
+        for seq, slot, tok in zip(self.pending.owners, self.slots, self.pending.wait()):
+            if not seq.finished:
+                seq.token_ids[slot] = tok
+                seq.pending -= 1
+                filled.append((seq, slot + 1, tok))
+        return filled
