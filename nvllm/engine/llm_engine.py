@@ -230,11 +230,13 @@ class LLMEngine:
             start = seq.num_computed_tokens
             seq.num_computed_tokens += n
             self.stats.prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+        # this step's placeholders go in before the previous step's tokens are read: a sequence those finish drops
+        # both at once
+        launched = InflightStep(scheduled, result.pending) if result.pending is not None else None
         if prev is not None:
             self._read_inflight(touched)
-        if result.pending is not None:
-            self._inflight = InflightStep(scheduled, result.pending)
-        else:
+        self._inflight = launched
+        if launched is None:
             for seq, n in scheduled:
                 if not seq.finished:
                     touched[seq.request_id] = None
