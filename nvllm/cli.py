@@ -199,6 +199,9 @@ def quantize(
                                                 "point (awq)")] = None,
     desc_act: Annotated[Optional[bool], typer.Option("--desc-act/--no-desc-act", help="GPTQ act-order "
                                                      "(static groups)")] = None,
+    quantize_lm_head: Annotated[Optional[bool], typer.Option("--quantize-lm-head/--no-quantize-lm-head",
+                                                             help="quantize the LM head too (gptq/rtn; untied "
+                                                             "embeddings only) (default off)")] = None,
     calib_dataset: Annotated[Optional[str], typer.Option(help="c4 | calib (the shipped C4 sample) | a .jsonl/"
                                                          ".json.gz/.json/.txt path (default c4)",
                                                          rich_help_panel=_CAL)] = None,
@@ -225,8 +228,8 @@ def quantize(
     bar = LayerProgress(console(), enabled=progress)
     try:
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
-                           calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
-                           seed=seed, device=device)
+                           quantize_lm_head=quantize_lm_head, calib_dataset=calib_dataset,
+                           calib_samples=calib_samples, calib_seqlen=calib_seqlen, seed=seed, device=device)
         summary = q.quantize_model(model or demo_model_path(), out, cfg, overwrite, progress=bar.update,
                                    on_start=bar.start)
     except q.USER_ERRORS as e:

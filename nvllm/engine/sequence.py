@@ -49,7 +49,8 @@ class Sequence:
     # disaggregated prefill: stop after the first token and keep the blocks for a decode worker to fetch
     prefill_only: bool = False
     # asynchronous scheduling: tokens sampled on the device and not read yet, at the end of token_ids as
-    # placeholders −1 − (their row in that step's sampled tokens), which the next step's inputs resolve on the device
+    # placeholders −1 − (their row in that step's sampled tokens), which the next step's inputs resolve on the
+    # device
     pending: int = 0
 
     @property

@@ -3,7 +3,11 @@
 Tensor parallelism splits the vocabulary: the rows are padded up to a multiple of the rank count (padding
 rows are zeros) and each rank holds one equal slice. The embedding looks up the ids in its slice, zeroes the
 others and sums over the ranks; the LM head computes its slice's logits and gathers them on rank 0, which drops
-the padding."""
+the padding.
+
+``QuantLMHead``: an LM head stored as a GPTQ (or AWQ) weight-only quantized linear (a checkpoint written with
+``"lm_head": true``, GPTQModel's ``lm_head=True``), its logits computed through ``quant_linear``. It is served
+on one rank only (the loader refuses ``tensor_parallel_size`` > 1 at start-up)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,9 @@ from torch import nn
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import take_shard, vocab_part
 from nvllm.kernels.gemm import gemm
+from nvllm.kernels.quant_gemm import quant_linear
+from nvllm.layers.quant_linear import QuantLinear
+from nvllm.quant.plan import QuantScheme
 
 
 class VocabEmbedding(nn.Module):
@@ -64,6 +71,18 @@ class LMHead(nn.Module):
         if parts is None:
             return None
         return torch.cat(parts, dim=-1)[:, :self.vocab_size].float()
+
+
+class QuantLMHead(QuantLinear):
+    """logits = h Wᵀ with W [vocab, hidden] stored packed (``lm_head.qweight`` / ``qzeros`` / ``scales`` /
+    ``g_idx``), computed in the model dtype by ``quant_linear`` and returned as float32, as ``LMHead`` does."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, scheme: QuantScheme, dtype: torch.dtype | None = None):
+        super().__init__(hidden_size, vocab_size, False, None, scheme, dtype)
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return quant_linear(hidden, self.quant_weight()).float()
 
 
 def load_vocab_rows(dst: torch.Tensor, part, tensor: torch.Tensor, ckpt_name: str) -> None:

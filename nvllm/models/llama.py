@@ -153,8 +153,9 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward() returns the final hidden states of every token; compute_logits() the LM head on chosen rows.
     ``quant_plan`` (``{"layers.{i}.{linear}": scheme}``, from ``nvllm.quant.plan``) makes those linears
-    ``QuantLinear``; embeddings, norms and the LM head stay in full precision. ``tp``: this rank's
-    tensor-parallel group (None: the whole model on one device)."""
+    ``QuantLinear``; embeddings and norms stay in full precision (the loader swaps in a ``QuantLMHead`` when the
+    checkpoint's head is quantized). ``tp``: this rank's tensor-parallel group (None: the whole model on one
+    device)."""
 
     def __init__(self, hf_config, architecture: str, dtype: torch.dtype,
                  quant_plan: dict[str, QuantScheme] | None = None, tp: TPGroup | None = None):

@@ -95,9 +95,10 @@ def checkpoint_keys(model_dir: str) -> set[str] | None:
 
 
 def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = True):
-    """``{"layers.{i}.{linear}": QuantScheme}`` for a quantized checkpoint (see nvllm.quant.plan), else None."""
+    """``{"layers.{i}.{linear}": QuantScheme}`` (and ``"lm_head"`` when the head is quantized) for a quantized
+    checkpoint (see nvllm.quant.plan), else None. A quantized head with tensor parallelism is a ConfigError."""
     from nvllm.models.llama import ModelShape
-    from nvllm.quant.plan import serving_plan
+    from nvllm.quant.plan import LM_HEAD, serving_plan
 
     keys = None if config.load_format == "dummy" else checkpoint_keys(config.model)
     try:
@@ -107,11 +108,16 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
     if found is None:
         return None
     qcfg, plan = found
+    head = LM_HEAD in plan
+    if head and config.tensor_parallel_size > 1:
+        raise ConfigError(f"{config.model}: its lm_head is quantized (quantization_config lm_head: true), which "
+                          f"nvllm serves on one rank only; use tensor_parallel_size 1, or a checkpoint quantized "
+                          f"without --quantize-lm-head")
     total = 4 * hf_config.num_hidden_layers
     if log:
         logger.info("quantized checkpoint: %s %d-bit, group size %d; %d of %d decoder linears quantized (the "
-                    "rest, embeddings and lm_head in full precision)", qcfg.method, qcfg.bits, qcfg.group_size,
-                    len(plan), total)
+                    "rest and embeddings in full precision); lm_head %s", qcfg.method, qcfg.bits,
+                    qcfg.group_size, len(plan) - head, total, "quantized" if head else "in full precision")
     return plan
 
 
@@ -119,11 +125,18 @@ def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torc
     """The model with its weights on ``device``. ``tp`` (a TPGroup): build and load only this rank's shard;
     each checkpoint tensor is read whole and narrowed to the rank's piece before it reaches the device."""
     arch, cls = resolve_architecture(hf_config)
+    from nvllm.quant.plan import LM_HEAD
+
     plan = quantization_plan(config, hf_config, arch)
+    head = plan.pop(LM_HEAD, None) if plan is not None else None
     extra = {"tp": tp} if tp is not None and tp.size > 1 else {}
     with torch.device(device):
         model = cls(hf_config, arch, dtype, quant_plan=plan, **extra) if plan is not None else \
             cls(hf_config, arch, dtype, **extra)
+        if head is not None:    # a quantized LM head (single rank: quantization_plan refuses tp > 1)
+            from nvllm.layers.embed_head import QuantLMHead
+
+            model.lm_head = QuantLMHead(model.shape.vocab_size, model.shape.hidden_size, head, dtype)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
         logger.info("loaded %s with random weights (load_format=dummy)", arch)

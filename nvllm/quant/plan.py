@@ -26,6 +26,9 @@ FUSED_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "down_proj": ("mlp", ("down_proj",)),
 }
 LINEARS = tuple(FUSED_MODULES)
+# the plan's key (and the HF module name) of a quantized LM head (GPTQModel's ``lm_head=True``: config key
+# ``"lm_head": true``, tensors ``lm_head.qweight`` / ``qzeros`` / ``scales`` / ``g_idx``)
+LM_HEAD = "lm_head"
 
 
 @dataclass(frozen=True)
@@ -112,11 +115,26 @@ def output_sizes(shape, fused: str) -> tuple[int, list[int]]:
     }[fused]
 
 
+def head_sizes(shape) -> tuple[int, list[int]]:
+    """(in_features, [out_features]) of the LM head: hidden size in, the whole vocabulary out."""
+    return shape.hidden_size, [shape.vocab_size]
+
+
+def head_problem(shape, scheme: QuantScheme) -> str | None:
+    """Why the LM head of this model cannot be stored quantized in ``scheme``, or None when it can."""
+    if shape.tie_word_embeddings:
+        return ("the model ties its word embeddings (tie_word_embeddings: true): the lm_head is the embedding "
+                "matrix, which is looked up as well as multiplied and stays in full precision")
+    problem = scheme.packing_problem(*head_sizes(shape))
+    return None if problem is None else problem.replace("output size", "vocabulary size")
+
+
 def serving_plan(model_dir: str, hf_config, shape, checkpoint_keys: set[str] | None
                  ) -> tuple[QuantConfig, dict[str, QuantScheme]] | None:
     """For a quantized checkpoint: its parsed config and ``{"layers.{i}.{fused}": scheme}`` for every linear it
-    stores quantized (the others load as dense). With ``checkpoint_keys`` the tensor names decide (a module
-    is quantized when its ``.qweight`` is there); without (dummy weights) the config and the packing rules do.
+    stores quantized (the others load as dense), plus ``{"lm_head": scheme}`` when the LM head is quantized.
+    With ``checkpoint_keys`` the tensor names decide (a module is quantized when its ``.qweight`` is there);
+    without (dummy weights) the config and the packing rules do.
     None for a full-precision model. Raises ValueError for configs or checkpoints nvllm cannot serve."""
     raw = read_quantization_config(model_dir, hf_config)
     if raw is None:
@@ -141,4 +159,15 @@ def serving_plan(model_dir: str, hf_config, shape, checkpoint_keys: set[str] | N
                 if problem:
                     raise ValueError(f"{names[0]} cannot be served as {scheme.fmt} {scheme.bits}-bit: {problem}")
                 plan[f"layers.{i}.{fused}"] = scheme
+    if checkpoint_keys is not None:
+        head = LM_HEAD + ".qweight" in checkpoint_keys
+        if raw.get("lm_head") is True and not head:
+            raise ValueError("quantization_config says lm_head: true but the checkpoint has no lm_head.qweight")
+    else:
+        head = raw.get("lm_head") is True
+    if head:
+        problem = head_problem(shape, scheme)
+        if problem:
+            raise ValueError(f"the quantized lm_head cannot be served as {scheme.fmt} {scheme.bits}-bit: {problem}")
+        plan[LM_HEAD] = scheme
     return cfg, plan

@@ -8,6 +8,11 @@ Linears whose shapes the scheme cannot store (a group size that does not divide 
 size that is not a whole number of packed words) stay in full precision: listed in the checkpoint's config
 (``modules_to_not_convert``; GPTQ also ``dynamic`` ``-:`` entries, as GPTQModel writes for vLLM) and in the
 summary. A group size that fits none of the model's linears is an error.
+
+``quantize_lm_head`` (GPTQ / RTN, GPTQModel's ``lm_head=True``) quantizes the LM head as well, after the last
+layer, and writes it like any GPTQ linear (``lm_head.qweight`` / ``qzeros`` / ``scales`` / ``g_idx``) with
+``"lm_head": true`` in ``quantization_config``. A model with tied embeddings, or a head the scheme cannot
+pack, is an error (the user asked for the head, so it is not silently kept).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from nvllm.quant.awq import AWQOptions
 from nvllm.quant.calibration import calibration_windows, load_texts
 from nvllm.quant.formats import awq_quantization_config, gptq_quantization_config
 from nvllm.quant.methods import AWQMethod, GPTQMethod, RTNMethod
-from nvllm.quant.plan import FUSED_MODULES, LINEARS, QuantScheme, output_sizes, read_quantization_config
+from nvllm.quant.plan import (FUSED_MODULES, LINEARS, LM_HEAD, QuantScheme, head_problem, head_sizes, output_sizes,
+                              read_quantization_config)
 from nvllm.quant.recipe import QuantizeConfig
 from nvllm.quant.rtn import Grid
 from nvllm.quant.sequential import LayerReport, Progress, quantize_layers
@@ -48,6 +54,9 @@ class QuantizeSummary:
     tokens: int = 0
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    head_error: float | None = None     # the LM head's relative output error when it was quantized (else None)
+    head_size_before: int = 0           # its bytes in the source checkpoint's dtype
+    head_size_after: int = 0            # its packed tensors' bytes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -134,6 +143,8 @@ def quantization_config(cfg: QuantizeConfig, out_dir: str, kept: list[list[str]]
         return awq_quantization_config(cfg.group_size, 4, True, [n for names in kept for n in names] or None)
     qc = gptq_quantization_config(cfg.bits, cfg.group_size, cfg.desc_act, bool(cfg.sym), cfg.damp_percent,
                                   cfg.static_groups if cfg.desc_act else False, True, out_dir, "model")
+    if cfg.quantize_lm_head:
+        qc["lm_head"] = True          # GPTQModel's key; vLLM's GPTQ config reads it (lm_head_quantized)
     if kept:
         qc["dynamic"] = {f"-:.*\\.({'|'.join(re.escape(n) for n in names)})$": {} for names in kept}
     return qc
@@ -156,6 +167,10 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     device = resolve_device(cfg.device)
     scheme = QuantScheme(cfg.format, cfg.bits, cfg.group_size)
     quantize, kept = plan_linears(shape, scheme)
+    if cfg.quantize_lm_head:
+        problem = head_problem(shape, scheme)
+        if problem:
+            raise QuantizeError(f"--quantize-lm-head: {problem}")
     summary = QuantizeSummary(cfg, out_dir, kept=kept)
 
     seqlen = cfg.calib_seqlen
@@ -175,14 +190,22 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     engine_cfg = EngineConfig(model=model_dir, device="cpu", dtype=dtype_name, load_format="safetensors")
     model = load_model(engine_cfg, hf_config, dtype, torch.device("cpu"))
     group_sizes = {n: scheme.group_for(output_sizes(shape, n)[0]) for n in quantize}
+    if cfg.quantize_lm_head:
+        group_sizes[LM_HEAD] = scheme.group_for(head_sizes(shape)[0])     # groups split the hidden size
+        w = model.lm_head.weight
+        summary.head_size_before = w.numel() * w.element_size()
     method = build_method(cfg, group_sizes)
     results, summary.layers = quantize_layers(model, ids, method, {i: quantize for i in range(shape.num_layers)},
-                                              device, progress=progress)
+                                              device, progress=progress, head=cfg.quantize_lm_head)
+    if LM_HEAD in results:
+        summary.head_error = results[LM_HEAD].error
 
     from nvllm.models.loader import checkpoint_keys
 
     source_names = sorted(checkpoint_keys(model_dir) or [])
     tensors = checkpoint_tensors(model, source_names, {k: r.quant for k, r in results.items()}, cfg.format)
+    summary.head_size_after = sum(t.numel() * t.element_size() for k, t in tensors.items()
+                                  if k.startswith(LM_HEAD + ".") and cfg.quantize_lm_head)
     qc = quantization_config(cfg, out_dir, kept_modules(quantize))
     extra = {"quantize_config.json": {k: v for k, v in qc.items() if k != "dynamic"}} if cfg.format == "gptq" \
         else None

@@ -9,6 +9,7 @@ settings in sections::
     group_size: 128         # or -1: one group spanning each row
     sym: true               # awq: false (zero point)
     desc_act: false         # gptq: act-order
+    quantize_lm_head: false # gptq / rtn: the LM head too (GPTQModel's lm_head=True)
     gptq: {damp_percent: 0.01, block_size: 128, static_groups: true}
     awq: {n_grid: 20, duo_scaling: true, clip: true, max_shrink: 0.5}
     calibration: {dataset: c4, samples: 128, seqlen: 2048, seed: 0}
@@ -36,6 +37,7 @@ class QuantizeConfig:
     group_size: int = 128
     sym: bool | None = None            # None: the method's default (gptq/rtn symmetric, awq zero point)
     desc_act: bool = False
+    quantize_lm_head: bool = False     # gptq/rtn: quantize the LM head too (written as "lm_head": true)
     damp_percent: float = 0.01
     block_size: int = 128
     static_groups: bool = True
@@ -73,6 +75,9 @@ class QuantizeConfig:
             raise RecipeError("AWQ quantizes with a zero point (asymmetric); drop --sym")
         if self.desc_act and self.method != "gptq":
             raise RecipeError("--desc-act (act-order) applies to GPTQ only")
+        if self.quantize_lm_head and self.method == "awq":
+            raise RecipeError("--quantize-lm-head applies to GPTQ and RTN only: AutoAWQ checkpoints keep the "
+                              "lm_head in full precision; use --method gptq or rtn")
         if not 0 < self.damp_percent < 1:
             raise RecipeError(f"damp_percent must be in (0, 1), got {self.damp_percent}")
         if self.block_size < 1:
@@ -90,7 +95,8 @@ class QuantizeConfig:
 
 # recipe key → (config field, type); sections flatten into the same fields
 _TOP = {"method": ("method", str), "bits": ("bits", int), "group_size": ("group_size", int), "sym": ("sym", bool),
-        "desc_act": ("desc_act", bool), "device": ("device", str)}
+        "desc_act": ("desc_act", bool), "quantize_lm_head": ("quantize_lm_head", bool),
+        "device": ("device", str)}
 _SECTIONS = {
     "gptq": {"damp_percent": ("damp_percent", float), "block_size": ("block_size", int),
              "static_groups": ("static_groups", bool)},

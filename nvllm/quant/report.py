@@ -34,7 +34,7 @@ class LayerProgress:
         if layer != self.current:
             self.bar.update(self.task, completed=layer)
             self.current = layer
-        self.bar.update(self.task, description=f"layer {layer}: {stage}")
+        self.bar.update(self.task, description=stage if stage == "lm_head" else f"layer {layer}: {stage}")
 
     def stop(self) -> None:
         if self.bar is not None:
@@ -73,9 +73,15 @@ def summary_lines(summary: QuantizeSummary) -> list[str]:
         f"method {c.method}, {c.bits}-bit, group size {c.group_size}, "
         f"{'symmetric' if c.sym else 'zero point'}{extra}; format {fmt}",
         f"size {_size(summary.size_before)} → {_size(summary.size_after)} "
-        f"({summary.size_after / max(summary.size_before, 1):.2f}×); embeddings and lm_head in full precision",
-        f"calibration: {summary.tokens} tokens from {summary.calibration}",
+        f"({summary.size_after / max(summary.size_before, 1):.2f}×); " +
+        ("embeddings in full precision, lm_head quantized" if c.quantize_lm_head
+         else "embeddings and lm_head in full precision"),
     ]
+    if c.quantize_lm_head and summary.head_error is not None:
+        lines.append(f"lm_head quantized ({c.method} {c.bits}-bit, group size {c.group_size}): "
+                     f"{_size(summary.head_size_before)} → {_size(summary.head_size_after)}, relative error "
+                     f"{summary.head_error:.2e} on the calibration tokens")
+    lines.append(f"calibration: {summary.tokens} tokens from {summary.calibration}")
     for name, why in summary.kept.items():
         lines.append(f"kept in full precision in every layer: {name} ({why})")
     lines += summary.notes

@@ -9,6 +9,9 @@
    with a full-precision copy of the layer gives the layer's relative output error.
 4. The working copy (quantized weights dequantized, plus whatever the method folded into norms or dense
    linears) is written back into the CPU model, which then holds the model as it will be served.
+5. With ``head``, the LM head is quantized last: its inputs are the last layer's outputs (those of the
+   quantized model) through the model's final norm, and the method quantizes it as one more linear (for GPTQ
+   its Hessian comes from these inputs; groups split the hidden size, its input).
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
 from nvllm.quant.formats import GroupQuant
 from nvllm.quant.methods import InputStats, LinearResult
+from nvllm.quant.plan import LM_HEAD
 from nvllm.quant.replay import ORDER, layer_forward
 
 
@@ -63,11 +68,12 @@ def _chunks(ids: torch.Tensor, batch: int) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def quantize_layers(model, calib_ids: torch.Tensor, method, quantized: dict[int, set[str]],
-                    device: torch.device, batch: int = 8, progress: Progress | None = None
+                    device: torch.device, batch: int = 8, progress: Progress | None = None, head: bool = False
                     ) -> tuple[dict[str, LinearResult], list[LayerReport]]:
     """Quantize ``model`` (a CPU ``LlamaForCausalLM``) in place, layer by layer. ``quantized[i]`` names the
-    linears of layer i to quantize (the others stay in full precision). Returns ``{"layers.{i}.{linear}":
-    LinearResult}`` and one report per layer."""
+    linears of layer i to quantize (the others stay in full precision); ``head``: the LM head too (the method's
+    ``group_sizes`` must name ``"lm_head"``). Returns ``{"layers.{i}.{linear}": LinearResult}`` (and
+    ``{"lm_head": …}``) and one report per layer."""
     positions = torch.arange(calib_ids.shape[1], device=device)
     embed = model.embed_tokens.weight
     xs = [embed[ids.to(embed.device)].to(device, torch.float32) for ids in _chunks(calib_ids, batch)]
@@ -103,4 +109,22 @@ def quantize_layers(model, calib_ids: torch.Tensor, method, quantized: dict[int,
         del work, ref
         rep.seconds = time.perf_counter() - t0
         reports.append(rep)
+    if head:
+        if progress:
+            progress(len(model.layers), LM_HEAD)
+        results[LM_HEAD] = _quantize_head(model, xs, method, device)
     return results, reports
+
+
+def _quantize_head(model, xs: list[torch.Tensor], method, device: torch.device) -> LinearResult:
+    """The LM head, quantized as one more linear on the final-norm outputs of the (quantized) last layer; its
+    dequantized weight is written back into the model."""
+    norm = copy.deepcopy(model.norm).to(device=device, dtype=torch.float32)
+    w = model.lm_head.weight
+    work = SimpleNamespace(**{LM_HEAD: SimpleNamespace(weight=w.detach().to(device, torch.float32).clone())})
+    stats = InputStats(w.shape[1], device)
+    for x in xs:
+        stats.add(norm(x.reshape(-1, x.shape[-1])))
+    res = method.quantize_stage(work, [LM_HEAD], {LM_HEAD: stats})[LM_HEAD]
+    w.data.copy_(getattr(work, LM_HEAD).weight.to(w.device, w.dtype))
+    return LinearResult(_to_host(res.quant), res.error)
