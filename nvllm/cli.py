@@ -252,6 +252,9 @@ def pipeline(
                                                       rich_help_panel=_Q)] = None,
     sym: Annotated[Optional[bool], typer.Option("--sym/--no-sym", rich_help_panel=_Q)] = None,
     desc_act: Annotated[Optional[bool], typer.Option("--desc-act/--no-desc-act", rich_help_panel=_Q)] = None,
+    quantize_lm_head: Annotated[Optional[bool], typer.Option("--quantize-lm-head/--no-quantize-lm-head",
+                                                             help="the LM head too (gptq/rtn)",
+                                                             rich_help_panel=_Q)] = None,
     calib_dataset: Annotated[Optional[str], typer.Option(help="c4 | calib | a file (default: c4)",
                                                          rich_help_panel=_Q)] = None,
     calib_samples: Annotated[Optional[int], typer.Option(rich_help_panel=_Q)] = None,
@@ -296,8 +299,9 @@ def pipeline(
     runner.quiet_libraries()
     try:
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
-                           calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
-                           seed=engine_config.seed, device=engine_config.device)
+                           quantize_lm_head=quantize_lm_head, calib_dataset=calib_dataset,
+                           calib_samples=calib_samples, calib_seqlen=calib_seqlen, seed=engine_config.seed,
+                           device=engine_config.device)
         out = out or f"{Path(engine_config.model).name}-{cfg.method}-w{cfg.bits}"
         spec = runner.EvalSpec(tasks.split(","), num_fewshot, limit, data_dir, max_gen_toks, max_length)
         bench = pipe.BenchSpec(batch_size, input_len, output_len, num_iters_warmup, num_iters, num_prompts)

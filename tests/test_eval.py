@@ -296,6 +296,10 @@ def test_pipeline_quantizes_gates_benches_and_reports(tmp_path):
     (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--num-iters", "0"],
      "--num-iters must be at least 1"),
     (["--method", "rtn", "--tasks", "gsm8k", "--data-dir", str(DATA / "mmlu")], "GSM8K not found"),
+    (["--method", "awq", "--quantize-lm-head", "--tasks", "wikitext", "--data-dir", str(DATA)],
+     "--quantize-lm-head applies to GPTQ and RTN only"),
+    (["--method", "rtn", "--group-size", "32", "--quantize-lm-head", "--tasks", "wikitext", "--data-dir", str(DATA)],
+     "the model ties its word embeddings"),
 ])
 def test_pipeline_bad_input_fails_before_quantizing(tmp_path, args, message):
     r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["pipeline", "--device", "cpu", "--out", str(tmp_path / "q"),
