@@ -3,12 +3,12 @@
 Two modes:
 
 ``--mode variants`` (default; about 3 minutes on an H200, most of it Triton compiling, in parallel): the
-GEMV kernel's variants (``quant_gemv.VARIANTS``: tile, field, l1, row), each over a few tile configs and
+GEMV kernel's variants (``quant_gemv.VARIANTS``: tile, field, row), each over a few tile configs and
 split-K depths, at M = 1 and 2. Prints per shape and format the best config of each variant (µs, % of the
 int4 floor) next to cuBLAS on the bf16 weight, the 28-layer totals per variant, and the best *single*
 config per (format, M) over the four shapes (the candidate default for ``pick_gemv_config``). Writes
 $OUT/quant_gemv_variants.json (every candidate's time; ``--out`` overrides $OUT).
-    python scripts/gpu_quant_bench.py [--ms 1,2] [--fmts awq,gptq] [--variants tile,field,l1,row] [--jobs 14]
+    python scripts/gpu_quant_bench.py [--ms 1,2] [--fmts awq,gptq] [--variants tile,field,row] [--jobs 14]
 
 ``--mode classic``: the earlier sweep, GEMV ``tile`` candidates against the fused GEMM kernel and cuBLAS at
 M = 1, 2, 4 (..16); writes $OUT/quant_bench.json.
@@ -66,8 +66,6 @@ VARIANT_TILES: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
     ("awq", "tile"): [(128, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 1), (64, 64, 4, 1)],
     ("gptq", "field"): [(128, 64, 1, 3), (256, 64, 1, 3), (256, 32, 1, 3), (512, 32, 2, 3)],
     ("awq", "field"): [(256, 32, 1, 3), (128, 64, 1, 3), (512, 32, 2, 3), (256, 16, 1, 3)],
-    ("gptq", "l1"): [(128, 32, 1, 3), (128, 32, 1, 1), (256, 32, 2, 3), (128, 64, 2, 1)],
-    ("awq", "l1"): [(128, 32, 1, 3), (256, 32, 2, 3), (128, 16, 1, 1), (64, 32, 1, 3)],
     ("gptq", "row"): [(128, 128, 1, 3), (128, 128, 1, 1), (256, 64, 1, 3), (256, 64, 1, 1), (256, 128, 2, 3),
                       (512, 64, 2, 3), (512, 128, 4, 3), (128, 64, 1, 3)],
     ("awq", "row"): [(256, 32, 1, 3), (256, 32, 1, 1), (512, 32, 1, 3), (512, 16, 1, 3), (512, 16, 2, 3),

@@ -15,13 +15,14 @@ compares them):
   then over the words once per K step. AWQ: the ``[BLOCK_K, BLOCK_N/8]`` word tile broadcast to ``[BLOCK_K,
   8, BLOCK_N/8]`` (index i is column ``8w + i``), summed over K into an accumulator of that shape; one permute
   and reshape after the loop put the columns in order.
-* ``l1``: gemlite-style, the ``[BLOCK_K, BLOCK_N]`` tile loaded directly with word offsets ``k // P`` (GPTQ)
-  or ``n // 8`` (AWQ), each word fetched P (8) times (L1 hits), each element shifting out its own field.
 * ``row``: one word row at a time (a static loop over the K step's BLOCK_K/P GPTQ or BLOCK_K AWQ word rows,
   each a 1-D load), FMAs straight into the ``[BLOCK_M, BLOCK_N]`` (AWQ ``[BLOCK_M, 8, BLOCK_N/8]``)
   accumulator: no reduction and no layout change in the loop, few registers.
 
-``field``, ``l1`` and ``row`` unpack a field in place (``_in_place``): masked inside its 16-bit half-word and
+(A gemlite-style ``l1`` variant — the tile loaded with word offsets ``k // P``, each word fetched P times —
+measured slowest on every shape in run M, 1.4–3.8× ``row``, and was removed.)
+
+``field`` and ``row`` unpack a field in place (``_in_place``): masked inside its 16-bit half-word and
 OR'ed into the float 2^23 bit pattern it reads as ``2^23 + q·2^pos`` exactly, and one FFMA, ``· 2^-pos −
 (2^(23−pos) + z)``, yields ``q − z`` exactly: per weight a LOP3 and an FFMA before the FMA with x, no shift,
 no conversion, no ``Σ x`` term. The high half-word is shifted by 12 (4-bit) so that none of its fields sits
@@ -48,7 +49,7 @@ from nvllm.kernels.backend import eager_triton
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
-VARIANTS = ("tile", "field", "l1", "row")
+VARIANTS = ("tile", "field", "row")
 
 
 @_jit
@@ -109,7 +110,6 @@ def _quant_gemv_kernel(
     stride_xm, stride_om,
     stride_qw, stride_qz, stride_s,           # row strides of qweight, qzeros, scales (columns contiguous)
     k_per_split,                              # K range of one split (a multiple of BLOCK_K)
-    magic,                                    # 0x4B000000 (l1), a runtime value: as an immediate it costs MOVs
     BITS: tl.constexpr,
     AWQ: tl.constexpr,                        # True: AWQ-GEMM layout (fields along N); False: GPTQ v1 (along K)
     GROUP: tl.constexpr,                      # group size, a multiple of BLOCK_K
@@ -119,12 +119,9 @@ def _quant_gemv_kernel(
     SERIAL: tl.constexpr,                     # split-K finished in the kernel (see _epilogue)
     STAGES: tl.constexpr,                     # software-pipeline depth of the K loop (1 = none)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    L1: tl.constexpr = False,                 # variant "l1" (else "tile")
 ):
-    """Variants ``tile`` and ``l1``: a ``[BLOCK_K, BLOCK_N]`` float tile per K step, summed over K."""
+    """Variant ``tile``: a ``[BLOCK_K, BLOCK_N]`` float tile per K step, summed over K."""
     PER_WORD: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = PER_WORD // 2
-    HS: tl.constexpr = 12 if BITS == 4 else 16   # high-half shift (see _in_place)
     MASK: tl.constexpr = (1 << BITS) - 1
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -140,18 +137,7 @@ def _quant_gemv_kernel(
         n_shift = ((field % 2) * 4 + field // 2) * 4              # AWQ nibble order 0, 2, 4, 6, 1, 3, 5, 7
     else:
         n_shift = field * BITS
-    # l1: where each tile element sits in its word: (half-word shift, in-place position, 2^-position)
     r = tl.arange(0, BLOCK_K)
-    if AWQ:
-        c = offs_n % 8
-        hs = (c % 2) * HS                                         # odd columns in the high half-word
-        pos = (c // 2) * 4 + (c % 2) * (16 - HS)
-    else:
-        f = r % PER_WORD                                          # k0 is a multiple of PER_WORD
-        hs = (f // HALF) * HS
-        pos = (f % HALF) * BITS + (f // HALF) * (16 - HS)
-    inv = 1.0 / (1 << pos).to(tl.float32)
-
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
@@ -162,44 +148,28 @@ def _quant_gemv_kernel(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         grp = k0 // GROUP
         s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if L1:
-            if AWQ:   # qweight [K, N/8], each word fetched for its 8 columns
-                words = _words(qw_ptr + offs_k[:, None] * stride_qw + (offs_n // 8)[None, :],
-                               mask_k[:, None] & mask_n[None, :])
-                zw = tl.load(qz_ptr + grp * stride_qz + offs_n // 8, mask=mask_n, other=0)
-                zc = (8388608.0 * inv + ((zw >> (hs + pos)) & MASK).to(tl.float32))[None, :]
-                q = _in_place(words >> hs[None, :], pos[None, :], inv[None, :], zc, MASK, magic)
-            else:     # qweight [K/P, N], each word fetched for its P inputs
-                wk = k0 // PER_WORD + r // PER_WORD
-                words = _words(qw_ptr + wk[:, None] * stride_qw + offs_n[None, :], mask_k[:, None] & mask_n[None, :])
-                zw = tl.load(qz_ptr + grp * stride_qz + offs_n // PER_WORD, mask=mask_n, other=0)
-                z = ((zw >> (offs_n % PER_WORD) * BITS) & MASK).to(tl.float32) + 1.0    # v1 stores zero − 1
-                q = _in_place(words >> hs[:, None], pos[:, None], inv[:, None],
-                              (8388608.0 * inv)[:, None] + z[None, :], MASK, magic)
-            acc += s[None, :] * tl.sum(x[:, :, None] * q[None, :, :], axis=1)
+        if AWQ:   # qweight [K, N/8]
+            words = tl.load(qw_ptr + offs_k[:, None] * stride_qw + wn[None, :],
+                            mask=mask_k[:, None] & mask_wn[None, :], other=0, eviction_policy="evict_first")
+            q = tl.reshape((words[:, :, None] >> n_shift[None, None, :]) & MASK, (BLOCK_K, BLOCK_N))
+        else:     # qweight [K/P, N]
+            WORDS_K: tl.constexpr = BLOCK_K // PER_WORD
+            wk = k0 // PER_WORD + tl.arange(0, WORDS_K)
+            words = tl.load(qw_ptr + wk[:, None] * stride_qw + offs_n[None, :],
+                            mask=(wk < k_end // PER_WORD)[:, None] & mask_n[None, :], other=0,
+                            eviction_policy="evict_first")
+            q = tl.reshape((words[:, None, :] >> (field * BITS)[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
+        if MAGIC:
+            qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         else:
-            if AWQ:   # qweight [K, N/8]
-                words = tl.load(qw_ptr + offs_k[:, None] * stride_qw + wn[None, :],
-                                mask=mask_k[:, None] & mask_wn[None, :], other=0, eviction_policy="evict_first")
-                q = tl.reshape((words[:, :, None] >> n_shift[None, None, :]) & MASK, (BLOCK_K, BLOCK_N))
-            else:     # qweight [K/P, N]
-                WORDS_K: tl.constexpr = BLOCK_K // PER_WORD
-                wk = k0 // PER_WORD + tl.arange(0, WORDS_K)
-                words = tl.load(qw_ptr + wk[:, None] * stride_qw + offs_n[None, :],
-                                mask=(wk < k_end // PER_WORD)[:, None] & mask_n[None, :], other=0,
-                                eviction_policy="evict_first")
-                q = tl.reshape((words[:, None, :] >> (field * BITS)[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
-            if MAGIC:
-                qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            else:
-                qf = q.to(tl.float32)
-            part = tl.sum(x[:, :, None] * qf[None, :, :], axis=1)      # [BLOCK_M, BLOCK_N]: Σ_k x q
-            xsum = tl.sum(x, axis=1)                                    # [BLOCK_M]: Σ_k x
-            zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
-            z = tl.reshape((zw[:, None] >> n_shift[None, :]) & MASK, (BLOCK_N,)).to(tl.float32)
-            if not AWQ:
-                z = z + 1.0                                              # GPTQ v1 stores zero − 1
-            acc += s[None, :] * (part - xsum[:, None] * z[None, :])
+            qf = q.to(tl.float32)
+        part = tl.sum(x[:, :, None] * qf[None, :, :], axis=1)      # [BLOCK_M, BLOCK_N]: Σ_k x q
+        xsum = tl.sum(x, axis=1)                                    # [BLOCK_M]: Σ_k x
+        zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
+        z = tl.reshape((zw[:, None] >> n_shift[None, :]) & MASK, (BLOCK_N,)).to(tl.float32)
+        if not AWQ:
+            z = z + 1.0                                              # GPTQ v1 stores zero − 1
+        acc += s[None, :] * (part - xsum[:, None] * z[None, :])
 
     _epilogue(acc, out_ptr, stride_om, offs_m, mask_m, offs_n, mask_n, bias_ptr, ws_ptr, cnt_ptr, N,
               HAS_BIAS, ATOMIC, SERIAL, BLOCK_M, BLOCK_N)
@@ -220,7 +190,6 @@ def _quant_gemv_field_kernel(
     """Variants ``field`` and ``row``: the packed words as loaded, field by field, in place (arguments as
     ``_quant_gemv_kernel``)."""
     PER_WORD: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = PER_WORD // 2
     HS: tl.constexpr = 12 if BITS == 4 else 16   # high-half shift (see _in_place)
     MASK: tl.constexpr = (1 << BITS) - 1
     pid_n = tl.program_id(0)
@@ -408,12 +377,12 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     args = (x, qweight, qzeros, scales, bias if direct_bias else qweight, out,
             *(ws if ws is not None else (out, out)),
             M, N, K, x.stride(0), out.stride(0),
-            qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split, 0x4B000000)
+            qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split)
     common = dict(BITS=bits, AWQ=fmt == "awq", GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic,
                   SERIAL=ws is not None, STAGES=cfg["stages"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                   num_warps=cfg["num_warps"])
     if variant in ("field", "row"):
-        _quant_gemv_field_kernel[(n_tiles, split_k)](*args, ROWS=variant == "row", **common)
+        _quant_gemv_field_kernel[(n_tiles, split_k)](*args, 0x4B000000, ROWS=variant == "row", **common)
     else:
-        _quant_gemv_kernel[(n_tiles, split_k)](*args, MAGIC=bool(cfg["magic"]), L1=variant == "l1", **common)
+        _quant_gemv_kernel[(n_tiles, split_k)](*args, MAGIC=bool(cfg["magic"]), **common)
     return finish_split_k(out, bias, x.dtype, 2 if atomic else 1)
