@@ -227,9 +227,7 @@ class LLMEngine:
         for seq, n in scheduled:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += n
-            self.stats.prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+            self._computed(seq, n)
         # this step's placeholders go in before the previous step's tokens are read: a sequence those finish drops
         # both at once
         launched = InflightStep(scheduled, result.pending) if result.pending is not None else None
@@ -267,6 +265,12 @@ class LLMEngine:
             if not seq.finished:
                 self._on_token(seq, tok, None, now, length)
 
+    def _computed(self, seq: Sequence, n: int) -> None:
+        """n more of the sequence's tokens are in the cache (or on their way, when launched asynchronously)."""
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += n
+        self.stats.prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+
     def _advance(self, seq: Sequence, result, now: float) -> None:
         """Bookkeeping for one computed chunk (its cache count already advanced): prefix-cache hashes, prompt
         logprobs, and the sampled token when the chunk reached the sequence's end."""
@@ -300,9 +304,7 @@ class LLMEngine:
             touched[seq.request_id] = None
             v = verified.get(id(seq))
             if v is None:
-                start = seq.num_computed_tokens
-                seq.num_computed_tokens += n
-                self.stats.prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+                self._computed(seq, n)
                 self._advance(seq, result, now)
             else:
                 drafted = len(drafts[id(seq)][0])
