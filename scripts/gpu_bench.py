@@ -79,8 +79,9 @@ QUANT_CONFIGS = {
 }
 
 
-def quant_runs(model_dir: Path, res: dict, methods: list[str], save) -> None:
-    """W4A16 g128 decode at batch 1 (random packed weights, bf16 lm_head) against the bf16 TPOT of this run."""
+def quant_runs(model_dir: Path, res: dict, methods: list[str], save, suffix: str = "") -> None:
+    """W4A16 g128 decode at batch 1 (random packed weights, bf16 lm_head) against the bf16 TPOT of this run;
+    keys ``nvllm_{method}_w4{suffix}_…``."""
     from nvllm.bench.offline import run_latency
     from nvllm.config import EngineConfig
 
@@ -95,8 +96,8 @@ def quant_runs(model_dir: Path, res: dict, methods: list[str], save) -> None:
                               max_num_seqs=64, log_stats_interval=0)
         lat = run_latency(config, batch_size=1, input_len=128, output_len=256, num_iters_warmup=1, num_iters=3,
                           progress=False)
-        res[f"nvllm_{method}_w4_tpot_ms"] = lat["median_tpot_ms"]
-        res[f"nvllm_{method}_w4_kernel_report"] = lat["kernel_report"]
+        res[f"nvllm_{method}_w4{suffix}_tpot_ms"] = lat["median_tpot_ms"]
+        res[f"nvllm_{method}_w4{suffix}_kernel_report"] = lat["kernel_report"]
         save()
         gc.collect()
         torch.cuda.empty_cache()
@@ -279,13 +280,13 @@ def profile_steps(llm, res: dict) -> None:
 
 
 def nvllm_runs(model_dir: Path, res: dict, throughput_prompts: int, enforce_eager: bool, save,
-               profile: bool = False, async_scheduling: bool = True) -> None:
+               profile: bool = False, async_scheduling: bool = True, tag: str | None = None) -> None:
     from nvllm.bench.offline import run_latency, run_throughput
     from nvllm.config import EngineConfig
     from nvllm.kernels import report
     from nvllm.llm import LLM
 
-    tag = "eager" if enforce_eager else "graphs" if async_scheduling else "sync"
+    tag = tag or ("eager" if enforce_eager else "graphs" if async_scheduling else "sync")
     config = EngineConfig(model=str(model_dir), load_format="dummy", dtype="bfloat16", max_model_len=4096,
                           max_num_seqs=256, max_num_batched_tokens=8192, enforce_eager=enforce_eager,
                           async_scheduling=async_scheduling and not enforce_eager, log_stats_interval=10)
@@ -327,6 +328,17 @@ def nvllm_runs(model_dir: Path, res: dict, throughput_prompts: int, enforce_eage
     torch.cuda.empty_cache()
 
 
+def without_pdl(fn) -> None:
+    """Run ``fn`` with programmatic dependent launch off (engines built inside capture their graphs so)."""
+    from nvllm.kernels import pdl
+
+    pdl.set_pdl(False)
+    try:
+        fn()
+    finally:
+        pdl.set_pdl(None)
+
+
 def table(res: dict) -> str:
     bw, fl = res["bandwidth_Bps"], res["gemm_flops"]
     lines = [f"card {res['card']}  commit {res['commit']}  bandwidth {bw / 1e12:.2f} TB/s  "
@@ -336,7 +348,7 @@ def table(res: dict) -> str:
     wall_ms = 1000 * res["decode_step_weight_bytes"] / bw
     if wall_ms:
         lines.append(f"decode wall (batch 1, weights only): {wall_ms:.2f} ms/token = {1000 / wall_ms:.0f} tok/s")
-    for tag in ("graphs", "sync", "eager"):
+    for tag in ("graphs", "nopdl", "sync", "eager"):
         k = f"nvllm_{tag}_tpot_ms"
         if k in res:
             t = res[k]
@@ -347,17 +359,17 @@ def table(res: dict) -> str:
     for n in (512, 2048) if res["num_params"] else ():
         limit_ms = 1000 * 2 * res["num_params"] * n / fl
         row = f"prefill {n}: FLOP limit {limit_ms:.1f} ms"
-        for tag in ("graphs", "sync", "eager"):
+        for tag in ("graphs", "nopdl", "sync", "eager"):
             k = f"nvllm_{tag}_ttft_{n}_ms"
             if k in res:
                 row += f"; nvllm {tag} {res[k]:.1f} ms ({res[k] / limit_ms:.2f}x)"
         if f"hf_prefill_{n}_ms" in res:
             row += f"; HF {res[f'hf_prefill_{n}_ms']:.1f} ms ({res[f'hf_prefill_{n}_ms'] / limit_ms:.2f}x)"
         lines.append(row)
-    for method in QUANT_CONFIGS:
-        k = f"nvllm_{method}_w4_tpot_ms"
+    for method, suffix in ((m, s) for m in QUANT_CONFIGS for s in ("", "_nopdl")):
+        k = f"nvllm_{method}_w4{suffix}_tpot_ms"
         if k in res:
-            line = f"{method} W4A16 g128 TPOT {res[k]:.2f} ms = {1000 / res[k]:.0f} tok/s"
+            line = f"{method}{suffix} W4A16 g128 TPOT {res[k]:.2f} ms = {1000 / res[k]:.0f} tok/s"
             if "nvllm_graphs_tpot_ms" in res:
                 line += f" ({res['nvllm_graphs_tpot_ms'] / res[k]:.2f}x nvllm bf16)"
             lines.append(line)
@@ -380,7 +392,8 @@ def table(res: dict) -> str:
             if kv != "auto" and "kvthr_auto_output_tok_s" in res:
                 line += f" ({res[f'kvthr_{kv}_output_tok_s'] / res['kvthr_auto_output_tok_s']:.2f}x bf16)"
             lines.append(line)
-    for key, what in (("nvllm_throughput", "async scheduling"), ("nvllm_sync_throughput", "synchronous")):
+    for key, what in (("nvllm_throughput", "async scheduling"), ("nvllm_nopdl_throughput", "no PDL"),
+                      ("nvllm_sync_throughput", "synchronous")):
         if f"{key}_output_tok_s" in res:
             lines.append(f"throughput {res[f'{key}_requests']} x 512/256 ({what}): "
                          f"{res[f'{key}_output_tok_s']:.0f} output tok/s ({res[f'{key}_elapsed_s']:.1f} s)")
@@ -396,6 +409,8 @@ def main() -> None:
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--sync", action="store_true", help="also run the graphs engine with asynchronous scheduling off")
     ap.add_argument("--throughput-prompts", type=int, default=1000)
+    ap.add_argument("--pdl-compare", action="store_true",
+                    help="also run the graphs engine (and --quant) with programmatic dependent launch off, first")
     ap.add_argument("--profile", action="store_true", help="profile a prefill and decode steps (torch.profiler)")
     ap.add_argument("--kv", default="", help="comma-separated KV-cache dtypes to compare at 8K context: auto,int8,...")
     ap.add_argument("--kv-throughput", default="",
@@ -421,6 +436,9 @@ def main() -> None:
     if args.sync:
         steps.append(("nvllm sync", lambda: nvllm_runs(model_dir, res, args.throughput_prompts, False, save,
                                                        async_scheduling=False)))
+    if args.pdl_compare and not args.skip_nvllm:
+        steps.append(("nvllm nopdl", lambda: without_pdl(lambda: nvllm_runs(
+            model_dir, res, args.throughput_prompts, False, save, tag="nopdl"))))
     if not args.skip_nvllm:
         steps.append(("nvllm graphs", lambda: nvllm_runs(model_dir, res, args.throughput_prompts, False, save,
                                                          args.profile)))
@@ -430,6 +448,9 @@ def main() -> None:
         steps.append(("kv", lambda: kv_runs(model_dir, res, args.kv.split(","), save)))
     if args.kv_throughput:
         steps.append(("kv throughput", lambda: kv_throughput_runs(model_dir, res, args.kv_throughput.split(","), save)))
+    if args.quant and args.pdl_compare:
+        steps.append(("quant nopdl", lambda: without_pdl(lambda: quant_runs(
+            model_dir, res, args.quant.split(","), save, "_nopdl"))))
     if args.quant:
         steps.append(("quant", lambda: quant_runs(model_dir, res, args.quant.split(","), save)))
     for name, fn in steps:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from nvllm.kernels import report
+from nvllm.kernels import pdl, report
 from nvllm.layers.attention import AttentionMetadata
 
 logger = logging.getLogger("nvllm")
@@ -83,8 +83,9 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs for decode batch sizes %s in %.1f s", len(self.sizes),
-                    self.sizes, time.perf_counter() - start)
+        logger.info("captured %d CUDA graphs for decode batch sizes %s in %.1f s (programmatic dependent launch "
+                    "%s)", len(self.sizes), self.sizes, time.perf_counter() - start,
+                    "on" if pdl.enabled(self.input_ids) else "off")
 
     def run(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
             block_tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from nvllm.kernels import pdl
 from nvllm.kernels.jit import lazy_jit
 import torch.nn.functional as F
 
@@ -41,8 +42,12 @@ def _silu_and_mul_kernel(
     stride_xt, stride_ot,                     # x [T, 2I], out [T, I] (last strides 1)
     inter,                                    # I
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
 ):
     """Program (t, j): output columns [j·BLOCK, (j+1)·BLOCK) of row t."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -75,7 +80,7 @@ def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> tor
     block = min(BLOCK_I, triton.next_power_of_2(inter))
     _jit(_silu_and_mul_kernel)[(x2.shape[0], triton.cdiv(inter, block))](
         x2, o2, x2.stride(0), o2.stride(0), inter,
-        BLOCK=block, num_warps=NUM_WARPS if block >= 1024 else max(block // 256, 1),
+        BLOCK=block, num_warps=NUM_WARPS if block >= 1024 else max(block // 256, 1), **pdl.launch_args(x),
     )
     return out
 

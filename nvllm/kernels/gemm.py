@@ -65,6 +65,7 @@ import torch.nn.functional as F
 
 from nvllm.kernels import report
 from nvllm.kernels.backend import use_triton
+from nvllm.kernels import pdl
 from nvllm.kernels.jit import lazy_jit
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
@@ -167,10 +168,14 @@ def _skinny_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     FMA_STAGES: tl.constexpr,     # fma: software-pipeline depth of the K loop (1 = none)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,            # programmatic dependent launch (nvllm.kernels.pdl)
 ):
     """Grid (cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M)). Program (n, s, m) computes the partial
     ``y[m-tile, n-tile]`` over K blocks [s·blocks_per_split, (s+1)·blocks_per_split) and, unsplit or last to
     arrive, the final tile. Tiles are held transposed, ``[BLOCK_N, BLOCK_M]``."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -370,7 +375,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         DOT_PRECISION="tf32" if sixteen_bit else "ieee",
         FMA_STAGES=config.num_stages,
         BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=bk,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x),
     )
     return out
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
+from nvllm.kernels import pdl
 from nvllm.kernels.backend import eager_triton
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
@@ -119,8 +120,12 @@ def _quant_gemv_kernel(
     SERIAL: tl.constexpr,                     # split-K finished in the kernel (see _epilogue)
     STAGES: tl.constexpr,                     # software-pipeline depth of the K loop (1 = none)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
 ):
     """Variant ``tile``: a ``[BLOCK_K, BLOCK_N]`` float tile per K step, summed over K."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     PER_WORD: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     pid_n = tl.program_id(0)
@@ -186,9 +191,13 @@ def _quant_gemv_field_kernel(
     HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, SERIAL: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,                       # variant "row" (else "field")
+    PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
 ):
     """Variants ``field`` and ``row``: the packed words as loaded, field by field, in place (arguments as
     ``_quant_gemv_kernel``)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     PER_WORD: tl.constexpr = 32 // BITS
     HS: tl.constexpr = 12 if BITS == 4 else 16   # high-half shift (see _in_place)
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -380,7 +389,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
             qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split)
     common = dict(BITS=bits, AWQ=fmt == "awq", GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic,
                   SERIAL=ws is not None, STAGES=cfg["stages"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                  num_warps=cfg["num_warps"])
+                  num_warps=cfg["num_warps"], **pdl.launch_args(x))
     if variant in ("field", "row"):
         _quant_gemv_field_kernel[(n_tiles, split_k)](*args, 0x4B000000, ROWS=variant == "row", **common)
     else:

@@ -17,6 +17,7 @@ import torch
 
 from nvllm.kernels import report
 from nvllm.kernels.backend import use_triton
+from nvllm.kernels import pdl
 from nvllm.kernels.jit import lazy_jit
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
@@ -55,9 +56,13 @@ def _rms_norm_kernel(
     stride_so, stride_si,                     # new residual [outer, inner, N]
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,                      # next power of two >= n_cols
+    PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
 ):
     """One program per row: (optionally) adds the residual row in the input dtype and stores it, then
     normalises in fp32 and stores ``weight * normed.to(input dtype)`` in the output dtype."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     o = row // n_inner
     i = row % n_inner
@@ -125,7 +130,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3.shape[1], n_cols, eps,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         o3.stride(0), o3.stride(1), s3.stride(0), s3.stride(1),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps, **pdl.launch_args(x),
     )
     return out, new_res
 

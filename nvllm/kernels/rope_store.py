@@ -25,6 +25,7 @@ import torch
 
 from nvllm.kernels import report
 from nvllm.kernels.backend import use_triton
+from nvllm.kernels import pdl
 from nvllm.kernels.jit import lazy_jit
 from nvllm.kernels.kv_store import KV_QMAX, store_kv_reference
 from nvllm.kernels.rotary import apply_rotary_reference
@@ -66,6 +67,7 @@ def _rope_store_kernel(
     BLOCK_HALF: tl.constexpr,                 # next power of two >= D/2
     QUANT: tl.constexpr,                      # 0: plain copy + cast; 1: int8; 2: fp8 e4m3 (with scales)
     QMAX: tl.constexpr,                       # 127 (int8) or 448 (fp8 e4m3)
+    PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
 ):
     """Two programs per token (grid [T, 2]), both with that position's cos/sin row: program 0 rotates the
     token's k heads in place and stores k and v into its cache slot (quantizing per head with QUANT), program
@@ -73,6 +75,9 @@ def _rope_store_kernel(
     loads, and the cache rows are written half by half. Each element is read before it is written and no two
     programs touch the same one. The arithmetic is ``_rotary_kernel``'s, then ``_store_kv_kernel``'s on the
     rotated k rounded to k's dtype, so the results are the same bits."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -188,7 +193,7 @@ def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         num_heads, num_kv_heads, head_dim // 2,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half,
         QUANT=quant, QMAX=qmax,
-        num_warps=4 if tile >= 1024 else (2 if tile >= 256 else 1),
+        num_warps=4 if tile >= 1024 else (2 if tile >= 256 else 1), **pdl.launch_args(q),
     )
     return q, k
 

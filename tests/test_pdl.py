@@ -1,0 +1,112 @@
+"""Programmatic dependent launch: the switch, and every kernel that takes ``PDL`` compiled for Hopper (sm_90,
+ahead of time: no GPU needed) waits for its predecessor before its first global memory access.
+
+The compiles run in a subprocess without TRITON_INTERPRET (the interpreter the other tests use patches
+triton.language in a way the compiler cannot run under)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nvllm.kernels import pdl
+
+triton = pytest.importorskip("triton")
+
+
+def test_off_on_cpu_and_switch(monkeypatch):
+    assert pdl.launch_args(torch.zeros(1)) == {"PDL": False}
+    monkeypatch.setenv("NVLLM_PDL", "1")
+    pdl.set_pdl(True)
+    try:
+        assert not pdl.enabled(torch.zeros(1))  # never on a CPU tensor, whatever was asked
+    finally:
+        pdl.set_pdl(None)
+
+
+def _raw(kernel):
+    """The Python function of a kernel, whether jitted at import (interpreted under the tests) or lazily."""
+    from nvllm.kernels.jit import lazy_jit
+
+    fn = getattr(kernel, "fn", kernel)
+    if "tl" not in fn.__globals__ or fn.__globals__["tl"] is None:
+        lazy_jit(fn)  # binds triton.language into the kernel's module
+    return fn
+
+
+def _ptx(kernel, pointers: dict[str, str], constexprs: dict, floats=(), **options) -> str:
+    """PTX of ``kernel`` for sm_90: pointer arguments typed by ``pointers`` (default *bf16), ``floats`` fp32,
+    other runtime arguments i32."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    fn = JITFunction(_raw(kernel))
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = pointers.get(name, "*bf16")
+        else:
+            sig[name] = "fp32" if name in floats else "i32"
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def _kernels():
+    from nvllm.kernels import activation, gemm, quant_gemv, rmsnorm, rope_store
+
+    gemv_common = dict(BITS=4, GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1,
+                       BLOCK_M=1, BLOCK_N=128, BLOCK_K=64)
+    gemv_ptrs = {"qw_ptr": "*i32", "qz_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    yield "rms_norm", rmsnorm._rms_norm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK=1024), ("eps",)
+    yield "silu_and_mul", activation._silu_and_mul_kernel, {}, dict(BLOCK=1024), ()
+    yield "rope_store", rope_store._rope_store_kernel, {
+        "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "k_scale_ptr": "*fp32",
+        "v_scale_ptr": "*fp32"}, dict(BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=0, QMAX=127), ()
+    yield "skinny_gemm", gemm._skinny_gemm_kernel, {"ws_ptr": "*fp32", "lock_ptr": "*i32"}, dict(
+        HAS_BIAS=False, SPLIT=True, USE_DOT=False, ACC_K=1, EVEN_K=True, UPCAST=False, DOT_PRECISION="tf32",
+        FMA_STAGES=1, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128), ()
+    yield "quant_gemv tile", quant_gemv._quant_gemv_kernel, gemv_ptrs, dict(AWQ=False, MAGIC=True,
+                                                                           **gemv_common), ()
+    yield "quant_gemv row", quant_gemv._quant_gemv_field_kernel, gemv_ptrs, dict(AWQ=True, ROWS=True,
+                                                                                **gemv_common), ()
+
+
+MEMORY = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async)", re.M)
+
+
+def _check_all() -> dict[str, str]:
+    """Each kernel's verdict: "ok" or what is wrong (run in the subprocess)."""
+    verdicts = {}
+    for name, kernel, pointers, constexprs, floats in _kernels():
+        ptx = _ptx(kernel, pointers, {**constexprs, "PDL": True}, floats, launch_pdl=True)
+        wait = ptx.find("griddepcontrol.wait")
+        first = MEMORY.search(ptx)
+        plain = _ptx(kernel, pointers, {**constexprs, "PDL": False}, floats)
+        if wait < 0 or "griddepcontrol.launch_dependents" not in ptx:
+            verdicts[name] = "no griddepcontrol with PDL"
+        elif first is None or first.start() < wait:
+            verdicts[name] = "global memory touched before griddepcontrol.wait"
+        elif "griddepcontrol" in plain:
+            verdicts[name] = "griddepcontrol without PDL"
+        else:
+            verdicts[name] = "ok"
+    return verdicts
+
+
+def test_kernels_wait_before_touching_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json, tests.test_pdl as t; print(json.dumps(t._check_all()))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verdicts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(verdicts) == len(list(_kernels())) and set(verdicts.values()) == {"ok"}, verdicts
