@@ -61,7 +61,7 @@ def _ptx(kernel, pointers: dict[str, str], constexprs: dict, floats=(), **option
 
 
 def _kernels():
-    from nvllm.kernels import activation, gemm, quant_gemv, rmsnorm, rope_store
+    from nvllm.kernels import activation, decode_attention, gemm, quant_gemv, rmsnorm, rope_store
 
     gemv_common = dict(BITS=4, GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1,
                        BLOCK_M=1, BLOCK_N=128, BLOCK_K=64)
@@ -78,6 +78,13 @@ def _kernels():
                                                                            **gemv_common), ()
     yield "quant_gemv row", quant_gemv._quant_gemv_field_kernel, gemv_ptrs, dict(AWQ=True, ROWS=True,
                                                                                 **gemv_common), ()
+    attn_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_o_ptr": "*fp32",
+                 "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "counter_ptr": "*i32"}
+    yield "decode attention, serial merge", decode_attention._decode_stage1_kernel, attn_ptrs, dict(
+        GROUP=7, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, SERIAL=True, BLOCK_S=16,
+        IEEE_DOT=False, KV_QUANT=False), ("sm_scale_log2",)
+    yield "decode attention merge", decode_attention._decode_stage2_kernel, attn_ptrs, dict(BLOCK_S=16,
+                                                                                         BLOCK_D=128), ()
 
 
 MEMORY = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async)", re.M)
