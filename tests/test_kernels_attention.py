@@ -150,12 +150,11 @@ def test_decode_attention_matches_reference(dtype, group, num_kv_heads, block_si
     ref = decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
 
     # the default policy (contexts this short: one split, output written directly), then split-KV with
-    # partitions of 16 and 32 tokens: the 100-token context spans 7 and 4 partitions, merged inside stage 1
-    # (serial) or by stage 2 (kernel)
-    for partition_size, merge in ((None, "serial"), (16, "serial"), (32, "serial"), (32, "kernel")):
+    # partitions of 16 and 32 tokens: the 100-token context spans 7 and 4 partitions, merged by stage 2
+    for partition_size in (None, 16, 32):
         out = torch.full_like(q, float("nan"))
         got = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,
-                               partition_size=partition_size, merge=merge)
+                               partition_size=partition_size)
         assert got is out
         _assert_close(out, ref, dtype)
 
@@ -172,102 +171,13 @@ def test_decode_attention_odd_head_dim_padding_row_and_max_len():
     ref = decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 0.2)
     assert torch.equal(ref[1], torch.zeros_like(ref[1]))
 
-    for partition_size, merge in ((None, None), (16, "serial"), (16, "kernel")):
+    for partition_size in (None, 16):
         buf = torch.full((len(ctx_lens), group * num_kv_heads, head_dim + 8), float("nan"))
         out = buf[:, :, :head_dim]                          # strided: rows of head_dim + 8
         decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.2, out=out,
-                         max_context_len=max(ctx_lens), partition_size=partition_size, merge=merge)
+                         max_context_len=max(ctx_lens), partition_size=partition_size)
         _assert_close(out, ref, dtype)
         assert torch.isnan(buf[:, :, head_dim:]).all()       # nothing written past the row
-
-
-@pytest.mark.parametrize("kv_int8", [False, True], ids=["fp16-kv", "int8-kv"])
-def test_decode_attention_serial_merge(monkeypatch, kv_int8):
-    """The one-launch merge: each split program takes a ticket, the last of a (sequence, KV head) group merges
-    the group's partials. A merge that never happens leaves the NaN-poisoned rows; the counters must be zero
-    again after every call (else the next call's last arriver is missed), and a second call gives identical
-    rows. Padding row; int8 cache with its scales. (Which program merges: the next test.)"""
-    import nvllm.kernels.decode_attention as da
-
-    monkeypatch.setattr(da, "_COUNTERS", {})              # a fresh buffer: this test sees the one it uses
-    gen = torch.Generator().manual_seed(7)
-    dtype, head_dim, num_kv_heads, group, block_size = torch.float16, 32, 2, 4, 8
-    ctx_lens = [70, 0, 13]
-    k_cache, v_cache, block_tables = _paged_cache(ctx_lens, num_kv_heads, head_dim, block_size, dtype, gen)
-    k_scale = v_scale = None
-    if kv_int8:  # the poisoned slots' scales are NaN, so reading one still shows
-        from nvllm.kernels.kv_store import quantize_kv_reference
-
-        (k_cache, k_scale), (v_cache, v_scale) = (quantize_kv_reference(c, torch.int8) for c in (k_cache, v_cache))
-    q = torch.randn(len(ctx_lens), group * num_kv_heads, head_dim, generator=gen).to(dtype)
-    context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
-    ref = decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 0.2, k_scale, v_scale)
-    assert block_tables.shape[1] * block_size > 4 * 16      # several splits of 16 tokens (6 here)
-
-    outs = {}
-    for run, merge in enumerate(("serial", "serial", "kernel")):
-        out = torch.full_like(q, float("nan"))
-        decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.2, out=out, partition_size=16,
-                         k_scale=k_scale, v_scale=v_scale, merge=merge)
-        _assert_close(out, ref, dtype)
-        outs[run] = out
-        (counters,) = da._COUNTERS[q.device]                # allocated by the first serial call, zeroed
-        assert not counters.any(), "a ticket counter was left armed"
-    assert torch.equal(outs[0], outs[1])
-    with pytest.raises(ValueError, match="merge"):
-        decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.2, merge="atomic")
-
-
-def test_decode_attention_serial_merge_any_arrival_order(monkeypatch):
-    """The interpreter runs the grid in order, a group's split programs 0..S-1 one after another, so there the
-    last program by split index is also the last to arrive. Run them splits outermost, in reverse (split 0
-    arrives last, the groups' programs interleaved): the merge must still be done by each group's last
-    arriver, over all splits, and give the same bits (it sums in split order, not arrival order).
-    19 splits of 16 tokens: past 16, so the merge's wide tile (``_serial_block_s``) is the one checked here."""
-    interpreter = pytest.importorskip("triton.runtime.interpreter")
-    builder = getattr(interpreter, "interpreter_builder", None)
-    if builder is None or not hasattr(builder, "set_grid_idx"):
-        pytest.skip("this Triton's interpreter has no grid index hook to reorder programs with")
-    gen = torch.Generator().manual_seed(8)
-    dtype, head_dim, num_kv_heads, group, block_size = torch.float32, 32, 2, 2, 8
-    ctx_lens = [280, 29]
-    k_cache, v_cache, block_tables = _paged_cache(ctx_lens, num_kv_heads, head_dim, block_size, dtype, gen)
-    assert -(-block_tables.shape[1] * block_size // 16) == 19
-    q = torch.randn(len(ctx_lens), group * num_kv_heads, head_dim, generator=gen)
-    context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
-    ref = decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 0.2)
-
-    def run():
-        out = torch.full_like(q, float("nan"))
-        decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.2, out=out, partition_size=16,
-                         merge="serial")
-        _assert_close(out, ref, dtype)
-        return out
-
-    forward = run()
-    set_idx = builder.set_grid_idx
-
-    def reordered(x, y, z):                                 # a bijection of the grid, applied per program
-        nx, ny, nz = builder.grid_dim
-        split, rest = divmod((x * ny + y) * nz + z, nx * ny)
-        set_idx(rest // ny, rest % ny, nz - 1 - split)
-
-    monkeypatch.setattr(builder, "set_grid_idx", reordered)
-    assert torch.equal(run(), forward)
-
-
-def test_decode_counters_not_grown_during_capture(monkeypatch):
-    """While a CUDA graph is being captured the counter buffer is never allocated (it would come from the
-    graph's pool, zeroed only when the graph replays): with none large enough, the call falls back to stage 2."""
-    import nvllm.kernels.decode_attention as da
-
-    monkeypatch.setattr(da, "_COUNTERS", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    dev = torch.device("cuda", 0)
-    assert da._counters(dev, 8) is None
-    held = torch.zeros(16, dtype=torch.int32)                # as if allocated before the capture
-    da._COUNTERS[dev] = [held]
-    assert da._counters(dev, 16) is held and da._counters(dev, 17) is None
 
 
 def test_decode_split_policy():

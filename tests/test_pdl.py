@@ -79,10 +79,10 @@ def _kernels():
     yield "quant_gemv row", quant_gemv._quant_gemv_field_kernel, gemv_ptrs, dict(AWQ=True, ROWS=True,
                                                                                 **gemv_common), ()
     attn_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_o_ptr": "*fp32",
-                 "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "counter_ptr": "*i32"}
-    yield "decode attention, serial merge", decode_attention._decode_stage1_kernel, attn_ptrs, dict(
-        GROUP=7, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, SERIAL=True, BLOCK_S=16,
-        IEEE_DOT=False, KV_QUANT=False), ("sm_scale_log2",)
+                 "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    yield "decode attention", decode_attention._decode_stage1_kernel, attn_ptrs, dict(
+        GROUP=7, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, IEEE_DOT=False,
+        KV_QUANT=False), ("sm_scale_log2",)
     yield "decode attention merge", decode_attention._decode_stage2_kernel, attn_ptrs, dict(BLOCK_S=16,
                                                                                          BLOCK_D=128), ()
 

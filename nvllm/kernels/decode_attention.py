@@ -15,13 +15,10 @@ Kernel (flash-decoding):
            block_tables[b, n // block_size] at offset n % block_size; tiles need not align with blocks),
            keeps a running max / sum / accumulator in fp32 (online softmax), and writes either the final
            row (num_splits == 1) or a partial: the normalised partial output and its log-sum-exp.
-  merge    only when num_splits > 1, with weights exp(lse_i - max lse) (empty partitions weigh 0), in one of
-           two ways (``merge``, default ``MERGE``):
-           serial  in stage 1 itself, one launch: each program stores its partials and takes a ticket on a
-                   persistent per-(sequence, KV head) counter (``_counters``); the one that draws the last
-                   ticket reads the group's partials back through L2, merges them in split order (the result
-                   does not depend on which program finished last), writes the rows and re-arms the counter.
-           kernel  stage 2, a second launch: grid (B, H), one program per (sequence, head).
+  stage 2  grid (B, H), only when num_splits > 1: merges the partials of one (sequence, head) with weights
+           exp(lse_i - max lse). (A merge inside stage 1 by the last program of each group, on a ticket
+           counter, saved the launch but measured 3x slower at batch 1 and slower on every shape of
+           gpu_attention_bench, run Q: one program reads all the group's partials serially.)
   The query heads of a group form the M side of tl.dot, padded to 16 rows (the smallest tensor-core tile);
   head_dim is padded to a power of two with masks.
   Quantized cache (KV_QUANT): the kernel dequantizes as it reads, never in a pass over the cache. A K tile
@@ -54,12 +51,10 @@ _jit = lazy_jit
 
 MIN_PARTITION = 64       # tokens: shortest partition worth a split of its own (run K, H200, in a CUDA graph with
                          # a 4096-token block table: batch 1 at 384-4000 tokens 5.96-7.57 µs against 7.21-8.80 µs
-                         # at 128; batch 4 and up keep the split count PROGRAMS_PER_SM gives; measured with the
-                         # stage-2 merge, before the serial one existed)
+                         # at 128; batch 4 and up keep the split count PROGRAMS_PER_SM gives)
 MAX_SPLITS = 64          # the merge kernel holds all partials of a row at once
 PROGRAMS_PER_SM = 4      # stage-1 programs per SM the split count aims for (4 warps each)
 DEFAULT_NUM_SMS = 132    # H200; used when the tensors are not on a CUDA device (interpreter tests)
-MERGE = "serial"         # how split partials are merged by default: "serial" (in stage 1) or "kernel" (stage 2)
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -85,7 +80,7 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # a Triton kernel: launched as _jit(_decode_stage1_kernel)[grid](...)
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale_log2,                                   # softmax scale · log2(e): scores are kept in base 2
     stride_qb, stride_qh, stride_qd,                 # q [B, H, D]
     stride_kb, stride_ko, stride_kh, stride_kd,      # k_cache [num_blocks, block_size, H_kv, D]
@@ -101,8 +96,6 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr,                           # head_dim padded to a power of two
     BLOCK_N: tl.constexpr,                           # context tokens per tile
     SPLIT: tl.constexpr,                             # True: write partials; False: write the output rows
-    SERIAL: tl.constexpr,                            # SPLIT: the last program of a group merges (no stage 2)
-    BLOCK_S: tl.constexpr,                           # SERIAL: rows of the merge tile (``_serial_block_s``)
     IEEE_DOT: tl.constexpr,                          # fp32 inputs: exact fp32 dot instead of tf32
     KV_QUANT: tl.constexpr,                          # int8 / fp8 cache with per-(token, head) scales
     PDL: tl.constexpr,                               # programmatic dependent launch (nvllm.kernels.pdl)
@@ -179,32 +172,6 @@ def _decode_stage1_kernel(
         part = b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
         tl.store(part_o_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
-        if SERIAL:
-            # the merge in this launch: every program takes a ticket once its partials are stored; the last of
-            # the (sequence, KV head)'s num_splits programs merges the group's partials, as stage 2 does
-            num_splits = tl.num_programs(2)
-            cnt = counter_ptr + (b * tl.num_programs(1) + kvh)
-            tl.debug_barrier()                           # every thread's stores before the ticket
-            ticket = tl.atomic_add(cnt, 1, sem="acq_rel")
-            if ticket == num_splits - 1:
-                tl.debug_barrier()
-                sp = tl.arange(0, BLOCK_S)
-                sp_mask = sp < num_splits
-                for gi in range(GROUP):                  # splits in order 0..S-1: the sum is arrival-independent
-                    row = b.to(tl.int64) * stride_pb + (kvh * GROUP + gi) * stride_ph + sp * stride_ps
-                    # other programs' partials: read through L2 (.cg), never from this SM's L1. Empty partitions
-                    # hold o = 0 and lse = -inf (weight 0), so both loads go out at once, unmasked by lse
-                    lses = tl.load(part_lse_ptr + row, mask=sp_mask, other=float("-inf"), cache_modifier=".cg")
-                    po = tl.load(part_o_ptr + row[:, None] * BLOCK_D + d[None, :],
-                                 mask=sp_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-                    lse_max = tl.max(lses, 0)
-                    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)       # all empty: weights 0
-                    w = tl.exp2(lses - lse_max)
-                    w_sum = tl.sum(w, 0)
-                    merged = tl.sum(po * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
-                    row_out = out_ptr + b.to(tl.int64) * stride_ob + (kvh * GROUP + gi) * stride_oh + d * stride_od
-                    tl.store(row_out, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
-                tl.atomic_xchg(cnt, 0)                   # re-armed for the next launch (and graph replay)
     else:
         dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -281,42 +248,12 @@ def decode_split_policy(batch: int, num_kv_heads: int, max_len: int, block_n: in
     return -(-max_len // partition), partition
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The zeroed int32 ticket counters of the serial merge on this device, one per (sequence, KV head) (the
-    kernel leaves them zeroed), grown as needed; older ones stay allocated (captured CUDA graphs hold their
-    pointers). None while a CUDA graph is being captured and none large enough exists yet: the caller then
-    merges with stage 2. One buffer per device: decode attention on two streams at once must not use the
-    serial merge (nothing in nvllm does: the disaggregation transfer threads' streams only copy KV)."""
-    held = _COUNTERS.setdefault(device, [])
-    if held and held[-1].numel() >= n:
-        return held[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return held[-1]
-
-
-def _serial_block_s(num_splits: int) -> int:
-    """Rows of the serial merge's tile, which holds all partials of one head at once: 16 up to 16 splits, else
-    at least MAX_SPLITS. Two compiled variants cover the policy (no stage-1 recompile at every power of two as
-    the split count follows the context), and few splits (large batches) keep the small tile: compiled offline
-    for sm_90, 64 rows raise stage 1's registers per thread (bf16, head_dim 128: 158 -> 168; int8 cache or
-    head_dim 256: 168 -> ~210), 16 rows by at most 7."""
-    return 16 if num_splits <= 16 else 1 << max(num_splits - 1, MAX_SPLITS - 1).bit_length()
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
                      max_context_len: int | None = None, partition_size: int | None = None,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     merge: str | None = None) -> torch.Tensor:
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton paged decode attention (flash-decoding). Same result as ``decode_attention_reference``.
     ``k_scale``/``v_scale``: the per-(token, head) scales of an int8 / fp8 cache (None: unquantized).
-    ``merge``: how a split context's partials are merged, "serial" (by the last stage-1 program of each
-    group: one launch; see ``_counters`` for its one-stream caveat) or "kernel" (stage 2); None: ``MERGE``.
 
     ``max_context_len``: the batch's longest context if the caller knows it on the host (sizes the split
     grid); ``partition_size``: force a partition length in tokens (a multiple of 16; tests use it to make
@@ -349,12 +286,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_sms = _num_sms(q.device.index or 0) if q.is_cuda else DEFAULT_NUM_SMS
         num_splits, partition = decode_split_policy(batch, num_kv_heads, max_len, block_n, num_sms)
 
-    merge = MERGE if merge is None else merge
-    if merge not in ("serial", "kernel"):
-        raise ValueError(f"unknown decode attention merge {merge!r}; expected 'serial' or 'kernel'")
     split = num_splits > 1
-    counters = _counters(q.device, batch * num_kv_heads) if split and merge == "serial" else None
-    serial = counters is not None
     if split:
         part_o = torch.empty(batch, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -367,17 +299,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_scale, v_scale, scale_strides = kv_scale_args(k_cache, v_cache, k_scale, v_scale)
     _jit(_decode_stage1_kernel)[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_o, part_lse, k_scale, v_scale, counters if serial else part_lse,
+        out, part_o, part_lse, k_scale, v_scale,
         scale * 1.4426950408889634,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         *part_lse.stride(), *scale_strides,
         head_dim, partition,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=split, SERIAL=serial, IEEE_DOT=ieee, KV_QUANT=kv_quant,
-        BLOCK_S=_serial_block_s(num_splits) if serial else 1,
+        SPLIT=split, IEEE_DOT=ieee, KV_QUANT=kv_quant,
         num_warps=4, num_stages=2, **pdl.launch_args(q),
     )
-    if split and not serial:
+    if split:
         _jit(_decode_stage2_kernel)[(batch, num_heads)](
             part_o, part_lse, out,
             *part_lse.stride(), *out.stride(),
