@@ -164,6 +164,21 @@ def test_table_routes_to_the_chosen_implementation(table, monkeypatch):
     assert report.snapshot() == {"gemm": {"torch F.linear (cpu)": 2}}
 
 
+def test_gemm_writes_into_out(table):
+    """``out=``: both paths fill the given buffer (a static CUDA-graph buffer) and return it."""
+    cfg = G.SkinnyConfig("fma", 16, 64)
+    G.set_gemm_choice(72, 160, 4, torch.float32, cfg)
+    x, w, b = _inputs(3, 72, 160, torch.float32, True, False)
+    for bias in (b, None):
+        for xs in (x, torch.randn(3, 96)):         # M=3 in the table (skinny); K=96 is not (cuBLAS / CPU)
+            wt = w if xs.shape[1] == 160 else torch.randn(72, 96)
+            buf = torch.full((5, 72), float("nan"))
+            y = G.gemm(xs, wt, bias, out=buf[:3])
+            assert y.data_ptr() == buf.data_ptr() and torch.isnan(buf[3:]).all()
+            _check(buf[:3], xs, wt, bias)
+    assert report.snapshot()["gemm"] == {cfg.describe(): 2, "torch F.linear (cpu)": 2}
+
+
 def test_table_rejects_bad_entries(table):
     with pytest.raises(ValueError):
         G.set_gemm_choice(72, 160, G.MAX_TUNED_M + 1, torch.float32, G.CUBLAS)

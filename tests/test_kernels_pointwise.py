@@ -93,6 +93,19 @@ def test_fused_add_rms_norm(dtype, hidden, tokens):
     assert torch.equal(x, x0) and torch.equal(residual, r0)
 
 
+def test_fused_add_rms_norm_dispatch_residual_out(monkeypatch):
+    """The dispatch writes the new residual into ``residual_out`` on either path."""
+    x, residual, w = torch.randn(3, 64), torch.randn(3, 64), _weight(64, torch.float32)
+    ref_normed, ref_res = fused_add_rms_norm_reference(x, residual, w, EPS)
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv("NVLLM_KERNELS", kernels)
+        buf = _nan((3, 64), torch.float32)
+        normed, new_res = fused_add_rms_norm(x, residual, w, EPS, residual_out=buf)
+        assert new_res.data_ptr() == buf.data_ptr()
+        torch.testing.assert_close(buf, ref_res)
+        _close(normed, ref_normed)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_strided_heads(dtype):
     """Qwen3's per-head q_norm: x is a [T, H, D] view of a wider buffer (the fused qkv output)."""

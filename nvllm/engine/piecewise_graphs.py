@@ -172,8 +172,11 @@ class PiecewiseGraphs:
 
     # ---- the pieces ------------------------------------------------------------------------------------
     def _stage_qkv(self, n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """q, k, v → the static buffer: one copy when they are the column ranges of one row-major tensor (the
-        projection's output), three otherwise (Qwen3's normed q and k are new tensors)."""
+        """q, k, v → the static buffer: nothing to do when the projection wrote there (``qkv_out``); else one
+        copy when they are the column ranges of one row-major tensor, else one per tensor not already in place
+        (Qwen3's normed q and k are new tensors)."""
+        if q.data_ptr() == self.q.data_ptr() and k.data_ptr() == self.k.data_ptr():
+            return
         w, e = self.qkv.shape[1], q.element_size()
         d = self.head_dim
         fused = (q.stride() == (w, d, 1) and k.stride() == (w, d, 1) and v.stride() == (w, d, 1)
@@ -183,9 +186,9 @@ class PiecewiseGraphs:
         if fused:
             self.qkv[:n].copy_(q.as_strided((n, w), (w, 1)))
         else:
-            self.q[:n].copy_(q)
-            self.k[:n].copy_(k)
-            self.v[:n].copy_(v)
+            for src, dst in ((q, self.q), (k, self.k), (v, self.v)):
+                if src.data_ptr() != dst.data_ptr():
+                    dst[:n].copy_(src)
 
     def _piece(self, i: int, n: int) -> Callable[[], None]:
         """Piece ``i`` of bucket ``n`` (see the module doc): reads and writes rows [0, n) of the static buffers
@@ -200,9 +203,9 @@ class PiecewiseGraphs:
             else:
                 hidden, residual = layers[i - 1].post_attention(attn_out, residual_buf)
             if i < len(layers):
-                q, k, v, residual = layers[i].pre_attention(pos, hidden, residual, rotate=False)
+                q, k, v, _ = layers[i].pre_attention(pos, hidden, residual, rotate=False, qkv_out=self.qkv[:n],
+                                                     residual_out=residual_buf)
                 self._stage_qkv(n, q, k, v)
-                residual_buf.copy_(residual)
             else:
                 hidden, _ = model.norm(hidden, residual)
                 self.hidden[:n].copy_(hidden)

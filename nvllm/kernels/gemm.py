@@ -451,8 +451,10 @@ def load_gemm_table(path: str) -> int:
     return len(entries)
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = x Wᵀ (+ b)`` through the measured choice for this shape; F.linear unless the table says Triton."""
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x Wᵀ (+ b)`` through the measured choice for this shape; F.linear unless the table says Triton.
+    ``out``: a destination of y's shape and dtype with contiguous rows (a static buffer: no copy)."""
     if _TABLE and use_triton(x):
         K = x.shape[-1]
         M = x.numel() // K if K else 0
@@ -464,7 +466,15 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                 if splits == 1 or not _capturing(x.device) or _workspace(
                         x.device, splits, m_tiles * bm, weight.shape[0], n_tiles * m_tiles, allocate=False):
                     report.record("gemm", choice.describe())
-                    y = skinny_gemm(x.reshape(M, K), weight, bias, choice)
+                    y = skinny_gemm(x.reshape(M, K), weight, bias, choice,
+                                    out=None if out is None else out.view(M, weight.shape[0]))
                     return y.view(*x.shape[:-1], weight.shape[0])
     report.record("gemm", "torch F.linear (cuBLAS)" if x.is_cuda else "torch F.linear (cpu)")
-    return F.linear(x, weight, bias)
+    if out is None:
+        return F.linear(x, weight, bias)
+    x2, o2 = x.reshape(-1, x.shape[-1]), out.view(-1, weight.shape[0])
+    if bias is None:
+        torch.mm(x2, weight.t(), out=o2)
+    else:
+        torch.addmm(bias, x2, weight.t(), out=o2)
+    return out

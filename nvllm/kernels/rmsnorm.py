@@ -168,10 +168,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual_out``: where the new residual goes (a contiguous tensor of x's shape and dtype)."""
     if _triton_fits(x, weight) and residual.shape == x.shape and residual.dtype == x.dtype:
         report.record("fused_add_rms_norm", "triton fused_add_rms_norm")
-        return fused_add_rms_norm_triton(x, residual, weight, eps)
+        return fused_add_rms_norm_triton(x, residual, weight, eps, residual_out=residual_out)
     report.record("fused_add_rms_norm", "torch reference")
-    return fused_add_rms_norm_reference(x, residual, weight, eps)
+    out, new_res = fused_add_rms_norm_reference(x, residual, weight, eps)
+    return out, new_res if residual_out is None else residual_out.copy_(new_res)

@@ -52,8 +52,10 @@ class Linear(nn.Module):
             cuts[1] = self.shard.inputs
         dst.copy_(take_shard(tensor, tuple(dst.shape), cuts, ckpt_name))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: an optional destination (contiguous rows), e.g. a CUDA-graph piece's static buffer."""
         if self.tp is None or self.tp.size == 1:
-            return gemm(x, self.weight, self.bias)
+            return gemm(x, self.weight, self.bias, out=out)
         y = self.tp.all_reduce(gemm(x, self.weight))
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if out is None else out.copy_(y)

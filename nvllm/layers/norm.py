@@ -15,8 +15,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: returns norm(x). With residual: returns (norm(x + residual), x + residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                residual_out: torch.Tensor | None = None):
+        """Without residual: returns norm(x). With residual: returns (norm(x + residual), x + residual), the sum
+        written into ``residual_out`` when given (a contiguous tensor of x's shape; not ``residual`` itself)."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, residual_out=residual_out)

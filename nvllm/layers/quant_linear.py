@@ -179,11 +179,14 @@ class QuantLinear(nn.Module):
                                                  self.scheme.bits, self.group_size)
         return self._qw
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: an optional destination (copied into: the quantized kernels write fresh tensors)."""
         if self.tp is None or self.tp.size == 1:
-            return quant_linear(x, self.quant_weight(), self.bias)
-        y = self.tp.all_reduce(quant_linear(x, self.quant_weight()))  # partial sums of this rank's inputs
-        return y if self.bias is None else y + self.bias
+            y = quant_linear(x, self.quant_weight(), self.bias)
+        else:
+            y = self.tp.all_reduce(quant_linear(x, self.quant_weight()))  # partial sums of this rank's inputs
+            y = y if self.bias is None else y + self.bias
+        return y if out is None else out.copy_(y)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.fmt} "

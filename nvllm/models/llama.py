@@ -120,16 +120,19 @@ class DecoderLayer(nn.Module):
     # all-reduce row by row), so nvllm.engine.piecewise_graphs captures them, padded rows included, as CUDA
     # graphs. The attention step (``attention``) rotates q and k and stores k and v in one kernel.
     def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                      rotate: bool = True):
+                      rotate: bool = True, qkv_out: torch.Tensor | None = None,
+                      residual_out: torch.Tensor | None = None):
         """Input norm (with the residual add, except at the first layer: ``residual`` None), the fused q/k/v
         projection, q/k norms (Qwen3) and, unless ``rotate`` is False, rotary → (q [T, H, D], k [T, H_kv, D],
-        v [T, H_kv, D], residual). ``rotate=False`` leaves the rotation to ``attention``."""
+        v [T, H_kv, D], residual). ``rotate=False`` leaves the rotation to ``attention``. ``qkv_out`` /
+        ``residual_out``: destinations for the projection's output and the residual (static buffers of a
+        CUDA-graph piece, written in place instead of copied)."""
         if residual is None:
-            residual = hidden
+            residual = hidden if residual_out is None else residual_out.copy_(hidden)
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        q, k, v = self.split_qkv(self.qkv_proj(hidden), positions, rotate)
+            hidden, residual = self.input_layernorm(hidden, residual, residual_out=residual_out)
+        q, k, v = self.split_qkv(self.qkv_proj(hidden, out=qkv_out), positions, rotate)
         return q, k, v, residual
 
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
