@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from nvllm.quant.quantize import QuantizeSummary
 from nvllm.quant.replay import ORDER
+from nvllm.quant.sequential import ERROR_WINDOWS
 
 
 class LayerProgress:
@@ -57,7 +58,7 @@ def error_table(summary: QuantizeSummary):
     table.add_column("layer", justify="right")
     for name in ORDER:
         table.add_column(name.removesuffix("_proj"), justify="right")
-    table.add_column("layer output", justify="right")
+    table.add_column(f"layer output (first {ERROR_WINDOWS} windows)", justify="right")
     table.add_column("time", justify="right")
     for rep in summary.layers:
         cells = ["fp" if rep.errors.get(n) is None else f"{rep.errors[n]:.2e}" for n in ORDER]
