@@ -19,8 +19,9 @@ import logging
 
 import torch
 
+from nvllm.kernels.gptq_block import gptq_block
 from nvllm.quant.formats import GroupQuant, act_order_g_idx, default_g_idx
-from nvllm.quant.rtn import Grid, find_params, round_to_grid
+from nvllm.quant.rtn import Grid, find_params
 
 logger = logging.getLogger("nvllm")
 
@@ -71,29 +72,27 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, grid: Grid, group
     zeros = torch.zeros(n_groups, out_f, device=w.device)
     if static is not None:
         scales, zeros = static[0].t().contiguous(), static[1].t().contiguous()
-        # group of the col-th processed column (host list: no device sync inside the loop)
-        col_group = (perm // g).tolist() if perm is not None else [c // g for c in range(in_f)]
-    scale = zero = None
+    # row of the scales/zeros tables for each processed column: its original group with static groups, else
+    # the processing order's group
+    col_groups = perm // g if (static is not None and perm is not None) else \
+        torch.arange(in_f, device=w.device) // g
     for b0 in range(0, in_f, block_size):
         b1 = min(b0 + block_size, in_f)
         w1 = w[:, b0:b1].clone()
         err1 = torch.zeros_like(w1)
         u1 = u[b0:b1, b0:b1]
-        for i in range(b1 - b0):
-            col = b0 + i
-            if static is not None:
-                scale, zero = scales[col_group[col]], zeros[col_group[col]]
-            elif col % g == 0:     # a new group starts: its parameters from the current (updated) weights
-                rest = g - (b1 - b0 - i)        # columns of the group beyond this block, if any
-                span = w1[:, i:i + g] if rest <= 0 else torch.cat([w1[:, i:], w[:, b1:b1 + rest]], dim=1)
-                scale, zero = find_params(span, grid)
-                scales[col // g], zeros[col // g] = scale, zero
-            wi = w1[:, i]
-            q = round_to_grid(wi, scale, zero, grid.maxq)
-            codes[:, col] = q
-            e = (wi - (q - zero) * scale) / u1[i, i]
-            w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
-            err1[:, i] = e
+        # without static groups the block is split at each group start, whose parameters come from the
+        # current (updated) weights
+        cuts = {0, b1 - b0} if static is not None else \
+            {0, b1 - b0, *(i for i in range(b1 - b0) if (b0 + i) % g == 0)}
+        bounds = sorted(cuts)
+        for s0, s1 in zip(bounds[:-1], bounds[1:]):
+            col = b0 + s0
+            if static is None and col % g == 0:
+                rest = g - (b1 - b0 - s0)       # columns of the group beyond this block, if any
+                span = w1[:, s0:s0 + g] if rest <= 0 else torch.cat([w1[:, s0:], w[:, b1:b1 + rest]], dim=1)
+                scales[col // g], zeros[col // g] = find_params(span, grid)
+            gptq_block(w1, u1, codes[:, b0:b1], err1, scales, zeros, col_groups[b0:b1], s0, s1, grid.maxq)
         w[:, b1:] -= err1 @ u[b0:b1, b1:]
 
     if perm is not None:
