@@ -89,6 +89,20 @@ def test_skinny_gemm_matches_linear(name, M, dtype, N, K, bias, strided):
     _poison_workspaces()  # every counter back to 0
 
 
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("name", ["fma-deferred", "fma-perstep-split3"])
+@pytest.mark.parametrize("dtype,N,K,bias,strided", SHAPES[:2], ids=["fp32", "bf16"])
+def test_skinny_gemm_early_first_tile(name, M, dtype, N, K, bias, strided):
+    """The fma loop with its first W tile peeled off and loaded up front (what PDL launches do on the GPU):
+    the same result as the plain loop, bit for bit."""
+    x, w, b = _inputs(M, N, K, dtype, bias, strided)
+    plain = G.skinny_gemm(x, w, b, CONFIGS[name], early_w=False)
+    early = G.skinny_gemm(x, w, b, CONFIGS[name], early_w=True)
+    _check(early, x, w, b)
+    assert torch.equal(early, plain)
+    _poison_workspaces()
+
+
 def test_split_k_geometry_trims_empty_splits():
     # K=100 with BLOCK_K=64 → 2 K blocks: split 3 would leave one split empty → 2 programs along K
     _, bk, k_blocks, per_split, splits, n_tiles, m_tiles = G._geometry(3, 72, 100, CONFIGS["fma-perstep-split3"])

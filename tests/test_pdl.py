@@ -71,9 +71,12 @@ def _kernels():
     yield "rope_store", rope_store._rope_store_kernel, {
         "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "k_scale_ptr": "*fp32",
         "v_scale_ptr": "*fp32"}, dict(BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=0, QMAX=127), ()
-    yield "skinny_gemm", gemm._skinny_gemm_kernel, {"ws_ptr": "*fp32", "lock_ptr": "*i32"}, dict(
-        HAS_BIAS=False, SPLIT=True, USE_DOT=False, ACC_K=1, EVEN_K=True, UPCAST=False, DOT_PRECISION="tf32",
-        FMA_STAGES=1, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128), ()
+    skinny = dict(HAS_BIAS=False, SPLIT=True, USE_DOT=False, ACC_K=1, EVEN_K=True, UPCAST=False,
+                  DOT_PRECISION="tf32", FMA_STAGES=1, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128)
+    skinny_ptrs = {"ws_ptr": "*fp32", "lock_ptr": "*i32"}
+    yield "skinny_gemm", gemm._skinny_gemm_kernel, skinny_ptrs, dict(EARLY_W=False, **skinny), ()
+    # EARLY_W: the first W tile is loaded before the wait (weights are read-only); no store may precede it
+    yield "skinny_gemm early W", gemm._skinny_gemm_kernel, skinny_ptrs, dict(EARLY_W=True, **skinny), ()
     yield "quant_gemv tile", quant_gemv._quant_gemv_kernel, gemv_ptrs, dict(AWQ=False, MAGIC=True,
                                                                            **gemv_common), ()
     yield "quant_gemv row", quant_gemv._quant_gemv_field_kernel, gemv_ptrs, dict(AWQ=True, ROWS=True,
@@ -88,6 +91,7 @@ def _kernels():
 
 
 MEMORY = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async)", re.M)
+WRITES = re.compile(r"^\s*(@%p\d+\s+)?(st\.global|atom\.|red\.)", re.M)
 
 
 def _check_all() -> dict[str, str]:
@@ -96,12 +100,14 @@ def _check_all() -> dict[str, str]:
     for name, kernel, pointers, constexprs, floats in _kernels():
         ptx = _ptx(kernel, pointers, {**constexprs, "PDL": True}, floats, launch_pdl=True)
         wait = ptx.find("griddepcontrol.wait")
-        first = MEMORY.search(ptx)
+        first = (WRITES if "early W" in name else MEMORY).search(ptx)
         plain = _ptx(kernel, pointers, {**constexprs, "PDL": False}, floats)
         if wait < 0 or "griddepcontrol.launch_dependents" not in ptx:
             verdicts[name] = "no griddepcontrol with PDL"
         elif first is None or first.start() < wait:
             verdicts[name] = "global memory touched before griddepcontrol.wait"
+        elif "early W" in name and not MEMORY.search(ptx[:wait]):
+            verdicts[name] = "no early load of W"
         elif "griddepcontrol" in plain:
             verdicts[name] = "griddepcontrol without PDL"
         else:

@@ -151,6 +151,40 @@ class SkinnyConfig:
 # ------------------------------------------------------------------------------------------------- Triton
 
 
+def _fma_row(w, x_row, offs_k, stride_xk, K, acc, ACC_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The ``fma`` loop body for one x row: the fp32 W tile ``[BLOCK_N, BLOCK_K]`` times the row's K range
+    ``offs_k``, added into its ``[BLOCK_N, ACC_K]`` accumulator."""
+    if EVEN_K:
+        xr = tl.load(x_row + offs_k * stride_xk, eviction_policy="evict_last").to(tl.float32)
+    else:
+        xr = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0,
+                     eviction_policy="evict_last").to(tl.float32)
+    p = w * xr[None, :]
+    if ACC_K == 1:
+        p = tl.reduce(p, 1, tl.standard._sum_combine, keep_dims=True)
+    return acc + p
+
+
+def _fma_rows(w, x_r0, x_r1, x_r2, x_r3, offs_k, stride_xk, K, a0, a1, a2, a3,
+              BLOCK_M: tl.constexpr, ACC_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """``_fma_row`` for each of the tile's (up to four) x rows."""
+    a0 = _fma_row(w, x_r0, offs_k, stride_xk, K, a0, ACC_K, EVEN_K)
+    if BLOCK_M > 1:
+        a1 = _fma_row(w, x_r1, offs_k, stride_xk, K, a1, ACC_K, EVEN_K)
+    if BLOCK_M > 2:
+        a2 = _fma_row(w, x_r2, offs_k, stride_xk, K, a2, ACC_K, EVEN_K)
+        a3 = _fma_row(w, x_r3, offs_k, stride_xk, K, a3, ACC_K, EVEN_K)
+    return a0, a1, a2, a3
+
+
+def _w_tile(w_rows, offs_k, K, EVEN_K: tl.constexpr):
+    """A ``[BLOCK_N, BLOCK_K]`` W tile in fp32, streamed (evict_first)."""
+    if EVEN_K:
+        return tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first").to(tl.float32)
+    return tl.load(w_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0,
+                   eviction_policy="evict_first").to(tl.float32)
+
+
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K,
@@ -169,11 +203,15 @@ def _skinny_gemm_kernel(
     FMA_STAGES: tl.constexpr,     # fma: software-pipeline depth of the K loop (1 = none)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,            # programmatic dependent launch (nvllm.kernels.pdl)
+    EARLY_W: tl.constexpr,        # fma: load the first W tile before waiting for the previous kernel
 ):
     """Grid (cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M)). Program (n, s, m) computes the partial
     ``y[m-tile, n-tile]`` over K blocks [s·blocks_per_split, (s+1)·blocks_per_split) and, unsplit or last to
-    arrive, the final tile. Tiles are held transposed, ``[BLOCK_N, BLOCK_M]``."""
-    if PDL:
+    arrive, the final tile. Tiles are held transposed, ``[BLOCK_N, BLOCK_M]``.
+
+    PDL: the wait comes first, except that with ``EARLY_W`` the first W tile is loaded before it — weights
+    are never written by a kernel, so that load may overlap the previous kernel's tail."""
+    if PDL and not EARLY_W:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -208,56 +246,31 @@ def _skinny_gemm_kernel(
             else:
                 acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
     else:
-        # up to four rows of x, each its own accumulator ([BLOCK_N, ACC_K] fp32)
+        # up to four rows of x, each its own accumulator ([BLOCK_N, ACC_K] fp32; unused ones stay empty)
         x_r0 = x_ptr + tl.minimum(pid_m * BLOCK_M, M - 1).to(tl.int64) * stride_xm
+        x_r1 = x_ptr + tl.minimum(pid_m * BLOCK_M + 1, M - 1).to(tl.int64) * stride_xm
+        x_r2 = x_ptr + tl.minimum(pid_m * BLOCK_M + 2, M - 1).to(tl.int64) * stride_xm
+        x_r3 = x_ptr + tl.minimum(pid_m * BLOCK_M + 3, M - 1).to(tl.int64) * stride_xm
         a0 = tl.full((BLOCK_N, ACC_K), 0.0, tl.float32)
-        if BLOCK_M > 1:
-            x_r1 = x_ptr + tl.minimum(pid_m * BLOCK_M + 1, M - 1).to(tl.int64) * stride_xm
-            a1 = tl.full((BLOCK_N, ACC_K), 0.0, tl.float32)
-        if BLOCK_M > 2:
-            x_r2 = x_ptr + tl.minimum(pid_m * BLOCK_M + 2, M - 1).to(tl.int64) * stride_xm
-            x_r3 = x_ptr + tl.minimum(pid_m * BLOCK_M + 3, M - 1).to(tl.int64) * stride_xm
-            a2 = tl.full((BLOCK_N, ACC_K), 0.0, tl.float32)
-            a3 = tl.full((BLOCK_N, ACC_K), 0.0, tl.float32)
+        a1 = tl.full((BLOCK_N, ACC_K), 0.0, tl.float32)
+        a2 = tl.full((BLOCK_N, ACC_K), 0.0, tl.float32)
+        a3 = tl.full((BLOCK_N, ACC_K), 0.0, tl.float32)
+        kb_first = kb_begin
+        if EARLY_W:   # the first tile, peeled: loaded before the wait (the splits are never empty)
+            offs_k = kb_begin * BLOCK_K + rk
+            w = _w_tile(w_rows, offs_k, K, EVEN_K)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            a0, a1, a2, a3 = _fma_rows(w, x_r0, x_r1, x_r2, x_r3, offs_k, stride_xk, K, a0, a1, a2, a3,
+                                       BLOCK_M, ACC_K, EVEN_K)
+            kb_first = kb_begin + 1
         # the loads feed no tl.dot, so the software pipeliner runs only when asked per loop (cp.async)
-        for kb in tl.range(kb_begin, kb_end, num_stages=FMA_STAGES):
+        for kb in tl.range(kb_first, kb_end, num_stages=FMA_STAGES):
             offs_k = kb * BLOCK_K + rk
-            xk = offs_k * stride_xk
-            if EVEN_K:
-                w = tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first").to(tl.float32)
-                x0 = tl.load(x_r0 + xk, eviction_policy="evict_last").to(tl.float32)
-            else:
-                mk = offs_k < K
-                w = tl.load(w_rows + offs_k[None, :], mask=mk[None, :], other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
-                x0 = tl.load(x_r0 + xk, mask=mk, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            p0 = w * x0[None, :]
-            if ACC_K == 1:
-                p0 = tl.reduce(p0, 1, tl.standard._sum_combine, keep_dims=True)
-            a0 += p0
-            if BLOCK_M > 1:
-                if EVEN_K:
-                    x1 = tl.load(x_r1 + xk, eviction_policy="evict_last").to(tl.float32)
-                else:
-                    x1 = tl.load(x_r1 + xk, mask=mk, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                p1 = w * x1[None, :]
-                if ACC_K == 1:
-                    p1 = tl.reduce(p1, 1, tl.standard._sum_combine, keep_dims=True)
-                a1 += p1
-            if BLOCK_M > 2:
-                if EVEN_K:
-                    x2 = tl.load(x_r2 + xk, eviction_policy="evict_last").to(tl.float32)
-                    x3 = tl.load(x_r3 + xk, eviction_policy="evict_last").to(tl.float32)
-                else:
-                    x2 = tl.load(x_r2 + xk, mask=mk, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                    x3 = tl.load(x_r3 + xk, mask=mk, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                p2 = w * x2[None, :]
-                p3 = w * x3[None, :]
-                if ACC_K == 1:
-                    p2 = tl.reduce(p2, 1, tl.standard._sum_combine, keep_dims=True)
-                    p3 = tl.reduce(p3, 1, tl.standard._sum_combine, keep_dims=True)
-                a2 += p2
-                a3 += p3
+            w = _w_tile(w_rows, offs_k, K, EVEN_K)
+            a0, a1, a2, a3 = _fma_rows(w, x_r0, x_r1, x_r2, x_r3, offs_k, stride_xk, K, a0, a1, a2, a3,
+                                       BLOCK_M, ACC_K, EVEN_K)
         # gather the row sums into the [BLOCK_N, BLOCK_M] tile
         cols = tl.arange(0, BLOCK_M)[None, :]
         acc = tl.where(cols == 0, tl.reduce(a0, 1, tl.standard._sum_combine, keep_dims=True), 0.0)
@@ -289,6 +302,9 @@ def _skinny_gemm_kernel(
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=mask_out)
+
+
+_skinny_gemm_kernel.helpers = ("_fma_row", "_fma_rows", "_w_tile")
 
 
 # ----------------------------------------------------------------------------------------------- launcher
@@ -329,9 +345,10 @@ _skinny_gemm_kernel.do_not_specialize = ("M", "ws_stride_s")
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, early_w: bool | None = None) -> torch.Tensor:
     """The Triton path: ``x [M, K]`` (any strides) times ``weight [N, K]`` (rows contiguous) (+ bias) →
-    ``[M, N]`` in x's dtype (or into ``out``, a contiguous-rows [M, N] tensor). Raises RuntimeError when a
+    ``[M, N]`` in x's dtype (or into ``out``, a contiguous-rows [M, N] tensor). ``early_w``: the ``fma``
+    kernel's first W tile loaded before waiting on the previous kernel (default: with PDL; tests force it). Raises RuntimeError when a
     split-K workspace would have to be allocated during CUDA-graph capture (warm up before capturing)."""
     M, K = x.shape
     N = weight.shape[0]
@@ -375,6 +392,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         DOT_PRECISION="tf32" if sixteen_bit else "ieee",
         FMA_STAGES=config.num_stages,
         BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=bk,
+        EARLY_W=config.kernel == "fma" and (early_w if early_w is not None else pdl.enabled(x)),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x),
     )
     return out

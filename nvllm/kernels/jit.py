@@ -7,7 +7,8 @@ launch). Kernel bodies refer to `tl` as a module global; `lazy_jit` binds it in 
 Triton compiles one variant of a kernel per combination of its integer arguments being 1, a multiple of 16,
 or neither. Arguments that change from step to step with the batch (a block table's row stride is the longest
 sequence's block count) would make a new batch shape compile a new variant — about a second, under live
-requests — so a kernel lists them in a ``do_not_specialize`` attribute and they are passed unspecialized."""
+requests — so a kernel lists them in a ``do_not_specialize`` attribute and they are passed unspecialized.
+Functions a kernel calls are named in its ``helpers`` attribute and jitted in place at its first launch."""
 
 from __future__ import annotations
 
@@ -20,4 +21,8 @@ def lazy_jit(kernel):
     import triton.language
 
     kernel.__globals__["tl"] = triton.language
+    for name in getattr(kernel, "helpers", ()):  # functions the kernel calls: jitted in place, once
+        helper = kernel.__globals__[name]
+        if not hasattr(helper, "fn"):
+            kernel.__globals__[name] = triton.jit(helper)
     return triton.jit(kernel, do_not_specialize=list(getattr(kernel, "do_not_specialize", ())))
