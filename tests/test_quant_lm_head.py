@@ -1,7 +1,8 @@
 """``nvllm quantize --quantize-lm-head`` (GPTQ / RTN, GPTQModel's ``lm_head=True``): the checkpoint it writes
 (``"lm_head": true``, ``lm_head.qweight/qzeros/scales/g_idx`` in the GPTQ layout), the engine serving it (the
 head through ``quant_gemm``, logits equal to a dequantize-then-matmul reference unpacked here by hand), the
-errors (AWQ, tied embeddings, a vocabulary that does not pack, tensor parallelism) and its accuracy cost.
+errors (AWQ, tied embeddings, a vocabulary that does not pack or split), tensor parallelism (the head split
+by vocabulary over two ranks) and its accuracy cost.
 
 Accuracy cost (perplexity through the engine on the held-out WikiText-2 slice, ``tests/quant_utils``), on an
 untied copy of the demo model (stories260K with ``lm_head.weight`` = its embedding, ``tie_word_embeddings:
@@ -162,11 +163,36 @@ def _greedy(n: int):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def test_tensor_parallel_refused_at_start_up(quantized):
-    ckpt = str(quantized["rtn"])
-    with pytest.raises(ConfigError, match="lm_head is quantized .* one rank only; use tensor_parallel_size 1"):
-        quantization_plan(EngineConfig(model=ckpt, device="cpu", tensor_parallel_size=2), load_hf_config(ckpt),
-                          "LlamaForCausalLM", log=False)
+def test_tensor_parallel_splits_the_head(tmp_path):
+    """Two ranks (gloo): each holds half the vocabulary's packed columns; greedy and seeded sampled outputs
+    equal one rank's."""
+    from nvllm import SamplingParams
+    from tests.test_tensor_parallel import assert_workers_gone
+
+    model = build_tiny_model("llama", tmp_path / "llama", intermediate_size=128)   # two groups of 32 a rank
+    cfg = build_config(None, method="gptq", group_size=32, quantize_lm_head=True, **FAST)
+    quantize_model(str(model), str(tmp_path / "gptq"), cfg)
+    ckpt = str(tmp_path / "gptq")
+    prompts = [[1, 17, 42, 99, 7], [5, 6, 7]]
+    params = [_greedy(8), SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=8, ignore_eos=True)]
+    one = make_llm(ckpt).generate(prompts, params, use_tqdm=False)
+    with make_llm(ckpt, tensor_parallel_size=2) as llm:
+        head = llm.engine.runner.model.lm_head
+        assert isinstance(head, QuantLMHead) and head.qweight.shape[1] == VOCAB // 2
+        two = llm.generate(prompts, params, use_tqdm=False)
+    assert_workers_gone(llm)
+    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in two]
+
+
+def test_tensor_parallel_vocab_that_does_not_split():
+    from nvllm.distributed.group import TPGroup
+    from nvllm.quant.plan import QuantScheme
+
+    scheme = QuantScheme("gptq", 4, 32)
+    QuantLMHead(528, HIDDEN, scheme, tp=TPGroup(1, 2))        # 264 columns a rank: whole 8-column words
+    with pytest.raises(ConfigError, match="vocabulary of 520 cannot be split over tensor_parallel_size 2 in "
+                                          "whole 8-column packed words"):
+        QuantLMHead(520, HIDDEN, scheme, tp=TPGroup(0, 2))
 
 
 def test_cli_flag_recipe_and_report(tmp_path, untied):

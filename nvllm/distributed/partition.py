@@ -96,6 +96,19 @@ def vocab_part(vocab_size: int, tp_size: int, rank: int) -> Part:
     return Part(rank * per, per, vocab_size)
 
 
+WORD_COLUMNS = 8
+"""Output columns per packed word (AWQ ``qweight``, 4-bit ``qzeros``)."""
+
+
+def quant_head_part(vocab_size: int, tp_size: int, rank: int) -> Part:
+    """Rank ``rank``'s equal slice of a quantized LM head's vocabulary, in whole packed words (no padding)."""
+    if vocab_size % (WORD_COLUMNS * tp_size):
+        raise ConfigError(f"the quantized lm_head's vocabulary of {vocab_size} cannot be split over "
+                          f"tensor_parallel_size {tp_size} in whole {WORD_COLUMNS}-column packed words; use another "
+                          f"tensor_parallel_size, or a checkpoint quantized without --quantize-lm-head")
+    return even_part(vocab_size, tp_size, rank, "vocab_size")
+
+
 def layer_shards(shape, tp_size: int, rank: int) -> dict[str, LinearShard | None]:
     """The LinearShard of each decoder linear for a ModelShape (all None for a single rank)."""
     if tp_size == 1:
@@ -113,6 +126,9 @@ def check_tensor_parallel(shape, tp_size: int, quant_plan: dict | None) -> None:
         return
     shards = layer_shards(shape, tp_size, 0)
     for name, scheme in sorted((quant_plan or {}).items()):
+        if name == "lm_head":   # split by vocabulary (nvllm.layers.embed_head.QuantLMHead)
+            quant_head_part(shape.vocab_size, tp_size, 0)
+            continue
         fused = name.rsplit(".", 1)[1]
         shard = shards[fused]
         if shard.row_parallel:

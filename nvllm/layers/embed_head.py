@@ -6,8 +6,10 @@ others and sums over the ranks; the LM head computes its slice's logits and gath
 the padding.
 
 ``QuantLMHead``: an LM head stored as a GPTQ (or AWQ) weight-only quantized linear (a checkpoint written with
-``"lm_head": true``, GPTQModel's ``lm_head=True``), its logits computed through ``quant_linear``. It is served
-on one rank only (the loader refuses ``tensor_parallel_size`` > 1 at start-up)."""
+``"lm_head": true``, GPTQModel's ``lm_head=True``), its logits computed through ``quant_linear``. Under tensor
+parallelism it is a column-parallel quantized linear: each rank keeps an equal slice of the vocabulary in whole
+8-column packed words (no padding: a vocabulary that does not split so is a ConfigError) and rank 0 gathers the
+logits, as ``LMHead`` does."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 from torch import nn
 
 from nvllm.distributed.group import TPGroup
-from nvllm.distributed.partition import take_shard, vocab_part
+from nvllm.distributed.partition import LinearShard, quant_head_part, take_shard, vocab_part
 from nvllm.kernels.gemm import gemm
 from nvllm.kernels.quant_gemm import quant_linear
 from nvllm.layers.quant_linear import QuantLinear
@@ -64,25 +66,34 @@ class LMHead(nn.Module):
         load_vocab_rows(self.weight.data, self.part, tensor, ckpt_name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = gemm(hidden, self.weight)
-        if self.tp.size == 1:
-            return logits.float()
-        parts = self.tp.gather_first(logits)
-        if parts is None:
-            return None
-        return torch.cat(parts, dim=-1)[:, :self.vocab_size].float()
+        return gather_logits(gemm(hidden, self.weight), self.tp, self.vocab_size)
 
 
 class QuantLMHead(QuantLinear):
     """logits = h Wᵀ with W [vocab, hidden] stored packed (``lm_head.qweight`` / ``qzeros`` / ``scales`` /
     ``g_idx``), computed in the model dtype by ``quant_linear`` and returned as float32, as ``LMHead`` does."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, scheme: QuantScheme, dtype: torch.dtype | None = None):
-        super().__init__(hidden_size, vocab_size, False, None, scheme, dtype)
+    def __init__(self, vocab_size: int, hidden_size: int, scheme: QuantScheme, dtype: torch.dtype | None = None,
+                 tp: TPGroup | None = None):
+        tp = tp or TPGroup.single()
+        shard = LinearShard(outputs=(quant_head_part(vocab_size, tp.size, tp.rank),)) if tp.size > 1 else None
+        super().__init__(hidden_size, vocab_size // tp.size, False, None, scheme, dtype, shard=shard)
         self.vocab_size = vocab_size
+        self.head_tp = tp
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return quant_linear(hidden, self.quant_weight()).float()
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return gather_logits(quant_linear(hidden, self.quant_weight()), self.head_tp, self.vocab_size)
+
+
+def gather_logits(logits: torch.Tensor, tp: TPGroup, vocab_size: int) -> torch.Tensor | None:
+    """One rank's logits → the whole vocabulary's, float32, on rank 0 (None on the others); the padding
+    columns past ``vocab_size`` dropped."""
+    if tp.size == 1:
+        return logits.float()
+    parts = tp.gather_first(logits)
+    if parts is None:
+        return None
+    return torch.cat(parts, dim=-1)[:, :vocab_size].float()
 
 
 def load_vocab_rows(dst: torch.Tensor, part, tensor: torch.Tensor, ckpt_name: str) -> None:

@@ -109,10 +109,6 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
         return None
     qcfg, plan = found
     head = LM_HEAD in plan
-    if head and config.tensor_parallel_size > 1:
-        raise ConfigError(f"{config.model}: its lm_head is quantized (quantization_config lm_head: true), which "
-                          f"nvllm serves on one rank only; use tensor_parallel_size 1, or a checkpoint quantized "
-                          f"without --quantize-lm-head")
     total = 4 * hf_config.num_hidden_layers
     if log:
         logger.info("quantized checkpoint: %s %d-bit, group size %d; %d of %d decoder linears quantized (the "
@@ -133,10 +129,10 @@ def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torc
     with torch.device(device):
         model = cls(hf_config, arch, dtype, quant_plan=plan, **extra) if plan is not None else \
             cls(hf_config, arch, dtype, **extra)
-        if head is not None:    # a quantized LM head (single rank: quantization_plan refuses tp > 1)
+        if head is not None:    # a quantized LM head (column-parallel under tensor parallelism)
             from nvllm.layers.embed_head import QuantLMHead
 
-            model.lm_head = QuantLMHead(model.shape.vocab_size, model.shape.hidden_size, head, dtype)
+            model.lm_head = QuantLMHead(model.shape.vocab_size, model.shape.hidden_size, head, dtype, **extra)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
         logger.info("loaded %s with random weights (load_format=dummy)", arch)
