@@ -76,12 +76,15 @@ QUANT_CONFIGS = {
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
              "checkpoint_format": "gptq"},
+    # the LM head quantized too (GPTQModel's lm_head=True, nvllm quantize --quantize-lm-head)
+    "gptq-head": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+                  "checkpoint_format": "gptq", "lm_head": True},
 }
 
 
 def quant_runs(model_dir: Path, res: dict, methods: list[str], save, suffix: str = "") -> None:
-    """W4A16 g128 decode at batch 1 (random packed weights, bf16 lm_head) against the bf16 TPOT of this run;
-    keys ``nvllm_{method}_w4{suffix}_…``."""
+    """W4A16 g128 decode at batch 1 (random packed weights; bf16 lm_head unless "-head") against the bf16 TPOT of
+    this run; keys ``nvllm_{method}_w4{suffix}_…``."""
     from nvllm.bench.offline import run_latency
     from nvllm.config import EngineConfig
 
@@ -415,7 +418,7 @@ def main() -> None:
     ap.add_argument("--kv", default="", help="comma-separated KV-cache dtypes to compare at 8K context: auto,int8,...")
     ap.add_argument("--kv-throughput", default="",
                     help="comma-separated KV-cache dtypes for the KV-bound throughput run: auto,int8,...")
-    ap.add_argument("--quant", default="", help="comma-separated W4A16 formats to time at batch 1: awq,gptq")
+    ap.add_argument("--quant", default="", help="comma-separated W4A16 formats to time at batch 1: awq,gptq,gptq-head")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "."))
     res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
