@@ -68,7 +68,8 @@ def measure(name: str, tp: int, args, res: dict, save) -> None:
                           max_num_seqs=args.batch, max_num_batched_tokens=8192, tensor_parallel_size=tp,
                           log_stats_interval=0)
     t0 = time.perf_counter()
-    with LLM.from_config(config) as llm:
+    llm = LLM.from_config(config)
+    with llm:
         res[f"{tag}_startup_s"] = time.perf_counter() - t0
         res[f"{tag}_decode_bytes_per_rank"] = decode_bytes_per_rank(llm)
         res[f"{tag}_kv_tokens_per_rank"] = llm.engine.runner.num_blocks * llm.engine.runner.block_size
@@ -82,6 +83,11 @@ def measure(name: str, tp: int, args, res: dict, save) -> None:
         res[f"{tag}_b{args.batch}_tpot_ms"] = many["median_tpot_ms"]
         res[f"{tag}_b{args.batch}_output_tok_s"] = args.batch * args.output_len / many["avg_latency"]
         save()
+        t0 = time.perf_counter()
+    res[f"{tag}_close_s"] = time.perf_counter() - t0    # the engine's close, workers and communicators included
+    print(f"[close] {name} tensor_parallel_size={tp}: {res[f'{tag}_close_s']:.1f} s", flush=True)
+    save()
+    del llm
     gc.collect()
     for d in range(torch.cuda.device_count()):
         with torch.cuda.device(d):
@@ -116,7 +122,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64, help="batch of the throughput runs")
     ap.add_argument("--iters", type=int, default=3, help="timed generate calls per measurement")
+    ap.add_argument("--shutdown-check", action="store_true",
+                    help="only start, run and close Qwen2.5-7B over two GPUs (16 tokens, batch 4): the close time; "
+                         "the process's exit status says whether it ended cleanly")
     args = ap.parse_args()
+    if args.shutdown_check:
+        args.skip_70b, args.only_70b, args.output_len, args.iters, args.batch = True, False, 16, 1, 4
     if torch.cuda.device_count() < 2:
         sys.exit(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
     out = Path(os.environ.get("OUT", "."))
@@ -131,7 +142,8 @@ def main() -> None:
         (out / "gpu_tp_bench.json").write_text(json.dumps(res, indent=2, default=str))
 
     save()
-    runs = ([] if args.only_70b else [("qwen2.5-7b", 1), ("qwen2.5-7b", 2)]) + \
+    runs = [("qwen2.5-7b", 2)] if args.shutdown_check else \
+        ([] if args.only_70b else [("qwen2.5-7b", 1), ("qwen2.5-7b", 2)]) + \
         ([] if args.skip_70b else [("llama-3-70b", 2)])
     for name, tp in runs:
         print(f"[run] {name} tensor_parallel_size={tp}", flush=True)

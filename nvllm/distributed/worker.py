@@ -76,7 +76,8 @@ def worker_main(rank: int, size: int, port: int, config, conn, num_threads: int)
         runner = ModelRunner(config, tp=group)
         while True:
             step = StepInputs.unpack(group.broadcast_message())
-            if step is None:
+            if step is None:   # shutdown: abort the communicator together with rank 0 (NCCL's abort
+                group.abort()  # synchronizes the ranks of a node: one rank alone can wait forever)
                 break
             runner.run_model(step)
     except BaseException as e:  # noqa: BLE001 - everything goes to rank 0
