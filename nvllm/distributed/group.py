@@ -36,7 +36,6 @@ class TPGroup:
         self.rank, self.size, self.backend = rank, size, backend
         self.control, self.compute = control, compute
         self._first: torch.Tensor | None = None  # [length, first words of the message], reused by every broadcast
-        self._aborted = False
 
     @classmethod
     def single(cls) -> "TPGroup":
@@ -126,9 +125,8 @@ class TPGroup:
     # ---- teardown -----------------------------------------------------------------------------------------
     def abort(self) -> None:
         """Make collectives in flight on the compute group fail now (NCCL: abort the communicator). Bounded: the
-        abort runs on a daemon thread, given ``ABORT_WAIT_S`` seconds. Once per group: a second call returns."""
-        if self.backend == "nccl" and self.compute is not None and not self._aborted:
-            self._aborted = True
+        abort runs on a daemon thread, given ``ABORT_WAIT_S`` seconds."""
+        if self.backend == "nccl" and self.compute is not None:
             compute = self.compute
 
             def run() -> None:

@@ -76,8 +76,7 @@ def worker_main(rank: int, size: int, port: int, config, conn, num_threads: int)
         runner = ModelRunner(config, tp=group)
         while True:
             step = StepInputs.unpack(group.broadcast_message())
-            if step is None:   # shutdown: abort the communicator together with rank 0 (NCCL's abort
-                group.abort()  # synchronizes the ranks of a node: one rank alone can wait forever)
+            if step is None:
                 break
             runner.run_model(step)
     except BaseException as e:  # noqa: BLE001 - everything goes to rank 0

@@ -11,9 +11,7 @@ Every step runs inside ``guard()``: it raises the recorded failure before a step
 raises the root cause and stops the workers (a step interrupted half-way leaves the ranks out of step for good).
 
 Stop (``stop()``: engine teardown, garbage collection or interpreter exit through the runner's finalizer): an
-empty message ends the workers' loops; every rank then aborts its NCCL communicator at the same time (an abort
-on one rank alone, after its peers have exited, did not return on the H200 machine); a worker not gone within
-seconds is terminated, then killed.
+empty message ends the workers' loops; a worker not gone within seconds is terminated, then killed.
 """
 
 from __future__ import annotations
@@ -178,8 +176,6 @@ class WorkerPool:
                     self.group.broadcast_message(SHUTDOWN)
                 except Exception:
                     clean = False
-                else:
-                    self.group.abort()  # at the same time as the workers abort theirs
             for p in self.procs:
                 p.join(5.0 if clean else 0.2)
             for p in self.procs:
