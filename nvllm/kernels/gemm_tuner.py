@@ -1,5 +1,5 @@
 """Measuring the small-batch GEMM dispatch: candidate Triton configs per shape, each timed against cuBLAS inside
-a CUDA graph with the weight rotated past L2, the winner written into gemm.py's dispatch table.
+a CUDA graph with the weight rotated past L2, the winner written into the dispatch table (gemm_table.py).
 
 `tune_gemm` is what the engine calls (NVLLM_TUNE_GEMM=1) and scripts/gpu_gemm_bench.py drives; shipped tables
 (nvllm/kernels/configs/) come from that script."""
@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from nvllm.kernels.backend import use_triton
-from nvllm.kernels.gemm import (CUBLAS, FMA_MAX_M, SkinnyConfig, _cdiv, _dtype_name, _geometry, _next_pow2,
-                                gemm_bucket, set_gemm_choice, skinny_gemm)
+from nvllm.kernels.gemm import _geometry, skinny_gemm
+from nvllm.kernels.gemm_table import (CUBLAS, FMA_MAX_M, SkinnyConfig, _cdiv, _dtype_name, _next_pow2, gemm_bucket,
+                                      set_gemm_choice)
 
 # ---------------------------------------------------------------------------------------------- candidates
 

@@ -21,8 +21,7 @@ def lazy_jit(kernel):
     import triton.language
 
     kernel.__globals__["tl"] = triton.language
-    for name in getattr(kernel, "helpers", ()):  # functions the kernel calls: jitted in place, once
-        helper = kernel.__globals__[name]
-        if not hasattr(helper, "fn"):
-            kernel.__globals__[name] = triton.jit(helper)
+    for name in getattr(kernel, "helpers", ()):  # functions the kernel calls: jitted in place, from the Python
+        helper = kernel.__globals__[name]           # function (again after cache_clear: interpreter or not)
+        kernel.__globals__[name] = triton.jit(getattr(helper, "fn", helper))
     return triton.jit(kernel, do_not_specialize=list(getattr(kernel, "do_not_specialize", ())))
