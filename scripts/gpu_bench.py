@@ -331,6 +331,19 @@ def nvllm_runs(model_dir: Path, res: dict, throughput_prompts: int, enforce_eage
     torch.cuda.empty_cache()
 
 
+def with_env(name: str, value: str, fn) -> None:
+    """Run ``fn`` with environment variable ``name`` set to ``value`` (engines read it when they are built)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        fn()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
 def without_pdl(fn) -> None:
     """Run ``fn`` with programmatic dependent launch off (engines built inside capture their graphs so)."""
     from nvllm.kernels import pdl
@@ -351,7 +364,7 @@ def table(res: dict) -> str:
     wall_ms = 1000 * res["decode_step_weight_bytes"] / bw
     if wall_ms:
         lines.append(f"decode wall (batch 1, weights only): {wall_ms:.2f} ms/token = {1000 / wall_ms:.0f} tok/s")
-    for tag in ("graphs", "nopdl", "sync", "eager"):
+    for tag in ("graphs", "nopdl", "nosilu", "sync", "eager"):
         k = f"nvllm_{tag}_tpot_ms"
         if k in res:
             t = res[k]
@@ -362,7 +375,7 @@ def table(res: dict) -> str:
     for n in (512, 2048) if res["num_params"] else ():
         limit_ms = 1000 * 2 * res["num_params"] * n / fl
         row = f"prefill {n}: FLOP limit {limit_ms:.1f} ms"
-        for tag in ("graphs", "nopdl", "sync", "eager"):
+        for tag in ("graphs", "nopdl", "nosilu", "sync", "eager"):
             k = f"nvllm_{tag}_ttft_{n}_ms"
             if k in res:
                 row += f"; nvllm {tag} {res[k]:.1f} ms ({res[k] / limit_ms:.2f}x)"
@@ -396,6 +409,7 @@ def table(res: dict) -> str:
                 line += f" ({res[f'kvthr_{kv}_output_tok_s'] / res['kvthr_auto_output_tok_s']:.2f}x bf16)"
             lines.append(line)
     for key, what in (("nvllm_throughput", "async scheduling"), ("nvllm_nopdl_throughput", "no PDL"),
+                      ("nvllm_nosilu_throughput", "SiLU·mul unfused"),
                       ("nvllm_sync_throughput", "synchronous")):
         if f"{key}_output_tok_s" in res:
             lines.append(f"throughput {res[f'{key}_requests']} x 512/256 ({what}): "
@@ -412,6 +426,8 @@ def main() -> None:
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--sync", action="store_true", help="also run the graphs engine with asynchronous scheduling off")
     ap.add_argument("--throughput-prompts", type=int, default=1000)
+    ap.add_argument("--silu-compare", action="store_true",
+                    help="also run the graphs engine with SiLU·mul in its own kernel (NVLLM_FUSED_SILU=0), first")
     ap.add_argument("--pdl-compare", action="store_true",
                     help="also run the graphs engine (and --quant) with programmatic dependent launch off, first")
     ap.add_argument("--profile", action="store_true", help="profile a prefill and decode steps (torch.profiler)")
@@ -439,6 +455,9 @@ def main() -> None:
     if args.sync:
         steps.append(("nvllm sync", lambda: nvllm_runs(model_dir, res, args.throughput_prompts, False, save,
                                                        async_scheduling=False)))
+    if args.silu_compare and not args.skip_nvllm:
+        steps.append(("nvllm nosilu", lambda: with_env("NVLLM_FUSED_SILU", "0", lambda: nvllm_runs(
+            model_dir, res, args.throughput_prompts, False, save, tag="nosilu"))))
     if args.pdl_compare and not args.skip_nvllm:
         steps.append(("nvllm nopdl", lambda: without_pdl(lambda: nvllm_runs(
             model_dir, res, args.throughput_prompts, False, save, tag="nopdl"))))

@@ -103,6 +103,41 @@ def test_skinny_gemm_early_first_tile(name, M, dtype, N, K, bias, strided):
     _poison_workspaces()
 
 
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype,bias", [(torch.float32, True), (torch.bfloat16, False)], ids=["fp32", "bf16"])
+def test_skinny_gemm_silu_and_mul_epilogue(name, M, dtype, bias):
+    """An interleaved gate_up (blocks of 4): SiLU·mul in the epilogue gives the bits of the same GEMM followed
+    by the interleaved silu_and_mul kernel, and the plain layer's result."""
+    from nvllm.kernels.activation import interleave_rows, silu_and_mul_reference, silu_and_mul_triton
+
+    N, K = 72, 160                                  # I = 36: nine blocks of 4, the last tile partly masked
+    x, w, b = _inputs(M, N, K, dtype, bias, False)
+    wi, bi = interleave_rows(w, 4), None if b is None else interleave_rows(b, 4)
+    fused = G.skinny_gemm(x, wi, bi, CONFIGS[name], silu_block=4)
+    two_step = silu_and_mul_triton(G.skinny_gemm(x, wi, bi, CONFIGS[name]), interleave=4)
+    assert fused.shape == (M, N // 2) and torch.equal(fused, two_step)
+    ref = silu_and_mul_reference(F.linear(x.float(), w.float(), None if b is None else b.float()))
+    assert ((fused.float() - ref).abs().max() / ref.abs().max()).item() <= 2 * TOL[dtype]
+    _poison_workspaces()
+
+
+def test_gemm_silu_and_mul_dispatch(table):
+    """Fused where the table picks a skinny config whose tile holds whole blocks; the GEMM then the interleaved
+    kernel otherwise (cuBLAS choice, or a tile narrower than a block pair)."""
+    from nvllm.kernels.activation import interleave_rows, silu_and_mul_reference
+
+    x, w, _ = _inputs(1, 72, 160, torch.float32, False, False)
+    wi = interleave_rows(w, 4)
+    want = silu_and_mul_reference(F.linear(x, w))
+    for choice, fused in ((G.SkinnyConfig("fma", 8, 64), True), (G.SkinnyConfig("fma", 4, 64), False),
+                          (G.CUBLAS, False)):
+        G.set_gemm_choice(72, 160, 1, torch.float32, choice)
+        report.reset()
+        torch.testing.assert_close(G.gemm_silu_and_mul(x, wi, None, 4), want, rtol=1e-5, atol=1e-6)
+        assert ("in the gate_up GEMM's epilogue" in report.snapshot()["silu_and_mul"]) == fused, choice
+
+
 def test_split_k_geometry_trims_empty_splits():
     # K=100 with BLOCK_K=64 → 2 K blocks: split 3 would leave one split empty → 2 programs along K
     _, bk, k_blocks, per_split, splits, n_tiles, m_tiles = G._geometry(3, 72, 100, CONFIGS["fma-perstep-split3"])

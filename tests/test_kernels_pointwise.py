@@ -27,7 +27,8 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from nvllm.kernels import report  # noqa: E402
-from nvllm.kernels.activation import silu_and_mul, silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
+from nvllm.kernels.activation import (  # noqa: E402
+    deinterleave_columns, interleave_rows, silu_and_mul, silu_and_mul_reference, silu_and_mul_triton)
 from nvllm.kernels.rmsnorm import (  # noqa: E402
     fused_add_rms_norm, fused_add_rms_norm_reference, fused_add_rms_norm_triton, rms_norm, rms_norm_reference,
     rms_norm_triton)
@@ -195,6 +196,19 @@ def test_silu_and_mul(dtype, inter, tokens):
     x = (3.0 * torch.randn(tokens, 2 * inter)).to(dtype)
     out = silu_and_mul_triton(x, out=_nan((tokens, inter), dtype))
     _close(out, silu_and_mul_reference(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [172, 1028])
+def test_silu_and_mul_interleaved(dtype, inter):
+    """A gate_up output whose weight rows were interleaved in blocks of 4: the same result as the plain layout."""
+    torch.manual_seed(0)
+    plain = (3.0 * torch.randn(3, 2 * inter)).to(dtype)
+    mixed = interleave_rows(plain.t(), 4).t().contiguous()     # the columns a row-interleaved weight yields
+    assert torch.equal(deinterleave_columns(mixed, 4), plain)
+    assert torch.equal(silu_and_mul_reference(mixed, 4), silu_and_mul_reference(plain))
+    out = silu_and_mul_triton(mixed, out=_nan((3, inter), dtype), interleave=4)
+    assert torch.equal(out, silu_and_mul_triton(plain))
 
 
 def test_silu_and_mul_strided_rows():

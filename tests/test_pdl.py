@@ -1,5 +1,6 @@
 """Programmatic dependent launch: the switch, and every kernel that takes ``PDL`` compiled for Hopper (sm_90,
-ahead of time: no GPU needed) waits for its predecessor before its first global memory access.
+ahead of time: no GPU needed) waits for its predecessor before its first global memory access. (The compile
+itself checks that the variants — the SiLU·mul epilogue, the interleaved SiLU·mul — build for sm_90.)
 
 The compiles run in a subprocess without TRITON_INTERPRET (the interpreter the other tests use patches
 triton.language in a way the compiler cannot run under)."""
@@ -67,16 +68,22 @@ def _kernels():
                        BLOCK_M=1, BLOCK_N=128, BLOCK_K=64)
     gemv_ptrs = {"qw_ptr": "*i32", "qz_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     yield "rms_norm", rmsnorm._rms_norm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK=1024), ("eps",)
-    yield "silu_and_mul", activation._silu_and_mul_kernel, {}, dict(BLOCK=1024), ()
+    yield "silu_and_mul", activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, INTERLEAVE=0), ()
+    yield "silu_and_mul interleaved", activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, INTERLEAVE=4), ()
     yield "rope_store", rope_store._rope_store_kernel, {
         "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "k_scale_ptr": "*fp32",
         "v_scale_ptr": "*fp32"}, dict(BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=0, QMAX=127), ()
     skinny = dict(HAS_BIAS=False, SPLIT=True, USE_DOT=False, ACC_K=1, EVEN_K=True, UPCAST=False,
                   DOT_PRECISION="tf32", FMA_STAGES=1, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128)
     skinny_ptrs = {"ws_ptr": "*fp32", "lock_ptr": "*i32"}
-    yield "skinny_gemm", gemm._skinny_gemm_kernel, skinny_ptrs, dict(EARLY_W=False, **skinny), ()
+    yield "skinny_gemm", gemm._skinny_gemm_kernel, skinny_ptrs, dict(EARLY_W=False, SILU_B=0, **skinny), ()
+    # the SiLU·mul epilogue, fma (8-row tiles) and mma (64-row tiles, swap-AB)
+    yield "skinny_gemm silu", gemm._skinny_gemm_kernel, skinny_ptrs, dict(
+        EARLY_W=False, SILU_B=4, **dict(skinny, BLOCK_N=8, BLOCK_K=256)), ()
+    yield "skinny_gemm mma silu", gemm._skinny_gemm_kernel, skinny_ptrs, dict(
+        EARLY_W=False, SILU_B=4, **dict(skinny, USE_DOT=True, SPLIT=False, BLOCK_M=16, BLOCK_N=64)), ()
     # EARLY_W: the first W tile is loaded before the wait (weights are read-only); no store may precede it
-    yield "skinny_gemm early W", gemm._skinny_gemm_kernel, skinny_ptrs, dict(EARLY_W=True, **skinny), ()
+    yield "skinny_gemm early W", gemm._skinny_gemm_kernel, skinny_ptrs, dict(EARLY_W=True, SILU_B=0, **skinny), ()
     yield "quant_gemv tile", quant_gemv._quant_gemv_kernel, gemv_ptrs, dict(AWQ=False, MAGIC=True,
                                                                            **gemv_common), ()
     yield "quant_gemv row", quant_gemv._quant_gemv_field_kernel, gemv_ptrs, dict(AWQ=True, ROWS=True,

@@ -14,7 +14,6 @@ import torch
 from nvllm.config import EngineConfig
 from nvllm.engine.piecewise_graphs import EagerPiece, PiecewiseGraphs, token_bucket_ladder
 from nvllm.kernels import report
-from nvllm.layers.activation import silu_and_mul
 from nvllm.layers.attention import AttentionMetadata, allocate_kv_caches
 from nvllm.models.loader import load_hf_config, load_model
 from tests.conftest import build_tiny_model
@@ -111,7 +110,7 @@ def old_layer_forward(layer, positions, hidden, residual, kv_cache, meta):
     q, k, v = layer.split_qkv(layer.qkv_proj(hidden), positions)
     hidden = layer.o_proj(layer.attn(q, k, v, kv_cache, meta))
     hidden, residual = layer.post_attention_layernorm(hidden, residual)
-    hidden = layer.down_proj(silu_and_mul(layer.gate_up_proj(hidden)))
+    hidden = layer.down_proj(layer.gate_up_proj.silu_and_mul(hidden))
     return hidden, residual
 
 

@@ -28,3 +28,31 @@ def test_triton_path_matches_torch_path(demo_dir, monkeypatch):
     assert set(triton_report["attention.prefill"]) == {"triton paged prefill"}
     assert set(triton_report["kv_store"]) == {"triton store_kv"}
     assert all(impl.startswith("triton") for impl in triton_report["fused_add_rms_norm"])
+
+
+def test_fused_silu_and_mul_epilogue_end_to_end(demo_dir, monkeypatch):
+    """gate_up interleaved (as the engine does on a GPU) and the table routing its small-batch GEMMs to the skinny
+    kernel: decode steps run SiLU·mul in that GEMM's epilogue, prefill chunks the interleaved kernel; the greedy
+    outputs stay the torch path's."""
+    import torch
+
+    from nvllm.kernels import gemm as G
+    from nvllm.layers.linear import interleave_gate_ups
+
+    want, _ = run(demo_dir, monkeypatch, "torch")
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    llm = make_llm(demo_dir, max_num_batched_tokens=16, block_size=8)
+    model = llm.engine.runner.model
+    assert interleave_gate_ups(model) == len(model.layers)
+    n, k = model.layers[0].gate_up_proj.weight.shape
+    G.clear_gemm_table()
+    try:
+        for m in (1, 2, 4):
+            G.set_gemm_choice(n, k, m, torch.float32, G.SkinnyConfig("fma", 8, 64))
+        report.reset()
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    finally:
+        G.clear_gemm_table()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    impls = report.snapshot()["silu_and_mul"]
+    assert impls.get("in the gate_up GEMM's epilogue", 0) > 0 and impls.get("triton silu_and_mul", 0) > 0, impls

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from nvllm.kernels import report
 from nvllm.kernels.backend import use_triton
 from nvllm.layers.attention import (AttentionMetadata, allocate_kv_caches, kv_cache_bytes_per_token,
                                     kv_cache_element_dtype)
+from nvllm.layers.linear import interleave_gate_ups
 from nvllm.layers.sampler import Sampler, SampleRow, batch_token_logprobs, host_tensor
 from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model, quantization_plan
 from nvllm.models.registry import resolve_architecture
@@ -108,6 +110,8 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         if self.device.type == "cuda":
             self._gemm_choices()
+            if use_triton(self.kv_caches[0][0]) and os.environ.get("NVLLM_FUSED_SILU", "1") != "0":
+                interleave_gate_ups(self.model)  # SiLU·mul in the gate_up GEMM's epilogue (small batches)
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and use_triton(self.kv_caches[0][0]):
@@ -158,8 +162,6 @@ class ModelRunner:
     def _gemm_choices(self) -> None:
         """Small-batch GEMMs: load the measured cuBLAS-vs-Triton table shipped for this GPU (or the file named
         by NVLLM_GEMM_TABLE); NVLLM_TUNE_GEMM=1 measures the model's own shapes now instead."""
-        import os
-
         from nvllm.kernels.gemm import gemm_table_path, load_gemm_table
         from nvllm.kernels.gemm_tuner import tune_gemm
         from nvllm.layers.embed_head import LMHead

@@ -1,7 +1,10 @@
 """SiLU(gate) · up on the fused gate_up projection's output: ``x [..., 2I] → [..., I]``.
 
-The gate half is the first I columns, the up half the last I. SiLU is computed in fp32 and cast to the input
-dtype, then multiplied by up in the input dtype — the rounding steps of ``F.silu(gate) * up``.
+The gate half is the first I columns, the up half the last I — or, with ``interleave=B``, the layout of a
+gate_up weight whose rows were interleaved in blocks of B (``interleave_rows``): B gate columns, then the B up
+columns of the same outputs, and so on (the layout the skinny GEMM's fused SiLU·mul epilogue reads, so that one
+program holds both halves of its outputs). SiLU is computed in fp32 and cast to the input dtype, then
+multiplied by up in the input dtype — the rounding steps of ``F.silu(gate) * up``.
 
 This file holds the op's three parts: the torch reference, the Triton kernel and the dispatch.
 """
@@ -9,13 +12,11 @@ This file holds the op's three parts: the torch reference, the Triton kernel and
 from __future__ import annotations
 
 import torch
-
-from nvllm.kernels import pdl
-from nvllm.kernels.jit import lazy_jit
 import torch.nn.functional as F
 
-from nvllm.kernels import report
+from nvllm.kernels import pdl, report
 from nvllm.kernels.backend import use_triton
+from nvllm.kernels.jit import lazy_jit
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
 
@@ -29,7 +30,22 @@ _jit = lazy_jit
 # ---------------------------------------------------------------------------------------------- reference
 
 
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+def interleave_rows(t: torch.Tensor, block: int) -> torch.Tensor:
+    """A gate_up tensor ``[2I, ...]`` (gate rows, then up rows) → rows interleaved in blocks of ``block``:
+    gate 0..B-1, up 0..B-1, gate B..2B-1, up B..2B-1, … (a new tensor)."""
+    two_i = t.shape[0]
+    return t.reshape(2, two_i // (2 * block), block, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+
+def deinterleave_columns(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The inverse on an output's last dimension: ``[..., 2I]`` interleaved → ``[gate | up]``."""
+    two_i = x.shape[-1]
+    return x.reshape(*x.shape[:-1], two_i // (2 * block), 2, block).transpose(-3, -2).reshape(x.shape)
+
+
+def silu_and_mul_reference(x: torch.Tensor, interleave: int = 0) -> torch.Tensor:
+    if interleave:
+        x = deinterleave_columns(x, interleave)
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
 
@@ -42,6 +58,7 @@ def _silu_and_mul_kernel(
     stride_xt, stride_ot,                     # x [T, 2I], out [T, I] (last strides 1)
     inter,                                    # I
     BLOCK: tl.constexpr,
+    INTERLEAVE: tl.constexpr,                 # 0: [gate | up]; B: interleaved in blocks of B (module doc)
     PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
 ):
     """Program (t, j): output columns [j·BLOCK, (j+1)·BLOCK) of row t."""
@@ -52,8 +69,17 @@ def _silu_and_mul_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     row = x_ptr + t * stride_xt
-    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if INTERLEAVE:  # whole blocks (I % B == 0): each block's 2B contiguous inputs in one load, split in registers
+        NB: tl.constexpr = BLOCK // INTERLEAVE
+        blk = tl.program_id(1) * NB + tl.arange(0, NB)
+        both = tl.load(row + blk[:, None] * (2 * INTERLEAVE) + tl.arange(0, 2 * INTERLEAVE)[None, :],
+                       mask=(blk < inter // INTERLEAVE)[:, None], other=0.0).to(tl.float32)
+        gate, up = tl.split(tl.permute(tl.reshape(both, (NB, 2, INTERLEAVE)), (0, 2, 1)))
+        gate = tl.reshape(gate, (BLOCK,))
+        up = tl.reshape(up, (BLOCK,))
+    else:
+        gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
     # silu rounded to the input dtype, then the product formed in fp32 (exact for two 16-bit values) and
     # rounded once: the bits of F.silu(gate) * up
@@ -61,13 +87,13 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + t * stride_ot + cols, (act * up).to(out_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None, interleave: int = 0) -> torch.Tensor:
     """Same contract as ``silu_and_mul_reference``. Grid: (T, cdiv(I, BLOCK_I)); BLOCK_I = 1024 output
     columns per program (fewer for a smaller I), 4 warps. ``out``: an optional contiguous destination."""
     import triton
 
     inter = x.shape[-1] // 2
-    assert x.shape[-1] == 2 * inter, x.shape
+    assert x.shape[-1] == 2 * inter and (not interleave or inter % interleave == 0), (x.shape, interleave)
     if out is None:
         out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
     assert out.shape == (*x.shape[:-1], inter) and out.dtype == x.dtype and out.is_contiguous(), out.shape
@@ -80,7 +106,7 @@ def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> tor
     block = min(BLOCK_I, triton.next_power_of_2(inter))
     _jit(_silu_and_mul_kernel)[(x2.shape[0], triton.cdiv(inter, block))](
         x2, o2, x2.stride(0), o2.stride(0), inter,
-        BLOCK=block, num_warps=NUM_WARPS if block >= 1024 else max(block // 256, 1), **pdl.launch_args(x),
+        BLOCK=block, INTERLEAVE=interleave, num_warps=NUM_WARPS if block >= 1024 else max(block // 256, 1), **pdl.launch_args(x),
     )
     return out
 
@@ -88,9 +114,10 @@ def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> tor
 # ----------------------------------------------------------------------------------------------- dispatch
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, interleave: int = 0) -> torch.Tensor:
+    """``interleave``: 0 for ``[gate | up]``, else the block of an interleaved layout (module doc)."""
     if use_triton(x):
         report.record("silu_and_mul", "triton silu_and_mul")
-        return silu_and_mul_triton(x)
+        return silu_and_mul_triton(x, interleave=interleave)
     report.record("silu_and_mul", "torch reference")
-    return silu_and_mul_reference(x)
+    return silu_and_mul_reference(x, interleave)

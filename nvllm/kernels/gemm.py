@@ -39,6 +39,11 @@ workspace and counters are allocated once per (device, shape, split) — outside
 captured graph keeps valid pointers — and shared by same-shape calls, which is safe because launches on one
 stream are ordered (two streams running the same shape at once would need separate workspaces).
 
+SiLU·mul epilogue (``SILU_B``): for a gate_up weight whose rows the engine interleaved in blocks of B = 4
+(``activation.interleave_rows``: 4 gate rows, then the 4 up rows of the same outputs), a tile of BLOCK_N rows
+holds both halves of BLOCK_N / 2 outputs, so the kernel stores ``SiLU(gate) · up`` itself — one launch fewer
+per layer at decode (``gemm_silu_and_mul``). Larger batches (cuBLAS) run ``silu_and_mul(…, interleave=4)``.
+
 Dispatch
 --------
 ``gemm()`` looks ``(N, K, M-bucket, dtype)`` up in a table (one dict lookup; M-bucket = next power of two,
@@ -63,12 +68,13 @@ import torch
 import torch.nn.functional as F
 
 from nvllm.kernels import pdl, report
+from nvllm.kernels.activation import silu_and_mul, silu_and_mul_reference
 from nvllm.kernels.backend import use_triton
 from nvllm.kernels.gemm_table import (  # noqa: F401 - the table's API, re-exported beside gemm
     _BUCKETS, _TABLE, CUBLAS, FMA_MAX_M, MAX_TUNED_M, SkinnyConfig, _cdiv, _next_pow2, clear_gemm_table, gemm_bucket,
     gemm_choice, gemm_table, gemm_table_path, load_gemm_table, save_gemm_table, set_gemm_choice)
 
-__all__ = ["gemm", "gemm_reference", "skinny_gemm", "CUBLAS", "FMA_MAX_M", "MAX_TUNED_M", "SkinnyConfig",
+__all__ = ["gemm", "gemm_reference", "gemm_silu_and_mul", "skinny_gemm", "CUBLAS", "FMA_MAX_M", "MAX_TUNED_M", "SkinnyConfig",
            "clear_gemm_table", "gemm_bucket", "gemm_choice", "gemm_table", "gemm_table_path", "load_gemm_table",
            "save_gemm_table", "set_gemm_choice"]
 from nvllm.kernels.jit import lazy_jit
@@ -148,6 +154,7 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,            # programmatic dependent launch (nvllm.kernels.pdl)
     EARLY_W: tl.constexpr,        # fma: load the first W tile before waiting for the previous kernel
+    SILU_B: tl.constexpr,         # 0; or B: the rows are an interleaved gate_up (blocks of B), y gets SiLU·mul
 ):
     """Grid (cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M)). Program (n, s, m) computes the partial
     ``y[m-tile, n-tile]`` over K blocks [s·blocks_per_split, (s+1)·blocks_per_split) and, unsplit or last to
@@ -244,11 +251,29 @@ def _skinny_gemm_kernel(
     if last:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=mask_out)
+        if SILU_B:
+            _store_silu_and_mul(acc, y_ptr, stride_ym, offs_m, mask_m, pid_n, N, SILU_B, BLOCK_N, BLOCK_M)
+        else:
+            tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+                     mask=mask_out)
 
 
-_skinny_gemm_kernel.helpers = ("_fma_row", "_fma_rows", "_w_tile")
+def _store_silu_and_mul(acc, y_ptr, stride_ym, offs_m, mask_m, pid_n, N, B: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The tile's rows are BLOCK_N / 2B blocks of (B gate rows, B up rows) of an interleaved gate_up weight:
+    store ``SiLU(gate) · up`` for its BLOCK_N / 2 outputs (columns pid_n · BLOCK_N/2 … of y ``[M, N/2]``), with
+    the rounding steps of the unfused path (the GEMM's output in y's dtype, then ``silu_and_mul``)."""
+    out_ty = y_ptr.dtype.element_ty
+    v = tl.reshape(acc.to(out_ty).to(tl.float32), (BLOCK_N // (2 * B), 2, B * BLOCK_M))
+    gate, up = tl.split(tl.permute(v, (0, 2, 1)))                     # [BLOCK_N / 2B, B · BLOCK_M] each
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+    res = tl.reshape(act * up, (BLOCK_N // 2, BLOCK_M))                # row blk·B + t: output blk·B + t
+    offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_o[:, None], res.to(out_ty),
+             mask=(offs_o < N // 2)[:, None] & mask_m[None, :])
+
+
+_skinny_gemm_kernel.helpers = ("_fma_row", "_fma_rows", "_w_tile", "_store_silu_and_mul")
 
 
 # ----------------------------------------------------------------------------------------------- launcher
@@ -289,11 +314,13 @@ _skinny_gemm_kernel.do_not_specialize = ("M", "ws_stride_s")
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
-                out: torch.Tensor | None = None, early_w: bool | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, early_w: bool | None = None, silu_block: int = 0) -> torch.Tensor:
     """The Triton path: ``x [M, K]`` (any strides) times ``weight [N, K]`` (rows contiguous) (+ bias) →
     ``[M, N]`` in x's dtype (or into ``out``, a contiguous-rows [M, N] tensor). ``early_w``: the ``fma``
-    kernel's first W tile loaded before waiting on the previous kernel (default: with PDL; tests force it). Raises RuntimeError when a
-    split-K workspace would have to be allocated during CUDA-graph capture (warm up before capturing)."""
+    kernel's first W tile loaded before waiting on the previous kernel (default: with PDL; tests force it).
+    ``silu_block`` B: ``weight`` is a gate_up interleaved in blocks of B (``activation.interleave_rows``; needs
+    ``config.block_n % 2B == 0``) and the result is ``SiLU(gate) · up``, ``[M, N/2]``. Raises RuntimeError
+    when a split-K workspace would have to be allocated during CUDA-graph capture (warm up before capturing)."""
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:
@@ -305,12 +332,16 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                          f"{None if bias is None else bias.dtype}")
     if bias is not None:
         bias = bias.contiguous()
+    if silu_block and (config.block_n % (2 * silu_block) or N % (2 * silu_block)):
+        raise ValueError(f"skinny_gemm: SiLU·mul needs block_n ({config.block_n}) and N ({N}) multiples of "
+                         f"2 x {silu_block}")
     if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        out = torch.empty((M, N // 2 if silu_block else N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     if K == 0:
-        return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
+        full = bias.expand(M, N) if bias is not None else torch.zeros((M, N), dtype=x.dtype, device=x.device)
+        return out.copy_(silu_and_mul_reference(full, silu_block) if silu_block else full)
     bm, bk, k_blocks, per_split, splits, n_tiles, m_tiles = _geometry(M, N, K, config)
     if splits > 1:
         ws = _workspace(x.device, splits, m_tiles * bm, N, n_tiles * m_tiles, allocate=not _capturing(x.device))
@@ -337,6 +368,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         FMA_STAGES=config.num_stages,
         BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=bk,
         EARLY_W=config.kernel == "fma" and (early_w if early_w is not None else pdl.enabled(x)),
+        SILU_B=silu_block,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x),
     )
     return out
@@ -345,24 +377,35 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 # ----------------------------------------------------------------------------------------------- dispatch
 
 
+def _skinny_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> SkinnyConfig | None:
+    """The table's Triton config for this call when it can run now (else None: F.linear)."""
+    if not (_TABLE and use_triton(x)):
+        return None
+    K = x.shape[-1]
+    M = x.numel() // K if K else 0
+    if not 0 < M <= MAX_TUNED_M:
+        return None
+    choice = _TABLE.get((weight.shape[0], K, _BUCKETS[M], x.dtype))
+    if not (isinstance(choice, SkinnyConfig) and weight.dtype == x.dtype and weight.stride(-1) == 1
+            and weight.dim() == 2 and (bias is None or bias.dtype == x.dtype)):
+        return None
+    bm, _, _, _, splits, n_tiles, m_tiles = _geometry(M, weight.shape[0], K, choice)
+    if splits > 1 and _capturing(x.device) and not _workspace(
+            x.device, splits, m_tiles * bm, weight.shape[0], n_tiles * m_tiles, allocate=False):
+        return None
+    return choice
+
+
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x Wᵀ (+ b)`` through the measured choice for this shape; F.linear unless the table says Triton.
     ``out``: a destination of y's shape and dtype with contiguous rows (a static buffer: no copy)."""
-    if _TABLE and use_triton(x):
-        K = x.shape[-1]
-        M = x.numel() // K if K else 0
-        if 0 < M <= MAX_TUNED_M:
-            choice = _TABLE.get((weight.shape[0], K, _BUCKETS[M], x.dtype))
-            if (isinstance(choice, SkinnyConfig) and weight.dtype == x.dtype and weight.stride(-1) == 1
-                    and weight.dim() == 2 and (bias is None or bias.dtype == x.dtype)):
-                bm, _, _, _, splits, n_tiles, m_tiles = _geometry(M, weight.shape[0], K, choice)
-                if splits == 1 or not _capturing(x.device) or _workspace(
-                        x.device, splits, m_tiles * bm, weight.shape[0], n_tiles * m_tiles, allocate=False):
-                    report.record("gemm", choice.describe())
-                    y = skinny_gemm(x.reshape(M, K), weight, bias, choice,
-                                    out=None if out is None else out.view(M, weight.shape[0]))
-                    return y.view(*x.shape[:-1], weight.shape[0])
+    choice = _skinny_choice(x, weight, bias)
+    if choice is not None:
+        report.record("gemm", choice.describe())
+        M, N = x.numel() // x.shape[-1], weight.shape[0]
+        y = skinny_gemm(x.reshape(M, -1), weight, bias, choice, out=None if out is None else out.view(M, N))
+        return y.view(*x.shape[:-1], N)
     report.record("gemm", "torch F.linear (cuBLAS)" if x.is_cuda else "torch F.linear (cpu)")
     if out is None:
         return F.linear(x, weight, bias)
@@ -372,3 +415,17 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     else:
         torch.addmm(bias, x2, weight.t(), out=o2)
     return out
+
+
+def gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block: int) -> torch.Tensor:
+    """``SiLU(gate) · up`` of ``x Wᵀ (+ b)`` for a gate_up weight interleaved in blocks of ``block``
+    (``activation.interleave_rows``): in the skinny kernel's epilogue when the table picks it for this shape and
+    its tile holds whole blocks (one launch), else the GEMM then ``silu_and_mul(…, interleave=block)``."""
+    choice = _skinny_choice(x, weight, bias)
+    if choice is not None and choice.block_n % (2 * block) == 0:
+        report.record("gemm", choice.describe() + " + SiLU·mul epilogue")
+        report.record("silu_and_mul", "in the gate_up GEMM's epilogue")
+        M, N = x.numel() // x.shape[-1], weight.shape[0]
+        y = skinny_gemm(x.reshape(M, -1), weight, bias, choice, silu_block=block)
+        return y.view(*x.shape[:-1], N // 2)
+    return silu_and_mul(gemm(x, weight, bias), interleave=block)

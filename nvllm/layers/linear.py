@@ -12,7 +12,8 @@ from torch import nn
 
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, take_shard
-from nvllm.kernels.gemm import gemm
+from nvllm.kernels.activation import interleave_rows, silu_and_mul
+from nvllm.kernels.gemm import gemm, gemm_silu_and_mul
 
 
 class Linear(nn.Module):
@@ -32,6 +33,7 @@ class Linear(nn.Module):
         self.tp = tp if shard is not None and shard.row_parallel else None
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.interleave = 0  # a gate_up layer whose rows were interleaved (``interleave_gate_up``): the block
 
     def shard_slice(self, shard: int | None) -> slice:
         if shard is None:
@@ -52,6 +54,23 @@ class Linear(nn.Module):
             cuts[1] = self.shard.inputs
         dst.copy_(take_shard(tensor, tuple(dst.shape), cuts, ckpt_name))
 
+    def interleave_gate_up(self, block: int) -> None:
+        """Reorder a loaded gate/up layer's rows (and bias) in blocks of ``block`` (gate rows, then the up rows
+        of the same outputs) so that ``silu_and_mul`` can run in the GEMM's epilogue. Its output is then in the
+        interleaved layout; ``silu_and_mul`` is the way to consume it."""
+        assert self.output_sizes[0] * 2 == self.out_features and not self.interleave and self.tp is None
+        assert self.out_features % (2 * block) == 0, (self.out_features, block)
+        self.weight.data = interleave_rows(self.weight.data, block)
+        if self.bias is not None:
+            self.bias.data = interleave_rows(self.bias.data, block)
+        self.interleave = block
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``SiLU(gate) · up`` of this gate/up layer's output (in its GEMM's epilogue when interleaved)."""
+        if self.interleave:
+            return gemm_silu_and_mul(x, self.weight, self.bias, self.interleave)
+        return silu_and_mul(self(x))
+
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``out``: an optional destination (contiguous rows), e.g. a CUDA-graph piece's static buffer."""
         if self.tp is None or self.tp.size == 1:
@@ -59,3 +78,19 @@ class Linear(nn.Module):
         y = self.tp.all_reduce(gemm(x, self.weight))
         y = y if self.bias is None else y + self.bias
         return y if out is None else out.copy_(y)
+
+
+GATE_UP_BLOCK = 4
+"""Rows per block of an interleaved gate_up weight: the small-batch skinny configs hold 8 rows a program."""
+
+
+def interleave_gate_ups(model, block: int = GATE_UP_BLOCK) -> int:
+    """Interleave every dense gate/up layer of ``model`` whose size allows (``Linear.interleave_gate_up``);
+    returns how many. Quantized ones keep their layout (their SiLU·mul stays a kernel of its own)."""
+    done = 0
+    for layer in model.layers:
+        gate_up = layer.gate_up_proj
+        if isinstance(gate_up, Linear) and gate_up.tp is None and gate_up.out_features % (2 * block) == 0:
+            gate_up.interleave_gate_up(block)
+            done += 1
+    return done

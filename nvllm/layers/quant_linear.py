@@ -22,6 +22,7 @@ from torch import nn
 from nvllm.config import ConfigError
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, Part, take_shard
+from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.quant_gemm import quant_linear
 from nvllm.quant.formats import QuantWeight, default_g_idx
 from nvllm.quant.plan import QuantScheme
@@ -178,6 +179,10 @@ class QuantLinear(nn.Module):
                 self._qw = QuantWeight.from_gptq(self.qweight, self.qzeros, self.scales, self.g_idx,
                                                  self.scheme.bits, self.group_size)
         return self._qw
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``SiLU(gate) · up`` of this gate/up layer's output."""
+        return silu_and_mul(self(x))
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``out``: an optional destination (copied into: the quantized kernels write fresh tensors)."""

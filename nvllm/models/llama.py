@@ -17,7 +17,6 @@ from torch import nn
 from nvllm.config import ConfigError
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, even_part, head_parts, layer_shards
-from nvllm.layers.activation import silu_and_mul
 from nvllm.layers.attention import Attention, AttentionMetadata
 from nvllm.layers.embed_head import LMHead, VocabEmbedding
 from nvllm.layers.linear import Linear
@@ -145,7 +144,7 @@ class DecoderLayer(nn.Module):
         """o_proj, post-attention norm (with the residual add) and the MLP → (hidden, residual)."""
         hidden = self.o_proj(attn_out)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        hidden = self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        hidden = self.down_proj(self.gate_up_proj.silu_and_mul(hidden))
         return hidden, residual
 
     def forward(self, positions, hidden, residual, kv_cache, meta: AttentionMetadata):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nvllm.layers.activation import silu_and_mul
+from nvllm.kernels.activation import silu_and_mul
 
 Tap = Callable[[str, torch.Tensor], None]
 ORDER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -63,7 +63,7 @@ def layer_forward(layer, x: torch.Tensor, positions: torch.Tensor, tap: Tap | No
     h = layer.post_attention_layernorm(flat)
     if emit("gate_up_proj", h):
         return None
-    act = silu_and_mul(layer.gate_up_proj(h))
+    act = silu_and_mul(layer.gate_up_proj(h), getattr(layer.gate_up_proj, "interleave", 0))
     if emit("down_proj", act):
         return None
     flat = flat + layer.down_proj(act)
