@@ -43,12 +43,15 @@ def test_fused_silu_and_mul_epilogue_end_to_end(demo_dir, monkeypatch):
     monkeypatch.setenv("NVLLM_KERNELS", "triton")
     llm = make_llm(demo_dir, max_num_batched_tokens=16, block_size=8)
     model = llm.engine.runner.model
-    assert interleave_gate_ups(model) == len(model.layers)
     n, k = model.layers[0].gate_up_proj.weight.shape
     G.clear_gemm_table()
     try:
+        assert interleave_gate_ups(model) == 0                   # no table entry: cuBLAS, nothing to fuse
+        G.set_gemm_choice(n, k, 1, torch.float32, G.SkinnyConfig("fma", 4, 64))
+        assert interleave_gate_ups(model) == 0                   # 4-row tiles cannot hold a block pair
         for m in (1, 2, 4):
             G.set_gemm_choice(n, k, m, torch.float32, G.SkinnyConfig("fma", 8, 64))
+        assert interleave_gate_ups(model) == len(model.layers)
         report.reset()
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     finally:

@@ -13,7 +13,7 @@ from torch import nn
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, take_shard
 from nvllm.kernels.activation import interleave_rows, silu_and_mul
-from nvllm.kernels.gemm import gemm, gemm_silu_and_mul
+from nvllm.kernels.gemm import SkinnyConfig, gemm, gemm_choice, gemm_silu_and_mul
 
 
 class Linear(nn.Module):
@@ -85,12 +85,17 @@ GATE_UP_BLOCK = 4
 
 
 def interleave_gate_ups(model, block: int = GATE_UP_BLOCK) -> int:
-    """Interleave every dense gate/up layer of ``model`` whose size allows (``Linear.interleave_gate_up``);
-    returns how many. Quantized ones keep their layout (their SiLU·mul stays a kernel of its own)."""
+    """Interleave every dense gate/up layer of ``model`` whose batch-1 GEMM the dispatch table sends to a
+    skinny config that can fuse (tiles of whole block pairs) — ``Linear.interleave_gate_up``; returns how many.
+    Quantized layers, and shapes cuBLAS runs, keep their layout (their SiLU·mul stays a kernel of its own)."""
     done = 0
     for layer in model.layers:
         gate_up = layer.gate_up_proj
-        if isinstance(gate_up, Linear) and gate_up.tp is None and gate_up.out_features % (2 * block) == 0:
+        if not (isinstance(gate_up, Linear) and gate_up.tp is None and gate_up.out_features % (2 * block) == 0):
+            continue
+        n, k = gate_up.weight.shape
+        choice = gemm_choice(n, k, 1, gate_up.weight.dtype)
+        if isinstance(choice, SkinnyConfig) and choice.block_n % (2 * block) == 0:
             gate_up.interleave_gate_up(block)
             done += 1
     return done
