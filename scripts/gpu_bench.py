@@ -365,17 +365,6 @@ def with_env(name: str, value: str, fn) -> None:
             os.environ[name] = old
 
 
-def without_pdl(fn) -> None:
-    """Run ``fn`` with programmatic dependent launch off (engines built inside capture their graphs so)."""
-    from nvllm.kernels import pdl
-
-    pdl.set_pdl(False)
-    try:
-        fn()
-    finally:
-        pdl.set_pdl(None)
-
-
 def table(res: dict) -> str:
     bw, fl = res["bandwidth_Bps"], res["gemm_flops"]
     lines = [f"card {res['card']}  commit {res['commit']}  bandwidth {bw / 1e12:.2f} TB/s  "
@@ -480,7 +469,7 @@ def main() -> None:
         steps.append(("nvllm nosilu", lambda: with_env("NVLLM_FUSED_SILU", "0", lambda: nvllm_runs(
             model_dir, res, args.throughput_prompts, False, save, tag="nosilu"))))
     if args.pdl_compare and not args.skip_nvllm:
-        steps.append(("nvllm nopdl", lambda: without_pdl(lambda: nvllm_runs(
+        steps.append(("nvllm nopdl", lambda: with_env("NVLLM_PDL", "0", lambda: nvllm_runs(
             model_dir, res, args.throughput_prompts, False, save, tag="nopdl"))))
     if not args.skip_nvllm:
         steps.append(("nvllm graphs", lambda: nvllm_runs(model_dir, res, args.throughput_prompts, False, save,
@@ -492,7 +481,7 @@ def main() -> None:
     if args.kv_throughput:
         steps.append(("kv throughput", lambda: kv_throughput_runs(model_dir, res, args.kv_throughput.split(","), save)))
     if args.quant and args.pdl_compare:
-        steps.append(("quant nopdl", lambda: without_pdl(lambda: quant_runs(
+        steps.append(("quant nopdl", lambda: with_env("NVLLM_PDL", "0", lambda: quant_runs(
             model_dir, res, args.quant.split(","), save, "_nopdl"))))
     if args.quant:
         steps.append(("quant", lambda: quant_runs(model_dir, res, args.quant.split(","), save)))

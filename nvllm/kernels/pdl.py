@@ -17,8 +17,9 @@ so nothing is read or written before the predecessor is done (the correctness of
 next kernel's launch overlaps this one's run. A kernel launched without the attribute (torch's own, cuBLAS)
 waits as usual; one launched with it but not waiting would race, so ``launch_args`` ties the two together.
 
-``NVLLM_PDL``: ``1`` on, ``0`` off; unset: on where supported (compute capability 9.0+, a Triton with
-``launch_pdl``). ``set_pdl`` overrides it for the process (the GPU benchmark compares both).
+``NVLLM_PDL``: ``0`` off; otherwise on where supported (compute capability 9.0+, a Triton with ``launch_pdl``).
+It is read at each launch: engines built while it is ``0`` capture their graphs without PDL (the GPU benchmark
+compares both).
 """
 
 from __future__ import annotations
@@ -27,15 +28,6 @@ import functools
 import os
 
 import torch
-
-_FORCED: bool | None = None
-
-
-def set_pdl(on: bool | None) -> None:
-    """Force PDL on or off for later launches (None: back to ``NVLLM_PDL``). Graphs already captured keep
-    what they were captured with."""
-    global _FORCED
-    _FORCED = on
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,8 +49,7 @@ def enabled(t: torch.Tensor) -> bool:
     """Whether kernels launched on ``t``'s device use PDL."""
     if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    want = _FORCED if _FORCED is not None else os.environ.get("NVLLM_PDL", "auto").lower() not in ("0", "off")
-    return want and _supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return os.environ.get("NVLLM_PDL", "1").lower() not in ("0", "off") and _supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def launch_args(t: torch.Tensor) -> dict:
