@@ -22,6 +22,7 @@ def lazy_jit(kernel):
 
     kernel.__globals__["tl"] = triton.language
     for name in getattr(kernel, "helpers", ()):  # functions the kernel calls: jitted in place, from the Python
-        helper = kernel.__globals__[name]           # function (again after cache_clear: interpreter or not)
-        kernel.__globals__[name] = triton.jit(getattr(helper, "fn", helper))
+        helper = getattr(kernel.__globals__[name], "fn", kernel.__globals__[name])  # function (again after
+        helper.__globals__["tl"] = triton.language                                   # cache_clear), in any module
+        kernel.__globals__[name] = triton.jit(helper)
     return triton.jit(kernel, do_not_specialize=list(getattr(kernel, "do_not_specialize", ())))

@@ -129,6 +129,17 @@ def _store_kv_kernel(
             tl.store(v_scale_ptr + s_off, v_amax / QMAX, mask=h_mask)
 
 
+def store_quant_args(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                     v_scale: torch.Tensor | None) -> tuple[int, float, torch.Tensor, torch.Tensor, tuple]:
+    """The kernels' ``QUANT`` (0 plain, 1 int8, 2 fp8 e4m3), ``QMAX``, scale tensors and their strides for a
+    cache (an unquantized one passes k_cache twice, never read, and zero strides)."""
+    if k_scale is None:
+        return 0, 1.0, k_cache, k_cache, (0, 0, 0)
+    assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+    assert k_scale.dtype == v_scale.dtype == torch.float32 and v_cache.dtype == k_cache.dtype
+    return 1 if k_cache.dtype == torch.int8 else 2, KV_QMAX[k_cache.dtype], k_scale, v_scale, k_scale.stride()
+
+
 def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None) -> None:
@@ -146,15 +157,7 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     assert v_cache.shape == k_cache.shape and slot_mapping.shape == (num_tokens,)
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
-    if k_scale is None:
-        quant, qmax, scale_strides = 0, 1.0, (0, 0, 0)
-        k_scale = v_scale = k_cache                      # never read
-    else:
-        quant = 1 if k_cache.dtype == torch.int8 else 2
-        qmax = KV_QMAX[k_cache.dtype]
-        assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
-        assert k_scale.dtype == v_scale.dtype == torch.float32 and v_cache.dtype == k_cache.dtype
-        scale_strides = k_scale.stride()
+    quant, qmax, k_scale, v_scale, scale_strides = store_quant_args(k_cache, v_cache, k_scale, v_scale)
     _jit(_store_kv_kernel)[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides,

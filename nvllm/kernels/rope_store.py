@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from nvllm.kernels import report
+from nvllm.kernels import pdl, report
 from nvllm.kernels.backend import use_triton
-from nvllm.kernels import pdl
 from nvllm.kernels.jit import lazy_jit
-from nvllm.kernels.kv_store import KV_QMAX, store_kv_reference
-from nvllm.kernels.rotary import apply_rotary_reference
+from nvllm.kernels.kv_store import store_kv_reference, store_quant_args
+from nvllm.kernels.rotary import _rotate_halves, apply_rotary_reference
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
 _jit = lazy_jit
@@ -90,13 +89,7 @@ def _rope_store_kernel(
         h = tl.arange(0, BLOCK_HKV)[:, None]
         mask = (h < num_kv_heads) & d_mask[None, :]
         p1 = k_ptr + t * stride_kt + h * stride_kh + d * stride_kd
-        p2 = p1 + half * stride_kd
-        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-        k1 = (x1 * c - x2 * s).to(k_ptr.dtype.element_ty)
-        k2 = (x2 * c + x1 * s).to(k_ptr.dtype.element_ty)
-        tl.store(p1, k1, mask=mask)
-        tl.store(p2, k2, mask=mask)
+        k1, k2 = _rotate_halves(p1, p1 + half * stride_kd, mask, c, s, k_ptr.dtype.element_ty)
 
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
@@ -116,33 +109,11 @@ def _rope_store_kernel(
                 hh = tl.arange(0, BLOCK_HKV)
                 s_off = blk * stride_sb + off * stride_so + hh * stride_sh
                 h_mask = hh < num_kv_heads
-                # key: amax per head over both halves, y = x * QMAX / amax, rounded into the cache type
-                k1f = tl.where(mask, k1.to(tl.float32), 0.0)   # masked lanes: 0, not garbage
-                k2f = tl.where(mask, k2.to(tl.float32), 0.0)
-                k_amax = tl.maximum(tl.maximum(tl.max(tl.abs(k1f), 1), tl.max(tl.abs(k2f), 1)), 1e-10)
-                k_mul = (QMAX / k_amax)[:, None]
-                k1y = k1f * k_mul
-                k2y = k2f * k_mul
-                if QUANT == 1:
-                    k1y = tl.floor(k1y + 0.5)
-                    k2y = tl.floor(k2y + 0.5)
-                k1y = tl.minimum(tl.maximum(k1y, -QMAX), QMAX)
-                k2y = tl.minimum(tl.maximum(k2y, -QMAX), QMAX)
+                k1y, k2y, k_amax = _quantize_halves(k1, k2, mask, QMAX, QUANT)
                 tl.store(k_dst, k1y.to(k_cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(k_dst + half * stride_cd, k2y.to(k_cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(k_scale_ptr + s_off, k_amax / QMAX, mask=h_mask)
-                # value: the same
-                v1f = tl.where(mask, v1.to(tl.float32), 0.0)
-                v2f = tl.where(mask, v2.to(tl.float32), 0.0)
-                v_amax = tl.maximum(tl.maximum(tl.max(tl.abs(v1f), 1), tl.max(tl.abs(v2f), 1)), 1e-10)
-                v_mul = (QMAX / v_amax)[:, None]
-                v1y = v1f * v_mul
-                v2y = v2f * v_mul
-                if QUANT == 1:
-                    v1y = tl.floor(v1y + 0.5)
-                    v2y = tl.floor(v2y + 0.5)
-                v1y = tl.minimum(tl.maximum(v1y, -QMAX), QMAX)
-                v2y = tl.minimum(tl.maximum(v2y, -QMAX), QMAX)
+                v1y, v2y, v_amax = _quantize_halves(v1, v2, mask, QMAX, QUANT)
                 tl.store(v_dst, v1y.to(v_cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(v_dst + half * stride_ud, v2y.to(v_cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(v_scale_ptr + s_off, v_amax / QMAX, mask=h_mask)
@@ -150,11 +121,25 @@ def _rope_store_kernel(
         hq = tl.arange(0, BLOCK_H)[:, None]
         q_mask = (hq < num_heads) & d_mask[None, :]
         q1 = q_ptr + t * stride_qt + hq * stride_qh + d * stride_qd
-        q2 = q1 + half * stride_qd
-        y1 = tl.load(q1, mask=q_mask, other=0.0).to(tl.float32)
-        y2 = tl.load(q2, mask=q_mask, other=0.0).to(tl.float32)
-        tl.store(q1, (y1 * c - y2 * s).to(q_ptr.dtype.element_ty), mask=q_mask)
-        tl.store(q2, (y2 * c + y1 * s).to(q_ptr.dtype.element_ty), mask=q_mask)
+        _rotate_halves(q1, q1 + half * stride_qd, q_mask, c, s, q_ptr.dtype.element_ty)
+
+
+def _quantize_halves(x1, x2, mask, QMAX: tl.constexpr, QUANT: tl.constexpr):
+    """One cache row per head from its two ``[heads, D/2]`` halves: amax per head over both, y = x · QMAX /
+    amax rounded (int8) and clamped; returns (y1, y2, amax). Masked lanes count as 0, not garbage."""
+    f1 = tl.where(mask, x1.to(tl.float32), 0.0)
+    f2 = tl.where(mask, x2.to(tl.float32), 0.0)
+    amax = tl.maximum(tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1)), 1e-10)
+    mul = (QMAX / amax)[:, None]
+    y1 = f1 * mul
+    y2 = f2 * mul
+    if QUANT == 1:
+        y1 = tl.floor(y1 + 0.5)
+        y2 = tl.floor(y2 + 0.5)
+    return tl.minimum(tl.maximum(y1, -QMAX), QMAX), tl.minimum(tl.maximum(y2, -QMAX), QMAX), amax
+
+
+_rope_store_kernel.helpers = ("_rotate_halves", "_quantize_halves")
 
 
 def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -173,15 +158,7 @@ def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         return q, k
     import triton
 
-    if k_scale is None:
-        quant, qmax, scale_strides = 0, 1.0, (0, 0, 0)
-        k_scale = v_scale = k_cache                      # never read
-    else:
-        quant = 1 if k_cache.dtype == torch.int8 else 2
-        qmax = KV_QMAX[k_cache.dtype]
-        assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
-        assert k_scale.dtype == v_scale.dtype == torch.float32 and v_cache.dtype == k_cache.dtype
-        scale_strides = k_scale.stride()
+    quant, qmax, k_scale, v_scale, scale_strides = store_quant_args(k_cache, v_cache, k_scale, v_scale)
     block_h = triton.next_power_of_2(num_heads)
     block_hkv = triton.next_power_of_2(num_kv_heads)
     block_half = triton.next_power_of_2(head_dim // 2)

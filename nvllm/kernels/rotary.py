@@ -48,6 +48,18 @@ def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Te
 # ------------------------------------------------------------------------------------------------- Triton
 
 
+def _rotate_halves(p1, p2, mask, c, s, out_ty):
+    """Rotate-half in place on the two halves ``p1`` / ``p2`` of a ``[heads, D/2]`` tile: loads, rotates in
+    fp32 with the position's cos / sin rows, stores in ``out_ty``; returns the stored halves."""
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+    r1 = (x1 * c - x2 * s).to(out_ty)
+    r2 = (x2 * c + x1 * s).to(out_ty)
+    tl.store(p1, r1, mask=mask)
+    tl.store(p2, r2, mask=mask)
+    return r1, r2
+
+
 def _rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
     stride_qt, stride_qh, stride_qd,          # q [T, H, D]
@@ -71,20 +83,15 @@ def _rotary_kernel(
     h = tl.arange(0, BLOCK_H)[:, None]
     mask = (h < num_heads) & d_mask[None, :]
     p1 = q_ptr + t * stride_qt + h * stride_qh + d[None, :] * stride_qd
-    p2 = p1 + half * stride_qd
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p1, (x1 * c - x2 * s).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(p2, (x2 * c + x1 * s).to(q_ptr.dtype.element_ty), mask=mask)
+    _rotate_halves(p1, p1 + half * stride_qd, mask, c, s, q_ptr.dtype.element_ty)
 
     h = tl.arange(0, BLOCK_HKV)[:, None]
     mask = (h < num_kv_heads) & d_mask[None, :]
     p1 = k_ptr + t * stride_kt + h * stride_kh + d[None, :] * stride_kd
-    p2 = p1 + half * stride_kd
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p1, (x1 * c - x2 * s).to(k_ptr.dtype.element_ty), mask=mask)
-    tl.store(p2, (x2 * c + x1 * s).to(k_ptr.dtype.element_ty), mask=mask)
+    _rotate_halves(p1, p1 + half * stride_kd, mask, c, s, k_ptr.dtype.element_ty)
+
+
+_rotary_kernel.helpers = ("_rotate_halves",)
 
 
 def apply_rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
