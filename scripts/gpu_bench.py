@@ -212,6 +212,43 @@ def hf_baseline(model_dir: Path, res: dict) -> None:
     torch.cuda.empty_cache()
 
 
+def hf_compiled_baseline(model_dir: Path, res: dict, device: str = "cuda") -> None:
+    """HF transformers the gpt-fast way: static KV cache, the decode forward compiled by generate() (torch.compile,
+    CUDA graphs: transformers' own CompileConfig). Batch-1 decode ms/token, after a warm-up that compiles."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model.generation_config.cache_implementation = "static"
+    ids = torch.randint(0, min(cfg.vocab_size, 150000), (1, 128), device=device)
+    gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    from torch._dynamo.utils import counters
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        for _ in range(2):  # compiles, then replays once more at this cache size
+            model.generate(ids, max_new_tokens=65, min_new_tokens=65, **gen)
+            if device == "cuda" and not counters["stats"]["unique_graphs"]:  # generate() did not compile: we do
+                model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        sync()
+        res["hf_compiled_warmup_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen)
+        sync()
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=65, min_new_tokens=65, **gen)
+        sync()
+        t2 = time.perf_counter()
+    res["hf_compiled_tpot_ms"] = 1000 * ((t2 - t1) - (t1 - t0)) / 64
+    res["hf_compiled_graphs"] = int(counters["stats"]["unique_graphs"])  # 0: generate() did not compile
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 PROFILE_CASES = (("prefill512", 512, 1), ("decode_b1", 128, 32))  # (name, prompt tokens, steps profiled)
 
 
@@ -379,9 +416,14 @@ def table(res: dict) -> str:
         if k in res:
             t = res[k]
             lines.append(f"nvllm {tag:6s} TPOT {t:.2f} ms = {1000 / t:.0f} tok/s = {100 * wall_ms / t:.1f}% of wall"
-                         + (f", {res['hf_tpot_ms'] / t:.2f}x HF" if "hf_tpot_ms" in res else ""))
+                         + (f", {res['hf_tpot_ms'] / t:.2f}x HF" if "hf_tpot_ms" in res else "")
+                         + (f", {res['hf_compiled_tpot_ms'] / t:.3f}x HF compiled" if "hf_compiled_tpot_ms" in res else ""))
     if "hf_tpot_ms" in res:
         lines.append(f"HF eager     TPOT {res['hf_tpot_ms']:.2f} ms = {1000 / res['hf_tpot_ms']:.0f} tok/s")
+    if "hf_compiled_tpot_ms" in res:
+        t = res["hf_compiled_tpot_ms"]
+        lines.append(f"HF compiled  TPOT {t:.2f} ms = {1000 / t:.0f} tok/s (static cache; warm-up "
+                     f"{res['hf_compiled_warmup_s']:.0f} s, {res['hf_compiled_graphs']} compiled graphs)")
     for n in (512, 2048) if res["num_params"] else ():
         limit_ms = 1000 * 2 * res["num_params"] * n / fl
         row = f"prefill {n}: FLOP limit {limit_ms:.1f} ms"
@@ -432,6 +474,8 @@ def main() -> None:
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--hf-compiled", action="store_true",
+                    help="also HF transformers with a static cache and its compiled decode (the gpt-fast way)")
     ap.add_argument("--skip-nvllm", action="store_true", help="skip the bf16 latency/prefill/throughput runs")
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--sync", action="store_true", help="also run the graphs engine with asynchronous scheduling off")
@@ -462,6 +506,8 @@ def main() -> None:
     steps = [] if args.skip_check else [("check", lambda: check_greedy(res))]
     if not args.skip_hf:
         steps.append(("hf", lambda: hf_baseline(model_dir, res)))
+    if args.hf_compiled:
+        steps.append(("hf compiled", lambda: hf_compiled_baseline(model_dir, res)))
     if args.sync:
         steps.append(("nvllm sync", lambda: nvllm_runs(model_dir, res, args.throughput_prompts, False, save,
                                                        async_scheduling=False)))

@@ -4,7 +4,8 @@ Usage (repository root, one GPU; about 2-3 minutes on an H200, most of it Triton
     python scripts/gpu_gemm_bench.py [--ms 1,2,4,8,16] [--shapes qkv,o,gate_up,down,lm_head] [--budget-s 150]
 
 1. Copy bandwidth: a 1 GiB device-to-device copy (bytes read + written over time), median of 20.
-2. For the Qwen2.5-7B decode shapes (weight [N, K], bf16, no bias) and every M: ``GemmTuner`` from
+2. For the Qwen2.5-7B decode shapes (``--model llama-3-70b``: Llama-3-70B's; ``--tp N``: one rank's share)
+   (weight [N, K], bf16, no bias) and every M: ``GemmTuner`` from
    nvllm.kernels.gemm times cuBLAS and every candidate Triton config — each call captured in a CUDA graph,
    cycling over enough weight copies (≥ 256 MiB, ≥ 4× L2) that L2 never holds the weight — after checking
    each candidate against F.linear (relative error, max |Δ| / max |ref|, must be < 1e-2).
@@ -48,14 +49,20 @@ if "nvllm" not in sys.modules:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-HIDDEN, INTER, VOCAB, LAYERS = 3584, 18944, 152064, 28
-SHAPES = {  # name: (N, K, calls per decode step)
-    "qkv": (4608, HIDDEN, LAYERS),        # 28 q heads + 2·4 kv heads, head_dim 128
-    "o": (HIDDEN, HIDDEN, LAYERS),
-    "gate_up": (2 * INTER, HIDDEN, LAYERS),
-    "down": (HIDDEN, INTER, LAYERS),
-    "lm_head": (VOCAB, HIDDEN, 1),
+MODELS = {  # name: hidden, intermediate, vocab, layers, qkv rows (q heads + 2 · kv heads, head_dim 128)
+    "qwen2.5-7b": (3584, 18944, 152064, 28, 4608),
+    "llama-3-70b": (8192, 28672, 128256, 80, 10240),
 }
+
+
+def model_shapes(model: str) -> dict[str, tuple[int, int, int]]:
+    """name: (N, K, calls per decode step) of the model's decode GEMMs."""
+    hidden, inter, vocab, layers, qkv = MODELS[model]
+    return {"qkv": (qkv, hidden, layers), "o": (hidden, hidden, layers), "gate_up": (2 * inter, hidden, layers),
+            "down": (hidden, inter, layers), "lm_head": (vocab, hidden, 1)}
+
+
+SHAPES = model_shapes("qwen2.5-7b")
 MAX_REL_ERR = 1e-2
 
 
@@ -151,6 +158,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"subset of {','.join(SHAPES)}")
     ap.add_argument("--budget-s", type=float, default=150.0,
                     help="stop timing new Triton candidates after this many seconds of tuning")
+    ap.add_argument("--model", default="qwen2.5-7b", choices=list(MODELS), help="whose decode shapes")
     ap.add_argument("--tp", type=int, default=1,
                     help="the shapes one rank of an N-way tensor-parallel engine runs: qkv, gate_up and lm_head split "
                          "along N, o and down along K (the rows the engine's table needs with --tensor-parallel-size)")
@@ -180,7 +188,8 @@ def main() -> int:
     out_dir = Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
     row_parallel = ("o", "down")
-    shapes = {s: (n, k // args.tp, c) if s in row_parallel else (n // args.tp, k, c) for s, (n, k, c) in SHAPES.items()}
+    shapes = {s: (n, k // args.tp, c) if s in row_parallel else (n // args.tp, k, c)
+              for s, (n, k, c) in model_shapes(args.model).items()}
     if dry:
         shapes = {s: (v[0] // 64, v[1] // 64, v[2]) for s, v in shapes.items()}
     if dry:

@@ -11,7 +11,10 @@ number of tokens one target step emits (accepted drafts + 1).
 
 Per draft and acceptance: batch-1 TPOT (128 in / 256 out) and its speedup over plain decoding; at 0.8 also
 batch 32 (request throughput against plain decoding, since speculation can lose at large batch).
-Prints a table; writes $OUT/spec_bench.json.
+``--profile``: torch.profiler over 24 batch-1 speculative steps of the first draft at the first acceptance (after
+the measurements) —
+wall time per step against the GPU's kernel time, and the host time of each phase (draft, target, verify).
+Prints a table; writes $OUT/spec_bench.json (and $OUT/spec_profile.txt, $OUT/spec_trace.json.gz).
 """
 
 from __future__ import annotations
@@ -59,12 +62,77 @@ def measure(llm, config, batch: int) -> dict:
     return out
 
 
+PHASES = (("draft", "spec", "propose"), ("target", "runner", "execute"), ("verify", "spec", "verify"))
+
+
+def profile_spec(llm, res: dict, steps: int = 24) -> None:
+    """torch.profiler over ``steps`` batch-1 speculative steps: where a step's wall time goes. Each phase is
+    wrapped in a record_function label for the profile only (the engine is not changed)."""
+    import gzip
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from nvllm.bench.offline import random_token_prompts
+    from nvllm.sampling_params import SamplingParams
+
+    out = Path(os.environ.get("OUT", "."))
+    eng = llm.engine
+    owners = {"spec": eng.spec, "runner": eng.runner}
+    saved = []
+    for label, owner, attr in PHASES:
+        obj = owners[owner]
+        fn = getattr(obj, attr)
+        saved.append((obj, attr, fn))
+
+        def wrapped(*a, _fn=fn, _label=label, **kw):
+            with record_function("phase:" + _label):
+                return _fn(*a, **kw)
+        setattr(obj, attr, wrapped)
+    try:
+        prompt = random_token_prompts(llm.get_tokenizer(), 1, 128, seed=7)[0]
+        eng.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=4 * steps + 64, ignore_eos=True))
+        for _ in range(4):
+            eng.step(partial=False)  # the prefill and the first steps, outside the profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                eng.step(partial=False)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / steps
+        while eng.has_unfinished_requests():
+            eng.step(partial=False)
+    finally:
+        for obj, attr, fn in saved:
+            setattr(obj, attr, fn)
+    events = prof.key_averages()
+    gpu_us = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) / steps
+    phases = {e.key.split(":", 1)[1]: e.cpu_time_total / steps / 1000 for e in events if e.key.startswith("phase:")}
+    graphs = {e.key: (e.count // steps, e.cpu_time_total / steps / 1000) for e in events if "graph" in e.key.lower()}
+    table = events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)
+    cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    (out / "spec_profile.txt").write_text(table + "\n\n" + cpu_table)
+    trace = out / "spec_trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as f, gzip.open(str(trace) + ".gz", "wb") as g:
+        g.write(f.read())
+    trace.unlink()
+    res["profile"] = {"wall_ms_per_step": wall * 1000, "gpu_kernel_ms_per_step": gpu_us / 1000,
+                      "phase_host_ms_per_step": phases, "graph_ops": graphs}
+    print(f"[profile] wall {wall * 1000:.2f} ms/step, GPU kernels {gpu_us / 1000:.2f} ms/step; host ms/step: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
+    for k, (c, ms) in graphs.items():
+        print(f"   {k[:60]:60s} x{c:<3d} {ms:.2f} ms host", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
     ap.add_argument("--acceptance", default="0.5,0.7,0.8,0.9")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--drafts", default="0.5b,int4", help="which drafts: 0.5b (the small model), int4 (self-draft)")
+    ap.add_argument("--profile", action="store_true", help="profile batch-1 steps of the first draft (see above)")
     args = ap.parse_args()
     from nvllm.config import EngineConfig
     from nvllm.llm import LLM
@@ -118,6 +186,9 @@ def main() -> None:
             print(f"{name:22s} acc {acc:.2f}  tau {row.get('tau', 0):.2f}  TPOT {row['tpot_ms']:.2f} ms  "
                   f"x{row['speedup_b1']:.2f}" + (f"  b32 x{row['speedup_b32']:.2f}" if "speedup_b32" in row else ""),
                   flush=True)
+        if args.profile and name == next(iter(drafts)):  # last: a profiler session slows later launches
+            llm.engine.spec.sampler.synthetic_acceptance = accs[0]
+            profile_spec(llm, res)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
