@@ -4,7 +4,11 @@ through NCCL and through PyTorch's symmetric-memory kernels (one-shot and two-sh
 multicast), eager and replayed in a CUDA graph, and the bandwidth of one large point-to-point transfer (what a
 disaggregated deployment's KV handoff is).
 
-    python scripts/gpu_allreduce_bench.py
+    python scripts/gpu_allreduce_bench.py [--skip-probe]
+
+Then nvllm's own TPGroup (nvllm.distributed.group) with its one-shot path enabled, against NCCL on the same
+random tensors: eager at every size up to the one-shot limit and beyond, and 48 different all-reduces captured in
+one CUDA graph and replayed on fresh data (a missing barrier would show as a wrong sum).
 
 Prints a table; writes $OUT/allreduce_bench.json and $OUT/nccl_debug_rank*.txt.
 """
@@ -132,6 +136,51 @@ def worker(rank: int, port: int, out: str, q) -> None:
     q.put(res)
 
 
+def tpgroup_check(rank: int, port: int, out: str, q) -> None:
+    """TPGroup.all_reduce (one-shot where it takes the tensor) against the compute group's NCCL all-reduce."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from nvllm.distributed.group import TPGroup
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    tp = TPGroup.connect(rank, 2, store, dev)
+    tp.enable_one_shot(torch.bfloat16, dev)
+    res: dict = {"rank": rank, "one_shot": tp.one_shot is not None, "eager": [], "graph": None}
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        tp.compute.allreduce([y]).wait()
+        return y
+
+    for shape in ((1, 3584), (1, 8192), (5, 3584), (64, 8192), (65, 8192), (3, 7), (2048, 3584)):
+        x = torch.randn(shape, generator=gen, device=dev).to(torch.bfloat16)
+        got = tp.all_reduce(x.clone())
+        res["eager"].append({"shape": list(shape), "one_shot": bool(tp.one_shot and tp.one_shot.takes(x)),
+                             "equal": bool(torch.equal(got, reference(x)))})
+    xs = [torch.empty(1, 8192, dtype=torch.bfloat16, device=dev) for _ in range(48)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for x in xs:
+            tp.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ys = [tp.all_reduce(x) for x in xs]
+    bad = 0
+    for _ in range(5):
+        for x in xs:
+            x.copy_(torch.randn(x.shape, generator=gen, device=dev))
+        g.replay()
+        torch.cuda.synchronize()
+        bad += sum(not torch.equal(y, reference(x)) for x, y in zip(xs, ys))
+    res["graph"] = {"all_reduces": len(xs) * 5, "wrong": int(bad)}
+    tp.close()
+    q.put(res)
+
+
 def main() -> int:
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
@@ -149,45 +198,59 @@ def main() -> int:
     print(res["topo"], flush=True)
     res["can_access_peer"] = torch.cuda.can_device_access_peer(0, 1)
     print("peer access 0 -> 1:", res["can_access_peer"], flush=True)
-    os.environ["NCCL_DEBUG"] = "INFO"
-    os.environ["NCCL_DEBUG_FILE"] = str(out / "nccl_debug_rank%r.txt")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = 29600 + os.getpid() % 1000
-    procs = [ctx.Process(target=worker, args=(r, port, str(out), q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    ranks = []
-    for _ in procs:
-        try:
-            ranks.append(q.get(timeout=240))
-        except Exception:  # noqa: BLE001
-            break
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-    res["ranks"] = sorted(ranks, key=lambda r: r["rank"])
-    via = set()
-    for f in out.glob("nccl_debug_rank*.txt"):
-        via |= {ln.split("via", 1)[1].strip() for ln in f.read_text(errors="replace").splitlines() if " via " in ln}
-    res["nccl_transports"] = sorted(via)
+
+    def run_pair(target, port: int, timeout: float) -> list[dict]:
+        procs = [ctx.Process(target=target, args=(r, port, str(out), q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        got = []
+        for _ in procs:
+            try:
+                got.append(q.get(timeout=timeout))
+            except Exception:  # noqa: BLE001
+                break
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        return sorted(got, key=lambda r: r["rank"])
+
+    if "--skip-probe" not in sys.argv:
+        os.environ["NCCL_DEBUG"], os.environ["NCCL_DEBUG_FILE"] = "INFO", str(out / "nccl_debug_rank%r.txt")
+        res["ranks"] = run_pair(worker, port, 240)
+        del os.environ["NCCL_DEBUG"], os.environ["NCCL_DEBUG_FILE"]
+        via = set()
+        for f in out.glob("nccl_debug_rank*.txt"):
+            via |= {ln.split("via", 1)[1].strip() for ln in f.read_text(errors="replace").splitlines() if " via " in ln}
+        res["nccl_transports"] = sorted(via)
+        print("NCCL transports:", res["nccl_transports"])
+        if res["ranks"]:
+            r0 = res["ranks"][0]
+            print(f"{'size':22s} " + " ".join(f"{k:>22s}" for k in next(iter(r0['allreduce_us'].values()))))
+            for label, row in r0["allreduce_us"].items():
+                print(f"{label:22s} " + " ".join(f"{v:>22.2f}" if isinstance(v, float) else f"{v!s:>22s}"
+                                                 for v in row.values()))
+            print(f"NCCL send/recv {P2P_BYTES >> 20} MiB: {r0['p2p_send_GBps']:.1f} GB/s "
+                  f"(first {r0['p2p_send_first_s']:.3f} s); peer copy {r0.get('peer_copy_GBps', 0):.1f} GB/s")
+            for r in res["ranks"]:
+                for e in r["errors"]:
+                    print(f"rank {r['rank']}: {e}")
+        else:
+            print("no rank reported")
+    checks = res["tpgroup_check"] = run_pair(tpgroup_check, port + 1, 120)
     (out / "allreduce_bench.json").write_text(json.dumps(res, indent=1))
-    print("NCCL transports:", res["nccl_transports"])
-    if not ranks:
-        print("no rank reported")
-        return 1
-    r0 = res["ranks"][0]
-    print(f"{'size':22s} " + " ".join(f"{k:>22s}" for k in next(iter(r0['allreduce_us'].values()))))
-    for label, row in r0["allreduce_us"].items():
-        print(f"{label:22s} " + " ".join(f"{v:>22.2f}" if isinstance(v, float) else f"{v!s:>22s}"
-                                         for v in row.values()))
-    print(f"NCCL send/recv {P2P_BYTES >> 20} MiB: {r0['p2p_send_GBps']:.1f} GB/s (first {r0['p2p_send_first_s']:.3f} s); "
-          f"peer copy {r0.get('peer_copy_GBps', 0):.1f} GB/s")
-    for r in res["ranks"]:
-        for e in r["errors"]:
-            print(f"rank {r['rank']}: {e}")
-    return 0
+    ok = len(checks) == 2
+    for c in checks:
+        print(f"TPGroup rank {c['rank']}: one-shot {c['one_shot']}; eager equal to NCCL: "
+              + ", ".join(f"{tuple(e['shape'])}{'*' if e['one_shot'] else ''} {e['equal']}" for e in c["eager"])
+              + f"; in a graph {c['graph']['wrong']} wrong of {c['graph']['all_reduces']}")
+        ok = ok and c["one_shot"] and all(e["equal"] for e in c["eager"]) and c["graph"]["wrong"] == 0
+    print("TPGroup check:", "ok" if ok else "FAILED")
+    (out / "allreduce_bench.json").write_text(json.dumps(res, indent=1))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -129,6 +129,49 @@ def test_step_message_round_trip():
     assert StepInputs.unpack(SHUTDOWN) is None
 
 
+def test_small_all_reduces_go_one_shot_and_the_rest_to_the_compute_group():
+    """The one-shot path (symmetric memory, GPU only: checked on the device by scripts/gpu_allreduce_bench.py)
+    takes a tensor by its dtype and size alone — what every rank decides alike — and anything else goes to the
+    compute group; a gloo group never enables it."""
+    from nvllm.distributed.one_shot import MAX_BYTES, OneShotAllReduce
+    from nvllm.kernels import report
+
+    class HostOneShot(OneShotAllReduce):  # the real routing and size rule; the sum is faked on the host
+        def __init__(self):
+            self.buffer = torch.empty(MAX_BYTES // 2, dtype=torch.bfloat16)
+
+        def __call__(self, t):
+            calls.append(t.shape)
+            return t * 2
+
+    calls = []
+    one = HostOneShot()
+
+    class Compute:
+        reduced = []
+
+        def allreduce(self, ts):
+            self.reduced.append(ts[0].shape)
+            ts[0].mul_(3)
+            return type("Work", (), {"wait": lambda self: None})()
+
+    group = TPGroup(0, 2, compute=Compute(), backend="nccl")
+    group.one_shot = one
+    small, wide = torch.ones(4, 3584, dtype=torch.bfloat16), torch.ones(2048, 3584, dtype=torch.bfloat16)
+    odd, fp32 = torch.ones(3, 7, dtype=torch.bfloat16), torch.ones(4, 3584)
+    with report.recording() as made:
+        assert torch.equal(group.all_reduce(small), torch.full_like(small, 2))
+        for t in (wide, odd, fp32):
+            assert torch.equal(group.all_reduce(t), torch.full_like(t, 3))  # in place, on the compute group
+    assert calls == [small.shape] and Compute.reduced == [wide.shape, odd.shape, fp32.shape]
+    assert made == {("all_reduce", "symm_mem one-shot"): 1, ("all_reduce", "nccl all_reduce"): 3}
+    assert one.takes(torch.empty(MAX_BYTES // 2, dtype=torch.bfloat16))
+    assert not one.takes(torch.empty(MAX_BYTES // 2 + 8, dtype=torch.bfloat16))
+    gloo = TPGroup(0, 2, backend="gloo")
+    gloo.enable_one_shot(torch.bfloat16, torch.device("cpu"))
+    assert gloo.one_shot is None
+
+
 # ---- outputs: two ranks against one ------------------------------------------------------------------------
 def request_mix() -> tuple[list, list[SamplingParams]]:
     """Greedy with logprobs, prompt logprobs, and seeded sampling (n = 2), over prompts that share a prefix;

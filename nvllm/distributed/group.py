@@ -21,6 +21,8 @@ import threading
 
 import torch
 
+from nvllm.kernels import report
+
 CONTROL_TIMEOUT = datetime.timedelta(days=365)  # workers wait here between steps, for as long as the engine idles
 COMPUTE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("NVLLM_TP_TIMEOUT", "600")))
 STORE_TIMEOUT = datetime.timedelta(seconds=120)
@@ -32,9 +34,10 @@ FIRST_WORDS = 1024  # a control message up to this long (any decode step of a mo
 
 
 class TPGroup:
-    def __init__(self, rank: int = 0, size: int = 1, control=None, compute=None, backend: str = "none"):
+    def __init__(self, rank: int = 0, size: int = 1, control=None, compute=None, backend: str = "none", store=None):
         self.rank, self.size, self.backend = rank, size, backend
-        self.control, self.compute = control, compute
+        self.control, self.compute, self.store = control, compute, store
+        self.one_shot = None  # OneShotAllReduce once enable_one_shot() agreed on it
         self._first: torch.Tensor | None = None  # [length, first words of the message], reused by every broadcast
 
     @classmethod
@@ -64,12 +67,36 @@ class TPGroup:
         else:
             compute = dist.ProcessGroupGloo(dist.PrefixStore("compute", store), rank, size, COMPUTE_TIMEOUT)
             backend = "gloo"
-        return cls(rank, size, control, compute, backend)
+        return cls(rank, size, control, compute, backend, store)
+
+    def enable_one_shot(self, dtype: torch.dtype, device: torch.device) -> None:
+        """From now on, small all-reduces of ``dtype`` run one-shot over symmetric memory (nvllm.distributed.one_shot)
+        where every rank could map its buffer. A collective: every rank calls it at the same point.
+        NVLLM_ONE_SHOT_ALLREDUCE=0 keeps every all-reduce on NCCL."""
+        if self.size == 1 or self.backend != "nccl" or os.environ.get("NVLLM_ONE_SHOT_ALLREDUCE") == "0":
+            return
+        import torch.distributed as dist
+
+        from nvllm.distributed.one_shot import OneShotAllReduce
+
+        try:  # the name must be the same on every rank and new in this process: the group's store port is both
+            one = OneShotAllReduce(f"nvllm_tp_{self.store.port}", self.rank, self.size,
+                                   dist.PrefixStore("one_shot", self.store), dtype, device)
+        except Exception as e:  # noqa: BLE001 - no symmetric memory here: NCCL does it all
+            logger.warning("one-shot all-reduce unavailable (%s); all-reduces stay on NCCL", str(e).splitlines()[0][:200])
+            one = None
+        if min(self.all_gather_int(int(one is not None))) == 1:
+            self.one_shot = one
+            logger.info("tensor parallel: all-reduces up to %d KiB one-shot over symmetric memory", one.buffer.nbytes >> 10)
 
     # ---- the model's collectives (compute group) --------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the ranks, in place; returns it."""
+        """Sum ``t`` over the ranks. Returns the sum: ``t`` itself (NCCL, gloo: in place) or a new tensor (one-shot)."""
         if self.size > 1:
+            if self.one_shot is not None and self.one_shot.takes(t):
+                report.record("all_reduce", "symm_mem one-shot")
+                return self.one_shot(t)
+            report.record("all_reduce", f"{self.backend} all_reduce")
             self.compute.allreduce([t]).wait()
         return t
 
@@ -146,4 +173,4 @@ class TPGroup:
         """Drop the process groups. An NCCL communicator is aborted rather than destroyed: destroying one that
         CUDA graphs captured can wait forever."""
         self.abort()
-        self.control = self.compute = None
+        self.control = self.compute = self.one_shot = None

@@ -109,9 +109,11 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.sampler = Sampler(config.seed)
         if self.device.type == "cuda":
+            self.tp.enable_one_shot(self.dtype, self.device)  # before any graph captures an all-reduce
             self._gemm_choices()
-            if use_triton(self.kv_caches[0][0]) and os.environ.get("NVLLM_FUSED_SILU", "1") != "0":
-                interleave_gate_ups(self.model)  # SiLU·mul in the gate_up GEMM's epilogue (small batches)
+            if use_triton(self.kv_caches[0][0]) and os.environ.get("NVLLM_FUSED_SILU") == "1":
+                # SiLU·mul in the gate_up GEMM's epilogue (small batches): opt-in, it measured slower (PERF run V)
+                interleave_gate_ups(self.model)
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and use_triton(self.kv_caches[0][0]):
@@ -269,22 +271,24 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], sample_rows: list[SampleRow],
-                drafts: dict[int, tuple[list[int], object]] | None = None,
+                drafts: dict[int, list[int]] | None = None,
                 prev_tokens: torch.Tensor | None = None, defer: bool = False) -> StepResult:
         """Run the model on the scheduled chunks; sample for the sequences whose chunk reaches their end
         (in `scheduled` order, one SampleRow each, given by the engine).
 
-        drafts (speculative decoding): id(seq) → (drafted token ids, …). A chunk that runs past a sequence's
-        tokens is its last real token followed by its drafts; the logits of all its rows are returned, in
-        order, as `verify_logits` (the engine verifies them) instead of being sampled.
+        drafts (speculative decoding): id(seq) → drafted token ids. A chunk that runs past a sequence's tokens is
+        its last real token followed by its drafts; the logits of all its rows are returned, in order, as
+        `verify_logits` (the engine verifies them) instead of being sampled.
 
-        Asynchronous scheduling (one rank): ``prev_tokens`` are the previous step's sampled tokens on the device,
-        which the placeholders among the sequences' tokens stand for; ``defer`` leaves this step's samples on
-        the device (``result.pending``) instead of reading them back (no logprobs then)."""
+        ``prev_tokens``: tokens on the device that placeholders −1 − r among the step's ids stand for (row r) —
+        the previous step's samples among the sequences' tokens (asynchronous scheduling, one rank), or a draft
+        model's tokens among the drafts; they are taken on the device, unread (with tensor parallelism read here:
+        the workers get host ids). ``defer`` leaves this step's samples on the device (``result.pending``)
+        instead of reading them back (no logprobs then)."""
         step, sample_owner, plp = self._build_step(scheduled, drafts)
-        if prev_tokens is not None and step.has_placeholders:
-            assert self.workers is None, "asynchronous scheduling runs on one rank"
-            step.input_ids = resolve_placeholders(step.input_ids, prev_tokens, self.device)
+        if step.has_placeholders:
+            ids = resolve_placeholders(step.input_ids, prev_tokens, self.device)
+            step.input_ids = ids if self.workers is None else ids.tolist()
         result = StepResult({}, {})
 
         def record_prompt_logprobs(first: int, logits: torch.Tensor) -> None:
@@ -326,7 +330,8 @@ class ModelRunner:
             if drafts is not None and end > seq.num_tokens:
                 step.verify_rows.extend(range(qsl[-1], qsl[-1] + n))
                 step.input_ids.extend(seq.token_ids[start:])
-                step.input_ids.extend(drafts[id(seq)][0])
+                step.input_ids.extend(drafts[id(seq)])
+                step.has_placeholders |= min(drafts[id(seq)]) < 0  # a draft model's, still on the device
             else:
                 step.input_ids.extend(seq.token_ids[start:end])
             step.has_placeholders |= seq.pending > 0
