@@ -52,6 +52,7 @@ import torch.nn.functional as F  # noqa: E402
 MODELS = {  # name: hidden, intermediate, vocab, layers, qkv rows (q heads + 2 · kv heads, head_dim 128)
     "qwen2.5-7b": (3584, 18944, 152064, 28, 4608),
     "llama-3-70b": (8192, 28672, 128256, 80, 10240),
+    "qwen2.5-0.5b": (896, 4864, 152064, 24, 1152),  # the speculative-decoding benchmark's draft
 }
 
 
