@@ -164,11 +164,11 @@ def tpgroup_check(rank: int, port: int, out: str, q) -> None:
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for x in xs:
-            tp.all_reduce(x)
+            tp.all_reduce(x.clone())
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        ys = [tp.all_reduce(x) for x in xs]
+    with torch.cuda.graph(g):  # on copies: NCCL sums in place
+        ys = [tp.all_reduce(x.clone()) for x in xs]
     bad = 0
     for _ in range(5):
         for x in xs:

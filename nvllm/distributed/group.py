@@ -81,13 +81,15 @@ class TPGroup:
 
         try:  # the name must be the same on every rank and new in this process: the group's store port is both
             one = OneShotAllReduce(f"nvllm_tp_{self.store.port}", self.rank, self.size,
-                                   dist.PrefixStore("one_shot", self.store), dtype, device)
+                                   dist.PrefixStore("one_shot", self.store), self.compute, dtype, device)
         except Exception as e:  # noqa: BLE001 - no symmetric memory here: NCCL does it all
             logger.warning("one-shot all-reduce unavailable (%s); all-reduces stay on NCCL", str(e).splitlines()[0][:200])
             one = None
         if min(self.all_gather_int(int(one is not None))) == 1:
             self.one_shot = one
             logger.info("tensor parallel: all-reduces up to %d KiB one-shot over symmetric memory", one.buffer.nbytes >> 10)
+        elif one is not None:  # another rank could not map its buffer
+            one.close()
 
     # ---- the model's collectives (compute group) --------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -173,4 +175,6 @@ class TPGroup:
         """Drop the process groups. An NCCL communicator is aborted rather than destroyed: destroying one that
         CUDA graphs captured can wait forever."""
         self.abort()
+        if self.one_shot is not None:
+            self.one_shot.close()
         self.control = self.compute = self.one_shot = None

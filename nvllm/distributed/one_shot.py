@@ -25,17 +25,30 @@ ALIGN = 16  # the kernel's widest vector access; the buffer and the local tensor
 
 
 class OneShotAllReduce:
-    def __init__(self, name: str, rank: int, size: int, store, dtype: torch.dtype, device: torch.device):
-        """Map one MAX_BYTES buffer of ``dtype`` on every rank (a collective: every rank calls it, through
-        ``store``). Raises when the platform has no symmetric memory or peer access."""
+    def __init__(self, name: str, rank: int, size: int, store, backend, dtype: torch.dtype, device: torch.device):
+        """Map one MAX_BYTES buffer of ``dtype`` on every rank (a collective: every rank calls it). ``backend``: the
+        group's NCCL backend, registered under ``name`` (new in this process, the same on every rank) for
+        symmetric memory to find; ``store``: where the ranks exchange their buffers' handles. Raises when the
+        platform has no symmetric memory or no peer access."""
+        import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
-        from torch._C._distributed_c10d import _SymmetricMemory
+        from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
+        group = dist.ProcessGroup(store, rank, size)
+        group._register_backend(device, dist.ProcessGroup.BackendType.NCCL, backend)
+        group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+        group._set_group_name(name)
+        _register_process_group(name, group)
         _SymmetricMemory.set_group_info(name, rank, size, store)
-        self.name = name
+        self.name, self.group = name, group
         self.buffer = symm_mem.empty(MAX_BYTES // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
                                      device=device)
         symm_mem.rendezvous(self.buffer, name)
+
+    def close(self) -> None:
+        from torch._C._distributed_c10d import _unregister_process_group
+
+        _unregister_process_group(self.name)
 
     def takes(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
