@@ -143,6 +143,21 @@ def advise(url: str, model_dir: Path, name: str, extra: list[str]) -> dict | Non
     return json.loads(save.read_text()) if save.exists() else None
 
 
+TPOT_SLOS_MS = (10, 15, 25)  # goodput also under tighter TPOT SLOs (TTFT <= 1 s in each)
+
+
+def goodput_by_tpot(row: dict) -> dict:
+    """Requests per second meeting TTFT <= 1 s and TPOT <= each of TPOT_SLOS_MS, from the run's per-request
+    TTFTs, latencies and output lengths (TPOT = (latency - TTFT) / (output tokens - 1), as bench serve)."""
+    duration = row["completed"] / row["request_throughput"] if row.get("request_throughput") else 0
+    reqs = [(t, lat, n) for t, lat, n in zip(row["ttfts"], row["latencies"], row["output_lens"]) if t is not None]
+    out = {}
+    for slo in TPOT_SLOS_MS:
+        good = sum(t <= 1.0 and (n <= 1 or (lat - t) / (n - 1) <= slo / 1000) for t, lat, n in reqs)
+        out[f"goodput_tpot{slo}"] = good / duration if duration else 0.0
+    return out
+
+
 def summarize(row: dict | None) -> dict:
     if row is None:
         return {"ok": False}
@@ -150,6 +165,8 @@ def summarize(row: dict | None) -> dict:
             "median_ttft_ms", "median_tpot_ms", "output_throughput")
     out = {k: row.get(k) for k in keys}
     out.update({k: v for k, v in row.items() if k.startswith("disagg_")})
+    if row.get("completed"):
+        out.update(goodput_by_tpot(row))
     return out
 
 
@@ -184,6 +201,7 @@ def main() -> None:
                     "(run H: up to 8 req/s two mixed replicas kept TPOT p99 under 8 ms)")
     ap.add_argument("--seconds-per-rate", type=float, default=12.0, help="arrivals last about this long per rate")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds; rates that would not fit are skipped")
+    ap.add_argument("--skip-advisor", action="store_true", help="only the rate runs")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     install_wheels()
@@ -223,10 +241,11 @@ def main() -> None:
             sys.exit(f"the mixed replicas did not start; see {OUT}/mixed0.log")
         startup = time.monotonic() - started
         log(f"mixed x2 ready after {startup:.0f} s")
-        results["advisor"]["long_prompts"] = advise("http://127.0.0.1:8001", model_dir, "long", [
-            "--input-len", "2048", "--num-prompts", "64", "--max-concurrency", "32"])
-        results["advisor"]["short_prompts"] = advise("http://127.0.0.1:8001", model_dir, "short", [
-            "--input-len", "200", "--num-prompts", "24", "--request-rate", "2"])
+        if not args.skip_advisor:
+            results["advisor"]["long_prompts"] = advise("http://127.0.0.1:8001", model_dir, "long", [
+                "--input-len", "2048", "--num-prompts", "64", "--max-concurrency", "32"])
+            results["advisor"]["short_prompts"] = advise("http://127.0.0.1:8001", model_dir, "short", [
+                "--input-len", "200", "--num-prompts", "24", "--request-rate", "2"])
         # half of what is left after the 1P1D start-up (about as long as this one's) goes to the mixed rates
         left = args.budget - (time.monotonic() - T0) - startup - 30
         run_rates("http://127.0.0.1:8000", "mixed_x2", time.monotonic() + left / 2)
@@ -265,7 +284,7 @@ def print_table(results: dict) -> None:
     t = Table(title="long prompts (~2000 tok), 200-token outputs, 2x H200: mixed x2 vs 1P1D "
                     "(goodput: TTFT <= 1 s and TPOT <= 25 ms)")
     for col in ("rate", "deployment", "done/failed", "TTFT p99 ms", "TPOT p99 ms", "goodput req/s",
-                "prefill ms", "KV ms", "KV GB/s"):
+                *(f"goodput TPOT<={slo}" for slo in TPOT_SLOS_MS), "prefill ms", "KV ms", "KV GB/s"):
         t.add_column(col, justify="right")
 
     def f(v, d=1):
@@ -275,10 +294,11 @@ def print_table(results: dict) -> None:
         for key, label in (("mixed_x2", "mixed x2"), ("disagg_1p1d", "1P1D")):
             r = results[key].get(f"{rate:g}")
             if not r or not r.get("completed"):
-                t.add_row(f"{rate:g}", label, "-", "-", "-", "-", "-", "-", "-")
+                t.add_row(f"{rate:g}", label, *["-"] * (7 + len(TPOT_SLOS_MS)))
                 continue
             t.add_row(f"{rate:g}", label, f"{r['completed']}/{r['failed']}", f(r["p99_ttft_ms"]), f(r["p99_tpot_ms"]),
-                      f(r["request_goodput"], 2), f(r.get("disagg_mean_prefill_ms")),
+                      f(r["request_goodput"], 2), *(f(r.get(f"goodput_tpot{slo}"), 2) for slo in TPOT_SLOS_MS),
+                      f(r.get("disagg_mean_prefill_ms")),
                       f(r.get("disagg_mean_kv_transfer_ms"), 2), f(r.get("disagg_kv_transfer_gb_per_s"), 2))
     Console(width=160).print(t)
     for name, adv in results["advisor"].items():
