@@ -249,7 +249,7 @@ def hf_compiled_baseline(model_dir: Path, res: dict, device: str = "cuda") -> No
         torch.cuda.empty_cache()
 
 
-PROFILE_CASES = (("prefill512", 512, 1), ("decode_b1", 128, 32))  # (name, prompt tokens, steps profiled)
+PROFILE_CASES = (("prefill512", 512, 1), ("prefill2048", 2048, 1), ("decode_b1", 128, 32))  # (name, prompt tokens, steps profiled)
 
 
 def skinny_demo_gemms(dtype) -> None:
@@ -299,7 +299,7 @@ def check_greedy(res: dict) -> None:
 
 
 def profile_steps(llm, res: dict) -> None:
-    """torch.profiler over a 512-token prefill and over 32 batch-1 decode steps: the kernels' GPU time
+    """torch.profiler over a 512- and a 2048-token prefill and over 32 batch-1 decode steps: the kernels' GPU time
     against the wall time of engine.step(), so the gap between measured and wall is placed."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
