@@ -22,7 +22,7 @@ from nvllm.outputs import RequestMetrics
 from nvllm.spec.adaptive import AdaptiveK
 from nvllm.spec.config import SpeculativeConfig, parse_speculative
 from nvllm.spec.metrics import SpecStats
-from nvllm.spec.proposer import NgramProposer
+from nvllm.spec.proposer import Drafts, NgramProposer
 from nvllm.spec.rejection_sampler import rejection_sample
 from tests.conftest import build_tiny_model, make_llm
 
@@ -301,6 +301,34 @@ def test_sampled_self_draft_accepts_everything(demo_dir, drafts):
     llm.generate(prompts(6), params, use_tqdm=False)
     s = llm.engine.stats.spec
     assert s.num_drafts > 0 and s.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("draft", ["truncated", "ngram"])
+def test_target_step_takes_the_drafts_on_the_device(draft, drafts, alone, demo_dir, monkeypatch):
+    """A draft model's tokens reach the target's verify step as placeholders resolved on the device, and the host
+    reads them only after the target's step was launched; n-gram drafts are host ids. Outputs unchanged."""
+    llm = make_llm(demo_dir, speculative=spec_of(draft, drafts, 3))
+    events: list[str] = []
+    execute, read = llm.engine.runner.execute, Drafts.read
+
+    def recording_execute(scheduled, rows, ids=None, prev_tokens=None, **kw):
+        if ids:
+            events.append("execute")
+            on_device = all(t < 0 for v in ids.values() for t in v)
+            assert on_device == (draft != "ngram") and isinstance(prev_tokens, torch.Tensor) == on_device
+        return execute(scheduled, rows, ids, prev_tokens, **kw)
+
+    def recording_read(self):
+        events.append("read")
+        read(self)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", recording_execute)
+    monkeypatch.setattr(Drafts, "read", recording_read)
+    ps = prompts(4)
+    outs = llm.generate(ps, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [alone[p] for p in ps]
+    assert len(events) > 4 and events == ["execute", "read"] * (len(events) // 2)
+    assert llm.engine.stats.spec.num_drafts > 0
 
 
 def test_spec_stats_and_ngram_proposals():

@@ -1,7 +1,8 @@
 """Asynchronous scheduling's launched step: the tokens it samples stay on the device (``PendingTokens``) while
 the host schedules and launches the next step, whose inputs take them on the device (``resolve_placeholders``);
 each left a placeholder −1 − row at the end of its sequence's token ids (``InflightStep``), filled when the host
-reads the tokens back."""
+reads the tokens back. Speculative decoding's draft model hands its drafted tokens to the target's verify step
+the same way (nvllm.spec.proposer.Drafts)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from nvllm.layers.sampler import host_tensor
 
 
 class PendingTokens:
-    """Tokens a step sampled, left on the device so the host can schedule and launch the next step before they
-    are known (asynchronous scheduling): the device tensor feeds the next step's inputs, and a copy to pinned
-    host memory is read once the step is done."""
+    """Tokens a step sampled (asynchronous scheduling) or drafted (speculative decoding), left on the device so
+    the host can launch the step that takes them before they are known: the device tensor feeds that step's
+    inputs, and a copy to pinned host memory is read once the step that made them is done."""
 
     def __init__(self, owners: list[Sequence], tokens: torch.Tensor):
         self.owners = owners  # the sequence of each row, in row order
@@ -35,7 +36,8 @@ class PendingTokens:
 
 
 def resolve_placeholders(input_ids: list[int], prev: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Token ids on the device, each placeholder −1 − r replaced by row r of the previous step's sampled tokens."""
+    """Token ids on the device, each placeholder −1 − r replaced by row r of ``prev`` (tokens still on the device:
+    the previous step's samples, or this step's drafts)."""
     ids = host_tensor(input_ids, torch.long, device)
     return torch.where(ids < 0, prev[(-1 - ids).clamp_(min=0)], ids)
 

@@ -285,14 +285,18 @@ class LLMEngine:
     def _step_speculative(self, scheduled: list[tuple[Sequence, int]], partial: bool) -> list[RequestOutput]:
         """step() with speculative decoding: draft, verify every drafted chunk in the one target pass, then
         append the emitted tokens one by one through the usual bookkeeping (a stop inside an accepted run
-        ends it there) and roll back what was not kept: the computed count, the draft's count, the blocks."""
+        ends it there) and roll back what was not kept: the computed count, the draft's count, the blocks.
+        A draft model's tokens reach the target's inputs on the device; the host reads them once the target's
+        forward is queued."""
         scheduled, drafts = self.spec.propose(scheduled)
         rows = [SampleRow(seq.params, seq.generator, self._banned(seq))
                 for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
-        result = self.runner.execute(scheduled, rows, drafts)
+        result = self.runner.execute(scheduled, rows, drafts.ids(), prev_tokens=drafts.tokens)
+        proposals = drafts.proposals
         verified = {}
-        if drafts:
-            entries = [(seq, drafts[id(seq)]) for seq, _ in scheduled if id(seq) in drafts]
+        if proposals:
+            drafts.read()
+            entries = [(seq, proposals[id(seq)]) for seq, _ in scheduled if id(seq) in proposals]
             for (seq, _), v in zip(entries, self.spec.verify(result.verify_logits, entries)):
                 verified[id(seq)] = v
         now = time.time()
@@ -307,7 +311,7 @@ class LLMEngine:
                 self._computed(seq, n)
                 self._advance(seq, result, now)
             else:
-                drafted = len(drafts[id(seq)][0])
+                drafted = len(proposals[id(seq)].ids)
                 self.stats.spec.record(drafted, v.accepted)
                 for tok, lp_info in zip(v.token_ids, v.logprobs):
                     seq.num_computed_tokens = seq.num_tokens  # the K/V of every token before it are verified

@@ -286,7 +286,7 @@ class ModelRunner:
         the workers get host ids). ``defer`` leaves this step's samples on the device (``result.pending``)
         instead of reading them back (no logprobs then)."""
         step, sample_owner, plp = self._build_step(scheduled, drafts)
-        if step.has_placeholders:
+        if prev_tokens is not None and step.has_placeholders:
             ids = resolve_placeholders(step.input_ids, prev_tokens, self.device)
             step.input_ids = ids if self.workers is None else ids.tolist()
         result = StepResult({}, {})

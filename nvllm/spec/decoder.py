@@ -1,10 +1,11 @@
 """SpecDecoder: what the engine drives when `speculative` is set.
 
 Per step: the scheduler asks `lookahead(seq)` how many extra positions to reserve for each decoding sequence
-(the budget and the block reservation count them); `propose` fills them with drafted tokens; the target runner
-scores the last real token plus the drafts as one chunk per sequence; `verify` runs the rejection sampler on
-those k+1 rows; the engine appends the emitted tokens one by one (stop conditions cut a run short) and calls
-`after_verify`, which rolls the draft's cache count back to what was accepted and tunes k=auto.
+(the budget and the block reservation count them); `propose` fills them with drafted tokens (a draft model's
+still on the device); the target runner scores the last real token plus the drafts as one chunk per sequence;
+the engine reads the drafts (`Drafts.read`) and `verify` runs the rejection sampler on those k+1 rows; the
+engine appends the emitted tokens one by one (stop conditions cut a run short) and calls `after_verify`, which
+rolls the draft's cache count back to what was accepted and tunes k=auto.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from nvllm.config import ConfigError, EngineConfig
 from nvllm.engine.sequence import Sequence
 from nvllm.spec.adaptive import AdaptiveK
 from nvllm.spec.config import SpeculativeConfig
-from nvllm.spec.proposer import DraftModelProposer, NgramProposer, Proposal
+from nvllm.spec.proposer import DraftModelProposer, Drafts, NgramProposer, Proposal
 from nvllm.spec.rejection_sampler import RejectionSampler, VerifyRequest, VerifyResult
 
 logger = logging.getLogger("nvllm")
@@ -145,31 +146,35 @@ class SpecDecoder:
             return len(drafts)
         return k
 
-    def propose(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], dict[int, Proposal]]:
-        """Drafts for the sequences the scheduler gave extra positions; the chunks resized to what was drafted."""
+    def propose(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], Drafts]:
+        """Drafts for the sequences the scheduler gave extra positions; the chunks resized to what was drafted.
+        A draft model's tokens are not read here: their count is the plan's."""
         plan = {id(seq): n - (seq.num_tokens - seq.num_computed_tokens) for seq, n in scheduled
                 if seq.num_computed_tokens + n > seq.num_tokens}
         if isinstance(self.proposer, NgramProposer):
-            props = {i: (self._pending[i][:k], None) for i, k in plan.items()}  # the budget may have cut k
+            drafts = Drafts({i: Proposal(self._pending[i][:k]) for i, k in plan.items()})  # the budget may cut k
             self._pending.clear()
         elif not self.drafting:  # paused: the draft's cache falls behind and catches up when drafting resumes
-            return list(scheduled), {}
+            return list(scheduled), Drafts()
         else:  # the draft model also mirrors this step's prefill chunks, so it runs even without a plan
-            props = self.proposer.propose(scheduled, plan, self.sampler.generator(self.device))
-        props = {i: p for i, p in props.items() if p[0]}
+            drafts = self.proposer.propose(scheduled, plan, self.sampler.generator(self.device))
+        drafts.proposals = {i: p for i, p in drafts.proposals.items() if p.ids}
         out = []
         for seq, n in scheduled:
             if id(seq) in plan:
-                n = seq.num_tokens - seq.num_computed_tokens + (len(props[id(seq)][0]) if id(seq) in props else 0)
+                p = drafts.proposals.get(id(seq))
+                n = seq.num_tokens - seq.num_computed_tokens + (len(p.ids) if p is not None else 0)
             out.append((seq, n))
-        return out, props
+        return out, drafts
 
     # ---- verification ----------------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, entries: list[tuple[Sequence, Proposal]]) -> list[VerifyResult]:
+        """The proposals' ids must be on the host (``Drafts.read()``)."""
         reqs = []
-        for seq, (drafts, q) in entries:
+        for seq, p in entries:
+            assert min(p.ids) >= 0, "drafted ids still on the device: Drafts.read() first"
             rows, ids = self.banned(seq)
-            reqs.append(VerifyRequest(seq.params, seq.generator, drafts, q, rows, ids))
+            reqs.append(VerifyRequest(seq.params, seq.generator, p.ids, p.probs, rows, ids))
         return self.sampler(logits, reqs)
 
     def after_verify(self, seq: Sequence, drafted: int, accepted: int) -> None:

@@ -15,16 +15,52 @@ replay the draft runner's CUDA graphs). After verification the count keeps only 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from nvllm.engine.inflight import PendingTokens
 from nvllm.engine.sequence import Sequence
 from nvllm.engine.step_inputs import StepInputs
 from nvllm.layers.sampler import host_tensor
 from nvllm.spec.rejection_sampler import draw, shaped_probs
 
-Proposal = tuple[list[int], "torch.Tensor | None"]  # drafted ids, their shaped draft distributions [k, V]
+
+@dataclass
+class Proposal:
+    """One sequence's drafted tokens: their ids — a draft model's are placeholders −1 − r (row r of the step's
+    ``Drafts.pending``) until ``Drafts.read()`` — and the shaped draft distributions they were drawn from [k, V]
+    (None: greedy, or an n-gram proposal, certain of itself)."""
+
+    ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+@dataclass
+class Drafts:
+    """A step's proposals by id(seq), and the drafted tokens still on the device that their placeholders stand
+    for (a draft model's; None for n-gram proposals, known on the host)."""
+
+    proposals: dict[int, Proposal] = field(default_factory=dict)
+    pending: PendingTokens | None = None
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """The drafted tokens on the device (one row per placeholder), for the target's step inputs."""
+        return self.pending.device if self.pending is not None else None
+
+    def ids(self) -> dict[int, list[int]]:
+        return {i: p.ids for i, p in self.proposals.items()}
+
+    def read(self) -> None:
+        """Replace the placeholders by the drafted ids: waits for the draft's last step (queued before the target's
+        forward), so call it once the target's step is launched."""
+        if self.pending is not None:
+            host = self.pending.wait()
+            for p in self.proposals.values():
+                p.ids = [host[-1 - t] if t < 0 else t for t in p.ids]
+            self.pending = None
 
 
 class NgramProposer:
@@ -112,7 +148,7 @@ class DraftModelProposer:
     # ---- a step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, scheduled: list[tuple[Sequence, int]], plan: dict[int, int],
-                gen: torch.Generator) -> dict[int, Proposal]:
+                gen: torch.Generator) -> Drafts:
         """plan: id(seq) → k for the sequences that speculate this step (their last real token is the only
         one the target has yet to compute). Every scheduled chunk is mirrored into the draft's cache."""
         items, spec_seqs, want = [], [], []
@@ -127,20 +163,21 @@ class DraftModelProposer:
                 items.append((seq, start, seq.token_ids[start:end]))
                 seq.num_draft_computed = end
         if not items:
-            return {}
+            return Drafts()
         logits = self._forward(items, want)
         if logits is None:
-            return {}
+            return Drafts()
         return self._draft(logits, spec_seqs, plan, gen)
 
     def _draft(self, logits: torch.Tensor, seqs: list[Sequence], plan: dict[int, int],
-               gen: torch.Generator) -> dict[int, Proposal]:
-        """The k drafts of each sequence without a host round trip per token: each step's tokens stay on the
-        device and feed the next step's inputs (positions, slots and block tables are known on the host
-        beforehand), so the steps queue back to back and the host reads every drafted token once, at the end."""
+               gen: torch.Generator) -> Drafts:
+        """The k drafts of each sequence without a host round trip: each step's tokens stay on the device and feed
+        the next step's inputs (positions, slots and block tables are known on the host beforehand), so the steps
+        queue back to back. The tokens are left on the device too, behind placeholders (draft j of sequence i:
+        row i·k_max + j); how many each sequence drafted is its plan."""
         dev = logits.device
         k_max = max(plan[id(s)] for s in seqs)
-        drafted = torch.zeros((k_max, len(seqs)), dtype=torch.long, device=dev)
+        drafted = torch.zeros((len(seqs), k_max), dtype=torch.long, device=dev)
         dists: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         for j in range(k_max):
@@ -148,18 +185,20 @@ class DraftModelProposer:
                 active = [i for i in active if plan[id(seqs[i])] > j]
                 rows = host_tensor(active, torch.long, dev)
                 items = [(seqs[i], seqs[i].num_tokens - 1 + j, [0]) for i in active]
-                logits = self._forward(items, list(range(len(items))), device_ids=drafted[j - 1].index_select(0, rows))
+                logits = self._forward(items, list(range(len(items))),
+                                       device_ids=drafted[:, j - 1].index_select(0, rows))
             tok, probs = self._sample(logits, [seqs[i] for i in active], j, gen)
             if j:
-                drafted[j].index_copy_(0, rows, tok)
+                drafted[:, j].index_copy_(0, rows, tok)
             else:
-                drafted[0] = tok
+                drafted[:, 0] = tok
             if probs is not None:
                 for r, i in enumerate(active):
                     dists[i].append(probs[r])
-        toks = drafted.t().tolist()
-        return {id(s): (toks[i][:plan[id(s)]], torch.stack(dists[i]) if not s.params.greedy and dists[i] else None)
-                for i, s in enumerate(seqs)}
+        pending = PendingTokens([s for s in seqs for _ in range(k_max)], drafted.view(-1))
+        return Drafts({id(s): Proposal([-1 - (i * k_max + j) for j in range(plan[id(s)])],
+                                       torch.stack(dists[i]) if not s.params.greedy and dists[i] else None)
+                       for i, s in enumerate(seqs)}, pending)
 
     def _masked(self, logits: torch.Tensor, seqs: list[Sequence], j: int) -> torch.Tensor:
         """logits with the tokens banned at draft position j (min_tokens: EOS and stop ids) set to -inf."""
