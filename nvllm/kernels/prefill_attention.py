@@ -13,10 +13,11 @@ from the cache through the block table, so plain prefill, chunked prefill and pr
 
 Kernel (flash-attention forward over a paged cache):
   grid (ceil(max_query_len / BLOCK_M), H, B): one program per (query tile of BLOCK_M rows, query head,
-  sequence); neighbouring programs are the heads of one tile, so the heads sharing a KV head (GQA) read the
-  same K/V tiles close in time and mostly hit L2. Each program walks key tiles of BLOCK_N tokens from position
-  0 up to the last position its tile can see (causal skipping: key tiles past the query tile's last row are
-  never loaded), gathering token n from block block_tables[b, n // block_size] at offset n % block_size.
+  sequence), the last query tiles (the most keys) first so that the short ones fill the tail. Each program
+  walks key tiles of BLOCK_N tokens from position 0 up to the last position its tile can see (causal skipping:
+  key tiles past the query tile's last row are never loaded), gathering token n from block
+  block_tables[b, n // block_size] at offset n % block_size; only the tiles that cross the diagonal (or the
+  end of the keys) are masked.
   Online softmax in base 2 with fp32 max / sum / accumulator; QK^T and PV on tl.dot. Tiles of a sequence
   past its query_len do no work; head_dim is padded to a power of two with masks.
   Quantized cache (KV_QUANT): dequantized as the tiles are read, as in the decode kernel — K converted exactly
@@ -52,6 +53,59 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 # ------------------------------------------------------------------------------------------------- Triton
 
 
+# a Triton helper of _prefill_kernel
+def _attend(q, m_i, l_i, acc, n0, hi, q_pos, bt_row, k_head, v_head, ks_head, vs_head, d, d_mask, sm_scale_log2,
+            stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, stride_sb, stride_so,
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr, KV_QUANT: tl.constexpr,
+            MASKED: tl.constexpr):
+    """One key tile (tokens n0 .. n0 + BLOCK_N) into the online softmax. ``MASKED``: the tile crosses the causal
+    diagonal or the end of the keys (``hi``); without it every row sees every key of the tile."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_mask = n < hi
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    off = (n % BLOCK_SIZE).to(tl.int64)
+    k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko + d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo + d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)
+    if KV_QUANT:
+        k_s = tl.load(ks_head + blk * stride_sb + off * stride_so, mask=n < hi, other=0.0)
+        v_s = tl.load(vs_head + blk * stride_sb + off * stride_so, mask=n < hi, other=0.0)
+        k = k.to(q.dtype)     # int8 and e4m3 values are exact in fp16 / bf16
+        v = v.to(q.dtype)
+
+    if IEEE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if KV_QUANT:
+        s = s * k_s[None, :]
+    if MASKED:
+        visible = (n[None, :] <= q_pos[:, None]) & (n < hi)[None, :]
+        s = tl.where(visible, s * sm_scale_log2, float("-inf"))         # [BLOCK_M, BLOCK_N]
+    else:
+        s = s * sm_scale_log2
+
+    # a row's first key tile always holds position 0, so m_new is finite for every row that has keys
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                # rows past q_len / empty tiles
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_QUANT:
+        p = p * v_s[None, :]  # Σ p·(v·s) = Σ (p·s)·v: the V scales weigh the probabilities, not the tile
+    if IEEE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 # a Triton kernel: launched as _jit(_prefill_kernel)[grid](...)
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
@@ -72,7 +126,7 @@ def _prefill_kernel(
     IEEE_DOT: tl.constexpr,                          # fp32 inputs: exact fp32 dot instead of tf32
     KV_QUANT: tl.constexpr,                          # int8 / fp8 cache with per-(token, head) scales
 ):
-    tile = tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) query tiles start first
     h = tl.program_id(1)
     b = tl.program_id(2)
     kvh = h // GROUP
@@ -97,57 +151,33 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # causal skipping: the tile's last row sees keys up to position prefix + tile_end - 1; a tile with no
-    # rows (past this sequence's query_len) walks no keys at all
+    # rows (past this sequence's query_len) walks no keys at all. Key tiles wholly at or before the first
+    # row's position are seen by every row: no mask there (``full``), the mask on the rest.
     tile_end = tl.minimum((tile + 1) * BLOCK_M, q_len)
-    hi = tl.where(tile * BLOCK_M < q_len, prefix + tile_end, 0)
+    has_rows = tile * BLOCK_M < q_len
+    hi = tl.where(has_rows, prefix + tile_end, 0)
+    full = tl.where(has_rows, (prefix + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, 0)
 
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
     ks_head = k_scale_ptr + kvh.to(tl.int64) * stride_sh
     vs_head = v_scale_ptr + kvh.to(tl.int64) * stride_sh
-    for n0 in range(0, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < hi
-        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        off = (n % BLOCK_SIZE).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko + d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo + d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        if KV_QUANT:
-            k_s = tl.load(ks_head + blk * stride_sb + off * stride_so, mask=n_mask, other=0.0)
-            v_s = tl.load(vs_head + blk * stride_sb + off * stride_so, mask=n_mask, other=0.0)
-            k = k.to(q.dtype)     # int8 and e4m3 values are exact in fp16 / bf16
-            v = v.to(q.dtype)
-
-        if IEEE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if KV_QUANT:
-            s = s * k_s[None, :]
-        visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s * sm_scale_log2, float("-inf"))             # [BLOCK_M, BLOCK_N]
-
-        # a row's first key tile always holds position 0, so m_new is finite for every row that has keys
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                # rows past q_len / empty tiles
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_QUANT:
-            p = p * v_s[None, :]  # Σ p·(v·s) = Σ (p·s)·v: the V scales weigh the probabilities, not the tile
-        if IEEE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    for n0 in range(0, full, BLOCK_N):
+        m_i, l_i, acc = _attend(q, m_i, l_i, acc, n0, hi, q_pos, bt_row, k_head, v_head, ks_head, vs_head, d,
+                                d_mask, sm_scale_log2, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo,
+                                stride_vd, stride_sb, stride_so, BLOCK_SIZE, BLOCK_N, IEEE_DOT, KV_QUANT, False)
+    for n0 in range(full, hi, BLOCK_N):
+        m_i, l_i, acc = _attend(q, m_i, l_i, acc, n0, hi, q_pos, bt_row, k_head, v_head, ks_head, vs_head, d,
+                                d_mask, sm_scale_log2, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo,
+                                stride_vd, stride_sb, stride_so, BLOCK_SIZE, BLOCK_N, IEEE_DOT, KV_QUANT, True)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :] * stride_od
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+_prefill_kernel.helpers = ("_attend",)
 
 
 def _prefill_config(head_dim_padded: int, max_query_len: int) -> tuple[int, int, int, int]:
