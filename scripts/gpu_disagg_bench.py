@@ -202,6 +202,7 @@ def main() -> None:
     ap.add_argument("--seconds-per-rate", type=float, default=12.0, help="arrivals last about this long per rate")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds; rates that would not fit are skipped")
     ap.add_argument("--skip-advisor", action="store_true", help="only the rate runs")
+    ap.add_argument("--skip-mixed", action="store_true", help="only 1P1D (the mixed replicas measured before)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     install_wheels()
@@ -230,27 +231,28 @@ def main() -> None:
             log(f"  -> {json.dumps(results[key][f'{rate:g}'])[:400]}")
 
     # ---- two mixed replicas behind the router; the advisor on replica 0 ----
-    mixed = Deployment("mixed")
-    started = time.monotonic()
-    try:
-        for i in range(2):
-            mixed.start(["serve", *engine, "--port", str(8001 + i)], f"mixed{i}.log", gpu=str(i))
-        mixed.start(["router", "--mixed", "http://127.0.0.1:8001,http://127.0.0.1:8002", "--port", "8000",
-                     "--uvicorn-log-level", "warning"], "router_mixed.log")
-        if not mixed.wait_healthy("http://127.0.0.1:8000", 300):
-            sys.exit(f"the mixed replicas did not start; see {OUT}/mixed0.log")
-        startup = time.monotonic() - started
-        log(f"mixed x2 ready after {startup:.0f} s")
-        if not args.skip_advisor:
-            results["advisor"]["long_prompts"] = advise("http://127.0.0.1:8001", model_dir, "long", [
-                "--input-len", "2048", "--num-prompts", "64", "--max-concurrency", "32"])
-            results["advisor"]["short_prompts"] = advise("http://127.0.0.1:8001", model_dir, "short", [
-                "--input-len", "200", "--num-prompts", "24", "--request-rate", "2"])
-        # half of what is left after the 1P1D start-up (about as long as this one's) goes to the mixed rates
-        left = args.budget - (time.monotonic() - T0) - startup - 30
-        run_rates("http://127.0.0.1:8000", "mixed_x2", time.monotonic() + left / 2)
-    finally:
-        mixed.stop()
+    if not args.skip_mixed:
+        mixed = Deployment("mixed")
+        started = time.monotonic()
+        try:
+            for i in range(2):
+                mixed.start(["serve", *engine, "--port", str(8001 + i)], f"mixed{i}.log", gpu=str(i))
+            mixed.start(["router", "--mixed", "http://127.0.0.1:8001,http://127.0.0.1:8002", "--port", "8000",
+                         "--uvicorn-log-level", "warning"], "router_mixed.log")
+            if not mixed.wait_healthy("http://127.0.0.1:8000", 300):
+                sys.exit(f"the mixed replicas did not start; see {OUT}/mixed0.log")
+            startup = time.monotonic() - started
+            log(f"mixed x2 ready after {startup:.0f} s")
+            if not args.skip_advisor:
+                results["advisor"]["long_prompts"] = advise("http://127.0.0.1:8001", model_dir, "long", [
+                    "--input-len", "2048", "--num-prompts", "64", "--max-concurrency", "32"])
+                results["advisor"]["short_prompts"] = advise("http://127.0.0.1:8001", model_dir, "short", [
+                    "--input-len", "200", "--num-prompts", "24", "--request-rate", "2"])
+            # half of what is left after the 1P1D start-up (about as long as this one's) goes to the mixed rates
+            left = args.budget - (time.monotonic() - T0) - startup - 30
+            run_rates("http://127.0.0.1:8000", "mixed_x2", time.monotonic() + left / 2)
+        finally:
+            mixed.stop()
 
     # ---- 1P1D (NCCL; gloo through host memory if NCCL fails) ----
     for backend in ("auto", "gloo"):

@@ -67,7 +67,7 @@ class TransferGroup:
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
-            opts.is_high_priority_stream = False
+            opts.is_high_priority_stream = True  # transfers go ahead of the engine's kernels (see transfer_thread)
             opts.global_ranks_in_group = list(range(world_size))
             opts.group_name = "nvllm_kv"
             self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self._store), rank, world_size, opts)

@@ -1,7 +1,7 @@
 """The thread a worker runs its KV transfers on, one at a time, in the order they were queued.
 
 Request handlers queue jobs (``submit``); ``stop`` queues the end. On a GPU the thread works on a CUDA stream
-of its own, so staging copies do not wait behind the engine's kernels. Subclasses say what one job is
+of its own at the highest priority, so staging copies do not wait behind the engine's kernels. Subclasses say what one job is
 (``handle``) and, with ``idle_timeout``, what to do when no job came for that long (``on_idle``)."""
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class TransferThread(ABC):
         stream = None
         if self.layout.device.type == "cuda":
             torch.cuda.set_device(self.layout.device)
-            stream = torch.cuda.Stream(self.layout.device)
+            # the highest priority: the staging copies' blocks go ahead of the engine's queued kernels instead of
+            # waiting for a busy GPU (one 2000-token transfer took 45-70 ms at normal priority, PERF run Y)
+            stream = torch.cuda.Stream(self.layout.device, priority=-100)  # clamped to the highest the GPU has
         while True:
             try:
                 job = self._jobs.get(timeout=self.idle_timeout)
