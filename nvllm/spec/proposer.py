@@ -181,17 +181,20 @@ class DraftModelProposer:
         dists: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         for j in range(k_max):
+            everyone = True  # every sequence still drafts: whole columns, no row gather and scatter
             if j:
                 active = [i for i in active if plan[id(seqs[i])] > j]
-                rows = host_tensor(active, torch.long, dev)
+                everyone = len(active) == len(seqs)
+                rows = None if everyone else host_tensor(active, torch.long, dev)
                 items = [(seqs[i], seqs[i].num_tokens - 1 + j, [0]) for i in active]
+                prev = drafted[:, j - 1]
                 logits = self._forward(items, list(range(len(items))),
-                                       device_ids=drafted[:, j - 1].index_select(0, rows))
+                                       device_ids=prev if everyone else prev.index_select(0, rows))
             tok, probs = self._sample(logits, [seqs[i] for i in active], j, gen)
-            if j:
-                drafted[:, j].index_copy_(0, rows, tok)
+            if everyone:
+                drafted[:, j] = tok
             else:
-                drafted[:, 0] = tok
+                drafted[:, j].index_copy_(0, rows, tok)
             if probs is not None:
                 for r, i in enumerate(active):
                     dists[i].append(probs[r])
