@@ -51,12 +51,30 @@ def test_staging_round_trip_in_process():
         assert all(torch.equal(a.view(torch.uint8)[untouched], b.view(torch.uint8)[untouched])
                    for a, b in zip(before, after))
     int8 = KVLayout(_filled_caches(torch.float32, "int8", 0))
+    assert len(int8.parts) == 2 and len(KVLayout(_filled_caches(torch.float32, "auto", 0)).parts) == 1
     assert "int8" in int8.signature and "float32" in int8.signature  # the scales are part of the layout
     assert int8.bytes_per_block == LAYERS * 2 * BLOCK_SIZE * HEADS * (HEAD_DIM + 4)
     with pytest.raises(ValueError, match="block ids"):
         int8.gather([BLOCKS])
     with pytest.raises(ValueError, match="staging buffer"):
         int8.scatter([1], torch.zeros(3, dtype=torch.uint8))
+
+
+def test_one_copy_layout_and_per_tensor_layout_agree():
+    """allocate_kv_caches' caches (one allocation: one indexed copy for K and V of every layer, one for the
+    scales) and caches allocated tensor by tensor (a copy per tensor) stage the same bytes in the same order."""
+    from nvllm.layers.attention import KVCache
+
+    for dtype, kv_dtype in CASES:
+        stacked = _filled_caches(dtype, kv_dtype, 3)
+        separate = [KVCache(*(t.clone() if t is not None else None for t in c)) for c in stacked]
+        one, per = KVLayout(stacked), KVLayout(separate)
+        assert len(per.parts) == len(separate) * (4 if kv_dtype == "int8" else 2) > len(one.parts)
+        assert one.signature == per.signature and one.bytes_per_block == per.bytes_per_block
+        assert torch.equal(one.gather(SRC_BLOCKS), per.gather(SRC_BLOCKS))
+        target = _filled_caches(dtype, kv_dtype, 4)
+        KVLayout(target).scatter(DST_BLOCKS, per.gather(SRC_BLOCKS))
+        assert _same_blocks(separate, SRC_BLOCKS, target, DST_BLOCKS)
 
 
 def _transfer_proc(rank: int, port: int, results) -> None:

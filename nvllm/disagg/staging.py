@@ -4,7 +4,12 @@ Every cache tensor of every layer is paged by the same block ids along dim 0 (K 
 cache their fp32 scales: see nvllm.layers.attention). Gathering copies the chosen blocks of each tensor, as
 raw bytes, into one uint8 buffer — scales of every layer first, then K and V of every layer — and scattering
 writes them into other block ids of an identically shaped pool. Working on the bytes (``view(torch.uint8)``)
-makes the copy bit-exact whatever the element type, and lets one send/recv carry a whole transfer."""
+makes the copy bit-exact whatever the element type, and lets one send/recv carry a whole transfer.
+
+The tensors are taken in *parts* ``[G, num_blocks, bytes per block]``: where consecutive tensors are the slices of
+one allocation (``allocate_kv_caches`` keeps K and V of every layer in one, the scales in another) a part holds
+all of them and moves in one indexed copy; otherwise a part is one tensor. On a busy GPU every small copy waits
+for the engine's running kernels to retire, so 4 · layers copies took tens of milliseconds where 1–2 take one wait."""
 
 from __future__ import annotations
 
@@ -17,15 +22,37 @@ def _tensors(caches) -> list[torch.Tensor]:
     return scales + [t for c in caches for t in (c[0], c[1])]
 
 
+def _parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Byte views ``[G, num_blocks, bytes]`` covering ``tensors`` in order: a run of tensors that are consecutive
+    slices of one contiguous allocation as one part, any other tensor alone."""
+    parts, i = [], 0
+    while i < len(tensors):
+        t, base = tensors[i], tensors[i]._base
+        run = 1
+        if base is not None and base.is_contiguous() and t.is_contiguous():
+            size = t.numel() * t.element_size()
+            while (i + run < len(tensors) and tensors[i + run]._base is base and tensors[i + run].is_contiguous()
+                   and tensors[i + run].data_ptr() == t.data_ptr() + run * size):
+                run += 1
+        if run > 1:
+            start = (t.data_ptr() - base.data_ptr()) // t.element_size()
+            flat = base.view(-1)[start:start + run * t.numel()]
+            parts.append(flat.view(torch.uint8).view(run, t.shape[0], -1))
+        else:
+            parts.append(t.view(torch.uint8).reshape(1, t.shape[0], -1))
+        i += run
+    return parts
+
+
 class KVLayout:
     """The staging layout of one worker's KV pool."""
 
     def __init__(self, caches):
-        self.tensors = [t.view(torch.uint8) for t in _tensors(caches)]  # byte views: dim 0 is still the block
-        self.device = self.tensors[0].device
-        self.num_blocks = self.tensors[0].shape[0]
-        self.bytes_per_block = sum(t[0].numel() for t in self.tensors)
         src = _tensors(caches)
+        self.parts = _parts(src)                   # [G, num_blocks, bytes]: dim 1 is the block
+        self.device = src[0].device
+        self.num_blocks = src[0].shape[0]
+        self.bytes_per_block = sum(p.shape[0] * p.shape[2] for p in self.parts)
         self.signature = ";".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape[1:])}" for t in src)
 
     def nbytes(self, num_blocks: int) -> int:
@@ -43,9 +70,9 @@ class KVLayout:
         if out is None:
             out = torch.empty(self.nbytes(n), dtype=torch.uint8, device=self.device)
         off = 0
-        for t in self.tensors:
-            size = n * t[0].numel()
-            torch.index_select(t, 0, idx, out=out[off:off + size].view(n, *t.shape[1:]))
+        for p in self.parts:
+            size = p.shape[0] * n * p.shape[2]
+            torch.index_select(p, 1, idx, out=out[off:off + size].view(p.shape[0], n, p.shape[2]))
             off += size
         return out
 
@@ -58,7 +85,7 @@ class KVLayout:
                              f"{self.bytes_per_block} bytes")
         staging = staging.to(self.device)
         off = 0
-        for t in self.tensors:
-            size = n * t[0].numel()
-            t.index_copy_(0, idx, staging[off:off + size].view(n, *t.shape[1:]))
+        for p in self.parts:
+            size = p.shape[0] * n * p.shape[2]
+            p.index_copy_(1, idx, staging[off:off + size].view(p.shape[0], n, p.shape[2]))
             off += size

@@ -51,19 +51,16 @@ def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        model_dtype: torch.dtype, kv_cache_dtype: str, device) -> list[KVCache]:
-    """Zeroed caches for every layer (zeros dequantize to zeros: a scale of 0 and elements of 0)."""
+    """Zeroed caches for every layer (zeros dequantize to zeros: a scale of 0 and elements of 0). K and V of all
+    layers are slices of one allocation ``[num_layers, 2, num_blocks, ...]`` (the scales of another), so that a
+    sequence's blocks of every layer move in one copy (nvllm.disagg.staging)."""
     elem = kv_cache_element_dtype(model_dtype, kv_cache_dtype)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    quantized = KV_CACHE_DTYPES[kv_cache_dtype] is not None
-    caches = []
-    for _ in range(num_layers):
-        k, v = (torch.zeros(shape, dtype=elem, device=device) for _ in range(2))
-        if quantized:
-            ks, vs = (torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(2))
-            caches.append(KVCache(k, v, ks, vs))
-        else:
-            caches.append(KVCache(k, v))
-    return caches
+    kv = torch.zeros((num_layers, 2, *shape), dtype=elem, device=device)
+    if KV_CACHE_DTYPES[kv_cache_dtype] is None:
+        return [KVCache(kv[i, 0], kv[i, 1]) for i in range(num_layers)]
+    scales = torch.zeros((num_layers, 2, *shape[:3]), dtype=SCALE_DTYPE, device=device)
+    return [KVCache(kv[i, 0], kv[i, 1], scales[i, 0], scales[i, 1]) for i in range(num_layers)]
 
 
 @dataclass
