@@ -226,6 +226,8 @@ def test_metrics_split_and_pools_drain(deployment):
     m = _metrics(urls["router"])
     assert m["nvllm:kv_transfers_total[outcome=ok]"] > 0 and m["nvllm:kv_transfer_bytes_total"] > 0
     assert m["nvllm:kv_transfer_seconds_total"] > 0 and m["nvllm:disagg_first_decodes_total"] > 0
+    phases = [m[f"nvllm:kv_transfer_phase_seconds_total[phase={p}]"] for p in ("ask", "wire", "copy")]
+    assert all(v > 0 for v in phases) and sum(phases) <= m["nvllm:kv_transfer_seconds_total"]
     assert m["nvllm:router_prefill_seconds_count"] > 0 and m["nvllm:router_handoff_seconds_count"] > 0
     assert m["nvllm:router_requests_total[outcome=client_error]"] > 0
     assert m[f"nvllm:router_worker_up[role=prefill,worker={urls['prefill']}]"] == 1

@@ -12,6 +12,7 @@ pair in one order.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -21,7 +22,7 @@ import httpx
 import torch
 
 from nvllm.disagg.handoff import ReleaseCall, SendAccepted, SendCall
-from nvllm.disagg.metrics import TransferLogger, TransferStats
+from nvllm.disagg.metrics import PHASES, TransferLogger, TransferStats
 from nvllm.disagg.staging import KVLayout
 from nvllm.disagg.transfer_group import TransferError, TransferGroup
 from nvllm.disagg.transfer_thread import TransferThread
@@ -77,6 +78,7 @@ class KVReceiver(TransferThread):
         tag = next(self._tags) % (1 << 31)
         nbytes = self.layout.nbytes(len(block_ids))
         ok = False
+        marks = [t0]  # the end of each phase: ask, wire, copy
         try:
             r = self._http.post(f"{job.prefill_url}/internal/kv/send", json=SendCall(
                 handle=job.handle, dst_rank=self.group.rank, tag=tag, skip_blocks=skip).model_dump())
@@ -84,17 +86,20 @@ class KVReceiver(TransferThread):
                 raise TransferError(f"the prefill worker answered {r.status_code}: {r.text[:200]}")
             if SendAccepted.model_validate(r.json()).nbytes != nbytes:
                 raise TransferError("the prefill worker's KV layout does not match this worker's")
-            if stream is None:
-                self.layout.scatter(block_ids, self.group.recv(job.prefill_rank, tag, nbytes))
-            else:
-                with torch.cuda.stream(stream):
-                    self.layout.scatter(block_ids, self.group.recv(job.prefill_rank, tag, nbytes))
+            marks.append(time.perf_counter())
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                staging = self.group.recv(job.prefill_rank, tag, nbytes)  # returns once the bytes are here
+                marks.append(time.perf_counter())
+                self.layout.scatter(block_ids, staging)
+            if stream is not None:
                 stream.synchronize()
+            marks.append(time.perf_counter())
             ok = True
         except (httpx.HTTPError, TransferError, ValueError) as e:
             logger.warning("KV of %s not received from rank %d (%s); recomputing its prompt here", job.handle,
                            job.prefill_rank, e)
-        self.stats.transfer(ok, nbytes, time.perf_counter() - t0)
+        phases = dict(zip(PHASES, (b - a for a, b in zip(marks, marks[1:])))) if ok else None
+        self.stats.transfer(ok, nbytes, time.perf_counter() - t0, phases)
         self._arrived(job, ok)
 
     def _arrived(self, job: ReceiveJob, ok: bool) -> None:

@@ -2,9 +2,10 @@
 in /internal/info (which the router polls and sums over workers) and in a periodic log line.
 
 Prefill side: transfers sent (bytes, seconds from taking the blocks to the last byte sent), handles expired.
-Decode side: transfers received (bytes, seconds from asking the prefill worker to the blocks written), prompts
-recomputed here because their KV could not be fetched, and the first decode: seconds from the KV's arrival to
-the request's next token."""
+Decode side: transfers received (bytes, seconds from asking the prefill worker to the blocks written, and those
+seconds by phase: ``ask`` — the HTTP call until the prefill worker queued the send, ``wire`` — the receive,
+``copy`` — writing the blocks into the pool), prompts recomputed here because their KV could not be fetched, and
+the first decode: seconds from the KV's arrival to the request's next token."""
 
 from __future__ import annotations
 
@@ -30,15 +31,22 @@ class TransferStats:
     expired: int = 0  # prefill side: handles nobody fetched in time
     first_decodes: int = 0
     first_decode_seconds: float = 0.0
+    ask_seconds: float = 0.0  # decode side, successful transfers: the phases of ``seconds`` (see above)
+    wire_seconds: float = 0.0
+    copy_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _arrived: dict[str, float] = field(default_factory=dict, repr=False)  # request id → KV arrival (decode side)
 
-    def transfer(self, ok: bool, nbytes: int = 0, seconds: float = 0.0) -> None:
+    def transfer(self, ok: bool, nbytes: int = 0, seconds: float = 0.0, phases: dict[str, float] | None = None
+                 ) -> None:
+        """One transfer; ``phases``: its seconds by phase (``ask``, ``wire``, ``copy``; decode side)."""
         with self._lock:
             if ok:
                 self.transfers_ok += 1
                 self.bytes += nbytes
                 self.seconds += seconds
+                for phase, secs in (phases or {}).items():
+                    setattr(self, f"{phase}_seconds", getattr(self, f"{phase}_seconds") + secs)
             else:
                 self.transfers_failed += 1
 
@@ -68,6 +76,19 @@ class TransferStats:
     def snapshot(self) -> dict:
         with self._lock:
             return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+
+PHASES = ("ask", "wire", "copy")
+
+
+def phase_seconds(values, label_names: list[str] = (), label_values: list[str] = ()) -> CounterMetricFamily:
+    """nvllm:kv_transfer_phase_seconds{…, phase}: the decode side's transfer seconds by phase."""
+    c = CounterMetricFamily("nvllm:kv_transfer_phase_seconds", "Seconds of the KV transfers received, by phase: ask "
+                            "(HTTP to the prefill worker), wire (the receive), copy (into the KV pool).",
+                            labels=[*label_names, "phase"])
+    for phase, v in values:
+        c.add_metric([*label_values, phase], v)
+    return c
 
 
 class TransferCollector:
@@ -101,6 +122,7 @@ class TransferCollector:
         else:
             yield counter("kv_recomputed", "Prompts recomputed on this decode worker: their KV was not fetched.",
                           s["recomputed"])
+            yield phase_seconds([(p, s[f"{p}_seconds"]) for p in PHASES], lbl, self.labels)
             yield counter("disagg_first_decode_seconds", "Seconds from a request's KV arrival to its next token.",
                           s["first_decode_seconds"])
             yield counter("disagg_first_decodes", "First decodes timed (see disagg_first_decode_seconds).",
