@@ -26,6 +26,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from gpu_profile import profile_steps  # noqa: E402
+from hf_baselines import hf_baseline, hf_compiled_baseline  # noqa: E402
 
 
 def measure_bandwidth(gib: float = 4.0, device: int | str = "cuda") -> float:
@@ -176,80 +180,6 @@ def kv_throughput_runs(model_dir: Path, res: dict, dtypes: list[str], save, gib:
         torch.cuda.empty_cache()
 
 
-def hf_baseline(model_dir: Path, res: dict) -> None:
-    """HF transformers eager: batch-1 decode ms/token and prefill times at 512 / 2048 tokens."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(model_dir)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    ids = torch.randint(0, 150000, (1, 128), device="cuda")
-    gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **gen)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        model.generate(ids, max_new_tokens=65, min_new_tokens=65, **gen)
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        res["hf_tpot_ms"] = 1000 * ((t2 - t1) - (t1 - t0)) / 64
-        for n in (512, 2048):
-            x = torch.randint(0, 150000, (1, n), device="cuda")
-            model(x, logits_to_keep=1)
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                model(x, logits_to_keep=1)
-                torch.cuda.synchronize()
-                ts.append(time.perf_counter() - t0)
-            res[f"hf_prefill_{n}_ms"] = 1000 * sorted(ts)[2]
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def hf_compiled_baseline(model_dir: Path, res: dict, device: str = "cuda") -> None:
-    """HF transformers the gpt-fast way: static KV cache, the decode forward compiled by generate() (torch.compile,
-    CUDA graphs: transformers' own CompileConfig). Batch-1 decode ms/token, after a warm-up that compiles."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(model_dir)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    model.generation_config.cache_implementation = "static"
-    ids = torch.randint(0, min(cfg.vocab_size, 150000), (1, 128), device=device)
-    gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    from torch._dynamo.utils import counters
-
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        for _ in range(2):  # compiles, then replays once more at this cache size
-            model.generate(ids, max_new_tokens=65, min_new_tokens=65, **gen)
-            if device == "cuda" and not counters["stats"]["unique_graphs"]:  # generate() did not compile: we do
-                model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-        sync()
-        res["hf_compiled_warmup_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen)
-        sync()
-        t1 = time.perf_counter()
-        model.generate(ids, max_new_tokens=65, min_new_tokens=65, **gen)
-        sync()
-        t2 = time.perf_counter()
-    res["hf_compiled_tpot_ms"] = 1000 * ((t2 - t1) - (t1 - t0)) / 64
-    res["hf_compiled_graphs"] = int(counters["stats"]["unique_graphs"])  # 0: generate() did not compile
-    del model
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
-PROFILE_CASES = (("prefill512", 512, 1), ("prefill2048", 2048, 1), ("decode_b1", 128, 32))  # (name, prompt tokens, steps profiled)
 
 
 def skinny_demo_gemms(dtype) -> None:
@@ -296,48 +226,6 @@ def check_greedy(res: dict) -> None:
         res[f"greedy_check_{dtype}_kv_{kv}"] = f"{same}/{len(prompts)}"
         print(f"[check] demo model {dtype}, kv cache {kv}: triton+graphs greedy == torch eager for "
               f"{same}/{len(prompts)} prompts", flush=True)
-
-
-def profile_steps(llm, res: dict) -> None:
-    """torch.profiler over a 512- and a 2048-token prefill and over 32 batch-1 decode steps: the kernels' GPU time
-    against the wall time of engine.step(), so the gap between measured and wall is placed."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    from nvllm.bench.offline import random_token_prompts
-    from nvllm.sampling_params import SamplingParams
-
-    out = Path(os.environ.get("OUT", "."))
-    eng = llm.engine
-    for name, input_len, steps in PROFILE_CASES:
-        eng.block_manager.reset_prefix_cache()
-        prompt = random_token_prompts(llm.get_tokenizer(), 1, input_len, seed=7)[0]
-        eng.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-        if name.startswith("decode"):
-            eng.step(partial=False)  # the prefill, outside the profile
-            eng.step(partial=False)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                eng.step(partial=False)
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) / steps
-        while eng.has_unfinished_requests():
-            eng.step(partial=False)
-        events = prof.key_averages()
-        # device activity only (kernels, memcpy, memset): torch ops also report their kernels' time
-        gpu_us = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) / steps
-        table_txt = events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
-        (out / f"profile_{name}.txt").write_text(table_txt)
-        res[f"profile_{name}_wall_ms"] = wall * 1000
-        res[f"profile_{name}_gpu_kernel_ms"] = gpu_us / 1000
-        top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
-        res[f"profile_{name}_top"] = [(e.key[:80], round(e.self_device_time_total / steps, 1), e.count // steps)
-                                      for e in top]
-        print(f"[profile {name}] wall {wall * 1000:.2f} ms/step, GPU kernels {gpu_us / 1000:.2f} ms/step", flush=True)
-        for k, us, c in res[f"profile_{name}_top"]:
-            print(f"   {us:9.1f} us  x{c:<4d} {k}", flush=True)
 
 
 def nvllm_runs(model_dir: Path, res: dict, throughput_prompts: int, enforce_eager: bool, save,
