@@ -201,13 +201,14 @@ _prefill_kernel.do_not_specialize = ("stride_bt",)   # varies with the batch (se
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
                       max_query_len: int, out: torch.Tensor | None = None, *,
-                      block_m: int | None = None, block_n: int | None = None,
-                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton paged prefill / extend attention. Same result as ``prefill_attention_reference``.
     ``k_scale``/``v_scale``: the per-(token, head) scales of an int8 / fp8 cache (None: unquantized).
 
     ``max_query_len`` (host int, >= every sequence's query_len) sizes the grid; ``block_m`` / ``block_n``
-    override the tile sizes (powers of two >= 16)."""
+    override the tile sizes (powers of two >= 16), ``num_warps`` / ``num_stages`` the launch (benchmarks)."""
     import triton
 
     from nvllm.kernels.decode_attention import kv_scale_args
@@ -225,8 +226,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
 
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on the GPU
-    bm, bn, num_warps, num_stages = _prefill_config(block_d, max_query_len)
+    bm, bn, num_warps_default, num_stages_default = _prefill_config(block_d, max_query_len)
     bm, bn = block_m or bm, block_n or bn
+    num_warps, num_stages = num_warps or num_warps_default, num_stages or num_stages_default
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32
     kv_quant = k_scale is not None
     k_scale, v_scale, scale_strides = kv_scale_args(k_cache, v_cache, k_scale, v_scale)
