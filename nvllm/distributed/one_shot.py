@@ -12,11 +12,7 @@ bandwidth better. Every rank decides from the tensor's dtype and size alone, so 
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-logger = logging.getLogger("nvllm")
 
 MAX_BYTES = 1 << 20
 """Largest all-reduce taken one-shot: a batch of 64 tokens of an 8192-wide bf16 hidden state (14.3 µs against
