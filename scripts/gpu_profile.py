@@ -9,15 +9,36 @@ from pathlib import Path
 
 import torch
 
+def profiled_steps(eng, steps: int):
+    """torch.profiler (CPU and CUDA) over the engine's next ``steps`` steps, then the rest of its requests run
+    unprofiled. Returns the profile and the wall seconds per profiled step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step(partial=False)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    while eng.has_unfinished_requests():
+        eng.step(partial=False)
+    return prof, wall
+
+
+def device_us(prof) -> float:
+    """µs of device activity in a profile (kernels, memcpy, memset: torch ops also report their kernels' time)."""
+    from torch.autograd import DeviceType
+
+    return sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
 PROFILE_CASES = (("prefill512", 512, 1), ("prefill2048", 2048, 1), ("decode_b1", 128, 32))  # (name, prompt tokens, steps profiled)
 
 
 def profile_steps(llm, res: dict) -> None:
     """torch.profiler over a 512- and a 2048-token prefill and over 32 batch-1 decode steps: the kernels' GPU time
     against the wall time of engine.step(), so the gap between measured and wall is placed."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     from nvllm.bench.offline import random_token_prompts
     from nvllm.sampling_params import SamplingParams
 
@@ -30,18 +51,9 @@ def profile_steps(llm, res: dict) -> None:
         if name.startswith("decode"):
             eng.step(partial=False)  # the prefill, outside the profile
             eng.step(partial=False)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                eng.step(partial=False)
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) / steps
-        while eng.has_unfinished_requests():
-            eng.step(partial=False)
+        prof, wall = profiled_steps(eng, steps)
         events = prof.key_averages()
-        # device activity only (kernels, memcpy, memset): torch ops also report their kernels' time
-        gpu_us = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) / steps
+        gpu_us = device_us(prof) / steps
         table_txt = events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
         (out / f"profile_{name}.txt").write_text(table_txt)
         res[f"profile_{name}_wall_ms"] = wall * 1000

@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import torch  # noqa: E402
 
 from gpu_bench import QUANT_CONFIGS, build_model_dir  # noqa: E402
+from gpu_profile import device_us, profiled_steps  # noqa: E402
 
 
 def model_copy(src: Path, config_from: Path | None = None, quant: dict | None = None) -> Path:
@@ -70,8 +71,7 @@ def profile_spec(llm, res: dict, steps: int = 24) -> None:
     wrapped in a record_function label for the profile only (the engine is not changed)."""
     import gzip
 
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
     from nvllm.bench.offline import random_token_prompts
     from nvllm.sampling_params import SamplingParams
@@ -94,20 +94,12 @@ def profile_spec(llm, res: dict, steps: int = 24) -> None:
         eng.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=4 * steps + 64, ignore_eos=True))
         for _ in range(4):
             eng.step(partial=False)  # the prefill and the first steps, outside the profile
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                eng.step(partial=False)
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) / steps
-        while eng.has_unfinished_requests():
-            eng.step(partial=False)
+        prof, wall = profiled_steps(eng, steps)
     finally:
         for obj, attr, fn in saved:
             setattr(obj, attr, fn)
     events = prof.key_averages()
-    gpu_us = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) / steps
+    gpu_us = device_us(prof) / steps
     phases = {e.key.split(":", 1)[1]: e.cpu_time_total / steps / 1000 for e in events if e.key.startswith("phase:")}
     graphs = {e.key: (e.count // steps, e.cpu_time_total / steps / 1000) for e in events if "graph" in e.key.lower()}
     table = events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)
