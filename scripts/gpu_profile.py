@@ -26,11 +26,13 @@ def profiled_steps(eng, steps: int):
     return prof, wall
 
 
-def device_us(prof) -> float:
-    """µs of device activity in a profile (kernels, memcpy, memset: torch ops also report their kernels' time)."""
+def device_us(prof, labels: str | None = None) -> float:
+    """µs of device activity in a profile (kernels, memcpy, memset: torch ops also report their kernels' time).
+    ``labels``: the prefix of record_function labels, whose spans the profiler also reports on the device."""
     from torch.autograd import DeviceType
 
-    return sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return sum(e.device_time_total for e in prof.events()
+               if e.device_type == DeviceType.CUDA and not (labels and e.name.startswith(labels)))
 
 
 PROFILE_CASES = (("prefill512", 512, 1), ("prefill2048", 2048, 1), ("decode_b1", 128, 32))  # (name, prompt tokens, steps profiled)
