@@ -148,12 +148,15 @@ TPOT_SLOS_MS = (10, 15, 25)  # goodput also under tighter TPOT SLOs (TTFT <= 1 s
 
 def goodput_by_tpot(row: dict) -> dict:
     """Requests per second meeting TTFT <= 1 s and TPOT <= each of TPOT_SLOS_MS, from the run's per-request
-    TTFTs, latencies and output lengths (TPOT = (latency - TTFT) / (output tokens - 1), as bench serve)."""
+    TTFTs, latencies and output lengths (TPOT as bench serve computes it)."""
+    from nvllm.bench.metrics import request_tpot
+
     duration = row["completed"] / row["request_throughput"] if row.get("request_throughput") else 0
-    reqs = [(t, lat, n) for t, lat, n in zip(row["ttfts"], row["latencies"], row["output_lens"]) if t is not None]
+    reqs = [(t, request_tpot(lat, t, n)) for t, lat, n in zip(row["ttfts"], row["latencies"], row["output_lens"])
+            if t is not None]
     out = {}
     for slo in TPOT_SLOS_MS:
-        good = sum(t <= 1.0 and (n <= 1 or (lat - t) / (n - 1) <= slo / 1000) for t, lat, n in reqs)
+        good = sum(t <= 1.0 and tpot <= slo / 1000 for t, tpot in reqs)
         out[f"goodput_tpot{slo}"] = good / duration if duration else 0.0
     return out
 

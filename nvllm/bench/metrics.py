@@ -107,6 +107,11 @@ def _peaks(ok: list[RequestResult]) -> tuple[float | None, int | None]:
     return float(max(buckets.values())), peak
 
 
+def request_tpot(latency: float, ttft: float, output_tokens: int) -> float:
+    """One request's time per output token after the first (0 when it has fewer than two)."""
+    return (latency - ttft) / (output_tokens - 1) if output_tokens > 1 else 0.0
+
+
 def calculate_metrics(results: list[RequestResult], duration: float, percentiles: list[float],
                       goodput: dict[str, float] | None = None) -> dict[str, Any]:
     """The serving result dict, keyed as vLLM keys it (per-request lists keep the order of `results`)."""
@@ -123,7 +128,7 @@ def calculate_metrics(results: list[RequestResult], duration: float, percentiles
     tpots, all_tpots = [], []
     for r in ok:
         n = r.output_tokens or 0
-        tpot = (r.latency - r.ttft) / (n - 1) if n > 1 else 0.0
+        tpot = request_tpot(r.latency, r.ttft, n)
         if n > 1:
             tpots.append(tpot)
         all_tpots.append(tpot)  # goodput counts TPOT as 0 for single-token outputs
