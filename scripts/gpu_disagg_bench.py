@@ -290,7 +290,7 @@ def print_table(results: dict) -> None:
                     "(goodput: TTFT <= 1 s and TPOT <= 25 ms)")
     for col in ("rate", "deployment", "done/failed", "TTFT p99 ms", "TPOT p99 ms", "goodput req/s",
                 *(f"goodput TPOT<={slo}" for slo in TPOT_SLOS_MS), "prefill ms", "KV ms",
-                "ask/wire/copy ms", "KV GB/s"):
+                "ask/wire/copy ms", "sent: queue/gather/send ms", "KV GB/s"):
         t.add_column(col, justify="right")
 
     def f(v, d=1):
@@ -300,13 +300,14 @@ def print_table(results: dict) -> None:
         for key, label in (("mixed_x2", "mixed x2"), ("disagg_1p1d", "1P1D")):
             r = results[key].get(f"{rate:g}")
             if not r or not r.get("completed"):
-                t.add_row(f"{rate:g}", label, *["-"] * (8 + len(TPOT_SLOS_MS)))
+                t.add_row(f"{rate:g}", label, *["-"] * (9 + len(TPOT_SLOS_MS)))
                 continue
             t.add_row(f"{rate:g}", label, f"{r['completed']}/{r['failed']}", f(r["p99_ttft_ms"]), f(r["p99_tpot_ms"]),
                       f(r["request_goodput"], 2), *(f(r.get(f"goodput_tpot{slo}"), 2) for slo in TPOT_SLOS_MS),
                       f(r.get("disagg_mean_prefill_ms")),
                       f(r.get("disagg_mean_kv_transfer_ms"), 2),
                       "/".join(f(r.get(f"disagg_mean_kv_{p}_ms"), 1) for p in ("ask", "wire", "copy")),
+                      "/".join(f(r.get(f"disagg_mean_kv_{p}_ms"), 1) for p in ("queue", "gather", "send")),
                       f(r.get("disagg_kv_transfer_gb_per_s"), 2))
     Console(width=200).print(t)
     for name, adv in results["advisor"].items():

@@ -10,6 +10,11 @@ config per (format, M) over the four shapes (the candidate default for ``pick_ge
 $OUT/quant_gemv_variants.json (every candidate's time; ``--out`` overrides $OUT).
     python scripts/gpu_quant_bench.py [--ms 1,2] [--fmts awq,gptq] [--variants tile,field,row] [--jobs 14]
 
+``--mode profile``: each (format, shape) once with the engine's default config at M = 1, after one warm-up pass
+over all of them, for a profiler: the timed pass is the last ``len(fmts) · len(shapes)`` GEMV launches.
+    ncu --clock-control none --set full -k regex:quant_gemv --launch-skip 8 --launch-count 8 \
+        python scripts/gpu_quant_bench.py --mode profile
+
 ``--mode classic``: the earlier sweep, GEMV ``tile`` candidates against the fused GEMM kernel and cuBLAS at
 M = 1, 2, 4 (..16); writes $OUT/quant_bench.json.
     python scripts/gpu_quant_bench.py --mode classic [--ms 1,2,4,8,16] [--fmts awq,gptq]
@@ -376,9 +381,29 @@ def run_classic(args, bw: float, out: Path) -> None:
                       f"{c / 1e3:.3f} ms, int4 floor {fl / 1e3:.3f} ms")
 
 
+def run_profile(args, bw: float, out: Path) -> None:
+    """One warm-up pass and one pass over every (format, shape) with the default config, M = 1 (for ncu)."""
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    calls = []
+    for fmt in args.fmts.split(","):
+        for name in args.shapes.split(","):
+            n, k = SHAPES[name]
+            qw = random_weight(fmt, n, k, gen)
+            x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+            calls.append((f"{fmt} {name}", lambda x=x, qw=qw, fmt=fmt: quant_gemv(
+                x, qw.qweight, qw.qzeros, qw.scales, fmt=fmt, bits=4, group_size=GROUP)))
+    for _, call in calls:
+        call()
+    torch.cuda.synchronize()
+    for label, call in calls:
+        call()
+        torch.cuda.synchronize()
+        print(f"profiled pass: {label}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("variants", "classic"), default="variants")
+    ap.add_argument("--mode", choices=("variants", "classic", "profile"), default="variants")
     ap.add_argument("--ms", default=None, help="row counts (default: 1,2 variants; 1,2,4 classic)")
     ap.add_argument("--fmts", default="awq,gptq")
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -397,7 +422,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     bw = measure_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-    (run_variants if args.mode == "variants" else run_classic)(args, bw, out)
+    {"variants": run_variants, "classic": run_classic, "profile": run_profile}[args.mode](args, bw, out)
     return 0
 
 

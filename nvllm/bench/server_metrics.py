@@ -55,7 +55,8 @@ def disagg_stats(delta: dict[str, float], duration: float) -> dict[str, float]:
                    disagg_mean_kv_transfer_ms=1000.0 * secs / transfers,
                    disagg_kv_transfer_gb_per_s=nbytes / secs / 1e9 if secs > 0 else None)
         out["disagg_kv_transfers_failed"] = total(delta, "nvllm:kv_transfers_total", outcome="failed")
-        for phase in ("ask", "wire", "copy"):  # where a transfer's time went (decode side)
+        for phase in ("ask", "wire", "copy", "queue", "gather", "send"):  # where the time went (decode side, then
+            # the prefill side: the decode side's wire phase holds all of the prefill side's)
             secs = total(delta, "nvllm:kv_transfer_phase_seconds_total", phase=phase)
             if secs:
                 out[f"disagg_mean_kv_{phase}_ms"] = 1000.0 * secs / transfers

@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from nvllm.disagg.metrics import TransferLogger, TransferStats
+from nvllm.disagg.metrics import SEND_PHASES, TransferLogger, TransferStats
 from nvllm.disagg.staging import KVLayout
 from nvllm.disagg.transfer_group import TransferError, TransferGroup
 from nvllm.disagg.transfer_thread import TransferThread
@@ -33,6 +33,7 @@ class SendJob:
     block_ids: list[int]
     dst: int
     tag: int
+    queued_at: float = field(default_factory=time.perf_counter)
 
 
 class KVSender(TransferThread):
@@ -49,6 +50,7 @@ class KVSender(TransferThread):
 
     def handle(self, job: SendJob, stream) -> None:
         t0 = time.perf_counter()
+        marks = [job.queued_at, t0]  # the end of each phase: queue, gather, send
         payload = None
         try:
             if stream is None:
@@ -61,6 +63,7 @@ class KVSender(TransferThread):
             logger.exception("gathering the KV of %s failed", job.handle)
         finally:
             self.engine.call(lambda e: e.release_kv(job.handle))  # the staging copy holds the bytes now
+        marks.append(time.perf_counter())
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self.group.send(job.dst, job.tag, payload)
@@ -71,7 +74,9 @@ class KVSender(TransferThread):
         if payload is None:
             self.stats.transfer(False)
         else:
-            self.stats.transfer(True, payload.numel(), time.perf_counter() - t0)
+            marks.append(time.perf_counter())
+            phases = dict(zip(SEND_PHASES, (b - a for a, b in zip(marks, marks[1:]))))
+            self.stats.transfer(True, payload.numel(), marks[-1] - t0, phases)
 
     def _expire(self) -> None:
         try:

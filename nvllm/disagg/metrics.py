@@ -1,7 +1,9 @@
 """A worker's KV-transfer statistics: counted by the transfer threads, shown in /metrics (nvllm:kv_*, nvllm:disagg_*),
 in /internal/info (which the router polls and sums over workers) and in a periodic log line.
 
-Prefill side: transfers sent (bytes, seconds from taking the blocks to the last byte sent), handles expired.
+Prefill side: transfers sent (bytes, seconds from taking the blocks to the last byte sent, and by phase:
+``queue`` — the job waiting for the send thread, ``gather`` — the staging copy, ``send`` — header and payload on
+the wire), handles expired.
 Decode side: transfers received (bytes, seconds from asking the prefill worker to the blocks written, and those
 seconds by phase: ``ask`` — the HTTP call until the prefill worker queued the send, ``wire`` — the receive,
 ``copy`` — writing the blocks into the pool), prompts recomputed here because their KV could not be fetched, and
@@ -34,12 +36,16 @@ class TransferStats:
     ask_seconds: float = 0.0  # decode side, successful transfers: the phases of ``seconds`` (see above)
     wire_seconds: float = 0.0
     copy_seconds: float = 0.0
+    queue_seconds: float = 0.0  # prefill side, successful transfers: the phases of ``seconds`` (see above)
+    gather_seconds: float = 0.0
+    send_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _arrived: dict[str, float] = field(default_factory=dict, repr=False)  # request id → KV arrival (decode side)
 
     def transfer(self, ok: bool, nbytes: int = 0, seconds: float = 0.0, phases: dict[str, float] | None = None
                  ) -> None:
-        """One transfer; ``phases``: its seconds by phase (``ask``, ``wire``, ``copy``; decode side)."""
+        """One transfer; ``phases``: its seconds by phase (``PHASES`` on the decode side, ``SEND_PHASES`` on the
+        prefill side)."""
         with self._lock:
             if ok:
                 self.transfers_ok += 1
@@ -78,13 +84,15 @@ class TransferStats:
             return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
 
-PHASES = ("ask", "wire", "copy")
+PHASES = ("ask", "wire", "copy")  # a transfer received (decode side)
+SEND_PHASES = ("queue", "gather", "send")  # a transfer sent (prefill side)
 
 
 def phase_seconds(values, label_names: list[str] = (), label_values: list[str] = ()) -> CounterMetricFamily:
-    """nvllm:kv_transfer_phase_seconds{…, phase}: the decode side's transfer seconds by phase."""
-    c = CounterMetricFamily("nvllm:kv_transfer_phase_seconds", "Seconds of the KV transfers received, by phase: ask "
-                            "(HTTP to the prefill worker), wire (the receive), copy (into the KV pool).",
+    """nvllm:kv_transfer_phase_seconds{…, phase}: transfer seconds by phase, both sides (the phase names differ)."""
+    c = CounterMetricFamily("nvllm:kv_transfer_phase_seconds", "Seconds of the KV transfers by phase. Received: ask "
+                            "(HTTP to the prefill worker), wire (the receive), copy (into the KV pool); sent: queue "
+                            "(waiting for the send thread), gather (the staging copy), send (on the wire).",
                             labels=[*label_names, "phase"])
     for phase, v in values:
         c.add_metric([*label_values, phase], v)
@@ -119,6 +127,7 @@ class TransferCollector:
         if self.role == "prefill":
             yield counter("kv_handles_expired", "Prefilled KV released unfetched after --kv-handle-timeout.",
                           s["expired"])
+            yield phase_seconds([(p, s[f"{p}_seconds"]) for p in SEND_PHASES], lbl, self.labels)
         else:
             yield counter("kv_recomputed", "Prompts recomputed on this decode worker: their KV was not fetched.",
                           s["recomputed"])

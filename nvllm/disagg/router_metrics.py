@@ -15,7 +15,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from nvllm.disagg.metrics import PHASES, phase_seconds
+from nvllm.disagg.metrics import PHASES, SEND_PHASES, phase_seconds
 from nvllm.disagg.worker_pool import WorkerPool
 from nvllm.serve.metrics import E2E_BUCKETS, TTFT_BUCKETS
 
@@ -56,7 +56,9 @@ class _PoolCollector:
             q.add_metric([role, state], v)
         yield q
         decode = [w.info.get("transfer", {}) for w in pool.of("decode")]
-        yield phase_seconds([(p, sum(t.get(f"{p}_seconds", 0.0) for t in decode)) for p in PHASES])
+        prefill = [w.info.get("transfer", {}) for w in pool.of("prefill")]
+        yield phase_seconds([(p, sum(t.get(f"{p}_seconds", 0.0) for t in decode)) for p in PHASES]
+                            + [(p, sum(t.get(f"{p}_seconds", 0.0) for t in prefill)) for p in SEND_PHASES])
         for name, key, doc in _SUMMED:
             c = CounterMetricFamily(f"nvllm:{name}", doc)
             c.add_metric([], sum(t.get(key, 0) for t in decode))
