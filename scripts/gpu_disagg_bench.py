@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib
 import json
 import os
 import signal
@@ -41,6 +42,7 @@ def install_wheels() -> None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", SITE, *wheels], check=True)
         sys.path.insert(0, SITE)
+        importlib.invalidate_caches()  # SITE may have been on the path, and listed, before the install
         paths = [SITE, str(REPO), os.environ.get("PYTHONPATH", "")]
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     missing = []

@@ -53,11 +53,26 @@ def test_staging_round_trip_in_process():
     int8 = KVLayout(_filled_caches(torch.float32, "int8", 0))
     assert len(int8.parts) == 2 and len(KVLayout(_filled_caches(torch.float32, "auto", 0)).parts) == 1
     assert "int8" in int8.signature and "float32" in int8.signature  # the scales are part of the layout
+    assert all(p.dtype == torch.int64 for p in int8.parts)  # moved as 8-byte words
     assert int8.bytes_per_block == LAYERS * 2 * BLOCK_SIZE * HEADS * (HEAD_DIM + 4)
     with pytest.raises(ValueError, match="block ids"):
         int8.gather([BLOCKS])
     with pytest.raises(ValueError, match="staging buffer"):
         int8.scatter([1], torch.zeros(3, dtype=torch.uint8))
+
+
+def test_staging_words_narrow_where_a_block_slice_is_odd():
+    """A block slice that is not a multiple of 8 bytes moves as the widest word dividing it, bit-exact."""
+    from nvllm.layers.attention import KVCache
+
+    for width, word in ((6, torch.int16), (12, torch.int32), (3, torch.uint8)):
+        src = [KVCache(torch.randint(0, 256, (BLOCKS, width), dtype=torch.uint8),
+                       torch.randint(0, 256, (BLOCKS, width), dtype=torch.uint8))]
+        dst = [KVCache(torch.zeros(BLOCKS, width, dtype=torch.uint8), torch.zeros(BLOCKS, width, dtype=torch.uint8))]
+        layout = KVLayout(src)
+        assert {p.dtype for p in layout.parts} == {word} and layout.bytes_per_block == 2 * width
+        KVLayout(dst).scatter(DST_BLOCKS, layout.gather(SRC_BLOCKS))
+        assert all(torch.equal(dst[0][i][DST_BLOCKS], src[0][i][SRC_BLOCKS]) for i in (0, 1))
 
 
 def test_one_copy_layout_and_per_tensor_layout_agree():

@@ -3,8 +3,11 @@
 Every cache tensor of every layer is paged by the same block ids along dim 0 (K and V, and for an int8 / fp8
 cache their fp32 scales: see nvllm.layers.attention). Gathering copies the chosen blocks of each tensor, as
 raw bytes, into one uint8 buffer — scales of every layer first, then K and V of every layer — and scattering
-writes them into other block ids of an identically shaped pool. Working on the bytes (``view(torch.uint8)``)
-makes the copy bit-exact whatever the element type, and lets one send/recv carry a whole transfer.
+writes them into other block ids of an identically shaped pool. Working on the bytes makes the copy bit-exact
+whatever the element type, and lets one send/recv carry a whole transfer. The copies move the bytes as 8-byte
+words (as 4-, 2- or 1-byte words where a block's slice is not a multiple of 8): PyTorch's indexed copies move
+one element per thread, and as single bytes a 2000-token Qwen2.5-7B transfer (114 MB) took about 10 ms to gather
+on the GPU.
 
 The tensors are taken in *parts* ``[G, num_blocks, bytes per block]``: where consecutive tensors are the slices of
 one allocation (``allocate_kv_caches`` keeps K and V of every layer in one, the scales in another) a part holds
@@ -22,8 +25,18 @@ def _tensors(caches) -> list[torch.Tensor]:
     return scales + [t for c in caches for t in (c[0], c[1])]
 
 
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A ``[G, num_blocks, bytes]`` byte view as ``[G, num_blocks, words]`` of the widest word that divides a block's
+    slice (the slices, and so the staging offsets, stay multiples of it; allocations are aligned)."""
+    dtype = next(d for d in _WORDS if t.shape[2] % d.itemsize == 0 and t.data_ptr() % d.itemsize == 0)
+    return t.view(dtype)
+
+
 def _parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Byte views ``[G, num_blocks, bytes]`` covering ``tensors`` in order: a run of tensors that are consecutive
+    """Word views ``[G, num_blocks, words]`` covering ``tensors`` in order: a run of tensors that are consecutive
     slices of one contiguous allocation as one part, any other tensor alone."""
     parts, i = [], 0
     while i < len(tensors):
@@ -37,9 +50,9 @@ def _parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if run > 1:
             start = (t.data_ptr() - base.data_ptr()) // t.element_size()
             flat = base.view(-1)[start:start + run * t.numel()]
-            parts.append(flat.view(torch.uint8).view(run, t.shape[0], -1))
+            parts.append(_words(flat.view(torch.uint8).view(run, t.shape[0], -1)))
         else:
-            parts.append(t.view(torch.uint8).reshape(1, t.shape[0], -1))
+            parts.append(_words(t.view(torch.uint8).reshape(1, t.shape[0], -1)))
         i += run
     return parts
 
@@ -49,10 +62,10 @@ class KVLayout:
 
     def __init__(self, caches):
         src = _tensors(caches)
-        self.parts = _parts(src)                   # [G, num_blocks, bytes]: dim 1 is the block
+        self.parts = _parts(src)                   # [G, num_blocks, words]: dim 1 is the block
         self.device = src[0].device
         self.num_blocks = src[0].shape[0]
-        self.bytes_per_block = sum(p.shape[0] * p.shape[2] for p in self.parts)
+        self.bytes_per_block = sum(p.shape[0] * p.shape[2] * p.element_size() for p in self.parts)
         self.signature = ";".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape[1:])}" for t in src)
 
     def nbytes(self, num_blocks: int) -> int:
@@ -71,8 +84,8 @@ class KVLayout:
             out = torch.empty(self.nbytes(n), dtype=torch.uint8, device=self.device)
         off = 0
         for p in self.parts:
-            size = p.shape[0] * n * p.shape[2]
-            torch.index_select(p, 1, idx, out=out[off:off + size].view(p.shape[0], n, p.shape[2]))
+            size = p.shape[0] * n * p.shape[2] * p.element_size()
+            torch.index_select(p, 1, idx, out=out[off:off + size].view(p.dtype).view(p.shape[0], n, p.shape[2]))
             off += size
         return out
 
@@ -86,6 +99,6 @@ class KVLayout:
         staging = staging.to(self.device)
         off = 0
         for p in self.parts:
-            size = p.shape[0] * n * p.shape[2]
-            p.index_copy_(1, idx, staging[off:off + size].view(p.shape[0], n, p.shape[2]))
+            size = p.shape[0] * n * p.shape[2] * p.element_size()
+            p.index_copy_(1, idx, staging[off:off + size].view(p.dtype).view(p.shape[0], n, p.shape[2]))
             off += size
