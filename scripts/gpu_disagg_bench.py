@@ -134,6 +134,41 @@ def bench(url: str, model_dir: Path, rate: float, n: int, save: Path, input_len:
     return json.loads(save.read_text())
 
 
+def worker_counters(urls: list[str]) -> dict[str, dict | None]:
+    """Each worker's /metrics counters (bench serve's own reader), keyed by URL."""
+    import asyncio
+
+    import httpx
+
+    from nvllm.bench.serve import prometheus_counters
+
+    async def read():
+        async with httpx.AsyncClient(timeout=10) as client:
+            return {u: await prometheus_counters(client, u) for u in urls}
+    return asyncio.run(read())
+
+
+def worker_steps(before: dict, after: dict) -> dict:
+    """Per worker over one rate: its engine steps by kind (mean decode step, prefill share: bench's step_stats) and
+    the tokens it generated per decode-carrying step, from the change in its counters. A TPOT far above the decode
+    worker's step time points at the host (the API thread, the streams), one close to it at the engine."""
+    from nvllm.bench.server_metrics import step_stats, total
+
+    out = {}
+    for url, a in after.items():
+        b = before.get(url)
+        if a is None or b is None:
+            continue
+        delta = {k: v - b.get(k, 0.0) for k, v in a.items() if v != b.get(k, 0.0)}
+        steps = step_stats(delta) or {}
+        decoding = total(delta, "nvllm:engine_steps_total", kind="decode") + \
+            total(delta, "nvllm:engine_steps_total", kind="mixed")
+        tokens = total(delta, "nvllm:generation_tokens_total")
+        out[url] = {**{k: steps.get(k) for k in ("steps", "decode_step_ms", "mixed_step_ms", "prefill_share")},
+                    "tokens_per_decode_step": tokens / decoding if decoding else None}
+    return out
+
+
 def advise(url: str, model_dir: Path, name: str, extra: list[str]) -> dict | None:
     save = OUT / f"advise_{name}.json"
     cmd = [sys.executable, "-m", "nvllm.cli", "bench", "advise", "--base-url", url, "--model", MODEL_NAME,
@@ -224,15 +259,17 @@ def main() -> None:
     results: dict = {"rates": rates, "slo": {"ttft_ms": 1000, "tpot_ms": 25}, "mixed_x2": {}, "disagg_1p1d": {},
                      "advisor": {}, "peer_copy": peer_copy()}
 
-    def run_rates(url: str, key: str, deadline: float) -> None:
+    def run_rates(url: str, key: str, deadline: float, workers: list[str]) -> None:
         for rate in rates:
             n = max(16, int(rate * args.seconds_per_rate))
             if time.monotonic() + n / rate + 25 > deadline:
                 log(f"{key}: skipping rate {rate} (time budget)")
                 continue
             log(f"{key}: rate {rate} req/s, {n} requests")
+            before = worker_counters(workers)
             row = bench(url, model_dir, rate, n, OUT / f"{key}_rate{rate:g}.json")
             results[key][f"{rate:g}"] = summarize(row)
+            results[key][f"{rate:g}"]["workers"] = worker_steps(before, worker_counters(workers))
             log(f"  -> {json.dumps(results[key][f'{rate:g}'])[:400]}")
 
     # ---- two mixed replicas behind the router; the advisor on replica 0 ----
@@ -255,7 +292,8 @@ def main() -> None:
                     "--input-len", "200", "--num-prompts", "24", "--request-rate", "2"])
             # half of what is left after the 1P1D start-up (about as long as this one's) goes to the mixed rates
             left = args.budget - (time.monotonic() - T0) - startup - 30
-            run_rates("http://127.0.0.1:8000", "mixed_x2", time.monotonic() + left / 2)
+            run_rates("http://127.0.0.1:8000", "mixed_x2", time.monotonic() + left / 2,
+                      ["http://127.0.0.1:8001", "http://127.0.0.1:8002"])
         finally:
             mixed.stop()
 
@@ -274,7 +312,10 @@ def main() -> None:
                 continue
             results["disagg_backend"] = backend
             log(f"1P1D ready (kv backend {backend})")
-            run_rates("http://127.0.0.1:8000", "disagg_1p1d", T0 + args.budget)
+            import httpx
+
+            workers = [w["url"] for w in httpx.get("http://127.0.0.1:8000/router/workers", timeout=10).json()["workers"]]
+            run_rates("http://127.0.0.1:8000", "disagg_1p1d", T0 + args.budget, workers)
             break
         finally:
             disagg.stop()
@@ -292,7 +333,7 @@ def print_table(results: dict) -> None:
                     "(goodput: TTFT <= 1 s and TPOT <= 25 ms)")
     for col in ("rate", "deployment", "done/failed", "TTFT p99 ms", "TPOT p99 ms", "goodput req/s",
                 *(f"goodput TPOT<={slo}" for slo in TPOT_SLOS_MS), "prefill ms", "KV ms",
-                "ask/wire/copy ms", "sent: queue/gather/send ms", "KV GB/s"):
+                "ask/wire/copy ms", "sent: queue/gather/send ms", "KV GB/s", "decode step ms / tok per step"):
         t.add_column(col, justify="right")
 
     def f(v, d=1):
@@ -302,7 +343,7 @@ def print_table(results: dict) -> None:
         for key, label in (("mixed_x2", "mixed x2"), ("disagg_1p1d", "1P1D")):
             r = results[key].get(f"{rate:g}")
             if not r or not r.get("completed"):
-                t.add_row(f"{rate:g}", label, *["-"] * (9 + len(TPOT_SLOS_MS)))
+                t.add_row(f"{rate:g}", label, *["-"] * (10 + len(TPOT_SLOS_MS)))
                 continue
             t.add_row(f"{rate:g}", label, f"{r['completed']}/{r['failed']}", f(r["p99_ttft_ms"]), f(r["p99_tpot_ms"]),
                       f(r["request_goodput"], 2), *(f(r.get(f"goodput_tpot{slo}"), 2) for slo in TPOT_SLOS_MS),
@@ -310,7 +351,9 @@ def print_table(results: dict) -> None:
                       f(r.get("disagg_mean_kv_transfer_ms"), 2),
                       "/".join(f(r.get(f"disagg_mean_kv_{p}_ms"), 1) for p in ("ask", "wire", "copy")),
                       "/".join(f(r.get(f"disagg_mean_kv_{p}_ms"), 1) for p in ("queue", "gather", "send")),
-                      f(r.get("disagg_kv_transfer_gb_per_s"), 2))
+                      f(r.get("disagg_kv_transfer_gb_per_s"), 2),
+                      ", ".join(f"{f(w.get('decode_step_ms'), 2)} / {f(w.get('tokens_per_decode_step'))}"
+                                for w in r.get("workers", {}).values() if w.get("decode_step_ms")))
     Console(width=200).print(t)
     for name, adv in results["advisor"].items():
         if adv:
