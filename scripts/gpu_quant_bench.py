@@ -72,12 +72,12 @@ VARIANT_TILES: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
     ("gptq", "field"): [(128, 64, 1, 3), (256, 64, 1, 3), (256, 32, 1, 3), (512, 32, 2, 3)],
     ("awq", "field"): [(256, 32, 1, 3), (128, 64, 1, 3), (512, 32, 2, 3), (256, 16, 1, 3)],
     ("gptq", "row"): [(128, 128, 1, 3), (128, 128, 1, 1), (256, 64, 1, 3), (256, 64, 1, 1), (256, 128, 2, 3),
-                      (512, 64, 2, 3), (512, 128, 4, 3), (128, 64, 1, 3)],
+                      (512, 64, 2, 3), (512, 128, 4, 3), (128, 64, 1, 3), (64, 64, 1, 1), (128, 32, 1, 1)],
     ("awq", "row"): [(256, 32, 1, 3), (256, 32, 1, 1), (512, 32, 1, 3), (512, 16, 1, 3), (512, 16, 2, 3),
                      (1024, 16, 2, 3), (1024, 32, 4, 1)],
 }
 WAVES = {"tile": (0, 4)}      # programs per SM that split-K aims at (0: plan_split_k's two waves)
-DEFAULT_WAVES = (2, 4, 8)
+DEFAULT_WAVES = (2, 4, 8)    # --waves overrides
 SERIAL_VARIANTS = ("tile", "row")   # also timed with split-K finished in the kernel (config serial=1)
 
 
@@ -219,7 +219,7 @@ def run_variants(args, bw: float, out: Path) -> None:
                     if key in failed or not gemv_supported(m, k, GROUP, False, cfg["block_k"]):
                         continue
                     serials = (0, 1) if cfg["variant"] in SERIAL_VARIANTS else (0,)
-                    for waves, serial in itertools.product(WAVES.get(cfg["variant"], DEFAULT_WAVES), serials):
+                    for waves, serial in itertools.product(WAVES.get(cfg["variant"], args.waves), serials):
                         if time.time() > deadline:
                             break
 
@@ -410,10 +410,14 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="variants mode: which kernel variants")
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1),
                     help="variants mode: compile processes (1: compile in this process)")
+    ap.add_argument("--waves", default=",".join(map(str, DEFAULT_WAVES)),
+                    help="variants mode: split-K depths to time, as programs per SM (ncu, run AB: 8 left the SMs "
+                         "at 0.3-0.4 waves and 10-12%% occupancy)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for the JSON (default $OUT)")
     ap.add_argument("--max-minutes", type=float, default=3.6,
                     help="variants mode: stop timing new candidates after this long (whole run)")
     args = ap.parse_args()
+    args.waves = tuple(int(w) for w in args.waves.split(","))
     if args.ms is None:
         args.ms = "1,2" if args.mode == "variants" else "1,2,4"
     from gpu_bench import measure_bandwidth

@@ -323,11 +323,11 @@ def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None,
 
 
 def _splits(n_tiles: int, K: int, block_k: int, device: torch.device, waves: int) -> int | None:
-    """Splits for about ``waves`` programs per SM (at most 64, at least two K tiles each); None: the default."""
+    """Splits for about ``waves`` programs per SM (at most 64, at least one K tile each); None: the default."""
     if not waves:
         return None
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(-(-waves * sms // n_tiles), K // block_k // 2, 64))
+    return max(1, min(-(-waves * sms // n_tiles), K // block_k, 64))
 
 
 _WORKSPACES: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
