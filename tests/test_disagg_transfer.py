@@ -61,6 +61,17 @@ def test_staging_round_trip_in_process():
         int8.scatter([1], torch.zeros(3, dtype=torch.uint8))
 
 
+def test_message_buffer_is_reused_and_grows():
+    from nvllm.disagg.transfer_group import HEADER_BYTES, MessageBuffer
+
+    buf = MessageBuffer(torch.device("cpu"))
+    a = buf.get(1000)
+    assert a.numel() == HEADER_BYTES + 1000 and a[HEADER_BYTES:].data_ptr() % 8 == 0
+    assert buf.get(10).data_ptr() == a.data_ptr()  # no allocation per transfer
+    big = buf.get(3 << 20)
+    assert big.numel() == HEADER_BYTES + (3 << 20) and buf.get(5).data_ptr() == big.data_ptr()
+
+
 def test_staging_words_narrow_where_a_block_slice_is_odd():
     """A block slice that is not a multiple of 8 bytes moves as the widest word dividing it, bit-exact."""
     from nvllm.layers.attention import KVCache
@@ -94,7 +105,7 @@ def test_one_copy_layout_and_per_tensor_layout_agree():
 
 def _transfer_proc(rank: int, port: int, results) -> None:
     """rank 0 sends every case's blocks (and one failed transfer); rank 1 receives and checks them."""
-    from nvllm.disagg.transfer_group import TransferError, TransferGroup
+    from nvllm.disagg.transfer_group import HEADER_BYTES, MessageBuffer, TransferError, TransferGroup
 
     try:
         layouts = {}
@@ -104,18 +115,21 @@ def _transfer_proc(rank: int, port: int, results) -> None:
         sig = ",".join(layout.signature for _, layout in layouts.values())
         group = TransferGroup(rank, 2, ("127.0.0.1", port), "gloo", torch.device("cpu"),
                               {"role": "prefill" if rank == 0 else "decode", "layout": sig, "url": ""}, 30.0, 60.0)
+        buffer = MessageBuffer(torch.device("cpu"))  # one reused buffer for every transfer, as a transfer thread
         for tag, (caches, layout) in enumerate(layouts.values(), start=1):
+            message = buffer.get(layout.nbytes(len(SRC_BLOCKS)))
             if rank == 0:
-                group.send(1, tag, layout.gather(SRC_BLOCKS))
+                layout.gather(SRC_BLOCKS, out=message[HEADER_BYTES:])
+                group.send(1, tag, message)
             else:
-                layout.scatter(DST_BLOCKS, group.recv(0, tag, layout.nbytes(len(DST_BLOCKS))))
+                layout.scatter(DST_BLOCKS, group.recv(0, tag, message))
                 expected = _filled_caches(*list(layouts)[tag - 1], 1)
                 results.put(("exact", tag, _same_blocks(expected, SRC_BLOCKS, caches, DST_BLOCKS)))
         if rank == 0:
-            group.send(1, 99, None)  # the sender could not gather: the receiver is told, not left waiting
+            group.send(1, 99, buffer.get(16), ok=False)  # the sender could not gather: the receiver is told
         else:
             try:
-                group.recv(0, 99, 16)
+                group.recv(0, 99, buffer.get(16))
                 results.put(("failed transfer", 99, False))
             except TransferError as e:
                 results.put(("failed transfer", 99, "could not send" in str(e)))

@@ -3,8 +3,8 @@
 For each sequence waiting for its KV (the engine gave it blocks when the request was registered, sharing what
 its prefix cache already held, so only the missing blocks travel): the thread asks the prefill worker over
 HTTP to send the handle's remaining blocks to this rank with a fresh tag (control data only), receives the
-header and the staging buffer over the transfer group, scatters it into the blocks, and hands the sequence to
-the scheduler. Any failure — the prefill worker gone, the handle expired, a broken transfer — is not the
+message (header and blocks) over the transfer group into its reusable buffer, scatters it into the blocks
+(after the engine's queued steps), and hands the sequence to the scheduler. Any failure — the prefill worker gone, the handle expired, a broken transfer — is not the
 request's end: its prompt is recomputed here instead, and the request goes on. All receives of this worker
 run on this one thread, in the order they were asked for, which keeps every (prefill worker, this worker)
 pair in one order.
@@ -24,7 +24,7 @@ import torch
 from nvllm.disagg.handoff import ReleaseCall, SendAccepted, SendCall
 from nvllm.disagg.metrics import PHASES, TransferLogger, TransferStats
 from nvllm.disagg.staging import KVLayout
-from nvllm.disagg.transfer_group import TransferError, TransferGroup
+from nvllm.disagg.transfer_group import MessageBuffer, TransferError, TransferGroup
 from nvllm.disagg.transfer_thread import TransferThread
 from nvllm.engine.async_engine import AsyncLLMEngine
 from nvllm.engine.kv_handoff import KVTarget
@@ -51,6 +51,7 @@ class KVReceiver(TransferThread):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(transfer_timeout, connect=5.0))
         self._tags = itertools.count(1)
+        self.buffer = MessageBuffer(group.device)
         super().__init__(layout, TransferLogger(stats, "decode", log_interval), "nvllm-kv-receiver")
 
     def handle(self, job: ReceiveJob, stream) -> None:
@@ -88,8 +89,12 @@ class KVReceiver(TransferThread):
                 raise TransferError("the prefill worker's KV layout does not match this worker's")
             marks.append(time.perf_counter())
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                staging = self.group.recv(job.prefill_rank, tag, nbytes)  # returns once the bytes are here
+                staging = self.group.recv(job.prefill_rank, tag, self.buffer.get(nbytes))  # once the bytes are here
                 marks.append(time.perf_counter())
+                if stream is not None:
+                    # with asynchronous scheduling a step already queued on the engine's (default) stream may still
+                    # write a block that was freed under it and is now this sequence's: write after those steps
+                    stream.wait_stream(torch.cuda.default_stream(self.layout.device))
                 self.layout.scatter(block_ids, staging)
             if stream is not None:
                 stream.synchronize()

@@ -2,8 +2,8 @@
 
 A decode worker asks for a handle (POST /internal/kv/send); the request handler takes the block ids from the
 engine (export_kv, so the blocks can no longer expire) and queues a job here. The thread copies the blocks
-into one staging buffer, hands the blocks back to the engine at once (the copy holds the bytes), and sends
-the header and the buffer to the decode worker's rank. All sends of this worker run on this one thread, in the
+into its message buffer, hands the blocks back to the engine at once (the copy holds the bytes), and sends
+the message (header and blocks) to the decode worker's rank. All sends of this worker run on this one thread, in the
 order they were asked for, so every (this worker, decode worker) pair sees its transfers in one order.
 
 Between jobs it expires handles no decode worker asked for within --kv-handle-timeout.
@@ -20,7 +20,7 @@ import torch
 
 from nvllm.disagg.metrics import SEND_PHASES, TransferLogger, TransferStats
 from nvllm.disagg.staging import KVLayout
-from nvllm.disagg.transfer_group import TransferError, TransferGroup
+from nvllm.disagg.transfer_group import HEADER_BYTES, MessageBuffer, TransferError, TransferGroup
 from nvllm.disagg.transfer_thread import TransferThread
 from nvllm.engine.async_engine import AsyncLLMEngine
 
@@ -43,6 +43,7 @@ class KVSender(TransferThread):
                  handle_timeout: float, log_interval: float):
         self.engine, self.group, self.stats = engine, group, stats
         self.handle_timeout = handle_timeout
+        self.buffer = MessageBuffer(group.device)
         super().__init__(layout, TransferLogger(stats, "prefill", log_interval), "nvllm-kv-sender")
 
     def on_idle(self) -> None:
@@ -51,32 +52,35 @@ class KVSender(TransferThread):
     def handle(self, job: SendJob, stream) -> None:
         t0 = time.perf_counter()
         marks = [job.queued_at, t0]  # the end of each phase: queue, gather, send
-        payload = None
+        message = self.buffer.get(self.layout.nbytes(len(job.block_ids)))
+        ok = False
         try:
-            if stream is None:
-                payload = self.layout.gather(job.block_ids)
-            else:
-                with torch.cuda.stream(stream):
-                    payload = self.layout.gather(job.block_ids)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if message.device == self.layout.device:
+                    self.layout.gather(job.block_ids, out=message[HEADER_BYTES:])
+                else:  # GPU pool, gloo group: through host memory
+                    message[HEADER_BYTES:].copy_(self.layout.gather(job.block_ids))
+            if stream is not None:
                 stream.synchronize()
+            ok = True
         except Exception:  # noqa: BLE001 - the receiver is told; the engine goes on
             logger.exception("gathering the KV of %s failed", job.handle)
         finally:
-            self.engine.call(lambda e: e.release_kv(job.handle))  # the staging copy holds the bytes now
+            self.engine.call(lambda e: e.release_kv(job.handle))  # the message holds the bytes now
         marks.append(time.perf_counter())
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                self.group.send(job.dst, job.tag, payload)
+                self.group.send(job.dst, job.tag, message, ok)
         except TransferError as e:
             logger.warning("KV transfer of %s to rank %d failed: %s", job.handle, job.dst, e)
             self.stats.transfer(False)
             return
-        if payload is None:
+        if not ok:
             self.stats.transfer(False)
         else:
             marks.append(time.perf_counter())
             phases = dict(zip(SEND_PHASES, (b - a for a, b in zip(marks, marks[1:]))))
-            self.stats.transfer(True, payload.numel(), marks[-1] - t0, phases)
+            self.stats.transfer(True, message.numel() - HEADER_BYTES, marks[-1] - t0, phases)
 
     def _expire(self) -> None:
         try:

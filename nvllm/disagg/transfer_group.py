@@ -8,10 +8,13 @@ At the rendezvous every worker publishes its role, its KV layout and its HTTP ad
 everyone else's: workers whose KV pools differ (another model, dtype, block size, KV cache type) stop there
 with one clear error rather than exchanging bytes that would mean nothing to each other.
 
-One transfer is a header — int64 [tag, status, bytes] — and, when the status is OK, one uint8 payload, both
-sent with the tag the receiver chose. Gloo matches messages by (peer, tag), so a transfer abandoned halfway
-can never be mistaken for a later one; NCCL matches by order per peer pair, which the callers keep by running
-every transfer of a worker on one thread, and the receiver still checks the tag it gets back.
+One transfer is one uint8 message sent with the tag the receiver chose: a header — int64 [tag, status, payload
+bytes] — then the payload, whose size both sides agreed on beforehand (a failed sender still sends that many bytes,
+with the failed status, so the receiver is told rather than left waiting). One message means one receive and one
+wake-up of the receiving thread per transfer. Each transfer thread reuses one ``MessageBuffer``: no allocation per
+transfer. Gloo matches messages by (peer, tag), so a transfer abandoned halfway can never be mistaken for a later
+one; NCCL matches by order per peer pair, which the callers keep by running every transfer of a worker on one
+thread, and the receiver still checks the tag it gets back.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from nvllm.config import ConfigError
 logger = logging.getLogger("nvllm")
 
 STATUS_OK, STATUS_FAILED = 1, 0
+HEADER_BYTES = 24  # int64 [tag, status, payload bytes]
 
 
 class TransferError(RuntimeError):
@@ -80,38 +84,52 @@ class TransferGroup:
     def ranks(self, role: str) -> list[int]:
         return [r for r, p in self.peers.items() if p["role"] == role]
 
-    def _header(self, tag: int, status: int, nbytes: int) -> torch.Tensor:
-        return torch.tensor([tag, status, nbytes], dtype=torch.int64, device=self.device)
-
     def _wait(self, work, what: str, peer: int) -> None:
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses of many kinds
             raise TransferError(f"{what} rank {peer} failed: {str(e).splitlines()[0][:200]}") from None
 
-    def send(self, dst: int, tag: int, payload: torch.Tensor | None) -> None:
-        """Send a header and (payload not None) the payload; None tells the receiver the transfer failed."""
-        nbytes = 0 if payload is None else payload.numel()
-        header = self._header(tag, STATUS_FAILED if payload is None else STATUS_OK, nbytes)
-        self._wait(self.pg.send([header], dst, tag), "sending a header to", dst)
-        if payload is not None:
-            self._wait(self.pg.send([payload.to(self.device)], dst, tag), "sending KV to", dst)
+    def send(self, dst: int, tag: int, message: torch.Tensor, ok: bool = True) -> None:
+        """Send one message (from ``MessageBuffer.get``, its payload in place; ``ok`` False: the sender could not
+        fill it, and the receiver is told). Returns once the bytes have left."""
+        header = torch.tensor([tag, STATUS_OK if ok else STATUS_FAILED, message.numel() - HEADER_BYTES],
+                              dtype=torch.int64)
+        message[:HEADER_BYTES].view(torch.int64).copy_(header)
+        self._wait(self.pg.send([message], dst, tag), "sending KV to", dst)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def recv(self, src: int, tag: int, nbytes: int) -> torch.Tensor:
-        """Receive one transfer of nbytes bytes; TransferError when it failed on the sender's side."""
-        header = self._header(0, 0, 0)
-        self._wait(self.pg.recv([header], src, tag), "receiving a header from", src)
-        got_tag, status, size = header.tolist()
+    def recv(self, src: int, tag: int, message: torch.Tensor) -> torch.Tensor:
+        """Receive one message into ``message`` (``MessageBuffer.get`` of the payload size agreed on); returns
+        the payload, a view of it. TransferError when it failed on the sender's side."""
+        self._wait(self.pg.recv([message], src, tag), "receiving KV from", src)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        got_tag, status, size = message[:HEADER_BYTES].view(torch.int64).tolist()
         if got_tag != tag:
             raise TransferError(f"rank {src} answered transfer {got_tag} where {tag} was expected (out of order)")
         if status != STATUS_OK:
             raise TransferError(f"rank {src} could not send the KV of transfer {tag}")
-        if size != nbytes:
-            raise TransferError(f"rank {src} sent {size} bytes where {nbytes} were expected")
-        payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._wait(self.pg.recv([payload], src, tag), "receiving KV from", src)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return payload
+        if size != message.numel() - HEADER_BYTES:
+            raise TransferError(f"rank {src} sent {size} bytes where {message.numel() - HEADER_BYTES} were expected")
+        return message[HEADER_BYTES:]
+
+
+class MessageBuffer:
+    """A transfer thread's reusable message buffer on the group's device, grown (never shrunk) to the largest
+    transfer seen. Transfers on one thread run one at a time and ``send``/``recv`` return once the bytes have moved,
+    so the next transfer may reuse it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buf: torch.Tensor | None = None
+
+    def get(self, payload_bytes: int) -> torch.Tensor:
+        """A uint8 view of ``HEADER_BYTES + payload_bytes`` (the payload starts 8-byte aligned)."""
+        need = HEADER_BYTES + payload_bytes
+        if self._buf is None or self._buf.numel() < need:
+            self._buf = None  # the old one goes first
+            size = -(-need // (1 << 20)) << 20  # whole MiB
+            self._buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self._buf[:need]

@@ -227,10 +227,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
     sock = bind_socket(config.host, config.port)  # before the slow part, so a taken port fails at once
     try:
         model_name = config.served_model_name or default_model_name(engine_config)
-        if disagg is not None and disagg.role != "mixed" and engine_config.async_scheduling:
-            # KV blocks move on another stream: a block freed under a step still running must not be handed to
-            # a transfer, so a prefill or decode worker reads every step's tokens before the next
-            logger.info("asynchronous scheduling off on a %s worker", disagg.role)
+        if disagg is not None and disagg.role == "prefill" and engine_config.async_scheduling:
+            # its steps end every sequence after one token, which the handoff needs at once: nothing to overlap.
+            # (A decode worker keeps it: its KV receiver orders each write into the pool after the engine's queued
+            # steps, which may still touch a block freed under them; see KVReceiver.)
+            logger.info("asynchronous scheduling off on a prefill worker")
             engine_config.async_scheduling = False
         engine = AsyncLLMEngine(LLMEngine(engine_config))
         worker = None
