@@ -290,6 +290,20 @@ def with_env(name: str, value: str, fn) -> None:
             os.environ[name] = old
 
 
+def with_gemv_defaults(configs: dict, fn) -> None:
+    """Run ``fn`` with ``quant_gemv.TUNED[(format, 4, 1)]`` set to ``configs[format]`` (engines pick their GEMV config
+    per call from it), then restore the shipped defaults."""
+    from nvllm.kernels import quant_gemv as QV
+
+    old = dict(QV.TUNED)
+    QV.TUNED.update({(fmt, 4, 1): cfg for fmt, cfg in configs.items()})
+    try:
+        fn()
+    finally:
+        QV.TUNED.clear()
+        QV.TUNED.update(old)
+
+
 def table(res: dict) -> str:
     bw, fl = res["bandwidth_Bps"], res["gemm_flops"]
     lines = [f"card {res['card']}  commit {res['commit']}  bandwidth {bw / 1e12:.2f} TB/s  "
@@ -322,7 +336,7 @@ def table(res: dict) -> str:
         if f"hf_prefill_{n}_ms" in res:
             row += f"; HF {res[f'hf_prefill_{n}_ms']:.1f} ms ({res[f'hf_prefill_{n}_ms'] / limit_ms:.2f}x)"
         lines.append(row)
-    for method, suffix in ((m, s) for m in QUANT_CONFIGS for s in ("", "_nopdl")):
+    for method, suffix in ((m, s) for m in QUANT_CONFIGS for s in ("", "_nopdl", "_gemv")):
         k = f"nvllm_{method}_w4{suffix}_tpot_ms"
         if k in res:
             line = f"{method}{suffix} W4A16 g128 TPOT {res[k]:.2f} ms = {1000 / res[k]:.0f} tok/s"
@@ -377,6 +391,9 @@ def main() -> None:
     ap.add_argument("--kv-throughput", default="",
                     help="comma-separated KV-cache dtypes for the KV-bound throughput run: auto,int8,...")
     ap.add_argument("--quant", default="", help="comma-separated W4A16 formats to time at batch 1: awq,gptq,gptq-head")
+    ap.add_argument("--gemv-compare", default="",
+                    help='also run --quant with these one-row GEMV defaults (JSON, format -> quant_gemv config, e.g. '
+                         '{"gptq": {"variant": "half2", "block_n": 128, "block_k": 64, "num_warps": 1}}); keys _gemv')
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "."))
     res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -417,6 +434,10 @@ def main() -> None:
             model_dir, res, args.quant.split(","), save, "_nopdl"))))
     if args.quant:
         steps.append(("quant", lambda: quant_runs(model_dir, res, args.quant.split(","), save)))
+    if args.quant and args.gemv_compare:
+        res["gemv_compare"] = json.loads(args.gemv_compare)
+        steps.append(("quant gemv", lambda: with_gemv_defaults(res["gemv_compare"], lambda: quant_runs(
+            model_dir, res, args.quant.split(","), save, "_gemv"))))
     if args.hf_compiled:  # last: its compile time is the least predictable
         steps.append(("hf compiled", lambda: hf_compiled_baseline(model_dir, res)))
     for name, fn in steps:

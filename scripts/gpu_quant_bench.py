@@ -3,7 +3,7 @@
 Two modes:
 
 ``--mode variants`` (default; about 3 minutes on an H200, most of it Triton compiling, in parallel): the
-GEMV kernel's variants (``quant_gemv.VARIANTS``: tile, field, row), each over a few tile configs and
+GEMV kernel's variants (``quant_gemv.VARIANTS``: tile, field, row, half2), each over a few tile configs and
 split-K depths, at M = 1 and 2. Prints per shape and format the best config of each variant (µs, % of the
 int4 floor) next to cuBLAS on the bf16 weight, the 28-layer totals per variant, and the best *single*
 config per (format, M) over the four shapes (the candidate default for ``pick_gemv_config``). Writes
@@ -73,12 +73,14 @@ VARIANT_TILES: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
     ("awq", "field"): [(256, 32, 1, 3), (128, 64, 1, 3), (512, 32, 2, 3), (256, 16, 1, 3)],
     ("gptq", "row"): [(128, 128, 1, 3), (128, 128, 1, 1), (256, 64, 1, 3), (256, 64, 1, 1), (256, 128, 2, 3),
                       (512, 64, 2, 3), (512, 128, 4, 3), (128, 64, 1, 3), (64, 64, 1, 1), (128, 32, 1, 1)],
+    ("gptq", "half2"): [(128, 64, 1, 3), (128, 64, 1, 1), (128, 128, 1, 3), (256, 64, 1, 3), (256, 64, 1, 1),
+                        (256, 128, 2, 3), (512, 64, 2, 3), (64, 64, 1, 1)],
     ("awq", "row"): [(256, 32, 1, 3), (256, 32, 1, 1), (512, 32, 1, 3), (512, 16, 1, 3), (512, 16, 2, 3),
                      (1024, 16, 2, 3), (1024, 32, 4, 1)],
 }
 WAVES = {"tile": (0, 4)}      # programs per SM that split-K aims at (0: plan_split_k's two waves)
 DEFAULT_WAVES = (2, 4, 8)    # --waves overrides
-SERIAL_VARIANTS = ("tile", "row")   # also timed with split-K finished in the kernel (config serial=1)
+SERIAL_VARIANTS = ("tile", "row", "half2")   # also timed with split-K finished in the kernel (config serial=1)
 
 
 def random_weight(fmt: str, n: int, k: int, gen: torch.Generator, device: str = DEVICE) -> QuantWeight:
@@ -123,7 +125,9 @@ def variant_configs(fmt: str, m: int, variants: list[str]) -> list[dict]:
     bm = 1 << max(0, (m - 1).bit_length())
     out = []
     for v in variants:
-        for bn, bk, nw, st in VARIANT_TILES[(fmt, v)]:
+        if v == "half2" and bm != 1:   # one row of 4-bit GPTQ only (no AWQ tiles listed)
+            continue
+        for bn, bk, nw, st in VARIANT_TILES.get((fmt, v), []):
             if v == "tile" and bm * bk * bn > MAX_TILE_PRODUCTS:
                 continue
             out.append(dict(variant=v, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, stages=st))

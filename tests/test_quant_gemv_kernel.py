@@ -23,8 +23,14 @@ from tests.test_quant_gemm_kernel import CASES, LOOSE, TIGHT, check, make_weight
 
 if not isinstance(QV._quant_gemv_kernel, InterpretedFunction):
     importlib.reload(QV)
+from nvllm.kernels import quant_gemv_half2 as QH  # noqa: E402  (after QV: it takes QV's jitted helpers)
+
+if not isinstance(QH.quant_gemv_half2_kernel, InterpretedFunction) or QH.epilogue is not QV._epilogue:
+    importlib.reload(QH)
 
 CONTIGUOUS = [c for c in CASES if not c[7]]   # act-order stays with quant_gemm
+ANY_FORMAT = [v for v in QV.VARIANTS if v != "half2"]   # half2 takes one row of 4-bit GPTQ only (tested below)
+HALF2_TOL = 2e-3   # f16 products and four-term sums (quant_gemv_half2), relative to the largest |output|
 
 
 def run_gemv(x, qw, bias=None, **kw):
@@ -78,7 +84,7 @@ def test_gemv_refuses_what_it_cannot_take():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("M", [1, 2])
-@pytest.mark.parametrize("variant", QV.VARIANTS)
+@pytest.mark.parametrize("variant", ANY_FORMAT)
 @pytest.mark.parametrize("case", CONTIGUOUS, ids=[c[0] for c in CONTIGUOUS])
 def test_gemv_variants(case, variant, M, dtype):
     qw = make_weight(*case)     # AWQ-4, GPTQ-4 and GPTQ-8, groups 32 .. per-channel
@@ -107,12 +113,12 @@ def test_gemv_variant_tiles_and_split_k(case, variant, M, block_n, block_k, spli
 def test_gemv_ragged_n_and_waves(case):
     qw = make_weight(*case)    # N not a multiple of the 128-column tile: the last tile partly masked
     x = torch.randn(2, qw.in_features).half()
-    for variant in QV.VARIANTS:
+    for variant in ANY_FORMAT:
         check(run_gemv(x, qw, variant=variant, block_n=128, block_k=64, waves=8), semantic_ref(x, qw, None),
               TIGHT[torch.float16])
 
 
-@pytest.mark.parametrize("variant", QV.VARIANTS)
+@pytest.mark.parametrize("variant", ANY_FORMAT)
 def test_gemv_serial_split_k(variant):
     """split-K finished in the kernel: the workspace and tickets are zeroed again for the next call."""
     for case, dtype in ((CASES[0], torch.float16), (CASES[2], torch.bfloat16), (CASES[5], torch.float32)):
@@ -147,3 +153,71 @@ def test_gemv_rejects_unknown_variant():
         run_gemv(torch.randn(1, qw.in_features), qw, variant="nope")
     with pytest.raises(TypeError, match="unknown quant_gemv config keys"):
         run_gemv(torch.randn(1, qw.in_features), qw, block_x=1)
+
+
+# ----------------------------------------------------------------------------- variant half2 (quant_gemv_half2)
+
+GPTQ4 = [c for c in CONTIGUOUS if c[1] == "gptq" and c[2] == 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("x_scale", [1e-3, 1.0, 3000.0])   # the per-program power-of-two input scale keeps f16 in range
+@pytest.mark.parametrize("case", GPTQ4, ids=[c[0] for c in GPTQ4])
+def test_gemv_half2_matches_reference(case, x_scale, dtype):
+    qw = make_weight(*case)
+    gen = torch.Generator().manual_seed(int(x_scale * 1000) + 7)
+    x = (torch.randn(1, qw.in_features, generator=gen) * x_scale).to(dtype)
+    bias = (torch.randn(qw.out_features, generator=gen) * 0.1 * x_scale).to(dtype)
+    exact = semantic_ref(x.float(), qw, bias.float())
+    for split_k, serial in ((1, 0), (2, 0), (2, 1)):
+        y = run_gemv(x, qw, bias, variant="half2", split_k=split_k, serial=serial, block_n=32, block_k=32)
+        check(y.float(), exact, max(HALF2_TOL, TIGHT[dtype]))
+
+
+def test_gemv_half2_ragged_n_and_tiles():
+    qw = make_weight("gptq4-k128-n200-g64", "gptq", 4, 128, 200, 64, False, False)
+    x = torch.randn(1, qw.in_features)
+    for bn, bk in ((128, 64), (64, 32), (16, 16)):
+        check(run_gemv(x, qw, variant="half2", block_n=bn, block_k=bk, waves=8), semantic_ref(x, qw, None), HALF2_TOL)
+
+
+def test_gemv_half2_refuses_other_formats():
+    for case, M in ((CASES[1], 1), (CASES[5], 1), (CASES[2], 2)):   # AWQ, 8-bit GPTQ, two rows
+        qw = make_weight(*case)
+        with pytest.raises(ValueError, match="half2 takes one row of a 4-bit GPTQ weight"):
+            run_gemv(torch.randn(M, qw.in_features), qw, variant="half2")
+
+
+_ASSEMBLE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel as kernel
+sig = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16", "bias_ptr": "*i32",
+       "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "N": "i32", "K": "i32", "stride_qw": "i32",
+       "stride_qz": "i32", "stride_s": "i32", "k_per_split": "i32"}
+for x_words in (True, False):
+    const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_N=128, BLOCK_K=64,
+                 INTERPRET=False, X_WORDS=x_words, PDL=True)
+    sig.update({k: "constexpr" for k in const})
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(list(sig).index(k),): v for k, v in const.items()})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})
+    assert ck.asm["cubin"] and ck.asm["ptx"].count("fma.rn.f16x2") == 3 * 8 * 4, x_words
+print("assembled")
+"""
+
+
+def test_gemv_half2_inline_ptx_assembles_for_hopper():
+    """The interpreter cannot run inline PTX: compile the kernel for sm_90 with Triton's own ptxas instead (no GPU
+    needed), both input paths, so a PTX mistake fails here rather than on the GPU."""
+    import pathlib
+    import subprocess
+    import sys
+
+    ptxas = pathlib.Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _ASSEMBLE], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert r.returncode == 0 and "assembled" in r.stdout, r.stderr[-3000:]

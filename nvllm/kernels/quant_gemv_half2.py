@@ -1,0 +1,189 @@
+"""GPTQ 4-bit GEMV for one row with packed half-precision math (``quant_gemv`` variant ``half2``).
+
+The ``row`` variant spends about 4.3 instructions per weight at one row (ncu, PERF run AB: GPTQ gate_up ran 18.3 M
+warp instructions, as much issue time as the int4 floor's memory time), so no occupancy reaches the floor. Here a
+packed GPTQ word — eight inputs of one column — is dequantized two fields at a time as an f16x2 pair: one ``lop3``
+ORs fields f and f + 4 into the bit pattern of 1024.0 (``0x6400``) where they lie (fields 0/4 at bits 0/16 read
+1024 + q, fields 1/5 at bits 4/20 read 1024 + 16 q; one shift by 8 brings fields 2, 3, 6, 7 there), one
+``sub.f16x2`` of (1024 + z) or (1024 + 16 z) leaves q − z or 16 (q − z) exactly, and one ``fma.rn.f16x2`` multiplies
+it into an f16x2 accumulator by the inputs (x_f, x_{f+4}) packed the same way (divided by 16 for the fields read
+times 16). The word's two halves are summed in fp32: 17 instructions per word of eight weights.
+
+Precision: per program the inputs of its K range are scaled by a power of two so that |x| < 512 — the products and
+the four-term half sums stay below 2^15, far from f16's 65504 — and the scale is undone exactly at the end; each
+product and half sum is rounded to f16 (11 significant bits, the accuracy of an fp16 dot product of 4 terms), each
+word's sum and everything after it is fp32. Scales multiply once per group and column, in fp32, as in ``row``.
+
+Under the Triton interpreter (the CPU tests) the same steps run as Triton f16 operations instead of the inline PTX.
+The torch reference is ``quant_gemm.quant_gemm_reference``; ``quant_gemv.quant_gemv`` launches this kernel.
+"""
+
+from __future__ import annotations
+
+from nvllm.kernels.backend import eager_triton
+from nvllm.kernels.quant_gemv import _epilogue as epilogue, _words as words_of  # shared with the other variants
+
+triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
+
+# one packed word (fields 0..7 = inputs 8w + 0..7) · its eight inputs, as f16x2 pairs: fields (0, 4) sit at bits 0
+# and 16, (1, 5) at bits 4 and 20 — read in place as 1024 + 16 q, against inputs pre-scaled by 1/16 — and after one
+# shift by 8, (2, 6) and (3, 7) likewise. $1 the word, $2 (1024 + z) twice, $3 (1024 + 16 z) twice, $4..$7 the input
+# pairs (0, 4), (1, 5)/16, (2, 6), (3, 7)/16; $0 the fp32 sum
+_WORD_DOT_PTX = """
+{
+.reg .b32 t, a, acc;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t, t, $2;
+mul.rn.f16x2 acc, t, $4;
+lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 t, t, $3;
+fma.rn.f16x2 acc, t, $5, acc;
+shr.b32 a, $1, 8;
+lop3.b32 t, a, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t, t, $2;
+fma.rn.f16x2 acc, t, $6, acc;
+lop3.b32 t, a, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 t, t, $3;
+fma.rn.f16x2 acc, t, $7, acc;
+mov.b32 {lo, hi}, acc;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}
+"""
+_WORD_DOT = tl.constexpr(_WORD_DOT_PTX) if tl is not None else _WORD_DOT_PTX  # a global a kernel may read
+
+# the four input pairs of a word row from eight bf16 inputs read as four 32-bit words ($4..$7: (x0, x1), (x2, x3),
+# (x4, x5), (x6, x7)), times the program's scale $8 (and 1/16 for the odd pairs): a bf16 is the top half of its fp32
+_PAIRS_PTX = """
+{
+.reg .b32 t0, t1;
+.reg .f32 f0, f1, s16;
+mul.f32 s16, $8, 0f3D800000;
+shl.b32 t0, $4, 16;
+shl.b32 t1, $6, 16;
+mul.f32 f0, t0, $8;
+mul.f32 f1, t1, $8;
+cvt.rn.f16x2.f32 $0, f1, f0;
+and.b32 t0, $4, 0xFFFF0000;
+and.b32 t1, $6, 0xFFFF0000;
+mul.f32 f0, t0, s16;
+mul.f32 f1, t1, s16;
+cvt.rn.f16x2.f32 $1, f1, f0;
+shl.b32 t0, $5, 16;
+shl.b32 t1, $7, 16;
+mul.f32 f0, t0, $8;
+mul.f32 f1, t1, $8;
+cvt.rn.f16x2.f32 $2, f1, f0;
+and.b32 t0, $5, 0xFFFF0000;
+and.b32 t1, $7, 0xFFFF0000;
+mul.f32 f0, t0, s16;
+mul.f32 f1, t1, s16;
+cvt.rn.f16x2.f32 $3, f1, f0;
+}
+"""
+_PAIRS = tl.constexpr(_PAIRS_PTX) if tl is not None else _PAIRS_PTX
+
+
+@_jit
+def _pair(lo, hi):
+    """Two fp32 values as one f16x2 word (``lo`` in the low half)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@_jit
+def _word_dot_ops(words, z, x0, x1, x2, x3, x4, x5, x6, x7):
+    """The interpreter's Σ_f x_f (q_f − z) over the eight fields of each word: f16 products and half sums, fp32 sum."""
+    zh = z.to(tl.float16)
+    acc_lo = ((words & 15).to(tl.float16) - zh) * x0.to(tl.float16)
+    acc_hi = (((words >> 16) & 15).to(tl.float16) - zh) * x4.to(tl.float16)
+    acc_lo += (((words >> 4) & 15).to(tl.float16) - zh) * x1.to(tl.float16)
+    acc_hi += (((words >> 20) & 15).to(tl.float16) - zh) * x5.to(tl.float16)
+    acc_lo += (((words >> 8) & 15).to(tl.float16) - zh) * x2.to(tl.float16)
+    acc_hi += (((words >> 24) & 15).to(tl.float16) - zh) * x6.to(tl.float16)
+    acc_lo += (((words >> 12) & 15).to(tl.float16) - zh) * x3.to(tl.float16)
+    acc_hi += (((words >> 28) & 15).to(tl.float16) - zh) * x7.to(tl.float16)
+    return acc_lo.to(tl.float32) + acc_hi.to(tl.float32)
+
+
+@_jit
+def _pairs(x_ptr, kb, sc, X_WORDS: tl.constexpr):
+    """The four f16x2 input pairs of the word row at input kb: from bf16 inputs read as 32-bit words (``X_WORDS``:
+    ``x_ptr`` is then an int32 view) or from inputs of any type one by one."""
+    if X_WORDS:
+        j = kb // 2 + tl.arange(0, 1)
+        return tl.inline_asm_elementwise(
+            _PAIRS, "=r,=r,=r,=r,r,r,r,r,f",
+            [tl.load(x_ptr + j), tl.load(x_ptr + j + 1), tl.load(x_ptr + j + 2), tl.load(x_ptr + j + 3), sc],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        s16 = sc * 0.0625
+        return (_pair(_x(x_ptr, kb, sc), _x(x_ptr, kb + 4, sc)), _pair(_x(x_ptr, kb + 1, s16), _x(x_ptr, kb + 5, s16)),
+                _pair(_x(x_ptr, kb + 2, sc), _x(x_ptr, kb + 6, sc)), _pair(_x(x_ptr, kb + 3, s16), _x(x_ptr, kb + 7, s16)))
+
+
+@_jit
+def _x(x_ptr, k, sc):
+    return tl.load(x_ptr + k + tl.arange(0, 1)).to(tl.float32) * sc
+
+
+@_jit
+def quant_gemv_half2_kernel(
+    x_ptr, xw_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    N, K,
+    stride_qw, stride_qz, stride_s,           # row strides of qweight [K/8, N], qzeros, scales
+    k_per_split,                              # K range of one split (a multiple of BLOCK_K)
+    GROUP: tl.constexpr,                      # group size, a multiple of BLOCK_K
+    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, SERIAL: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,                  # Triton f16 operations instead of the inline PTX
+    X_WORDS: tl.constexpr,                    # bf16 inputs, also passed as an int32 view (xw_ptr)
+    PDL: tl.constexpr,
+):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    # the power of two that brings this program's inputs below 512: 2^(8 − E), E = floor(log2 max |x|)
+    m = 0.0
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        m = tl.maximum(m, tl.max(tl.abs(tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32))))
+    e = tl.minimum(tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 255, 8), 253)   # biased exponent of max
+    sc = ((262 - e) << 23).to(tl.float32, bitcast=True)
+    unscale = ((e - 8) << 23).to(tl.float32, bitcast=True)
+    zshift = (offs_n % 8) * 4
+    acc = tl.full((BLOCK_N,), 0.0, tl.float32)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
+        grp = k0 // GROUP
+        s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        zw = tl.load(qz_ptr + grp * stride_qz + offs_n // 8, mask=mask_n, other=0)
+        z = ((zw >> zshift) & 15) + 1                                                # v1 stores zero − 1
+        z1 = (0x6400 + z).to(tl.uint32) * 0x10001                                   # f16 (1024 + z) twice
+        z16 = (0x6400 + 16 * z).to(tl.uint32) * 0x10001                             # (1024 + 16 z) twice
+        for w in tl.static_range(BLOCK_K // 8):
+            words = words_of(qw_ptr + (k0 // 8 + w) * stride_qw + offs_n, mask_n)    # [BLOCK_N]
+            kb = k0 + 8 * w
+            if INTERPRET:
+                d = _word_dot_ops(words, z, _x(x_ptr, kb, sc), _x(x_ptr, kb + 1, sc), _x(x_ptr, kb + 2, sc),
+                                  _x(x_ptr, kb + 3, sc), _x(x_ptr, kb + 4, sc), _x(x_ptr, kb + 5, sc),
+                                  _x(x_ptr, kb + 6, sc), _x(x_ptr, kb + 7, sc))
+            else:
+                p0, p1, p2, p3 = _pairs(xw_ptr if X_WORDS else x_ptr, kb, sc, X_WORDS)
+                d = tl.inline_asm_elementwise(_WORD_DOT, "=f,r,r,r,r,r,r,r", [words, z1, z16, p0, p1, p2, p3],
+                                              dtype=tl.float32, is_pure=True, pack=1)
+            if w == 0:
+                part = d
+            else:
+                part += d
+        acc += s * part
+    offs_m = tl.arange(0, 1)
+    epilogue((acc * unscale)[None, :], out_ptr, 0, offs_m, offs_m < 1, offs_n, mask_n, bias_ptr, ws_ptr, cnt_ptr,
+             N, HAS_BIAS, ATOMIC, SERIAL, 1, BLOCK_N)
