@@ -239,7 +239,7 @@ def run_variants(args, bw: float, out: Path) -> None:
                         except Exception as e:  # noqa: BLE001 — e.g. out of shared memory
                             print(f"  skip {name} {key} waves {waves} serial {serial}: {type(e).__name__}")
                             break
-                        cands.append({**cfg, "waves": waves, "serial": serial, "us": 1e6 * t})
+                        cands.append({**cfg, "waves": waves, "serial": serial, "us": 1e6 * t, "rel_err": err})
                 cands.sort(key=lambda c: c["us"])
                 row["candidates"] = cands
                 row["best"] = {v: next((c for c in cands if c["variant"] == v), None) for v in variants}

@@ -47,10 +47,12 @@ def test_gemv_matches_dequant_matmul(case, M, dtype):
     x = torch.randn(M, qw.in_features, generator=gen).to(dtype)
     bias = (torch.randn(qw.out_features, generator=gen) * 0.1).to(dtype) if M != 3 else None
     y = run_gemv(x, qw, bias)
-    # the GEMV multiplies by the fp32 weight: no rounding of a dequantized tile to x's dtype
+    # the GEMV multiplies by the fp32 weight: no rounding of a dequantized tile to x's dtype (the default for one
+    # row of 4-bit GPTQ, half2, rounds its products to f16)
     exact = semantic_ref(x.float(), qw, None if bias is None else bias.float()).to(dtype)
-    check(y, exact, TIGHT[dtype])
-    check(y, quant_gemm_reference(x, qw, bias), LOOSE[dtype])
+    half2 = QV.pick_gemv_config(M, qw.in_features, qw.group_size, qw.fmt, qw.bits)["variant"] == "half2"
+    check(y, exact, max(HALF2_TOL, TIGHT[dtype]) if half2 else TIGHT[dtype])
+    check(y, quant_gemm_reference(x, qw, bias), max(HALF2_TOL, LOOSE[dtype]) if half2 else LOOSE[dtype])
 
 
 @pytest.mark.parametrize("magic", [0, 1])
