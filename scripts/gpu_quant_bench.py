@@ -75,8 +75,6 @@ VARIANT_TILES: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
                       (512, 64, 2, 3), (512, 128, 4, 3), (128, 64, 1, 3), (64, 64, 1, 1), (128, 32, 1, 1)],
     ("gptq", "half2"): [(128, 64, 1, 3), (128, 64, 1, 1), (128, 128, 1, 3), (256, 64, 1, 3), (256, 64, 1, 1),
                         (256, 128, 2, 3), (512, 64, 2, 3), (64, 64, 1, 1)],
-    ("awq", "half2"): [(1024, 32, 4, 1), (256, 32, 1, 1), (512, 32, 2, 1), (512, 32, 1, 1), (1024, 32, 2, 1),
-                       (1024, 16, 1, 1), (512, 16, 1, 1), (512, 32, 1, 3)],
     ("awq", "row"): [(256, 32, 1, 3), (256, 32, 1, 1), (512, 32, 1, 3), (512, 16, 1, 3), (512, 16, 2, 3),
                      (1024, 16, 2, 3), (1024, 32, 4, 1)],
 }
@@ -127,7 +125,7 @@ def variant_configs(fmt: str, m: int, variants: list[str]) -> list[dict]:
     bm = 1 << max(0, (m - 1).bit_length())
     out = []
     for v in variants:
-        if v == "half2" and bm != 1:   # one row only
+        if v == "half2" and bm != 1:   # one row of 4-bit GPTQ only (no AWQ tiles listed)
             continue
         for bn, bk, nw, st in VARIANT_TILES.get((fmt, v), []):
             if v == "tile" and bm * bk * bn > MAX_TILE_PRODUCTS:

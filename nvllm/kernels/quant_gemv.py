@@ -15,8 +15,8 @@ compares them):
   then over the words once per K step. AWQ: the ``[BLOCK_K, BLOCK_N/8]`` word tile broadcast to ``[BLOCK_K,
   8, BLOCK_N/8]`` (index i is column ``8w + i``), summed over K into an accumulator of that shape; one permute
   and reshape after the loop put the columns in order.
-* ``half2`` (``quant_gemv_half2``, one row of a 4-bit GPTQ or AWQ weight): the ``row`` loop with the
-  dequantization and the products as packed f16x2 instructions (inline PTX), products rounded to f16.
+* ``half2`` (``quant_gemv_half2``, one row of a 4-bit GPTQ weight): the ``row`` loop with the dequantization and
+  the products as packed f16x2 instructions (inline PTX), about 2.5 instead of 4.3 instructions per weight.
 * ``row``: one word row at a time (a static loop over the K step's BLOCK_K/P GPTQ or BLOCK_K AWQ word rows,
   each a 1-D load), FMAs straight into the ``[BLOCK_M, BLOCK_N]`` (AWQ ``[BLOCK_M, 8, BLOCK_N/8]``)
   accumulator: no reduction and no layout change in the loop, few registers.
@@ -54,7 +54,7 @@ from nvllm.kernels.backend import eager_triton
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
-VARIANTS = ("tile", "field", "row", "half2")  # half2: one row of a 4-bit weight (quant_gemv_half2)
+VARIANTS = ("tile", "field", "row", "half2")  # half2: one row of a 4-bit GPTQ weight (quant_gemv_half2)
 
 
 @_jit
@@ -377,9 +377,9 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
                          f"block_k {bk}")
     if bn % 8 or bk % (32 // bits) or (fmt == "awq" and bits != 4):
         raise ValueError(f"quant_gemv: block_n {bn} / block_k {bk} do not hold whole {bits}-bit {fmt} words")
-    if variant == "half2" and (bits != 4 or M != 1 or (fmt == "awq" and bk % 4)):
-        raise ValueError(f"quant_gemv variant half2 takes one row of a 4-bit weight (AWQ: block_k a multiple of 4), "
-                         f"not {M} rows of {bits}-bit {fmt} with block_k {bk}")
+    if variant == "half2" and (fmt != "gptq" or bits != 4 or M != 1):
+        raise ValueError(f"quant_gemv variant half2 takes one row of a 4-bit GPTQ weight, not {M} rows of {bits}-bit "
+                         f"{fmt}")
     if x.stride(1) != 1:
         x = x.contiguous()
     n_tiles = triton.cdiv(N, bn)
@@ -399,15 +399,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     common = dict(BITS=bits, AWQ=fmt == "awq", GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic,
                   SERIAL=ws is not None, STAGES=cfg["stages"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                   num_warps=cfg["num_warps"], **pdl.launch_args(x))
-    if variant == "half2" and fmt == "awq":
-        from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_awq_kernel
-
-        quant_gemv_half2_awq_kernel[(n_tiles, split_k)](
-            *args[:6], *(ws if ws is not None else (out, out)), N, K, qweight.stride(0), qzeros.stride(0),
-            scales.stride(0), k_per_split, GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic, SERIAL=ws is not None,
-            STAGES=cfg["stages"], BLOCK_N=bn, BLOCK_K=bk, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-            num_warps=cfg["num_warps"], **pdl.launch_args(x))
-    elif variant == "half2":
+    if variant == "half2":
         from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel
 
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
