@@ -314,7 +314,8 @@ def main() -> None:
             log(f"1P1D ready (kv backend {backend})")
             import httpx
 
-            workers = [w["url"] for w in httpx.get("http://127.0.0.1:8000/router/workers", timeout=10).json()["workers"]]
+            listed = httpx.get("http://127.0.0.1:8000/router/workers", timeout=10).json()["workers"]
+            workers = [w["url"] for w in listed]
             run_rates("http://127.0.0.1:8000", "disagg_1p1d", T0 + args.budget, workers)
             break
         finally:

@@ -4,10 +4,10 @@ For each sequence waiting for its KV (the engine gave it blocks when the request
 its prefix cache already held, so only the missing blocks travel): the thread asks the prefill worker over
 HTTP to send the handle's remaining blocks to this rank with a fresh tag (control data only), receives the
 message (header and blocks) over the transfer group into its reusable buffer, scatters it into the blocks
-(after the engine's queued steps), and hands the sequence to the scheduler. Any failure — the prefill worker gone, the handle expired, a broken transfer — is not the
-request's end: its prompt is recomputed here instead, and the request goes on. All receives of this worker
-run on this one thread, in the order they were asked for, which keeps every (prefill worker, this worker)
-pair in one order.
+(after the engine's queued steps), and hands the sequence to the scheduler. Any failure — the prefill worker
+gone, the handle expired, a broken transfer — is not the request's end: its prompt is recomputed here instead,
+and the request goes on. All receives of this worker run on this one thread, in the order they were asked for,
+which keeps every (prefill worker, this worker) pair in one order.
 """
 
 from __future__ import annotations

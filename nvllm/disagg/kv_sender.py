@@ -3,8 +3,8 @@
 A decode worker asks for a handle (POST /internal/kv/send); the request handler takes the block ids from the
 engine (export_kv, so the blocks can no longer expire) and queues a job here. The thread copies the blocks
 into its message buffer, hands the blocks back to the engine at once (the copy holds the bytes), and sends
-the message (header and blocks) to the decode worker's rank. All sends of this worker run on this one thread, in the
-order they were asked for, so every (this worker, decode worker) pair sees its transfers in one order.
+the message (header and blocks) to the decode worker's rank. All sends of this worker run on this one thread,
+in the order they were asked for, so every (this worker, decode worker) pair sees its transfers in one order.
 
 Between jobs it expires handles no decode worker asked for within --kv-handle-timeout.
 """

@@ -5,9 +5,9 @@ cache their fp32 scales: see nvllm.layers.attention). Gathering copies the chose
 raw bytes, into one uint8 buffer — scales of every layer first, then K and V of every layer — and scattering
 writes them into other block ids of an identically shaped pool. Working on the bytes makes the copy bit-exact
 whatever the element type, and lets one send/recv carry a whole transfer. The copies move the bytes as 8-byte
-words (as 4-, 2- or 1-byte words where a block's slice is not a multiple of 8): PyTorch's indexed copies move
-one element per thread, and as single bytes a 2000-token Qwen2.5-7B transfer (114 MB) took about 10 ms to gather
-on the GPU.
+words (as 4-, 2- or 1-byte words where a block's slice is not a multiple of 8): PyTorch's indexed copies move one
+element per thread, so wide words mean 8x fewer of them. (The 9–28 ms a gather took on a busy prefill GPU in PERF
+runs AB–AG was not the copy's width: it did not change with it.)
 
 The tensors are taken in *parts* ``[G, num_blocks, bytes per block]``: where consecutive tensors are the slices of
 one allocation (``allocate_kv_caches`` keeps K and V of every layer in one, the scales in another) a part holds

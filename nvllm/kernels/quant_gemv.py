@@ -291,7 +291,8 @@ def _quant_gemv_field_kernel(
 TUNED: dict[tuple[str, int, int], dict[str, int | str]] = {
     # run M (H200, scripts/gpu_quant_bench.py, Qwen2.5-7B projections, 4-bit g128): the best single config over
     # the four shapes; 28 layers at M = 1: AWQ 1.967 ms (tile 3.179), GPTQ 2.151 ms (tile 2.567). Run AB (--waves
-    # 8,16,32,64, M = 1; its second call): AWQ 1.859 ms with 32 programs per SM (gate_up 29.6 µs); GPTQ still best at 8 (2.080 ms)
+    # 8,16,32,64, M = 1; its second call): AWQ 1.859 ms with 32 programs per SM (gate_up 29.6 µs); GPTQ still best
+    # at 8 (2.080 ms)
     ("awq", 4, 1): dict(variant="row", block_n=1024, block_k=32, num_warps=4, stages=1, waves=32, serial=1),
     ("awq", 4, 2): dict(variant="row", block_n=1024, block_k=32, num_warps=4, stages=1, waves=8, serial=1),
     # run AE (the same sweep with half2): GPTQ 1.441 ms with half2 against 1.969 ms with row

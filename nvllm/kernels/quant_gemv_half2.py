@@ -7,7 +7,10 @@ ORs fields f and f + 4 into the bit pattern of 1024.0 (``0x6400``) where they li
 1024 + q, fields 1/5 at bits 4/20 read 1024 + 16 q; one shift by 8 brings fields 2, 3, 6, 7 there), one
 ``sub.f16x2`` of (1024 + z) or (1024 + 16 z) leaves q − z or 16 (q − z) exactly, and one ``fma.rn.f16x2`` multiplies
 it into an f16x2 accumulator by the inputs (x_f, x_{f+4}) packed the same way (divided by 16 for the fields read
-times 16). The word's two halves are summed in fp32: 17 instructions per word of eight weights.
+times 16). The word's two halves are summed in fp32: 17 instructions per word of eight weights. bf16 inputs are read
+two to a 32-bit word (an int32 view of x) and packed into the pairs by a second piece of PTX. Counted in the sm_90
+cubin, the loop runs 3.3–4.0 instructions per weight; on the H200 (PERF run AE) the 28 layers' GEMVs of a
+Qwen2.5-7B-shaped model took 1.44 ms against 1.97 ms with ``row``.
 
 Precision: per program the inputs of its K range are scaled by a power of two so that |x| < 512 — the products and
 the four-term half sums stay below 2^15, far from f16's 65504 — and the scale is undone exactly at the end; each
@@ -96,7 +99,8 @@ def _pair(lo, hi):
 
 @_jit
 def _word_dot_ops(words, z, x0, x1, x2, x3, x4, x5, x6, x7):
-    """The interpreter's Σ_f x_f (q_f − z) over the eight fields of each word: f16 products and half sums, fp32 sum."""
+    """The interpreter's Σ_f x_f (q_f − z) over the eight fields of each word: f16 products and half sums, then
+    fp32."""
     zh = z.to(tl.float16)
     acc_lo = ((words & 15).to(tl.float16) - zh) * x0.to(tl.float16)
     acc_hi = (((words >> 16) & 15).to(tl.float16) - zh) * x4.to(tl.float16)
@@ -121,8 +125,10 @@ def _pairs(x_ptr, kb, sc, X_WORDS: tl.constexpr):
             dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
     else:
         s16 = sc * 0.0625
-        return (_pair(_x(x_ptr, kb, sc), _x(x_ptr, kb + 4, sc)), _pair(_x(x_ptr, kb + 1, s16), _x(x_ptr, kb + 5, s16)),
-                _pair(_x(x_ptr, kb + 2, sc), _x(x_ptr, kb + 6, sc)), _pair(_x(x_ptr, kb + 3, s16), _x(x_ptr, kb + 7, s16)))
+        return (_pair(_x(x_ptr, kb, sc), _x(x_ptr, kb + 4, sc)),
+                _pair(_x(x_ptr, kb + 1, s16), _x(x_ptr, kb + 5, s16)),
+                _pair(_x(x_ptr, kb + 2, sc), _x(x_ptr, kb + 6, sc)),
+                _pair(_x(x_ptr, kb + 3, s16), _x(x_ptr, kb + 7, s16)))
 
 
 @_jit
