@@ -152,14 +152,14 @@ def worker_steps(before: dict, after: dict) -> dict:
     """Per worker over one rate: its engine steps by kind (mean decode step, prefill share: bench's step_stats) and
     the tokens it generated per decode-carrying step, from the change in its counters. A TPOT far above the decode
     worker's step time points at the host (the API thread, the streams), one close to it at the engine."""
-    from nvllm.bench.server_metrics import step_stats, total
+    from nvllm.bench.server_metrics import counter_delta, step_stats, total
 
     out = {}
     for url, a in after.items():
         b = before.get(url)
         if a is None or b is None:
             continue
-        delta = {k: v - b.get(k, 0.0) for k, v in a.items() if v != b.get(k, 0.0)}
+        delta = counter_delta(b, a)
         steps = step_stats(delta) or {}
         decoding = total(delta, "nvllm:engine_steps_total", kind="decode") + \
             total(delta, "nvllm:engine_steps_total", kind="mixed")

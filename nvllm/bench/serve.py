@@ -27,7 +27,7 @@ import httpx
 from nvllm.bench.arrivals import arrival_offsets, describe
 from nvllm.bench.datasets import SampleRequest
 from nvllm.bench.metrics import RequestResult, calculate_metrics
-from nvllm.bench.server_metrics import disagg_stats
+from nvllm.bench.server_metrics import counter_delta, disagg_stats
 
 
 class BenchError(RuntimeError):
@@ -265,8 +265,7 @@ async def benchmark(opts: ServeOptions, requests: list[SampleRequest], tokenizer
     result.update(calculate_metrics(results, duration, opts.percentiles, opts.goodput))
     result["kernel_report"] = report_delta(report_before, report_after)
     if counters_before is not None and counters_after is not None:
-        delta = {k: v - counters_before.get(k, 0.0) for k, v in counters_after.items()
-                 if v != counters_before.get(k, 0.0)}
+        delta = counter_delta(counters_before, counters_after)
         result["server_metrics_delta"] = delta
         result.update(spec_decode_stats(delta))
         result.update(disagg_stats(delta, result["duration"]))

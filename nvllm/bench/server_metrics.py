@@ -13,6 +13,11 @@ import re
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The samples that changed between two reads of the counters, as after − before."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
 def _name(key: str) -> str:
     return key.split("{", 1)[0]
 
