@@ -122,6 +122,69 @@ def profile_spec(llm, res: dict, steps: int = 24) -> None:
         print(f"   {k[:60]:60s} x{c:<3d} {ms:.2f} ms host", flush=True)
 
 
+def _replay_times(replay, reps: int) -> dict:
+    """Host µs of one launch with the GPU idle (synchronized before each) and queued back to back, and the GPU ms of
+    one replay (events around the queued ones)."""
+    idle, queued = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        replay()
+        idle.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        t = time.perf_counter()
+        replay()
+        queued.append(time.perf_counter() - t)
+    end.record()
+    torch.cuda.synchronize()
+    med = lambda xs: sorted(xs)[len(xs) // 2] * 1e6  # noqa: E731
+    return {"launch_idle_us": med(idle), "launch_queued_us": med(queued), "gpu_ms": start.elapsed_time(end) / reps}
+
+
+def launch_costs(llm, res: dict, reps: int = 30) -> None:
+    """What a batch-1 graph costs the host to launch against what it costs the GPU to run, for the target and the
+    draft: the engine's graphs (PDL as configured), the same forward captured without PDL, and two forwards in one
+    graph. The graphs' inputs point nowhere (slot −1), so the caches are not touched."""
+    from nvllm.engine.cuda_graph import DecodeGraphs
+
+    eng = llm.engine
+    rows = {}
+    for name, r in (("target", eng.runner), ("draft", eng.spec.draft_runner)):
+        g = r.graphs
+        g.slot_mapping.fill_(-1)
+        g.context_lens[:1] = 200
+        g.block_tables[:1, :16] = torch.arange(16, dtype=torch.int32, device=r.device)
+        rows[f"{name} pdl"] = _replay_times(g.graphs[1].replay, reps)
+        args = (g.input_ids[:1], g.positions[:1], r.kv_caches, g._meta(1))
+        two = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(two, pool=g.pool):
+            r.model(*args)
+            r.model(*args)
+        rows[f"{name} pdl, two forwards in one graph"] = _replay_times(two.replay, reps)
+        old = os.environ.get("NVLLM_PDL")
+        os.environ["NVLLM_PDL"] = "0"
+        try:
+            plain = DecodeGraphs(r.model, r.kv_caches, 1, g.block_tables.shape[1], r.device)
+            plain.capture()
+        finally:
+            if old is None:
+                del os.environ["NVLLM_PDL"]
+            else:
+                os.environ["NVLLM_PDL"] = old
+        plain.slot_mapping.fill_(-1)
+        plain.context_lens[:1] = 200
+        plain.block_tables[:1, :16] = torch.arange(16, dtype=torch.int32, device=r.device)
+        rows[f"{name} no pdl"] = _replay_times(plain.graphs[1].replay, reps)
+        del plain, two
+    res["launch"] = rows
+    for k, v in rows.items():
+        print(f"[launch] {k:38s} host {v['launch_idle_us']:7.1f} us idle, {v['launch_queued_us']:7.1f} us queued; "
+              f"GPU {v['gpu_ms']:.3f} ms", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
@@ -129,6 +192,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--drafts", default="0.5b,int4", help="which drafts: 0.5b (the small model), int4 (self-draft)")
     ap.add_argument("--profile", action="store_true", help="profile batch-1 steps of the first draft (see above)")
+    ap.add_argument("--launch", action="store_true",
+                    help="host cost of launching the batch-1 graphs against their GPU time, first draft (see launch_costs)")
     args = ap.parse_args()
     from nvllm.config import EngineConfig
     from nvllm.llm import LLM
@@ -182,6 +247,8 @@ def main() -> None:
             print(f"{name:22s} acc {acc:.2f}  tau {row.get('tau', 0):.2f}  TPOT {row['tpot_ms']:.2f} ms  "
                   f"x{row['speedup_b1']:.2f}" + (f"  b32 x{row['speedup_b32']:.2f}" if "speedup_b32" in row else ""),
                   flush=True)
+        if args.launch and name == next(iter(drafts)):
+            launch_costs(llm, res)
         if args.profile and name == next(iter(drafts)):  # last: a profiler session slows later launches
             llm.engine.spec.sampler.synthetic_acceptance = accs[0]
             profile_spec(llm, res)
