@@ -185,6 +185,76 @@ def launch_costs(llm, res: dict, reps: int = 30) -> None:
               f"GPU {v['gpu_ms']:.3f} ms", flush=True)
 
 
+def step_timeline(llm, res: dict, steps: int = 40) -> None:
+    """Unprofiled timeline of a batch-1 speculative step: host timestamps (perf_counter) at the entry and exit of
+    the step's phases, and a CUDA event at each, whose time is when the GPU got there (its queue drained up to it).
+    The mean over ``steps`` steps of each mark's offset from the step's start, on the host and on the GPU: a GPU
+    offset that equals the host's means the GPU was waiting for the host there."""
+    from nvllm.bench.offline import random_token_prompts
+    from nvllm.sampling_params import SamplingParams
+    from nvllm.spec.proposer import Drafts
+
+    eng = llm.engine
+    marks: list[tuple[str, float, torch.cuda.Event]] = []
+
+    def wrap(obj, attr, label):
+        fn = getattr(obj, attr)
+
+        def w(*a, **kw):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append((label + " <", time.perf_counter(), ev))
+            r = fn(*a, **kw)
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append((label + " >", time.perf_counter(), ev))
+            return r
+        setattr(obj, attr, w)
+        return obj, attr, fn
+
+    d = eng.spec.draft_runner
+    saved = [wrap(eng, "step", "step"), wrap(eng.scheduler, "schedule", "schedule"),
+             wrap(eng.spec, "propose", "propose"), wrap(d.graphs, "run", "draft graph"),
+             wrap(d.model, "compute_logits", "draft lm_head"), wrap(eng.runner, "execute", "execute"),
+             wrap(eng.runner.graphs, "run", "target graph"), wrap(eng.runner.model, "compute_logits", "target lm_head"),
+             wrap(Drafts, "read", "drafts.read"), wrap(eng.spec, "verify", "verify")]
+    try:
+        prompt = random_token_prompts(llm.get_tokenizer(), 1, 128, seed=11)[0]
+        eng.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=6 * steps + 64, ignore_eos=True))
+        for _ in range(4):
+            eng.step(partial=False)
+        torch.cuda.synchronize()
+        marks.clear()
+        for _ in range(steps):
+            eng.step(partial=False)
+        torch.cuda.synchronize()
+        while eng.has_unfinished_requests():
+            eng.step(partial=False)
+    finally:
+        for obj, attr, fn in saved:
+            setattr(obj, attr, fn)
+    per_step, cur = [], []
+    for m in marks:
+        if m[0] == "step <" and cur:
+            per_step.append(cur)
+            cur = []
+        cur.append(m)
+    per_step.append(cur)
+    shape = [m[0] for m in per_step[0]]
+    same = [s for s in per_step if [m[0] for m in s] == shape]
+    rows = []
+    for i, label in enumerate(shape):
+        host = sum((s[i][1] - s[0][1]) * 1e3 for s in same) / len(same)
+        gpu = sum(s[0][2].elapsed_time(s[i][2]) for s in same) / len(same)
+        rows.append((label, host, gpu))
+    step_ms = sum((s[-1][1] - s[0][1]) * 1e3 for s in same) / len(same)
+    res["timeline"] = {"steps": len(same), "of": len(per_step), "rows": rows}
+    print(f"[timeline] {len(same)} of {len(per_step)} steps with the same phases; host ms from step start, GPU ms "
+          f"from the GPU reaching the step (step host {step_ms:.2f} ms)", flush=True)
+    for label, host, gpu in rows:
+        print(f"[timeline] {label:18s} host {host:7.3f}  gpu {gpu:7.3f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
@@ -192,6 +262,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--drafts", default="0.5b,int4", help="which drafts: 0.5b (the small model), int4 (self-draft)")
     ap.add_argument("--profile", action="store_true", help="profile batch-1 steps of the first draft (see above)")
+    ap.add_argument("--timeline", action="store_true", help="unprofiled host/GPU timeline of batch-1 steps (first draft)")
     ap.add_argument("--launch", action="store_true",
                     help="host cost of launching the batch-1 graphs against their GPU time, first draft (see launch_costs)")
     args = ap.parse_args()
@@ -247,6 +318,9 @@ def main() -> None:
             print(f"{name:22s} acc {acc:.2f}  tau {row.get('tau', 0):.2f}  TPOT {row['tpot_ms']:.2f} ms  "
                   f"x{row['speedup_b1']:.2f}" + (f"  b32 x{row['speedup_b32']:.2f}" if "speedup_b32" in row else ""),
                   flush=True)
+        if args.timeline and name == next(iter(drafts)):
+            llm.engine.spec.sampler.synthetic_acceptance = accs[0]
+            step_timeline(llm, res)
         if args.launch and name == next(iter(drafts)):
             launch_costs(llm, res)
         if args.profile and name == next(iter(drafts)):  # last: a profiler session slows later launches
