@@ -144,6 +144,25 @@ def _replay_times(replay, reps: int) -> dict:
     return {"launch_idle_us": med(idle), "launch_queued_us": med(queued), "gpu_ms": start.elapsed_time(end) / reps}
 
 
+def graph_kernels(runner, bs: int, reps: int = 10) -> dict:
+    """GPU µs per replay of the runner's decode graph for ``bs`` rows, by kernel name (torch.profiler: the launches
+    it slows do not matter here, only the kernels' own durations)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = runner.graphs.graphs[bs]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    by_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            by_name[e.name[:40]] = by_name.get(e.name[:40], 0.0) + e.device_time_total / reps
+    return dict(sorted(by_name.items(), key=lambda kv: -kv[1]))
+
+
 def launch_costs(llm, res: dict, reps: int = 30) -> None:
     """What a batch-1 graph costs the host to launch against what it costs the GPU to run, for the target and the
     draft: the engine's graphs (PDL as configured), the same forward captured without PDL, and two forwards in one
@@ -180,6 +199,13 @@ def launch_costs(llm, res: dict, reps: int = 30) -> None:
         rows[f"{name} no pdl"] = _replay_times(plain.graphs[1].replay, reps)
         del plain, two
     res["launch"] = rows
+    kernels = {}
+    for name, r, sizes in (("target", eng.runner, (1, 8)), ("draft", eng.spec.draft_runner, (1, 2))):
+        for bs in sizes:
+            k = kernels[f"{name} batch {bs}"] = graph_kernels(r, bs)
+            print(f"[kernels] {name} graph batch {bs}: {sum(k.values()):.0f} us of kernels; "
+                  + ", ".join(f"{n} {us:.0f}" for n, us in list(k.items())[:8]), flush=True)
+    res["graph_kernels"] = kernels
     for k, v in rows.items():
         print(f"[launch] {k:38s} host {v['launch_idle_us']:7.1f} us idle, {v['launch_queued_us']:7.1f} us queued; "
               f"GPU {v['gpu_ms']:.3f} ms", flush=True)
