@@ -144,13 +144,12 @@ def _replay_times(replay, reps: int) -> dict:
     return {"launch_idle_us": med(idle), "launch_queued_us": med(queued), "gpu_ms": start.elapsed_time(end) / reps}
 
 
-def graph_kernels(runner, bs: int, reps: int = 10) -> dict:
-    """GPU µs per replay of the runner's decode graph for ``bs`` rows, by kernel name (torch.profiler: the launches
-    it slows do not matter here, only the kernels' own durations)."""
+def graph_kernels(graph, reps: int = 10) -> dict:
+    """GPU µs per replay of a graph, by kernel name (torch.profiler: the launches it slows do not matter here, only
+    the kernels' own durations; with PDL a kernel's duration includes its wait for the one before)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    graph = runner.graphs.graphs[bs]
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
@@ -202,7 +201,7 @@ def launch_costs(llm, res: dict, reps: int = 30) -> None:
     kernels = {}
     for name, r, sizes in (("target", eng.runner, (1, 8)), ("draft", eng.spec.draft_runner, (1, 2))):
         for bs in sizes:
-            k = kernels[f"{name} batch {bs}"] = graph_kernels(r, bs)
+            k = kernels[f"{name} batch {bs}"] = graph_kernels(r.graphs.graphs[bs])
             print(f"[kernels] {name} graph batch {bs}: {sum(k.values()):.0f} us of kernels; "
                   + ", ".join(f"{n} {us:.0f}" for n, us in list(k.items())[:8]), flush=True)
     res["graph_kernels"] = kernels
@@ -281,6 +280,82 @@ def step_timeline(llm, res: dict, steps: int = 40) -> None:
         print(f"[timeline] {label:18s} host {host:7.3f}  gpu {gpu:7.3f}", flush=True)
 
 
+def _graph_ms(graph, reps: int = 30) -> float:
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _capture(runner, bs: int, rows: int, pdl_on: bool = True):
+    """The runner's model captured as decode graphs up to ``bs`` rows, the first ``rows`` attending to 200 positions,
+    storing nowhere (slot −1)."""
+    from nvllm.engine.cuda_graph import DecodeGraphs
+
+    old = os.environ.get("NVLLM_PDL")
+    os.environ["NVLLM_PDL"] = "1" if pdl_on else "0"
+    try:
+        g = DecodeGraphs(runner.model, runner.kv_caches, bs, runner.graphs.block_tables.shape[1], runner.device)
+        g.capture()
+    finally:
+        if old is None:
+            del os.environ["NVLLM_PDL"]
+        else:
+            os.environ["NVLLM_PDL"] = old
+    g.slot_mapping.fill_(-1)
+    g.context_lens.zero_()
+    g.context_lens[:rows] = 200
+    g.block_tables[:rows, :16] = torch.arange(16, dtype=torch.int32, device=runner.device)
+    return g
+
+
+def graph_variants(llm, res: dict) -> None:
+    """GPU ms of one replay for the verification (5 rows) and the draft's steps under variants of graph size, GEMM
+    choice and PDL, plus the kernels of the PDL-free graphs (clean durations)."""
+    from nvllm.kernels.gemm import SkinnyConfig, gemm_choice, set_gemm_choice
+
+    eng = llm.engine
+    t, d = eng.runner, eng.spec.draft_runner
+    bf = torch.bfloat16
+    out = {}
+
+    def with_choice(n, k, m, choice, fn):
+        old = gemm_choice(n, k, m, bf)
+        set_gemm_choice(n, k, m, bf, choice)
+        try:
+            return fn()
+        finally:
+            set_gemm_choice(n, k, m, bf, old)
+
+    out["target 1 row, batch-1 graph"] = _graph_ms(_capture(t, 1, 1).graphs[1])
+    out["target 5 rows, batch-8 graph"] = _graph_ms(_capture(t, 8, 5).graphs[8])
+    out["target 5 rows, batch-5 graph"] = _graph_ms(_capture(t, 5, 5).graphs[5])
+    mma = SkinnyConfig("mma", 64, 128, 1, 4, 4)
+    out["target 5 rows, batch-5 graph, qkv triton mma"] = with_choice(
+        4608, 3584, 8, mma, lambda: _graph_ms(_capture(t, 5, 5).graphs[5]))
+    out["target 5 rows, batch-5 graph, qkv mma split 2"] = with_choice(
+        4608, 3584, 8, SkinnyConfig("mma", 64, 128, 2, 4, 4), lambda: _graph_ms(_capture(t, 5, 5).graphs[5]))
+    out["draft 1 row, batch-1 graph"] = _graph_ms(_capture(d, 1, 1).graphs[1])
+    out["draft 2 rows, batch-2 graph"] = _graph_ms(_capture(d, 2, 2).graphs[2])
+    fma = SkinnyConfig("fma", 8, 256, 1, 2, 4)
+    out["draft 2 rows, batch-2 graph, gate_up fma"] = with_choice(
+        9728, 896, 2, fma, lambda: _graph_ms(_capture(d, 2, 2).graphs[2]))
+    for k, v in out.items():
+        print(f"[variants] {k:48s} {v:.3f} ms", flush=True)
+    kernels = {}
+    for name, r, bs in (("target", t, 5), ("draft", d, 1)):
+        g = _capture(r, bs, bs, pdl_on=False)
+        k = kernels[f"{name} batch {bs} no pdl"] = graph_kernels(g.graphs[bs])
+        out[f"{name} batch {bs} no pdl"] = _graph_ms(g.graphs[bs])
+        print(f"[variants] {name} batch {bs} without PDL: {out[f'{name} batch {bs} no pdl']:.3f} ms, kernels "
+              f"{sum(k.values()):.0f} us: " + ", ".join(f"{n} {us:.0f}" for n, us in list(k.items())[:10]), flush=True)
+    res["graph_variants"] = {"ms": out, "kernels": kernels}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
@@ -288,6 +363,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--drafts", default="0.5b,int4", help="which drafts: 0.5b (the small model), int4 (self-draft)")
     ap.add_argument("--profile", action="store_true", help="profile batch-1 steps of the first draft (see above)")
+    ap.add_argument("--variants", action="store_true", help="graph variants for the verification and the draft")
     ap.add_argument("--timeline", action="store_true", help="unprofiled host/GPU timeline of batch-1 steps (first draft)")
     ap.add_argument("--launch", action="store_true",
                     help="host cost of launching the batch-1 graphs against their GPU time, first draft (see launch_costs)")
@@ -344,6 +420,8 @@ def main() -> None:
             print(f"{name:22s} acc {acc:.2f}  tau {row.get('tau', 0):.2f}  TPOT {row['tpot_ms']:.2f} ms  "
                   f"x{row['speedup_b1']:.2f}" + (f"  b32 x{row['speedup_b32']:.2f}" if "speedup_b32" in row else ""),
                   flush=True)
+        if args.variants and name == next(iter(drafts)):
+            graph_variants(llm, res)
         if args.timeline and name == next(iter(drafts)):
             llm.engine.spec.sampler.synthetic_acceptance = accs[0]
             step_timeline(llm, res)
