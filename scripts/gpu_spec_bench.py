@@ -3,7 +3,8 @@ k=4, against plain decoding in the same run.
 
     python scripts/gpu_spec_bench.py [--tokenizer-dir .carry/qwen2.5] [--acceptance 0.5,0.7,0.8,0.9]
 
-Drafts: a Qwen2.5-0.5B-shaped model (scripts/models/qwen2.5-0.5b) and an INT4 (GPTQ g128) copy of the target's
+Drafts (``--drafts``): a Qwen2.5-0.5B-shaped model (scripts/models/qwen2.5-0.5b), its widths with 4 layers (an
+EAGLE-sized draft: a forward reads 1/39 of what the target's does), and an INT4 (GPTQ g128) copy of the target's
 shapes. Random weights accept nothing, so the runs use the BENCHMARK MODE ``synthetic_acceptance``: each
 drafted token is accepted with a fixed probability, whatever the models say — the drafts and the target still
 run in full, so the speed at a given acceptance is real; the outputs are not the target's. τ is the mean
@@ -39,13 +40,16 @@ from gpu_bench import QUANT_CONFIGS, build_model_dir  # noqa: E402
 from gpu_profile import device_us, profiled_steps  # noqa: E402
 
 
-def model_copy(src: Path, config_from: Path | None = None, quant: dict | None = None) -> Path:
+def model_copy(src: Path, config_from: Path | None = None, quant: dict | None = None,
+               layers: int | None = None) -> Path:
     d = Path(tempfile.mkdtemp(prefix="spec-"))
     for f in src.iterdir():
         shutil.copy(f, d / f.name)
     cfg = json.loads(((config_from or src) / "config.json").read_text())
     if quant:
         cfg["quantization_config"] = quant
+    if layers:
+        cfg["num_hidden_layers"] = cfg["max_window_layers"] = layers
     (d / "config.json").write_text(json.dumps(cfg))
     return d
 
@@ -361,7 +365,8 @@ def main() -> None:
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
     ap.add_argument("--acceptance", default="0.5,0.7,0.8,0.9")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--drafts", default="0.5b,int4", help="which drafts: 0.5b (the small model), int4 (self-draft)")
+    ap.add_argument("--drafts", default="0.5b,int4", help="which drafts: 0.5b (the small model), 0.5b-4l (its first 4 layers: an "
+                    "EAGLE-sized draft), int4 (self-draft)")
     ap.add_argument("--profile", action="store_true", help="profile batch-1 steps of the first draft (see above)")
     ap.add_argument("--variants", action="store_true", help="graph variants for the verification and the draft")
     ap.add_argument("--timeline", action="store_true", help="unprofiled host/GPU timeline of batch-1 steps (first draft)")
@@ -383,6 +388,8 @@ def main() -> None:
     drafts = {}
     if "0.5b" in chosen:
         drafts["0.5B-shaped"] = model_copy(target, REPO / "scripts/models/qwen2.5-0.5b")
+    if "0.5b-4l" in chosen:  # EAGLE-sized: a forward reads ~0.39 GB, 1/39 of the target's (EAGLE-3's head ~1/20)
+        drafts["0.5B widths, 4 layers"] = model_copy(target, REPO / "scripts/models/qwen2.5-0.5b", layers=4)
     if "int4" in chosen:
         drafts["INT4 GPTQ self-draft"] = model_copy(target, quant=QUANT_CONFIGS["gptq"])
     base = dict(model=str(target), load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
@@ -423,7 +430,7 @@ def main() -> None:
         if args.variants and name == next(iter(drafts)):
             graph_variants(llm, res)
         if args.timeline and name == next(iter(drafts)):
-            llm.engine.spec.sampler.synthetic_acceptance = accs[0]
+            llm.engine.spec.sampler.synthetic_acceptance = 0.8 if 0.8 in accs else accs[0]
             step_timeline(llm, res)
         if args.launch and name == next(iter(drafts)):
             launch_costs(llm, res)

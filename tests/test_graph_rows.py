@@ -76,3 +76,11 @@ def test_long_chunks_stay_eager(demo_dir):
     assert len(llm.get_tokenizer().encode(long_prompt)) > MR.GRAPH_MAX_QUERY_LEN
     llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert fake.rows_seen == [1, 1]                             # the prompt ran eagerly, the decodes in rows
+
+
+def test_graph_sizes_include_the_verification_rows():
+    from nvllm.engine.cuda_graph import batch_size_ladder
+
+    assert batch_size_ladder(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_size_ladder(40, (5,)) == [1, 2, 4, 5, 8, 16, 32, 40]  # k = 4: five rows, no padding to 8
+    assert batch_size_ladder(4, (5, 0)) == [1, 2, 4]                    # never past max_num_seqs

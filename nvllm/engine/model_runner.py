@@ -117,8 +117,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and use_triton(self.kv_caches[0][0]):
+            spec = config.speculative
+            verify_rows = (spec.num_speculative_tokens + 1,) if spec is not None and not spec.auto else ()
             self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
-                                       -(-self.max_model_len // self.block_size), self.device)
+                                       -(-self.max_model_len // self.block_size), self.device, verify_rows)
             self.graphs.capture()
             self.piecewise = PiecewiseGraphs(self.model, self.kv_caches,
                                              min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS), self.device,

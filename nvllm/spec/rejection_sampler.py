@@ -85,19 +85,18 @@ def rejection_sample(p: torch.Tensor | None, q: torch.Tensor | None, draft: torc
     Returns (accepted drafts per request, the token emitted after them per request)."""
     dev = draft.device
     rows = [k + 1 for k in counts]
-    if all(greedy):
-        accept = draft == target_argmax
-    else:
-        px = p.gather(1, draft[:, None]).squeeze(1)
-        qx = q.gather(1, draft[:, None]).squeeze(1)
-        accept = uniforms(rows, gens, engine_gen, dev) * qx < px  # u < p/q without dividing; q(x) > 0
-        if any(greedy):
-            row_greedy = host_tensor([g for g, n in zip(greedy, rows) for _ in range(n)], torch.bool, dev)
-            accept = torch.where(row_greedy, draft == target_argmax, accept)
+    if all(greedy):  # exact matching, decided on the host from one read of both rows
+        drafted, argmax = torch.stack([draft, target_argmax]).tolist()
+        accepted, final_rows = accepted_runs([d == a for d, a in zip(drafted, argmax)], counts)
+        return accepted, [argmax[r] for r in final_rows]
+    px = p.gather(1, draft[:, None]).squeeze(1)
+    qx = q.gather(1, draft[:, None]).squeeze(1)
+    accept = uniforms(rows, gens, engine_gen, dev) * qx < px  # u < p/q without dividing; q(x) > 0
+    if any(greedy):
+        row_greedy = host_tensor([g for g, n in zip(greedy, rows) for _ in range(n)], torch.bool, dev)
+        accept = torch.where(row_greedy, draft == target_argmax, accept)
     accepted, final_rows = accepted_runs(accept.tolist(), counts)
     idx = host_tensor(final_rows, torch.long, dev)
-    if all(greedy):
-        return accepted, target_argmax[idx].tolist()
     pf = p[idx]
     residual = (pf - q[idx]).clamp_min_(0.0)
     empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q up to rounding: any residual is p itself
@@ -188,12 +187,13 @@ class RejectionSampler:
         """Benchmark mode: accepted drafts per request from independent Bernoulli(rate) trials (stopping at
         the first failure); the token after them is the target's argmax (greedy) or a draw from its p."""
         gen = self.generator(dev)
-        flags = (torch.rand(sum(counts) + len(counts), generator=gen, device=dev)
-                 < self.synthetic_acceptance).tolist()
-        accepted, final_rows = accepted_runs(flags, counts)
+        flags = torch.rand(sum(counts) + len(counts), generator=gen, device=dev) < self.synthetic_acceptance
+        if all(greedy):  # one read: the flags and the target's choices
+            flags, argmax = torch.stack([flags.long(), target_argmax]).tolist()
+            accepted, final_rows = accepted_runs([bool(f) for f in flags], counts)
+            return accepted, [argmax[r] for r in final_rows]
+        accepted, final_rows = accepted_runs(flags.tolist(), counts)
         idx = host_tensor(final_rows, torch.long, dev)
-        tokens = target_argmax[idx]
-        if not all(greedy):
-            drawn = draw(p[idx], [None] * len(counts), gen)
-            tokens = torch.where(host_tensor(greedy, torch.bool, dev), tokens, drawn)
+        drawn = draw(p[idx], [None] * len(counts), gen)
+        tokens = torch.where(host_tensor(greedy, torch.bool, dev), target_argmax[idx], drawn)
         return accepted, tokens.tolist()
