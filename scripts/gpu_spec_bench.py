@@ -58,7 +58,7 @@ def measure(llm, config, batch: int) -> dict:
     from nvllm.bench.offline import run_latency
 
     r = run_latency(config, batch_size=batch, input_len=128, output_len=256, num_iters_warmup=1,
-                    num_iters=3 if batch == 1 else 2, progress=False, llm=llm)
+                    num_iters=5 if batch == 1 else 2, progress=False, llm=llm)
     out = {"tpot_ms": r["median_tpot_ms"], "latency_s": r["avg_latency"],
            "output_tok_s": batch * 256 / r["avg_latency"]}
     if "spec_decode_acceptance_length" in r:
@@ -247,6 +247,8 @@ def step_timeline(llm, res: dict, steps: int = 40) -> None:
              wrap(d.model, "compute_logits", "draft lm_head"), wrap(eng.runner, "execute", "execute"),
              wrap(eng.runner.graphs, "run", "target graph"), wrap(eng.runner.model, "compute_logits", "target lm_head"),
              wrap(Drafts, "read", "drafts.read"), wrap(eng.spec, "verify", "verify")]
+    if eng.spec.proposer.chain is not None:
+        saved.append(wrap(eng.spec.proposer.chain, "run", "draft chain"))
     try:
         prompt = random_token_prompts(llm.get_tokenizer(), 1, 128, seed=11)[0]
         eng.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=6 * steps + 64, ignore_eos=True))
@@ -360,6 +362,32 @@ def graph_variants(llm, res: dict) -> None:
     res["graph_variants"] = {"ms": out, "kernels": kernels}
 
 
+def chain_check(llm, config, plain_tpot: float) -> dict | None:
+    """The draft chain (nvllm.spec.draft_chain) against the step-by-step loop on the same engine: greedy outputs of 4
+    prompts at once (the benchmark mode's generator reset before each, so the same drafts give the same tokens), and
+    batch-1 TPOT without the chain."""
+    from nvllm.bench.offline import random_token_prompts
+    from nvllm.sampling_params import SamplingParams
+
+    spec = llm.engine.spec
+    chain = spec.proposer.chain
+    if chain is None:
+        return None
+    prompts = random_token_prompts(llm.get_tokenizer(), 4, 64, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outs = []
+    try:
+        for c in (chain, None):
+            spec.proposer.chain = c
+            spec.sampler._generators.clear()
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        loop = measure(llm, config, 1)
+    finally:
+        spec.proposer.chain = chain
+    return {"same_outputs": outs[0] == outs[1], "loop_tpot_ms": loop["tpot_ms"],
+            "loop_speedup_b1": plain_tpot / loop["tpot_ms"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
@@ -427,6 +455,14 @@ def main() -> None:
             print(f"{name:22s} acc {acc:.2f}  tau {row.get('tau', 0):.2f}  TPOT {row['tpot_ms']:.2f} ms  "
                   f"x{row['speedup_b1']:.2f}" + (f"  b32 x{row['speedup_b32']:.2f}" if "speedup_b32" in row else ""),
                   flush=True)
+        llm.engine.spec.sampler.synthetic_acceptance = 0.8 if 0.8 in accs else accs[0]
+        check = chain_check(llm, config, plain[1]["tpot_ms"])
+        if check is not None:
+            res["runs"].append({"draft": name, "chain_check": check,
+                                "synthetic_acceptance": llm.engine.spec.sampler.synthetic_acceptance})
+            save()
+            print(f"{name:22s} chain: same outputs as step by step: {check['same_outputs']}; without the chain "
+                  f"TPOT {check['loop_tpot_ms']:.2f} ms x{check['loop_speedup_b1']:.2f}", flush=True)
         if args.variants and name == next(iter(drafts)):
             graph_variants(llm, res)
         if args.timeline and name == next(iter(drafts)):

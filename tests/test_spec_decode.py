@@ -184,6 +184,44 @@ def test_greedy_identical_with_batching_prefix_caching_preemption(draft, drafts,
         assert s.acceptance_rate < 0.1
 
 
+@pytest.mark.parametrize("draft", ["truncated", "random"])
+def test_draft_chain_drafts_what_the_step_by_step_loop_drafts(draft, drafts, alone, demo_dir):
+    """The chain (the k − 1 drafts after the catch-up as one unit; CUDA graphs on the GPU, here eager over the same
+    static buffers) proposes exactly the step-by-step loop's tokens: same outputs, same acceptance counts, under
+    batching, prefix caching and preemption; a sampled request in the batch falls back to the loop."""
+    from nvllm.spec.draft_chain import DraftChain
+
+    kw = dict(block_size=8, num_kv_blocks=10, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64,
+              speculative=spec_of(draft, drafts))
+    ps = prompts(14)
+    stats = []
+    for chained in (False, True):
+        llm = make_llm(demo_dir, **kw)
+        proposer = llm.engine.spec.proposer
+        if chained:
+            proposer.chain = DraftChain(proposer.runner, 3, proposer.vocab_size, capture=False)
+        outs = llm.generate(ps, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [alone[p] for p in ps], (draft, chained)
+        s = llm.engine.stats.spec
+        stats.append((s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_pos)))
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert stats[0] == stats[1]
+    assert proposer.chain.runs > 0
+    # what the chain takes: greedy sequences that all draft its k, nothing banned past the first draft
+    seq = [Sequence(f"r{i}", 0, list(range(6)), 6, SamplingParams(temperature=0), RequestMetrics(0.0))
+           for i in range(2)]
+    full = {id(x): 4 for x in seq}
+    assert proposer._chains(seq, full, 4)
+    assert not proposer._chains(seq, {id(seq[0]): 4, id(seq[1]): 2}, 4)
+    assert not proposer._chains(seq, {id(x): 3 for x in seq}, 3)
+    seq[1].params = SamplingParams(temperature=0, min_tokens=1)
+    assert proposer._chains(seq, full, 4)  # only the first draft is masked: drawn outside the chain
+    seq[1].params = SamplingParams(temperature=0, min_tokens=2)
+    assert not proposer._chains(seq, full, 4)
+    seq[1].params = SamplingParams(temperature=0.8)
+    assert not proposer._chains(seq, full, 4)
+
+
 @pytest.mark.parametrize("draft", ["self", "ngram"])
 def test_tight_token_budget_cuts_drafts(draft, drafts, demo_dir):
     """A budget of 4 tokens: no sequence gets all k = 4 drafted positions, most get fewer (or none)."""

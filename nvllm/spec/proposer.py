@@ -85,13 +85,21 @@ class NgramProposer:
 
 
 class DraftModelProposer:
-    def __init__(self, runner, vocab_size: int, banned: Callable[[Sequence], tuple[int, list[int]]]):
+    def __init__(self, runner, vocab_size: int, banned: Callable[[Sequence], tuple[int, list[int]]],
+                 chain_steps: int = 0):
         """runner: the draft's ModelRunner (its model, KV cache and CUDA graphs are used, not its sampler);
-        vocab_size: the target's (draft logits are cut or padded to it); banned(seq) → (rows, token ids)."""
+        vocab_size: the target's (draft logits are cut or padded to it); banned(seq) → (rows, token ids);
+        chain_steps: k − 1 for a fixed k — greedy drafts then run their steps after the catch-up as one
+        ``DraftChain`` (with the runner's CUDA graphs only)."""
         self.runner = runner
         self.block_size = runner.block_size
         self.vocab_size = vocab_size
         self.banned = banned
+        self.chain = None
+        if chain_steps > 0 and runner.graphs is not None:
+            from nvllm.spec.draft_chain import DraftChain
+
+            self.chain = DraftChain(runner, chain_steps, vocab_size)
 
     # ---- one forward of the draft ----------------------------------------------------------------------
     def _forward(self, items: list[tuple[Sequence, int, list[int]]], want: list[int],
@@ -177,6 +185,12 @@ class DraftModelProposer:
         row i·k_max + j); how many each sequence drafted is its plan."""
         dev = logits.device
         k_max = max(plan[id(s)] for s in seqs)
+        if self._chains(seqs, plan, k_max):
+            tok, _ = self._sample(logits, seqs, 0, gen)
+            rest = self.chain.run(tok, [s.num_tokens for s in seqs], [s.block_table for s in seqs])
+            pending = PendingTokens([s for s in seqs for _ in range(k_max)], torch.cat([tok[:, None], rest], 1).view(-1))
+            return Drafts({id(s): Proposal([-1 - (i * k_max + j) for j in range(k_max)]) for i, s in enumerate(seqs)},
+                          pending)
         drafted = torch.zeros((len(seqs), k_max), dtype=torch.long, device=dev)
         dists: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
@@ -202,6 +216,13 @@ class DraftModelProposer:
         return Drafts({id(s): Proposal([-1 - (i * k_max + j) for j in range(plan[id(s)])],
                                        torch.stack(dists[i]) if not s.params.greedy and dists[i] else None)
                        for i, s in enumerate(seqs)}, pending)
+
+    def _chains(self, seqs: list[Sequence], plan: dict[int, int], k_max: int) -> bool:
+        """Whether this step's drafts after the first run as the chain: greedy sequences that all draft the chain's
+        k, none with banned tokens past the first draft, few enough for its graphs."""
+        c = self.chain
+        return (c is not None and k_max == c.steps + 1 and len(seqs) <= c.max_batch
+                and all(plan[id(s)] == k_max and s.params.greedy and self.banned(s)[0] <= 1 for s in seqs))
 
     def _masked(self, logits: torch.Tensor, seqs: list[Sequence], j: int) -> torch.Tensor:
         """logits with the tokens banned at draft position j (min_tokens: EOS and stop ids) set to -inf."""
