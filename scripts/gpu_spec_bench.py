@@ -214,7 +214,7 @@ def launch_costs(llm, res: dict, reps: int = 30) -> None:
               f"GPU {v['gpu_ms']:.3f} ms", flush=True)
 
 
-def step_timeline(llm, res: dict, steps: int = 40) -> None:
+def step_timeline(llm, res: dict, name: str, steps: int = 40) -> None:
     """Unprofiled timeline of a batch-1 speculative step: host timestamps (perf_counter) at the entry and exit of
     the step's phases, and a CUDA event at each, whose time is when the GPU got there (its queue drained up to it).
     The mean over ``steps`` steps of each mark's offset from the step's start, on the host and on the GPU: a GPU
@@ -279,8 +279,8 @@ def step_timeline(llm, res: dict, steps: int = 40) -> None:
         gpu = sum(s[0][2].elapsed_time(s[i][2]) for s in same) / len(same)
         rows.append((label, host, gpu))
     step_ms = sum((s[-1][1] - s[0][1]) * 1e3 for s in same) / len(same)
-    res["timeline"] = {"steps": len(same), "of": len(per_step), "rows": rows}
-    print(f"[timeline] {len(same)} of {len(per_step)} steps with the same phases; host ms from step start, GPU ms "
+    res.setdefault("timeline", {})[name] = {"steps": len(same), "of": len(per_step), "rows": rows}
+    print(f"[timeline] {name}: {len(same)} of {len(per_step)} steps with the same phases; host ms from step start, GPU ms "
           f"from the GPU reaching the step (step host {step_ms:.2f} ms)", flush=True)
     for label, host, gpu in rows:
         print(f"[timeline] {label:18s} host {host:7.3f}  gpu {gpu:7.3f}", flush=True)
@@ -380,6 +380,7 @@ def chain_check(llm, config, plain_tpot: float) -> dict | None:
         for c in (chain, None):
             spec.proposer.chain = c
             spec.sampler._generators.clear()
+            llm.engine.block_manager.reset_prefix_cache()  # both runs compute their prompts the same way
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         loop = measure(llm, config, 1)
     finally:
@@ -465,9 +466,9 @@ def main() -> None:
                   f"TPOT {check['loop_tpot_ms']:.2f} ms x{check['loop_speedup_b1']:.2f}", flush=True)
         if args.variants and name == next(iter(drafts)):
             graph_variants(llm, res)
-        if args.timeline and name == next(iter(drafts)):
+        if args.timeline:
             llm.engine.spec.sampler.synthetic_acceptance = 0.8 if 0.8 in accs else accs[0]
-            step_timeline(llm, res)
+            step_timeline(llm, res, name)
         if args.launch and name == next(iter(drafts)):
             launch_costs(llm, res)
         if args.profile and name == next(iter(drafts)):  # last: a profiler session slows later launches
