@@ -69,12 +69,9 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from nvllm.engine.gc_freeze import frozen_heap
-
         done: dict[str, RequestOutput] = {}
-        with frozen_heap(), Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), disable=not use_tqdm, transient=True,
-                                     console=console()) as bar:
+        with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      disable=not use_tqdm, transient=True, console=console()) as bar:
             task = bar.add_task("generate", total=len(request_ids))
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step(partial=False):

@@ -54,42 +54,13 @@ def model_copy(src: Path, config_from: Path | None = None, quant: dict | None = 
     return d
 
 
-def measure_unfrozen(llm, config, batch: int) -> dict:
-    """measure() with the step loop's heap freeze (nvllm.engine.gc_freeze) turned off, for the same-run comparison."""
-    import contextlib
-
-    import nvllm.engine.gc_freeze as gf
-
-    frozen = gf.frozen_heap
-    gf.frozen_heap = contextlib.nullcontext
-    try:
-        return measure(llm, config, batch)
-    finally:
-        gf.frozen_heap = frozen
-
-
 def measure(llm, config, batch: int) -> dict:
-    """run_latency at ``batch``, and the time the Python garbage collector paused it (gc.callbacks), by generation."""
     from nvllm.bench.offline import run_latency
 
-    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
-    started = [0.0]
-
-    def on_gc(phase, info):
-        if phase == "start":
-            started[0] = time.perf_counter()
-        else:
-            pauses[info["generation"]].append(time.perf_counter() - started[0])
-    gc.callbacks.append(on_gc)
-    try:
-        r = run_latency(config, batch_size=batch, input_len=128, output_len=256, num_iters_warmup=1,
-                        num_iters=5 if batch == 1 else 2, progress=False, llm=llm)
-    finally:
-        gc.callbacks.remove(on_gc)
+    r = run_latency(config, batch_size=batch, input_len=128, output_len=256, num_iters_warmup=1,
+                    num_iters=5 if batch == 1 else 2, progress=False, llm=llm)
     out = {"tpot_ms": r["median_tpot_ms"], "latency_s": r["avg_latency"],
-           "output_tok_s": batch * 256 / r["avg_latency"],
-           "gc_ms_by_generation": {g: round(sum(v) * 1e3, 2) for g, v in pauses.items()},
-           "gc_count_by_generation": {g: len(v) for g, v in pauses.items()}}
+           "output_tok_s": batch * 256 / r["avg_latency"]}
     if "spec_decode_acceptance_length" in r:
         out["tau"] = r["spec_decode_acceptance_length"]
         out["acceptance_pct"] = r["spec_decode_acceptance_rate"]
@@ -454,12 +425,11 @@ def main() -> None:
                 log_stats_interval=0)
     config = EngineConfig(**base)
     llm = LLM.from_config(config)
-    plain = {1: measure(llm, config, 1), 32: measure(llm, config, 32), "1 unfrozen": measure_unfrozen(llm, config, 1)}
+    plain = {1: measure(llm, config, 1), 32: measure(llm, config, 32)}
     res["plain"] = plain
     save()
-    print(f"plain: batch 1 TPOT {plain[1]['tpot_ms']:.2f} ms; batch 32 {plain[32]['output_tok_s']:.0f} tok/s; "
-          f"gc pauses at batch 1 (ms by generation) {plain[1]['gc_ms_by_generation']}; without the freeze: TPOT "
-          f"{plain['1 unfrozen']['tpot_ms']:.2f} ms, gc {plain['1 unfrozen']['gc_ms_by_generation']}", flush=True)
+    print(f"plain: batch 1 TPOT {plain[1]['tpot_ms']:.2f} ms; batch 32 {plain[32]['output_tok_s']:.0f} tok/s",
+          flush=True)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -478,17 +448,14 @@ def main() -> None:
             row = {"draft": name, "k": args.k, "synthetic_acceptance": acc, **measure(llm, config, 1)}
             row["speedup_b1"] = plain[1]["tpot_ms"] / row["tpot_ms"]
             if acc == 0.8:
-                row["unfrozen"] = measure_unfrozen(llm, config, 1)
-                print(f"{name:22s} acc {acc:.2f}  without the freeze: tau {row['unfrozen'].get('tau', 0):.2f}  TPOT "
-                      f"{row['unfrozen']['tpot_ms']:.2f} ms  gc ms {row['unfrozen']['gc_ms_by_generation']}", flush=True)
                 b32 = measure(llm, config, 32)
                 row["b32_output_tok_s"] = b32["output_tok_s"]
                 row["speedup_b32"] = b32["output_tok_s"] / plain[32]["output_tok_s"]
             res["runs"].append(row)
             save()
             print(f"{name:22s} acc {acc:.2f}  tau {row.get('tau', 0):.2f}  TPOT {row['tpot_ms']:.2f} ms  "
-                  f"x{row['speedup_b1']:.2f}" + (f"  b32 x{row['speedup_b32']:.2f}" if "speedup_b32" in row else "")
-                  + f"  gc ms {row['gc_ms_by_generation']} n {row['gc_count_by_generation']}", flush=True)
+                  f"x{row['speedup_b1']:.2f}" + (f"  b32 x{row['speedup_b32']:.2f}" if "speedup_b32" in row else ""),
+                  flush=True)
         llm.engine.spec.sampler.synthetic_acceptance = 0.8 if 0.8 in accs else accs[0]
         check = chain_check(llm, config, plain[1]["tpot_ms"])
         if check is not None:

@@ -18,7 +18,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence as Seq
 from typing import Any
 
-from nvllm.engine.gc_freeze import frozen_heap
 from nvllm.engine.llm_engine import LLMEngine
 from nvllm.engine.kv_handoff import KVTarget
 from nvllm.engine.sequence import PrefilledSample
@@ -172,19 +171,18 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
-            with frozen_heap():
-                while True:
-                    with self._cond:
-                        while not (self._commands or self._stopping or engine.has_unfinished_requests()):
-                            self._cond.wait()
-                        commands, self._commands = self._commands, []
-                        stopping = self._stopping
-                    for command in commands:
-                        self._apply(command)
-                    if stopping:
-                        break
-                    if engine.has_unfinished_requests():
-                        self._step()
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stopping or engine.has_unfinished_requests()):
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                    stopping = self._stopping
+                for command in commands:
+                    self._apply(command)
+                if stopping:
+                    break
+                if engine.has_unfinished_requests():
+                    self._step()
         except BaseException as e:  # the loop itself broke: fail everyone rather than hang them
             logger.exception("engine loop stopped")
             self.error = e
