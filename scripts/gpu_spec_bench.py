@@ -10,8 +10,9 @@ drafted token is accepted with a fixed probability, whatever the models say — 
 run in full, so the speed at a given acceptance is real; the outputs are not the target's. τ is the mean
 number of tokens one target step emits (accepted drafts + 1).
 
-Per draft and acceptance: batch-1 TPOT (128 in / 256 out) and its speedup over plain decoding; at 0.8 also
-batch 32 (request throughput against plain decoding, since speculation can lose at large batch).
+Per draft and acceptance: batch-1 TPOT (128 in / 256 out) and its speedup over plain decoding, greedy and (beside
+it) at temperature 1 (``--temperatures``); at 0.8 also batch 32 (request throughput against plain decoding, since
+speculation can lose at large batch).
 ``--profile``: torch.profiler over 24 batch-1 speculative steps of the first draft at the first acceptance (after
 the measurements) —
 wall time per step against the GPU's kernel time, and the host time of each phase (draft, target, verify).
@@ -54,11 +55,11 @@ def model_copy(src: Path, config_from: Path | None = None, quant: dict | None = 
     return d
 
 
-def measure(llm, config, batch: int) -> dict:
+def measure(llm, config, batch: int, temperature: float = 0.0) -> dict:
     from nvllm.bench.offline import run_latency
 
     r = run_latency(config, batch_size=batch, input_len=128, output_len=256, num_iters_warmup=1,
-                    num_iters=5 if batch == 1 else 2, progress=False, llm=llm)
+                    num_iters=5 if batch == 1 else 2, progress=False, llm=llm, temperature=temperature)
     out = {"tpot_ms": r["median_tpot_ms"], "latency_s": r["avg_latency"],
            "output_tok_s": batch * 256 / r["avg_latency"]}
     if "spec_decode_acceptance_length" in r:
@@ -364,8 +365,8 @@ def graph_variants(llm, res: dict) -> None:
 
 def chain_check(llm, config, plain_tpot: float) -> dict | None:
     """The draft chain (nvllm.spec.draft_chain) against the step-by-step loop on the same engine: greedy outputs of 4
-    prompts at once (the benchmark mode's generator reset before each, so the same drafts give the same tokens), and
-    batch-1 TPOT without the chain."""
+    prompts at once, then greedy batch-1 TPOT — the benchmark mode's generator reset before each, so both draw the
+    same acceptances (same τ) and the same drafts give the same tokens."""
     from nvllm.bench.offline import random_token_prompts
     from nvllm.sampling_params import SamplingParams
 
@@ -382,11 +383,45 @@ def chain_check(llm, config, plain_tpot: float) -> dict | None:
             spec.sampler._generators.clear()
             llm.engine.block_manager.reset_prefix_cache()  # both runs compute their prompts the same way
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        loop = measure(llm, config, 1)
+        timed = []
+        for c in (chain, None):
+            spec.proposer.chain = c
+            spec.sampler._generators.clear()
+            timed.append(measure(llm, config, 1))
     finally:
         spec.proposer.chain = chain
-    return {"same_outputs": outs[0] == outs[1], "loop_tpot_ms": loop["tpot_ms"],
-            "loop_speedup_b1": plain_tpot / loop["tpot_ms"]}
+    return {"same_outputs": outs[0] == outs[1], "tau": [t.get("tau") for t in timed],
+            "chain_tpot_ms": timed[0]["tpot_ms"], "loop_tpot_ms": timed[1]["tpot_ms"],
+            "chain_speedup_b1": plain_tpot / timed[0]["tpot_ms"], "loop_speedup_b1": plain_tpot / timed[1]["tpot_ms"]}
+
+
+def host_profile(llm, res: dict, name: str, steps: int = 40) -> None:
+    """cProfile over ``steps`` greedy batch-1 speculative steps: where the host's time goes (the GPU does not wait on
+    cProfile, the host only runs slower); the top functions by own time to $OUT/spec_cprofile_<draft>.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    from nvllm.bench.offline import random_token_prompts
+    from nvllm.sampling_params import SamplingParams
+
+    eng = llm.engine
+    prompt = random_token_prompts(llm.get_tokenizer(), 1, 128, seed=13)[0]
+    eng.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=6 * steps + 64, ignore_eos=True))
+    for _ in range(4):
+        eng.step(partial=False)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        eng.step(partial=False)
+    prof.disable()
+    while eng.has_unfinished_requests():
+        eng.step(partial=False)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(45)
+    slug = name.split()[0].replace(".", "")
+    (Path(os.environ.get("OUT", ".")) / f"spec_cprofile_{slug}.txt").write_text(buf.getvalue())
+    res.setdefault("host_profile", {})[name] = f"spec_cprofile_{slug}.txt"
 
 
 def main() -> None:
@@ -394,10 +429,14 @@ def main() -> None:
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
     ap.add_argument("--acceptance", default="0.5,0.7,0.8,0.9")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--temperatures", default="0,1",
+                    help="sampling temperatures of the batch-1 rows: the first for every row (and batch 32), the others "
+                         "beside it")
     ap.add_argument("--drafts", default="0.5b,int4", help="which drafts: 0.5b (the small model), 0.5b-4l (its first 4 layers: an "
                     "EAGLE-sized draft), int4 (self-draft)")
     ap.add_argument("--profile", action="store_true", help="profile batch-1 steps of the first draft (see above)")
     ap.add_argument("--variants", action="store_true", help="graph variants for the verification and the draft")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile of batch-1 greedy steps, every draft")
     ap.add_argument("--timeline", action="store_true", help="unprofiled host/GPU timeline of batch-1 steps (first draft)")
     ap.add_argument("--launch", action="store_true",
                     help="host cost of launching the batch-1 graphs against their GPU time, first draft (see launch_costs)")
@@ -425,11 +464,13 @@ def main() -> None:
                 log_stats_interval=0)
     config = EngineConfig(**base)
     llm = LLM.from_config(config)
-    plain = {1: measure(llm, config, 1), 32: measure(llm, config, 32)}
+    temps = [float(t) for t in args.temperatures.split(",")]
+    plain = {1: measure(llm, config, 1, temps[0]), 32: measure(llm, config, 32, temps[0]),
+             **{f"1 at T={t:g}": measure(llm, config, 1, t) for t in temps[1:]}}
     res["plain"] = plain
     save()
-    print(f"plain: batch 1 TPOT {plain[1]['tpot_ms']:.2f} ms; batch 32 {plain[32]['output_tok_s']:.0f} tok/s",
-          flush=True)
+    print(f"plain: batch 1 TPOT {plain[1]['tpot_ms']:.2f} ms; batch 32 {plain[32]['output_tok_s']:.0f} tok/s"
+          + "".join(f"; batch 1 at T={t:g} {plain[f'1 at T={t:g}']['tpot_ms']:.2f} ms" for t in temps[1:]), flush=True)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -445,27 +486,37 @@ def main() -> None:
             continue
         for acc in accs:
             llm.engine.spec.sampler.synthetic_acceptance = acc   # the same engine at another fixed acceptance
-            row = {"draft": name, "k": args.k, "synthetic_acceptance": acc, **measure(llm, config, 1)}
+            row = {"draft": name, "k": args.k, "synthetic_acceptance": acc, "temperature": temps[0],
+                   **measure(llm, config, 1, temps[0])}
             row["speedup_b1"] = plain[1]["tpot_ms"] / row["tpot_ms"]
+            for t in temps[1:]:
+                other = row[f"at T={t:g}"] = measure(llm, config, 1, t)
+                other["speedup_b1"] = plain[f"1 at T={t:g}"]["tpot_ms"] / other["tpot_ms"]
             if acc == 0.8:
-                b32 = measure(llm, config, 32)
+                b32 = measure(llm, config, 32, temps[0])
                 row["b32_output_tok_s"] = b32["output_tok_s"]
                 row["speedup_b32"] = b32["output_tok_s"] / plain[32]["output_tok_s"]
             res["runs"].append(row)
             save()
             print(f"{name:22s} acc {acc:.2f}  tau {row.get('tau', 0):.2f}  TPOT {row['tpot_ms']:.2f} ms  "
-                  f"x{row['speedup_b1']:.2f}" + (f"  b32 x{row['speedup_b32']:.2f}" if "speedup_b32" in row else ""),
-                  flush=True)
+                  f"x{row['speedup_b1']:.2f}" + (f"  b32 x{row['speedup_b32']:.2f}" if "speedup_b32" in row else "")
+                  + "".join(f"  | T={t:g}: tau {row[f'at T={t:g}'].get('tau', 0):.2f} TPOT "
+                            f"{row[f'at T={t:g}']['tpot_ms']:.2f} ms x{row[f'at T={t:g}']['speedup_b1']:.2f}"
+                            for t in temps[1:]), flush=True)
         llm.engine.spec.sampler.synthetic_acceptance = 0.8 if 0.8 in accs else accs[0]
         check = chain_check(llm, config, plain[1]["tpot_ms"])
         if check is not None:
             res["runs"].append({"draft": name, "chain_check": check,
                                 "synthetic_acceptance": llm.engine.spec.sampler.synthetic_acceptance})
             save()
-            print(f"{name:22s} chain: same outputs as step by step: {check['same_outputs']}; without the chain "
-                  f"TPOT {check['loop_tpot_ms']:.2f} ms x{check['loop_speedup_b1']:.2f}", flush=True)
+            print(f"{name:22s} chain: same outputs as step by step: {check['same_outputs']}; tau {check['tau']}: "
+                  f"chain TPOT {check['chain_tpot_ms']:.2f} ms x{check['chain_speedup_b1']:.2f}, step by step "
+                  f"{check['loop_tpot_ms']:.2f} ms x{check['loop_speedup_b1']:.2f}", flush=True)
         if args.variants and name == next(iter(drafts)):
             graph_variants(llm, res)
+        if args.host_profile:
+            llm.engine.spec.sampler.synthetic_acceptance = 0.8 if 0.8 in accs else accs[0]
+            host_profile(llm, res, name)
         if args.timeline:
             llm.engine.spec.sampler.synthetic_acceptance = 0.8 if 0.8 in accs else accs[0]
             step_timeline(llm, res, name)

@@ -415,8 +415,16 @@ def test_offline_latency(tmp_path):
               "mean_tpot_ms", "p99_tpot_ms"):
         assert isinstance(r[k], float) and r[k] > 0, k
     assert r["kernel_report"]["gemm"]
+    assert r["temperature"] == 1.0
     bad = runner.invoke(app, ["bench", "latency", "--input-len", "500", "--output-len", "100", *OFFLINE])
     assert bad.exit_code == 2 and "max_model_len" in said(bad)
+    bad = runner.invoke(app, ["bench", "latency", "--temperature", "-1", *OFFLINE])
+    assert bad.exit_code == 2 and "--temperature must be at least 0" in said(bad)
+    res = runner.invoke(app, ["bench", "latency", "--batch-size", "1", "--input-len", "8", "--output-len", "4",
+                              "--num-iters-warmup", "0", "--num-iters", "1", "--temperature", "0",
+                              "--save-result", str(out), *OFFLINE])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["temperature"] == 0.0
 
 
 # ---- compare ---------------------------------------------------------------------------------------------

@@ -155,6 +155,7 @@ def bench_latency(
     num_iters_warmup: Annotated[int, typer.Option()] = 10,
     num_iters: Annotated[int, typer.Option()] = 30,
     metric_percentiles: Annotated[str, typer.Option(help="TTFT/TPOT percentiles, e.g. 50,90,99")] = "99",
+    temperature: Annotated[float, typer.Option(help="sampling temperature of every request (0: greedy)")] = 1.0,
     save_result: Annotated[Optional[str], typer.Option(help="write the result JSON here")] = None,
     progress: Annotated[bool, typer.Option(help="progress bar")] = True,
     *, engine_config: EngineConfig,
@@ -164,7 +165,8 @@ def bench_latency(
 
     try:
         result = offline.run_latency(engine_config, batch_size, input_len, output_len, num_iters_warmup, num_iters,
-                                     metrics.parse_percentiles(metric_percentiles), progress)
+                                     metrics.parse_percentiles(metric_percentiles), progress,
+                                     temperature=temperature)
     except USER_ERRORS as e:
         fail(str(e))
     report.finish(result, save_result)

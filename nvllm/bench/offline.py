@@ -104,7 +104,9 @@ def random_token_prompts(tokenizer, batch_size: int, input_len: int, seed: int) 
 
 def run_latency(config: EngineConfig, batch_size: int = 8, input_len: int = 32, output_len: int = 128,
                 num_iters_warmup: int = 10, num_iters: int = 30, percentiles: list[float] | None = None,
-                progress: bool = True, llm=None) -> dict[str, Any]:
+                progress: bool = True, llm=None, temperature: float = 1.0) -> dict[str, Any]:
+    """Every request samples at ``temperature`` (1.0, top-p 1, as vLLM's latency benchmark does; 0: greedy, the
+    usual setting for speculative decoding's figures)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from nvllm.kernels import report
@@ -116,13 +118,15 @@ def run_latency(config: EngineConfig, batch_size: int = 8, input_len: int = 32, 
                          ("num-iters", num_iters, 1), ("num-iters-warmup", num_iters_warmup, 0)):
         if v < low:
             raise ValueError(f"--{name} must be at least {low}, got {v}")
+    if not temperature >= 0:
+        raise ValueError(f"--temperature must be at least 0, got {temperature}")
     percentiles = percentiles or [99.0]
     llm = llm or LLM.from_config(config)
     if input_len + output_len > llm.engine.max_model_len:
         raise ValueError(f"--input-len + --output-len = {input_len + output_len} exceeds max_model_len "
                          f"{llm.engine.max_model_len}")
     prompts = random_token_prompts(llm.get_tokenizer(), batch_size, input_len, config.seed)
-    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
+    params = SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=output_len)
     latencies, ttfts, tpots = [], [], []
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console(), disable=not progress) as bar:
@@ -148,7 +152,7 @@ def run_latency(config: EngineConfig, batch_size: int = 8, input_len: int = 32, 
     lat = np.asarray(latencies)
     result = {
         **_header("latency", llm), "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
-        "num_iters_warmup": num_iters_warmup, "num_iters": num_iters,
+        "num_iters_warmup": num_iters_warmup, "num_iters": num_iters, "temperature": temperature,
         "avg_latency": float(lat.mean()), "latencies": latencies,
         "percentiles": {str(p): float(np.percentile(lat, p)) for p in LATENCY_PERCENTILES},
     }
