@@ -181,6 +181,14 @@ def launch_costs(llm, res: dict, reps: int = 30) -> None:
         g.context_lens[:1] = 200
         g.block_tables[:1, :16] = torch.arange(16, dtype=torch.int32, device=r.device)
         rows[f"{name} pdl"] = _replay_times(g.graphs[1].replay, reps)
+        tables = [list(range(16))]
+        rows[f"{name} pdl, DecodeGraphs.run (staging + copies + replay)"] = _replay_times(
+            lambda: g.run([0], [200], [-1], tables, [201]), reps)
+
+        def copy_then_replay(g=g):
+            g.meta.copy_(g.host_meta, non_blocking=True)
+            g.graphs[1].replay()
+        rows[f"{name} pdl, one pinned copy then replay"] = _replay_times(copy_then_replay, reps)
         args = (g.input_ids[:1], g.positions[:1], r.kv_caches, g._meta(1))
         two = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(two, pool=g.pool):
@@ -211,7 +219,7 @@ def launch_costs(llm, res: dict, reps: int = 30) -> None:
                   + ", ".join(f"{n} {us:.0f}" for n, us in list(k.items())[:8]), flush=True)
     res["graph_kernels"] = kernels
     for k, v in rows.items():
-        print(f"[launch] {k:38s} host {v['launch_idle_us']:7.1f} us idle, {v['launch_queued_us']:7.1f} us queued; "
+        print(f"[launch] {k:62s} host {v['launch_idle_us']:7.1f} us idle, {v['launch_queued_us']:7.1f} us queued; "
               f"GPU {v['gpu_ms']:.3f} ms", flush=True)
 
 
