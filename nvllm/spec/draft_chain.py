@@ -27,8 +27,8 @@ from nvllm.layers.attention import AttentionMetadata
 
 logger = logging.getLogger("nvllm")
 MAX_CHAIN_BATCH = 32
-"""Largest batch captured as a chain (each size keeps [batch, vocab] float32 logits per step in the graphs' pool);
-larger batches draft step by step, where the GPU's time per step hides the host's."""
+"""Largest batch captured as a chain (its graph keeps [batch, vocab] float32 logits per step in the graphs' pool:
+19.5 MB per step at 32 rows of a 152k vocabulary); larger batches draft step by step."""
 
 
 class DraftChain:
