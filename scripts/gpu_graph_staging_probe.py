@@ -1,5 +1,6 @@
-"""Host time of each line of DecodeGraphs.run on the GPU (the demo model's graphs, the GPU idle before each call):
-what a decode step's input staging costs the host, line by line (PERF run AK).
+"""Host time of each line of DecodeGraphs.run as it was in run AK (torch ops on the pinned staging tensors), on the
+GPU with the demo model's graphs and the GPU idle before each call, then DecodeGraphs.run as it is now (its writes
+go through numpy views since; not yet timed on the GPU).
 
     python scripts/gpu_graph_staging_probe.py
 """

@@ -84,3 +84,23 @@ def test_graph_sizes_include_the_verification_rows():
     assert batch_size_ladder(40) == [1, 2, 4, 8, 16, 32, 40]
     assert batch_size_ladder(40, (5,)) == [1, 2, 4, 5, 8, 16, 32, 40]  # k = 4: five rows, no padding to 8
     assert batch_size_ladder(4, (5, 0)) == [1, 2, 4]                    # never past max_num_seqs
+
+
+def test_graph_inputs_staged_with_padding_rows():
+    """What a replay reads: the rows given, then padding rows up to the graph's size that store nowhere (slot −1)
+    and attend to nothing (context 0); a device tensor of token ids is copied in on the device."""
+    from nvllm.engine.cuda_graph import DecodeGraphs
+
+    g = DecodeGraphs(None, None, 8, 4, torch.device("cpu"), extra_sizes=(3,))
+    assert g.stage([7, 8], [10, 20], [100, 200], [[1, 2], [3, 4]], [11, 21]) == 2
+    assert g.stage([5, 6, 9], [3, 4, 5], [30, 40, 50], [[1, 2, 0], [3, 0, 0], [4, 5, 6]], [4, 5, 6]) == 3
+    assert g.stage([1, 2, 3, 4], [7, 8, 9, 10], [70, 80, 90, 99], [[1]] * 4, [8, 9, 10, 11]) == 4
+    assert g.stage(torch.tensor([42, 43]), [5, 6], [50, 60], [[9, 9], [8, 8]], [6, 7]) == 2
+    assert g.input_ids[:2].tolist() == [42, 43]
+    assert g.positions[:2].tolist() == [5, 6] and g.slot_mapping[:2].tolist() == [50, 60]
+    assert g.context_lens[:2].tolist() == [6, 7] and g.block_tables[:2, :2].tolist() == [[9, 9], [8, 8]]
+    g.stage([1], [2], [3], [[4]], [3])                        # one row: the batch-1 graph, no padding
+    assert g.slot_mapping[:1].tolist() == [3]
+    g.stage([1, 2, 3, 4, 5], [2] * 5, [7] * 5, [[4]] * 5, [3] * 5)
+    assert g.slot_mapping[:8].tolist() == [7] * 5 + [-1] * 3   # five rows replay the batch-8 graph
+    assert g.context_lens[:8].tolist() == [3] * 5 + [0] * 3 and g.positions[5:8].tolist() == [0] * 3

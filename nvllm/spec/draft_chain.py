@@ -54,6 +54,8 @@ class DraftChain:
         self.host_meta = torch.zeros(2, steps, n, dtype=torch.int64, pin_memory=pin)
         self.host_ctx = torch.zeros(steps, n, dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros(n, width, dtype=torch.int32, pin_memory=pin)
+        self._meta_np, self._ctx_np = self.host_meta.numpy(), self.host_ctx.numpy()  # written like DecodeGraphs'
+        self._tables_np = self.host_tables.numpy()
         self.meta[1].fill_(-1)
         self.copied = torch.cuda.Event() if pin else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -104,15 +106,14 @@ class DraftChain:
         if self.copied is not None:
             self.copied.synchronize()  # the previous run's copies out of the staging buffers are done
         pos = [[s + j for s in starts] for j in range(self.steps)]
-        self.host_meta[0, :, :b] = torch.tensor(pos)
-        self.host_meta[1, :, :b] = torch.tensor([[t[p // bs_] * bs_ + p % bs_ for t, p in zip(block_tables, row)]
-                                                 for row in pos])
-        self.host_meta[0, :, b:bs] = 0  # padding rows: position 0, stored nowhere, attending to nothing
-        self.host_meta[1, :, b:bs] = -1
-        self.host_ctx[:, :b] = torch.tensor(pos, dtype=torch.int32) + 1
-        self.host_ctx[:, b:bs] = 0
-        self.host_tables[:b, :width] = torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
-                                                    dtype=torch.int32)
+        meta, ctx = self._meta_np, self._ctx_np
+        meta[0, :, :b] = pos
+        meta[1, :, :b] = [[t[p // bs_] * bs_ + p % bs_ for t, p in zip(block_tables, row)] for row in pos]
+        meta[0, :, b:bs] = 0  # padding rows: position 0, stored nowhere, attending to nothing
+        meta[1, :, b:bs] = -1
+        ctx[:, :b] = meta[0, :, :b] + 1
+        ctx[:, b:bs] = 0
+        self._tables_np[:b, :width] = [t + [0] * (width - len(t)) for t in block_tables]
         self.meta.copy_(self.host_meta, non_blocking=True)
         self.context_lens.copy_(self.host_ctx, non_blocking=True)
         self.block_tables[:b].copy_(self.host_tables[:b], non_blocking=True)
