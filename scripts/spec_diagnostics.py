@@ -120,15 +120,10 @@ def launch_costs(llm, res: dict, reps: int = 30) -> None:
     """What a batch-1 graph costs the host to launch against what it costs the GPU to run, for the target and the
     draft: the engine's graphs (PDL as configured), the same forward captured without PDL, and two forwards in one
     graph. The graphs' inputs point nowhere (slot −1), so the caches are not touched."""
-    from nvllm.engine.cuda_graph import DecodeGraphs
-
     eng = llm.engine
     rows = {}
     for name, r in (("target", eng.runner), ("draft", eng.spec.draft_runner)):
-        g = r.graphs
-        g.slot_mapping.fill_(-1)
-        g.context_lens[:1] = 200
-        g.block_tables[:1, :16] = torch.arange(16, dtype=torch.int32, device=r.device)
+        g = _point_nowhere(r.graphs, 1)
         rows[f"{name} pdl"] = _replay_times(g.graphs[1].replay, reps)
         tables = [list(range(16))]
         rows[f"{name} pdl, DecodeGraphs.run (staging + copies + replay)"] = _replay_times(
@@ -144,19 +139,7 @@ def launch_costs(llm, res: dict, reps: int = 30) -> None:
             r.model(*args)
             r.model(*args)
         rows[f"{name} pdl, two forwards in one graph"] = _replay_times(two.replay, reps)
-        old = os.environ.get("NVLLM_PDL")
-        os.environ["NVLLM_PDL"] = "0"
-        try:
-            plain = DecodeGraphs(r.model, r.kv_caches, 1, g.block_tables.shape[1], r.device)
-            plain.capture()
-        finally:
-            if old is None:
-                del os.environ["NVLLM_PDL"]
-            else:
-                os.environ["NVLLM_PDL"] = old
-        plain.slot_mapping.fill_(-1)
-        plain.context_lens[:1] = 200
-        plain.block_tables[:1, :16] = torch.arange(16, dtype=torch.int32, device=r.device)
+        plain = _capture(r, 1, 1, pdl_on=False)
         rows[f"{name} no pdl"] = _replay_times(plain.graphs[1].replay, reps)
         del plain, two
     res["launch"] = rows
@@ -270,10 +253,16 @@ def _capture(runner, bs: int, rows: int, pdl_on: bool = True):
             del os.environ["NVLLM_PDL"]
         else:
             os.environ["NVLLM_PDL"] = old
+    return _point_nowhere(g, rows)
+
+
+def _point_nowhere(g, rows: int):
+    """Decode graphs' inputs for timing: the first ``rows`` attend to 200 positions of blocks 0-15 (the others keep
+    their lengths: zero in freshly captured graphs) and every row stores nowhere (slot −1), so replays leave the
+    caches alone."""
     g.slot_mapping.fill_(-1)
-    g.context_lens.zero_()
     g.context_lens[:rows] = 200
-    g.block_tables[:rows, :16] = torch.arange(16, dtype=torch.int32, device=runner.device)
+    g.block_tables[:rows, :16] = torch.arange(16, dtype=torch.int32, device=g.block_tables.device)
     return g
 
 
