@@ -21,6 +21,7 @@ from nvllm.engine.sequence import Sequence
 from nvllm.outputs import RequestMetrics
 from nvllm.spec.adaptive import AdaptiveK
 from nvllm.spec.config import SpeculativeConfig, parse_speculative
+from nvllm.spec.draft_chain import DraftChain
 from nvllm.spec.metrics import SpecStats
 from nvllm.spec.proposer import Drafts, NgramProposer
 from nvllm.spec.rejection_sampler import rejection_sample
@@ -184,13 +185,12 @@ def test_greedy_identical_with_batching_prefix_caching_preemption(draft, drafts,
         assert s.acceptance_rate < 0.1
 
 
-@pytest.mark.parametrize("draft", ["truncated", "random"])
+@pytest.mark.parametrize("draft", ["self", "truncated", "random"])
 def test_draft_chain_drafts_what_the_step_by_step_loop_drafts(draft, drafts, alone, demo_dir):
-    """The chain (the k − 1 drafts after the catch-up as one unit; CUDA graphs on the GPU, here eager over the same
-    static buffers) proposes exactly the step-by-step loop's tokens: same outputs, same acceptance counts, under
-    batching, prefix caching and preemption; a sampled request in the batch falls back to the loop."""
-    from nvllm.spec.draft_chain import DraftChain
-
+    """The chain (the catch-up and the k drafts as one unit; CUDA graphs on the GPU, here eager over the same static
+    buffers) proposes exactly the step-by-step loop's tokens: same outputs, same acceptance counts, under batching,
+    prefix caching, preemption and prompt chunks mirrored beside it; a sampled request in the batch falls back to
+    the loop."""
     kw = dict(block_size=8, num_kv_blocks=10, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64,
               speculative=spec_of(draft, drafts))
     ps = prompts(14)
@@ -199,7 +199,7 @@ def test_draft_chain_drafts_what_the_step_by_step_loop_drafts(draft, drafts, alo
         llm = make_llm(demo_dir, **kw)
         proposer = llm.engine.spec.proposer
         if chained:
-            proposer.chain = DraftChain(proposer.runner, 3, proposer.vocab_size, capture=False)
+            proposer.chain = DraftChain(proposer.runner, 4, proposer.vocab_size, capture=False)
         outs = llm.generate(ps, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [alone[p] for p in ps], (draft, chained)
         s = llm.engine.stats.spec
@@ -207,19 +207,40 @@ def test_draft_chain_drafts_what_the_step_by_step_loop_drafts(draft, drafts, alo
         assert llm.engine.scheduler.num_preemptions > 0
     assert stats[0] == stats[1]
     assert proposer.chain.runs > 0
-    # what the chain takes: greedy sequences that all draft its k, nothing banned past the first draft
+    # what the chain takes: greedy sequences that all draft its k, one or two tokens to catch up, nothing banned
     seq = [Sequence(f"r{i}", 0, list(range(6)), 6, SamplingParams(temperature=0), RequestMetrics(0.0))
            for i in range(2)]
     full = {id(x): 4 for x in seq}
-    assert proposer._chains(seq, full, 4)
-    assert not proposer._chains(seq, {id(seq[0]): 4, id(seq[1]): 2}, 4)
-    assert not proposer._chains(seq, {id(x): 3 for x in seq}, 3)
+    one, two, three = ([(x, 6 - n, list(range(n))) for x in seq] for n in (1, 2, 3))
+    assert proposer._chains(seq, full, one) and proposer._chains(seq, full, two)
+    assert not proposer._chains(seq, full, three)  # the draft fell behind: the loop's forward catches it up
+    assert not proposer._chains(seq, {id(seq[0]): 4, id(seq[1]): 2}, one)
+    assert not proposer._chains(seq, {id(x): 3 for x in seq}, one)
     seq[1].params = SamplingParams(temperature=0, min_tokens=1)
-    assert proposer._chains(seq, full, 4)  # only the first draft is masked: drawn outside the chain
-    seq[1].params = SamplingParams(temperature=0, min_tokens=2)
-    assert not proposer._chains(seq, full, 4)
+    assert not proposer._chains(seq, full, one)
     seq[1].params = SamplingParams(temperature=0.8)
-    assert not proposer._chains(seq, full, 4)
+    assert not proposer._chains(seq, full, one)
+
+
+def test_draft_chain_stages_catch_up_rows_and_padding(demo_dir, drafts):
+    """The chain's inputs, as the graphs see them: two catch-up rows per sequence, the first a padding row (slot −1,
+    context 0) when one token is to catch up; each step's position, slot and context length from the block table;
+    padding sequences store nowhere and attend to nothing."""
+    llm = make_llm(demo_dir, block_size=8, speculative=spec_of("self", drafts, 3))
+    chain = DraftChain(llm.engine.spec.proposer.runner, 3, 512, capture=False)
+    chain.graphs = {1: None, 2: None, 4: None}  # pretend-captured sizes: 3 sequences pad to 4
+    bs = chain.stage([[7], [8, 9], [5]], [10, 16, 3], [[4, 2], [1, 6, 3], [0]])
+    assert bs == 4
+    d = chain._split(chain.dev64, chain.dev32, chain.max_batch, 2, 2, chain.width)
+    n = 8
+    assert d["cu_ids"][:n].tolist() == [0, 7, 8, 9, 0, 5, 0, 0]
+    assert d["cu_pos"][:n].tolist() == [0, 9, 14, 15, 0, 2, 0, 0]
+    assert d["cu_slots"][:n].tolist() == [-1, 2 * 8 + 1, 6 * 8 + 6, 6 * 8 + 7, -1, 2, -1, -1]
+    assert d["cu_ctx"][:n].tolist() == [0, 10, 15, 16, 0, 3, 0, 0]
+    assert d["pos"][:, :4].tolist() == [[10, 16, 3, 0], [11, 17, 4, 0]]
+    assert d["slots"][:, :4].tolist() == [[2 * 8 + 2, 3 * 8 + 0, 3, -1], [2 * 8 + 3, 3 * 8 + 1, 4, -1]]
+    assert d["ctx"][:, :4].tolist() == [[11, 17, 4, 0], [12, 18, 5, 0]]
+    assert d["tables"][:3, :3].tolist() == [[4, 2, 0], [1, 6, 3], [0, 0, 0]]
 
 
 @pytest.mark.parametrize("draft", ["self", "ngram"])

@@ -101,7 +101,7 @@ class SpecDecoder:
                 logger.warning("speculative decoding: max_model_len is %d, the draft model's limit (the target "
                                "alone allows %d)", self.max_model_len, target.max_model_len)
             self.proposer = DraftModelProposer(self.draft_runner, self.vocab_size, self.banned,
-                                               chain_steps=0 if sc.auto else sc.num_speculative_tokens - 1)
+                                               chain_k=0 if sc.auto else sc.num_speculative_tokens)
         else:
             self.proposer = NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max)
         logger.info("speculative decoding: %s; max_model_len %d", sc.describe(), self.max_model_len)

@@ -1,17 +1,21 @@
-"""DraftChain: a greedy draft model's single-token steps after its catch-up, as one CUDA graph per batch size.
+"""DraftChain: a greedy draft model's whole proposal — its catch-up and its k single-token steps — as one CUDA graph
+per batch size.
 
-After the catch-up forward gives each sequence its first drafted token, the k − 1 steps that follow are known in
-advance except for their tokens: step j feeds token j and reads position ``start + j``, whose slot, block table and
-context length the host can compute beforehand. So the whole chain — each step's forward, its LM head and the
-argmax that becomes the next step's input — is captured once per batch size over static buffers, and a step
-costs one copy of the host-built inputs and one replay. Step by step (a graph replay, an LM-head launch, an
-argmax per token) the host needed ~0.4 ms per drafted token (PERF run AH): more than a small draft's GPU time,
-so the GPU waited on the host.
+Once a verification is read, everything the draft does next is known in advance except the tokens it draws: the
+catch-up feeds the one or two tokens the verification added (the last accepted one, plus the bonus token when every
+draft was accepted) and its LM head's argmax is draft 1; draft j then goes in at position ``start + j − 1``, whose
+slot, block table and context length the host computes beforehand. So the catch-up forward, each step's forward,
+every LM head and every argmax are captured once per batch size over static buffers, and a whole proposal costs
+two copies of the host-built inputs and one replay. Step by step, the host needed ~0.4 ms per drafted token (PERF
+run AH) and the catch-up's LM head left the GPU waiting ~0.15 ms for its launch (run AJ): more than a small draft's
+GPU time.
 
-Greedy only (the draft's argmax; what sampled requests draw is drawn outside, step by step), every sequence with
-the same k, and no banned tokens past the first draft (``min_tokens``); the proposer falls back otherwise.
-Batch sizes follow the draft's decode graphs up to ``MAX_CHAIN_BATCH``. Padding rows store nowhere (slot −1) and
-attend to nothing. On the CPU (tests) the same chain runs eagerly over the same buffers.
+The catch-up has two rows per sequence, the last always the newest token; a sequence with one token to catch up
+fills the first with a padding row (stored nowhere, attending to nothing), as are the rows of the batch's padding
+sequences. Greedy only (what sampled requests draw is drawn outside, step by step), every sequence with the same k,
+nothing banned (``min_tokens``), catch-ups of one or two tokens; the proposer falls back otherwise. Batch sizes
+follow the draft's decode graphs up to ``MAX_CHAIN_BATCH``. On the CPU (tests) the same chain runs eagerly over the
+same buffers.
 """
 
 from __future__ import annotations
@@ -29,34 +33,35 @@ logger = logging.getLogger("nvllm")
 MAX_CHAIN_BATCH = 32
 """Largest batch captured as a chain (its graph keeps [batch, vocab] float32 logits per step in the graphs' pool:
 19.5 MB per step at 32 rows of a 152k vocabulary); larger batches draft step by step."""
+CATCH_UP = 2
+"""Catch-up rows per sequence: the tokens a verification adds to the draft's backlog (1, or 2 after a full accept)."""
 
 
 class DraftChain:
-    def __init__(self, runner, steps: int, vocab_size: int, capture: bool = True):
-        """runner: the draft's ModelRunner; steps: k − 1; vocab_size: the target's (draft logits past it are never
-        chosen). ``capture=False`` runs the chain eagerly (CPU)."""
+    def __init__(self, runner, k: int, vocab_size: int, capture: bool = True):
+        """runner: the draft's ModelRunner; k: tokens drafted per sequence; vocab_size: the target's (draft logits past
+        it are never chosen). ``capture=False`` runs the chain eagerly (CPU)."""
         self.model, self.kv_caches = runner.model, runner.kv_caches
         self.block_size = runner.block_size
-        self.steps, self.vocab_size = steps, vocab_size
+        self.k, self.vocab_size = k, vocab_size
         dev = runner.device
         ladder = runner.graphs.sizes if runner.graphs is not None else [1, 2, 4, 8, 16, 32]
         self.sizes = [b for b in ladder if b <= MAX_CHAIN_BATCH] or [1]
-        n = self.sizes[-1]
-        width = -(-runner.max_model_len // self.block_size)
-        # device inputs: one copy fills positions, slots (int64) and, separately, context lengths and block tables
-        self.meta = torch.zeros(2, steps, n, dtype=torch.int64, device=dev)
-        self.context_lens = torch.zeros(steps, n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.first = torch.zeros(n, dtype=torch.int64, device=dev)  # each row's first drafted token
-        self.drafted = torch.zeros(n, steps, dtype=torch.int64, device=dev)
+        n, c, s = self.sizes[-1], CATCH_UP, k - 1
+        self.width = width = -(-runner.max_model_len // self.block_size)
+        # all int64 inputs in one buffer, all int32 ones in another: one copy each
+        #   int64: catch-up ids, positions, slots [3, c·n] | steps' positions, slots [2, s, n]
+        #   int32: catch-up context lengths [c·n] | steps' context lengths [s, n] | block tables [n, width]
         pin = dev.type == "cuda"
-        self.host_meta = torch.zeros(2, steps, n, dtype=torch.int64, pin_memory=pin)
-        self.host_ctx = torch.zeros(steps, n, dtype=torch.int32, pin_memory=pin)
-        self.host_tables = torch.zeros(n, width, dtype=torch.int32, pin_memory=pin)
-        self._meta_np, self._ctx_np = self.host_meta.numpy(), self.host_ctx.numpy()  # written like DecodeGraphs'
-        self._tables_np = self.host_tables.numpy()
-        self.meta[1].fill_(-1)
+        self.host64 = torch.zeros(3 * c * n + 2 * s * n, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(c * n + s * n + n * width, dtype=torch.int32, pin_memory=pin)
+        self.dev64 = torch.zeros_like(self.host64, device=dev)
+        self.dev32 = torch.zeros_like(self.host32, device=dev)
+        self._views = [self._split(b64, b32, n, c, s, width) for b64, b32 in
+                       ((self.host64.numpy(), self.host32.numpy()), (self.dev64, self.dev32))]
+        self._tables_end = c * n + s * n  # where the block tables start in the int32 buffer
+        self.query_start_loc = torch.arange(c * n + 1, dtype=torch.int32, device=dev)
+        self.drafted = torch.zeros(n, k, dtype=torch.int64, device=dev)
         self.copied = torch.cuda.Event() if pin else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.recorded: dict[int, object] = {}
@@ -64,22 +69,38 @@ class DraftChain:
         if capture:
             self._capture(runner.graphs.pool if runner.graphs is not None else None)
 
+    @staticmethod
+    def _split(b64, b32, n: int, c: int, s: int, width: int) -> dict:
+        """Named views of one pair of flat buffers (host numpy arrays or device tensors)."""
+        cu = b64[:3 * c * n].reshape(3, c * n)
+        steps = b64[3 * c * n:].reshape(2, s, n)
+        return dict(cu_ids=cu[0], cu_pos=cu[1], cu_slots=cu[2], pos=steps[0], slots=steps[1],
+                    cu_ctx=b32[:c * n], ctx=b32[c * n:c * n + s * n].reshape(s, n),
+                    tables=b32[c * n + s * n:].reshape(n, width))
+
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
 
     def _chain(self, bs: int, max_start: int | None = None) -> None:
-        """The k − 1 steps for ``bs`` rows, over the static buffers (what the graphs capture; their attention sizes
-        its grid from the block-table width, so the longest context, from ``max_start``, is only given eagerly)."""
-        tokens = self.first[:bs]
-        for j in range(self.steps):
-            meta = AttentionMetadata(self.meta[1, j, :bs], self.block_tables[:bs], self.query_start_loc[:bs + 1],
-                                     self.context_lens[j, :bs], max_query_len=1,
-                                     max_context_len=None if max_start is None else max_start + j + 1)
-            hidden = self.model(tokens, self.meta[0, j, :bs], self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden)
+        """The catch-up and the k − 1 steps after it for ``bs`` sequences, over the static buffers (what the graphs
+        capture; their attention sizes its grid from the block-table width, so the longest context, from
+        ``max_start``, is only given eagerly)."""
+        v, c = self._views[1], CATCH_UP
+        tables = v["tables"][:bs]
+        meta = AttentionMetadata(v["cu_slots"][:c * bs], tables.repeat_interleave(c, dim=0),
+                                 self.query_start_loc[:c * bs + 1], v["cu_ctx"][:c * bs], max_query_len=1,
+                                 max_context_len=max_start)
+        hidden = self.model(v["cu_ids"][:c * bs], v["cu_pos"][:c * bs], self.kv_caches, meta)
+        for j in range(self.k):
+            logits = self.model.compute_logits(hidden[c - 1::c].contiguous() if j == 0 else hidden)
             tokens = logits[:, :self.vocab_size].argmax(dim=-1)
             self.drafted[:bs, j] = tokens
+            if j == self.k - 1:
+                break
+            meta = AttentionMetadata(v["slots"][j, :bs], tables, self.query_start_loc[:bs + 1], v["ctx"][j, :bs],
+                                     max_query_len=1, max_context_len=None if max_start is None else max_start + j + 1)
+            hidden = self.model(tokens, v["pos"][j, :bs], self.kv_caches, meta)
 
     @torch.inference_mode()
     def _capture(self, pool) -> None:
@@ -93,38 +114,54 @@ class DraftChain:
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        logger.info("captured the draft's %d-step chain for batch sizes %s in %.1f s", self.steps, self.sizes,
-                    time.perf_counter() - start)
+        logger.info("captured the draft's catch-up and %d-token chain for batch sizes %s in %.1f s", self.k,
+                    self.sizes, time.perf_counter() - start)
 
-    @torch.inference_mode()
-    def run(self, first: torch.Tensor, starts: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """first: [b] each row's first drafted token (on the device); starts[i]: the position it takes. Returns the
-        next k − 1 drafted tokens [b, k − 1] — a view of a static buffer, valid until the next run."""
-        b, bs_ = len(starts), self.block_size
+    def stage(self, catch_up: list[list[int]], starts: list[int], block_tables: list[list[int]]) -> int:
+        """Fill the input buffers for len(starts) sequences; returns the graph's batch size. catch_up[i]: the one or
+        two tokens sequence i's draft cache lacks, ending at position starts[i] − 1."""
+        b, bs_, c, s = len(starts), self.block_size, CATCH_UP, self.k - 1
         bs = self.sizes[bisect.bisect_left(self.sizes, b)] if self.graphs else b
-        width = max(len(t) for t in block_tables)
         if self.copied is not None:
             self.copied.synchronize()  # the previous run's copies out of the staging buffers are done
-        pos = [[s + j for s in starts] for j in range(self.steps)]
-        meta, ctx = self._meta_np, self._ctx_np
-        meta[0, :, :b] = pos
-        meta[1, :, :b] = [[t[p // bs_] * bs_ + p % bs_ for t, p in zip(block_tables, row)] for row in pos]
-        meta[0, :, b:bs] = 0  # padding rows: position 0, stored nowhere, attending to nothing
-        meta[1, :, b:bs] = -1
-        ctx[:, :b] = meta[0, :, :b] + 1
-        ctx[:, b:bs] = 0
-        self._tables_np[:b, :width] = [t + [0] * (width - len(t)) for t in block_tables]
-        self.meta.copy_(self.host_meta, non_blocking=True)
-        self.context_lens.copy_(self.host_ctx, non_blocking=True)
-        self.block_tables[:b].copy_(self.host_tables[:b], non_blocking=True)
+        h = self._views[0]
+        cu_pos = [start - c + r for start in starts for r in range(c)]
+        real = [r >= c - len(ids) for ids in catch_up for r in range(c)]
+        h["cu_ids"][:c * b] = [ids[r - c + len(ids)] if r >= c - len(ids) else 0 for ids in catch_up for r in range(c)]
+        h["cu_pos"][:c * b] = [p if ok else 0 for p, ok in zip(cu_pos, real)]
+        h["cu_slots"][:c * b] = [t[p // bs_] * bs_ + p % bs_ if ok else -1
+                                 for t, p, ok in zip((t for t in block_tables for _ in range(c)), cu_pos, real)]
+        h["cu_ctx"][:c * b] = [p + 1 if ok else 0 for p, ok in zip(cu_pos, real)]
+        h["cu_ids"][c * b:c * bs] = h["cu_pos"][c * b:c * bs] = 0  # padding sequences: stored nowhere, attending
+        h["cu_slots"][c * b:c * bs] = -1  # to nothing
+        h["cu_ctx"][c * b:c * bs] = 0
+        if s:
+            pos = [[st + j for st in starts] for j in range(s)]
+            h["pos"][:, :b] = pos
+            h["slots"][:, :b] = [[t[p // bs_] * bs_ + p % bs_ for t, p in zip(block_tables, row)] for row in pos]
+            h["pos"][:, b:bs] = 0
+            h["slots"][:, b:bs] = -1
+            h["ctx"][:, :b] = h["pos"][:, :b] + 1
+            h["ctx"][:, b:bs] = 0
+        width = max(len(t) for t in block_tables)
+        h["tables"][:b, :width] = [t + [0] * (width - len(t)) for t in block_tables]
+        self.dev64.copy_(self.host64, non_blocking=True)
+        end = self._tables_end + b * self.width
+        self.dev32[:end].copy_(self.host32[:end], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        self.first[:b].copy_(first)
+        return bs
+
+    @torch.inference_mode()
+    def run(self, catch_up: list[list[int]], starts: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """Draft k tokens for each of len(starts) sequences (see ``stage``). Returns them [b, k] — a view of a static
+        buffer, valid until the next run."""
+        bs = self.stage(catch_up, starts, block_tables)
         self.runs += 1
         if self.graphs:
             self.graphs[bs].replay()
-            report.record("draft chain", f"cuda graph (batch {bs}, {self.steps} steps)")
+            report.record("draft chain", f"cuda graph (batch {bs}, catch-up and {self.k} tokens)")
             report.replay(self.recorded[bs])
         else:
             self._chain(bs, max(starts))
-        return self.drafted[:b]
+        return self.drafted[:len(starts)]

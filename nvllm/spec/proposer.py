@@ -24,6 +24,7 @@ from nvllm.engine.inflight import PendingTokens
 from nvllm.engine.sequence import Sequence
 from nvllm.engine.step_inputs import StepInputs
 from nvllm.layers.sampler import host_tensor
+from nvllm.spec.draft_chain import CATCH_UP, DraftChain
 from nvllm.spec.rejection_sampler import draw, shaped_probs
 
 
@@ -86,20 +87,18 @@ class NgramProposer:
 
 class DraftModelProposer:
     def __init__(self, runner, vocab_size: int, banned: Callable[[Sequence], tuple[int, list[int]]],
-                 chain_steps: int = 0):
+                 chain_k: int = 0):
         """runner: the draft's ModelRunner (its model, KV cache and CUDA graphs are used, not its sampler);
         vocab_size: the target's (draft logits are cut or padded to it); banned(seq) → (rows, token ids);
-        chain_steps: k − 1 for a fixed k — greedy drafts then run their steps after the catch-up as one
-        ``DraftChain`` (with the runner's CUDA graphs only)."""
+        chain_k: the fixed k, if any — greedy drafts then run their catch-up and their k steps as one ``DraftChain``
+        (with the runner's CUDA graphs only)."""
         self.runner = runner
         self.block_size = runner.block_size
         self.vocab_size = vocab_size
         self.banned = banned
         self.chain = None
-        if chain_steps > 0 and runner.graphs is not None:
-            from nvllm.spec.draft_chain import DraftChain
-
-            self.chain = DraftChain(runner, chain_steps, vocab_size)
+        if chain_k > 0 and runner.graphs is not None:
+            self.chain = DraftChain(runner, chain_k, vocab_size)
 
     # ---- one forward of the draft ----------------------------------------------------------------------
     def _forward(self, items: list[tuple[Sequence, int, list[int]]], want: list[int],
@@ -172,6 +171,17 @@ class DraftModelProposer:
                 seq.num_draft_computed = end
         if not items:
             return Drafts()
+        catch_up = [items[i] for i in want]
+        if self._chains(spec_seqs, plan, catch_up):
+            mirror = [it for it in items if plan.get(id(it[0]), 0) == 0]
+            if mirror:  # other sequences' prompt chunks: into the draft's cache, no logits
+                self._forward(mirror, [])
+            k = self.chain.k
+            drafted = self.chain.run([ids for _, _, ids in catch_up], [s.num_tokens for s in spec_seqs],
+                                     [s.block_table for s in spec_seqs])
+            pending = PendingTokens([s for s in spec_seqs for _ in range(k)], drafted.reshape(-1))
+            return Drafts({id(s): Proposal([-1 - (i * k + j) for j in range(k)]) for i, s in enumerate(spec_seqs)},
+                          pending)
         logits = self._forward(items, want)
         if logits is None:
             return Drafts()
@@ -185,12 +195,6 @@ class DraftModelProposer:
         row i·k_max + j); how many each sequence drafted is its plan."""
         dev = logits.device
         k_max = max(plan[id(s)] for s in seqs)
-        if self._chains(seqs, plan, k_max):
-            tok, _ = self._sample(logits, seqs, 0, gen)
-            rest = self.chain.run(tok, [s.num_tokens for s in seqs], [s.block_table for s in seqs])
-            pending = PendingTokens([s for s in seqs for _ in range(k_max)], torch.cat([tok[:, None], rest], 1).view(-1))
-            return Drafts({id(s): Proposal([-1 - (i * k_max + j) for j in range(k_max)]) for i, s in enumerate(seqs)},
-                          pending)
         drafted = torch.zeros((len(seqs), k_max), dtype=torch.long, device=dev)
         dists: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
@@ -217,12 +221,14 @@ class DraftModelProposer:
                                        torch.stack(dists[i]) if not s.params.greedy and dists[i] else None)
                        for i, s in enumerate(seqs)}, pending)
 
-    def _chains(self, seqs: list[Sequence], plan: dict[int, int], k_max: int) -> bool:
-        """Whether this step's drafts after the first run as the chain: greedy sequences that all draft the chain's
-        k, none with banned tokens past the first draft, few enough for its graphs."""
+    def _chains(self, seqs: list[Sequence], plan: dict[int, int],
+                catch_up: list[tuple[Sequence, int, list[int]]]) -> bool:
+        """Whether this step's drafts run as the chain: greedy sequences that all draft the chain's k with one or two
+        tokens to catch up, nothing banned, few enough for its graphs."""
         c = self.chain
-        return (c is not None and k_max == c.steps + 1 and len(seqs) <= c.max_batch
-                and all(plan[id(s)] == k_max and s.params.greedy and self.banned(s)[0] <= 1 for s in seqs))
+        return (c is not None and bool(seqs) and len(seqs) <= c.max_batch
+                and all(1 <= len(ids) <= CATCH_UP for _, _, ids in catch_up)
+                and all(plan[id(s)] == c.k and s.params.greedy and self.banned(s)[0] == 0 for s in seqs))
 
     def _masked(self, logits: torch.Tensor, seqs: list[Sequence], j: int) -> torch.Tensor:
         """logits with the tokens banned at draft position j (min_tokens: EOS and stop ids) set to -inf."""
