@@ -12,7 +12,8 @@ number of tokens one target step emits (accepted drafts + 1).
 
 Per draft and acceptance: batch-1 TPOT (128 in / 256 out) and its speedup over plain decoding, greedy and (beside
 it) at temperature 1 (``--temperatures``); at 0.8 also batch 32 (request throughput against plain decoding, since
-speculation can lose at large batch). Then, per draft, the draft chain against the step-by-step loop (``chain_check``).
+speculation can lose at large batch). Then, per draft, the draft chain against the step-by-step loop (``chain_check``)
+and, with ``--self-check``, the draft drafting for itself, verified for real (``self_draft_check``).
 Diagnostics (scripts/spec_diagnostics.py), all optional:
 ``--timeline``: host and GPU offsets of a batch-1 step's phases, unprofiled (every draft; ``step_timeline``);
 ``--host-profile``: cProfile of batch-1 steps (every draft);
@@ -104,6 +105,39 @@ def chain_check(llm, config, plain_tpot: float) -> dict | None:
             "chain_speedup_b1": plain_tpot / timed[0]["tpot_ms"], "loop_speedup_b1": plain_tpot / timed[1]["tpot_ms"]}
 
 
+def self_draft_check(ddir: Path, base: dict) -> dict:
+    """A model drafting for itself, verified for real (no benchmark mode), greedy: with the draft chain and step by
+    step, the acceptance rate (1 but for bf16 near-ties between the draft's and the verification's batch shapes) and
+    the share of output tokens equal to plain decoding's. A wrong position, slot or catch-up row would show as a
+    collapse of the acceptance."""
+    from nvllm.bench.offline import random_token_prompts
+    from nvllm.config import EngineConfig
+    from nvllm.llm import LLM
+    from nvllm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    cfg = dict(base, model=str(ddir))
+    llm = LLM.from_config(EngineConfig(**cfg))
+    prompts = random_token_prompts(llm.get_tokenizer(), 4, 64, seed=7)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    llm = LLM.from_config(EngineConfig(**cfg, speculative=f"k=4,draft={ddir}"))
+    spec, out = llm.engine.spec, {}
+    chain = spec.proposer.chain
+    for label, c in (("chain", chain), ("loop", None)):
+        spec.proposer.chain = c
+        llm.engine.stats.spec = type(llm.engine.stats.spec)()
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        same = sum(a == b for g, p in zip(got, plain) for a, b in zip(g, p))
+        out[label] = {"acceptance": llm.engine.stats.spec.acceptance_rate, "same_as_plain": same / sum(map(len, plain)),
+                      "chain_runs": chain.runs if chain is not None else None}
+    spec.proposer.chain = chain
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
@@ -117,6 +151,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile batch-1 steps of the first draft (see above)")
     ap.add_argument("--variants", action="store_true", help="graph variants for the verification and the draft")
     ap.add_argument("--host-profile", action="store_true", help="cProfile of batch-1 greedy steps, every draft")
+    ap.add_argument("--self-check", action="store_true",
+                    help="each draft drafting for itself, verified for real: acceptance with and without the chain")
     ap.add_argument("--timeline", action="store_true", help="unprofiled host/GPU timeline of batch-1 steps (every draft)")
     ap.add_argument("--launch", action="store_true",
                     help="host cost of launching the batch-1 graphs against their GPU time, first draft (see launch_costs)")
@@ -208,6 +244,13 @@ def main() -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+        if args.self_check:
+            check = self_draft_check(ddir, base)
+            res["runs"].append({"draft": name, "self_draft_check": check})
+            save()
+            print(f"{name:22s} drafting for itself: " + "; ".join(
+                f"{k}: acceptance {v['acceptance']:.3f}, tokens as plain decoding {v['same_as_plain']:.3f}"
+                for k, v in check.items()), flush=True)
     save()
 
 

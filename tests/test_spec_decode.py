@@ -223,14 +223,13 @@ def test_draft_chain_drafts_what_the_step_by_step_loop_drafts(draft, drafts, alo
 
 
 def test_draft_chain_stages_catch_up_rows_and_padding(demo_dir, drafts):
-    """The chain's inputs, as the graphs see them: two catch-up rows per sequence, the first a padding row (slot −1,
-    context 0) when one token is to catch up; each step's position, slot and context length from the block table;
+    """The chain's inputs, as the graphs see them: two catch-up rows per sequence when one has two tokens to catch
+    up, the first a padding row (slot −1, context 0) for those with one, else one row each; each step's position, slot and context length from the block table;
     padding sequences store nowhere and attend to nothing."""
     llm = make_llm(demo_dir, block_size=8, speculative=spec_of("self", drafts, 3))
     chain = DraftChain(llm.engine.spec.proposer.runner, 3, 512, capture=False)
     chain.graphs = {1: None, 2: None, 4: None}  # pretend-captured sizes: 3 sequences pad to 4
-    bs = chain.stage([[7], [8, 9], [5]], [10, 16, 3], [[4, 2], [1, 6, 3], [0]])
-    assert bs == 4
+    assert chain.stage([[7], [8, 9], [5]], [10, 16, 3], [[4, 2], [1, 6, 3], [0]]) == (4, 2)
     d = chain._split(chain.dev64, chain.dev32, chain.max_batch, 2, 2, chain.width)
     n = 8
     assert d["cu_ids"][:n].tolist() == [0, 7, 8, 9, 0, 5, 0, 0]
@@ -241,6 +240,10 @@ def test_draft_chain_stages_catch_up_rows_and_padding(demo_dir, drafts):
     assert d["slots"][:, :4].tolist() == [[2 * 8 + 2, 3 * 8 + 0, 3, -1], [2 * 8 + 3, 3 * 8 + 1, 4, -1]]
     assert d["ctx"][:, :4].tolist() == [[11, 17, 4, 0], [12, 18, 5, 0]]
     assert d["tables"][:3, :3].tolist() == [[4, 2, 0], [1, 6, 3], [0, 0, 0]]
+    # one token each to catch up: the graphs with one catch-up row per sequence
+    assert chain.stage([[7], [9]], [10, 16], [[4, 2], [1, 6, 3]]) == (2, 1)
+    assert d["cu_ids"][:2].tolist() == [7, 9] and d["cu_pos"][:2].tolist() == [9, 15]
+    assert d["cu_slots"][:2].tolist() == [2 * 8 + 1, 6 * 8 + 7] and d["cu_ctx"][:2].tolist() == [10, 16]
 
 
 @pytest.mark.parametrize("draft", ["self", "ngram"])

@@ -10,9 +10,10 @@ two copies of the host-built inputs and one replay. Step by step, the host neede
 run AH) and the catch-up's LM head left the GPU waiting ~0.15 ms for its launch (run AJ): more than a small draft's
 GPU time.
 
-The catch-up has two rows per sequence, the last always the newest token; a sequence with one token to catch up
-fills the first with a padding row (stored nowhere, attending to nothing), as are the rows of the batch's padding
-sequences. Greedy only (what sampled requests draw is drawn outside, step by step), every sequence with the same k,
+Each batch size has two graphs: one catch-up row per sequence (every sequence has one token to catch up: the last
+verification rejected a draft) and two (a sequence that has one pads its first row: stored nowhere, attending to
+nothing, as are the rows of the batch's padding sequences). At batch 1 the chain's forwards have exactly the loop's
+shapes, so on the GPU too it drafts exactly the loop's tokens. Greedy only (what sampled requests draw is drawn outside, step by step), every sequence with the same k,
 nothing banned (``min_tokens``), catch-ups of one or two tokens; the proposer falls back otherwise. Batch sizes
 follow the draft's decode graphs up to ``MAX_CHAIN_BATCH``. On the CPU (tests) the same chain runs eagerly over the
 same buffers.
@@ -34,7 +35,8 @@ MAX_CHAIN_BATCH = 32
 """Largest batch captured as a chain (its graph keeps [batch, vocab] float32 logits per step in the graphs' pool:
 19.5 MB per step at 32 rows of a 152k vocabulary); larger batches draft step by step."""
 CATCH_UP = 2
-"""Catch-up rows per sequence: the tokens a verification adds to the draft's backlog (1, or 2 after a full accept)."""
+"""Most catch-up rows per sequence: the tokens a verification adds to the draft's backlog (1, or 2 after a full
+accept)."""
 
 
 class DraftChain:
@@ -63,8 +65,8 @@ class DraftChain:
         self.query_start_loc = torch.arange(c * n + 1, dtype=torch.int32, device=dev)
         self.drafted = torch.zeros(n, k, dtype=torch.int64, device=dev)
         self.copied = torch.cuda.Event() if pin else None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.recorded: dict[int, object] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, catch-up rows per sequence)
+        self.recorded: dict[tuple[int, int], object] = {}
         self.runs = 0
         if capture:
             self._capture(runner.graphs.pool if runner.graphs is not None else None)
@@ -82,11 +84,11 @@ class DraftChain:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def _chain(self, bs: int, max_start: int | None = None) -> None:
-        """The catch-up and the k − 1 steps after it for ``bs`` sequences, over the static buffers (what the graphs
-        capture; their attention sizes its grid from the block-table width, so the longest context, from
-        ``max_start``, is only given eagerly)."""
-        v, c = self._views[1], CATCH_UP
+    def _chain(self, bs: int, c: int, max_start: int | None = None) -> None:
+        """The catch-up (``c`` rows per sequence) and the k − 1 steps after it for ``bs`` sequences, over the static
+        buffers (what the graphs capture; their attention sizes its grid from the block-table width, so the longest
+        context, from ``max_start``, is only given eagerly)."""
+        v = self._views[1]
         tables = v["tables"][:bs]
         meta = AttentionMetadata(v["cu_slots"][:c * bs], tables.repeat_interleave(c, dim=0),
                                  self.query_start_loc[:c * bs + 1], v["cu_ctx"][:c * bs], max_query_len=1,
@@ -105,23 +107,24 @@ class DraftChain:
     @torch.inference_mode()
     def _capture(self, pool) -> None:
         start = time.perf_counter()
-        for bs in reversed(self.sizes):  # largest first: the pool is sized once
-            self._chain(bs)  # warm-up: compiles the LM head's kernels, allocates split-K workspaces
+        for key in [(bs, c) for bs in reversed(self.sizes) for c in (CATCH_UP, 1)]:  # largest first: the pool is
+            self._chain(*key)  # sized once; warm-up: compiles the LM head's kernels, allocates split-K workspaces
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with report.recording() as self.recorded[bs], torch.cuda.graph(graph, pool=pool):
-                self._chain(bs)
+            with report.recording() as self.recorded[key], torch.cuda.graph(graph, pool=pool):
+                self._chain(*key)
             pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
         logger.info("captured the draft's catch-up and %d-token chain for batch sizes %s in %.1f s", self.k,
                     self.sizes, time.perf_counter() - start)
 
-    def stage(self, catch_up: list[list[int]], starts: list[int], block_tables: list[list[int]]) -> int:
-        """Fill the input buffers for len(starts) sequences; returns the graph's batch size. catch_up[i]: the one or
-        two tokens sequence i's draft cache lacks, ending at position starts[i] − 1."""
-        b, bs_, c, s = len(starts), self.block_size, CATCH_UP, self.k - 1
+    def stage(self, catch_up: list[list[int]], starts: list[int], block_tables: list[list[int]]) -> tuple[int, int]:
+        """Fill the input buffers for len(starts) sequences; returns the graph's (batch size, catch-up rows per
+        sequence). catch_up[i]: the one or two tokens sequence i's draft cache lacks, ending at position starts[i] − 1."""
+        b, bs_, s = len(starts), self.block_size, self.k - 1
         bs = self.sizes[bisect.bisect_left(self.sizes, b)] if self.graphs else b
+        c = max(len(ids) for ids in catch_up)
         if self.copied is not None:
             self.copied.synchronize()  # the previous run's copies out of the staging buffers are done
         h = self._views[0]
@@ -150,18 +153,18 @@ class DraftChain:
         self.dev32[:end].copy_(self.host32[:end], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        return bs
+        return bs, c
 
     @torch.inference_mode()
     def run(self, catch_up: list[list[int]], starts: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Draft k tokens for each of len(starts) sequences (see ``stage``). Returns them [b, k] — a view of a static
         buffer, valid until the next run."""
-        bs = self.stage(catch_up, starts, block_tables)
+        key = self.stage(catch_up, starts, block_tables)
         self.runs += 1
         if self.graphs:
-            self.graphs[bs].replay()
-            report.record("draft chain", f"cuda graph (batch {bs}, catch-up and {self.k} tokens)")
-            report.replay(self.recorded[bs])
+            self.graphs[key].replay()
+            report.record("draft chain", f"cuda graph (batch {key[0]}, catch-up of {key[1]} and {self.k} tokens)")
+            report.replay(self.recorded[key])
         else:
-            self._chain(bs, max(starts))
+            self._chain(*key, max(starts))
         return self.drafted[:len(starts)]
