@@ -121,6 +121,8 @@ def self_draft_check(ddir: Path, base: dict) -> dict:
     prompts = random_token_prompts(llm.get_tokenizer(), 4, 64, seed=7)
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
+    gc.collect()
+    torch.cuda.empty_cache()
     llm = LLM.from_config(EngineConfig(**cfg, speculative=f"k=4,draft={ddir}"))
     spec, out = llm.engine.spec, {}
     chain = spec.proposer.chain
@@ -132,9 +134,6 @@ def self_draft_check(ddir: Path, base: dict) -> dict:
         out[label] = {"acceptance": llm.engine.stats.spec.acceptance_rate, "same_as_plain": same / sum(map(len, plain)),
                       "chain_runs": chain.runs if chain is not None else None}
     spec.proposer.chain = chain
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
     return out
 
 
@@ -246,6 +245,8 @@ def main() -> None:
         torch.cuda.empty_cache()
         if args.self_check:
             check = self_draft_check(ddir, base)
+            gc.collect()  # the engines it made
+            torch.cuda.empty_cache()
             res["runs"].append({"draft": name, "self_draft_check": check})
             save()
             print(f"{name:22s} drafting for itself: " + "; ".join(
