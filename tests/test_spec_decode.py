@@ -21,7 +21,7 @@ from nvllm.engine.sequence import Sequence
 from nvllm.outputs import RequestMetrics
 from nvllm.spec.adaptive import AdaptiveK
 from nvllm.spec.config import SpeculativeConfig, parse_speculative
-from nvllm.spec.draft_chain import DraftChain
+from nvllm.spec.draft_chain import MAX_SAMPLED_BATCH, DraftChain
 from nvllm.spec.metrics import SpecStats
 from nvllm.spec.proposer import Drafts, NgramProposer
 from nvllm.spec.rejection_sampler import rejection_sample
@@ -63,6 +63,13 @@ def drafts(tmp_path_factory) -> dict[str, str]:
 
 def spec_of(name: str, drafts: dict[str, str], k: int | str = 4) -> str:
     return f"k={k},method=ngram" if name == "ngram" else f"k={k},draft={drafts[name]}"
+
+
+def chained(llm, k: int):
+    """The engine's draft proposer with a DraftChain (eager over its static buffers, as on the CPU it has no graphs)."""
+    proposer = llm.engine.spec.proposer
+    proposer.chain = DraftChain(proposer.runner, k, proposer.vocab_size, capture=False)
+    return llm
 
 
 # ---- the parser ---------------------------------------------------------------------------------------
@@ -189,8 +196,7 @@ def test_greedy_identical_with_batching_prefix_caching_preemption(draft, drafts,
 def test_draft_chain_drafts_what_the_step_by_step_loop_drafts(draft, drafts, alone, demo_dir):
     """The chain (the catch-up and the k drafts as one unit; CUDA graphs on the GPU, here eager over the same static
     buffers) proposes exactly the step-by-step loop's tokens: same outputs, same acceptance counts, under batching,
-    prefix caching, preemption and prompt chunks mirrored beside it; a sampled request in the batch falls back to
-    the loop."""
+    prefix caching, preemption and prompt chunks mirrored beside it."""
     kw = dict(block_size=8, num_kv_blocks=10, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64,
               speculative=spec_of(draft, drafts))
     ps = prompts(14)
@@ -218,8 +224,14 @@ def test_draft_chain_drafts_what_the_step_by_step_loop_drafts(draft, drafts, alo
     assert not proposer._chains(seq, {id(x): 3 for x in seq}, one)
     seq[1].params = SamplingParams(temperature=0, min_tokens=1)
     assert not proposer._chains(seq, full, one)
-    seq[1].params = SamplingParams(temperature=0.8)
-    assert not proposer._chains(seq, full, one)
+    seq[1].params = SamplingParams(temperature=0.8, top_p=0.9)  # sampled graphs, up to MAX_SAMPLED_BATCH rows
+    assert proposer._chains(seq, full, one)
+    many = [Sequence(f"s{i}", 0, list(range(6)), 6, SamplingParams(temperature=0.8), RequestMetrics(0.0))
+            for i in range(MAX_SAMPLED_BATCH + 1)]
+    assert not proposer._chains(many, {id(x): 4 for x in many}, [(x, 5, [1]) for x in many])
+    for x in many:
+        x.params = GREEDY
+    assert proposer._chains(many, {id(x): 4 for x in many}, [(x, 5, [1]) for x in many])
 
 
 def test_draft_chain_stages_catch_up_rows_and_padding(demo_dir, drafts):
@@ -229,7 +241,7 @@ def test_draft_chain_stages_catch_up_rows_and_padding(demo_dir, drafts):
     llm = make_llm(demo_dir, block_size=8, speculative=spec_of("self", drafts, 3))
     chain = DraftChain(llm.engine.spec.proposer.runner, 3, 512, capture=False)
     chain.graphs = {1: None, 2: None, 4: None}  # pretend-captured sizes: 3 sequences pad to 4
-    assert chain.stage([[7], [8, 9], [5]], [10, 16, 3], [[4, 2], [1, 6, 3], [0]]) == (4, 2)
+    assert chain.stage([[7], [8, 9], [5]], [10, 16, 3], [[4, 2], [1, 6, 3], [0]]) == (4, 2, "greedy")
     d = chain._split(chain.dev64, chain.dev32, chain.max_batch, 2, 2, chain.width)
     n = 8
     assert d["cu_ids"][:n].tolist() == [0, 7, 8, 9, 0, 5, 0, 0]
@@ -241,9 +253,18 @@ def test_draft_chain_stages_catch_up_rows_and_padding(demo_dir, drafts):
     assert d["ctx"][:, :4].tolist() == [[11, 17, 4, 0], [12, 18, 5, 0]]
     assert d["tables"][:3, :3].tolist() == [[4, 2, 0], [1, 6, 3], [0, 0, 0]]
     # one token each to catch up: the graphs with one catch-up row per sequence
-    assert chain.stage([[7], [9]], [10, 16], [[4, 2], [1, 6, 3]]) == (2, 1)
+    assert chain.stage([[7], [9]], [10, 16], [[4, 2], [1, 6, 3]]) == (2, 1, "greedy")
     assert d["cu_ids"][:2].tolist() == [7, 9] and d["cu_pos"][:2].tolist() == [9, 15]
     assert d["cu_slots"][:2].tolist() == [2 * 8 + 1, 6 * 8 + 7] and d["cu_ctx"][:2].tolist() == [10, 16]
+    # sampled rows: the sampled graphs, each row's temperature, top-p, min-p, top-k and greedy flag; padding greedy
+    ps = [SamplingParams(temperature=0.5), GREEDY, SamplingParams(temperature=1.5, top_k=5)]
+    assert chain.stage([[7], [9], [1]], [10, 16, 3], [[4, 2], [1, 6, 3], [0]], ps) == (4, 1, "filtered")
+    assert chain.params.tolist() == [[0.5, 1.0, 1.5, 1.0] + [0.0] * (chain.params.shape[1] - 4),
+                                     [1.0, 1.0, 1.0, 1.0] + [0.0] * (chain.params.shape[1] - 4),
+                                     [0.0] * chain.params.shape[1],
+                                     [-1.0, -1.0, 5.0, 0.0] + [0.0] * (chain.params.shape[1] - 4),  # -1: off
+                                     [0.0, 1.0, 0.0, 1.0] + [0.0] * (chain.params.shape[1] - 4)]
+    assert chain.stage([[7]], [10], [[4, 2]], ps[:1]) == (1, 1, "sampled")
 
 
 @pytest.mark.parametrize("draft", ["self", "ngram"])
@@ -295,15 +316,19 @@ def joint_first_two(llm, prompt_ids: list[int], temperature: float) -> dict[tupl
     return {(a, b): pa * pb for a, pa in top3(prompt_ids).items() for b, pb in top3(prompt_ids + [a]).items()}
 
 
-@pytest.mark.parametrize("draft", ["none", "truncated", "ngram"])
+@pytest.mark.parametrize("draft", ["none", "truncated", "truncated chained", "ngram"])
 def test_sampled_tokens_follow_the_target_distribution(draft, drafts, demo_dir):
+    """Also through the draft chain's sampled mode (batches of 8: its sampled graphs' limit)."""
     temperature, n = 2.0, 1500
     plain = make_llm(demo_dir)
     # one of the likely next tokens ("had") occurs earlier in the prompt, so n-gram lookup proposes too
     prompt_ids = plain.get_tokenizer().encode("Lily had a ball. She loved the ball. She")
     joint = joint_first_two(plain, prompt_ids, temperature)
-    llm = plain if draft == "none" else make_llm(demo_dir, speculative=spec_of(draft, drafts, 2))
-    params = SamplingParams(temperature=temperature, top_k=3, max_tokens=3, n=n, seed=1000, ignore_eos=True)
+    if draft == "truncated chained":
+        llm = chained(make_llm(demo_dir, max_num_seqs=MAX_SAMPLED_BATCH, speculative=spec_of("truncated", drafts, 2)), 2)
+    else:
+        llm = plain if draft == "none" else make_llm(demo_dir, speculative=spec_of(draft, drafts, 2))
+    params = SamplingParams(temperature=temperature, top_k=3, max_tokens=4, n=n, seed=1000, ignore_eos=True)
     outs = llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0].outputs
     keys = list(joint)
     counts = torch.zeros(len(keys))
@@ -313,15 +338,21 @@ def test_sampled_tokens_follow_the_target_distribution(draft, drafts, demo_dir):
     if draft != "none":  # the second token came out of verification for every sample, some drafts rejected
         s = llm.engine.stats.spec
         assert s.num_drafts >= n // 5 and 0.05 < s.acceptance_rate < 0.95
+    if draft == "truncated chained":
+        assert llm.engine.spec.proposer.chain.runs >= n // 16  # batches of up to 8: most draws went through it
 
 
-def test_seeded_requests_reproducible(drafts, demo_dir):
+@pytest.mark.parametrize("chain", [False, True])
+def test_seeded_requests_reproducible(chain, drafts, demo_dir):
     llm = make_llm(demo_dir, speculative=spec_of("truncated", drafts, 3))
+    if chain:
+        chained(llm, 3)
     a = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7)
     b = SamplingParams(temperature=1.0, max_tokens=20, seed=3)
     alone = llm.generate("Once upon a time", a, use_tqdm=False)[0].outputs[0].token_ids
     again = llm.generate(["Once upon a time", "The dog"], [a, b], use_tqdm=False)[0].outputs[0].token_ids
     assert again == alone and llm.engine.stats.spec.num_drafts > 0
+    assert not chain or llm.engine.spec.proposer.chain.runs > 0
 
 
 # ---- metrics ------------------------------------------------------------------------------------------
@@ -355,14 +386,20 @@ def test_metrics_exact_on_a_self_draft(demo_dir, drafts, caplog):
     assert "spec_decode" not in plain
 
 
-def test_sampled_self_draft_accepts_everything(demo_dir, drafts):
+@pytest.mark.parametrize("chain", [False, True])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sampled_self_draft_accepts_everything(chain, top_p, demo_dir, drafts):
     """A self-draft sampling at the target's temperature proposes from q = p, so every draft is accepted
-    (min(1, p/q) = 1): any wrong token fed back between draft steps would show as a rejection."""
+    (min(1, p/q) = 1): any wrong token fed back between draft steps, or a q shaped unlike p, would show as a
+    rejection. Step by step and through the chain's sampled graphs (with and without the top-p filter)."""
     llm = make_llm(demo_dir, speculative=spec_of("self", drafts, 4))
-    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=21, ignore_eos=True, seed=3)
+    if chain:
+        chained(llm, 4)
+    params = SamplingParams(temperature=0.8, top_p=top_p, max_tokens=21, ignore_eos=True, seed=3)
     llm.generate(prompts(6), params, use_tqdm=False)
     s = llm.engine.stats.spec
     assert s.num_drafts > 0 and s.acceptance_rate == 1.0
+    assert not chain or llm.engine.spec.proposer.chain.runs > 0
 
 
 @pytest.mark.parametrize("draft", ["truncated", "ngram"])

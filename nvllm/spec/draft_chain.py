@@ -14,9 +14,14 @@ Each batch size has two graphs: one catch-up row per sequence (every sequence ha
 verification rejected a draft) and two (a sequence that has one pads its first row: stored nowhere, attending to
 nothing, as are the rows of the batch's padding sequences). At batch 1 the chain's forwards have exactly the loop's
 shapes, so on the GPU too it drafts exactly the loop's tokens. Greedy only (what sampled requests draw is drawn outside, step by step), every sequence with the same k,
-nothing banned (``min_tokens``), catch-ups of one or two tokens; the proposer falls back otherwise. Batch sizes
-follow the draft's decode graphs up to ``MAX_CHAIN_BATCH``. On the CPU (tests) the same chain runs eagerly over the
-same buffers.
+Sampled requests draft through graphs of their own (``SAMPLED``, or ``FILTERED`` when a request sets top-k, top-p
+or min-p): each step shapes the logits by the rows' temperatures (and filters), keeps the softmax — the draft
+distribution q that verification needs — and draws by the exponential race (argmax of q / E) over noise E drawn
+outside the graph before each replay, from the engine's generator or a seeded request's own; greedy rows of the
+batch take the argmax. Every sequence drafts the same k, nothing is banned (``min_tokens``), catch-ups are of one or
+two tokens; the proposer falls back to the step-by-step loop otherwise. Batch sizes follow the draft's decode graphs
+up to ``MAX_CHAIN_BATCH`` (greedy) and ``MAX_SAMPLED_BATCH`` (sampled). On the CPU (tests) the same chain runs
+eagerly over the same buffers.
 """
 
 from __future__ import annotations
@@ -29,11 +34,17 @@ import torch
 
 from nvllm.kernels import report
 from nvllm.layers.attention import AttentionMetadata
+from nvllm.layers.sampler import apply_top_k_top_p_min_p
+from nvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nvllm")
 MAX_CHAIN_BATCH = 32
 """Largest batch captured as a chain (its graph keeps [batch, vocab] float32 logits per step in the graphs' pool:
 19.5 MB per step at 32 rows of a 152k vocabulary); larger batches draft step by step."""
+MAX_SAMPLED_BATCH = 8
+"""Largest batch of the sampled graphs: their noise and draft distributions are [batch, k, vocab] float32 buffers
+(19.5 MB each at 8 rows, k = 4, a 152k vocabulary)."""
+GREEDY, SAMPLED, FILTERED = "greedy", "sampled", "filtered"
 CATCH_UP = 2
 """Most catch-up rows per sequence: the tokens a verification adds to the draft's backlog (1, or 2 after a full
 accept)."""
@@ -64,9 +75,18 @@ class DraftChain:
         self._tables_end = c * n + s * n  # where the block tables start in the int32 buffer
         self.query_start_loc = torch.arange(c * n + 1, dtype=torch.int32, device=dev)
         self.drafted = torch.zeros(n, k, dtype=torch.int64, device=dev)
+        # sampled graphs: per row temperature, top-p, min-p, top-k, greedy (1.0) in one float32 buffer; the noise E
+        # of each draw and the draft distributions q
+        self.sampled_sizes = [b for b in self.sizes if b <= MAX_SAMPLED_BATCH]
+        ns = self.sampled_sizes[-1]
+        self.host_params = torch.zeros(5, ns, dtype=torch.float32, pin_memory=pin)
+        self.params = torch.zeros_like(self.host_params, device=dev)
+        self._params_np = self.host_params.numpy()
+        self.noise = torch.ones(ns, k, vocab_size, dtype=torch.float32, device=dev)
+        self.q = torch.zeros(ns, k, vocab_size, dtype=torch.float32, device=dev)
         self.copied = torch.cuda.Event() if pin else None
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, catch-up rows per sequence)
-        self.recorded: dict[tuple[int, int], object] = {}
+        self.graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}  # (batch size, catch-up rows, mode)
+        self.recorded: dict[tuple[int, int, str], object] = {}
         self.runs = 0
         if capture:
             self._capture(runner.graphs.pool if runner.graphs is not None else None)
@@ -84,7 +104,27 @@ class DraftChain:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def _chain(self, bs: int, c: int, max_start: int | None = None) -> None:
+    def max_batch_for(self, params: list[SamplingParams]) -> int:
+        return self.max_batch if all(p.greedy for p in params) else self.sampled_sizes[-1]
+
+    def _draw(self, logits: torch.Tensor, bs: int, j: int, mode: str) -> torch.Tensor:
+        """Draft j of ``bs`` rows from their logits: the argmax (greedy), or a draw from the shaped softmax, kept in
+        ``q`` (the rows' greedy flags still take the argmax)."""
+        v = self.vocab_size
+        w = logits.shape[1]
+        logits = logits[:, :v] if w >= v else torch.nn.functional.pad(logits, (0, v - w), value=float("-inf"))
+        argmax = logits.argmax(dim=-1)
+        if mode == GREEDY:
+            return argmax
+        temp, top_p, min_p, top_k, greedy = self.params[:, :bs]
+        x = logits / temp[:, None]
+        if mode == FILTERED:
+            x = apply_top_k_top_p_min_p(x, top_k.long(), top_p, min_p)
+        q = x.softmax(dim=-1)
+        self.q[:bs, j] = q
+        return torch.where(greedy > 0, argmax, (q / self.noise[:bs, j]).argmax(dim=-1))
+
+    def _chain(self, bs: int, c: int, mode: str = GREEDY, max_start: int | None = None) -> None:
         """The catch-up (``c`` rows per sequence) and the k − 1 steps after it for ``bs`` sequences, over the static
         buffers (what the graphs capture; their attention sizes its grid from the block-table width, so the longest
         context, from ``max_start``, is only given eagerly)."""
@@ -96,7 +136,7 @@ class DraftChain:
         hidden = self.model(v["cu_ids"][:c * bs], v["cu_pos"][:c * bs], self.kv_caches, meta)
         for j in range(self.k):
             logits = self.model.compute_logits(hidden[c - 1::c].contiguous() if j == 0 else hidden)
-            tokens = logits[:, :self.vocab_size].argmax(dim=-1)
+            tokens = self._draw(logits, bs, j, mode)
             self.drafted[:bs, j] = tokens
             if j == self.k - 1:
                 break
@@ -107,8 +147,11 @@ class DraftChain:
     @torch.inference_mode()
     def _capture(self, pool) -> None:
         start = time.perf_counter()
-        for key in [(bs, c) for bs in reversed(self.sizes) for c in (CATCH_UP, 1)]:  # largest first: the pool is
-            self._chain(*key)  # sized once; warm-up: compiles the LM head's kernels, allocates split-K workspaces
+        keys = [(bs, c, GREEDY) for bs in reversed(self.sizes) for c in (CATCH_UP, 1)]
+        keys += [(bs, c, m) for bs in reversed(self.sampled_sizes) for c in (CATCH_UP, 1) for m in (SAMPLED, FILTERED)]
+        self.params[0].fill_(1.0)  # warm-up draws at temperature 1
+        for key in sorted(keys, key=lambda x: -x[0]):  # largest first: the pool is sized once
+            self._chain(*key)  # warm-up: compiles the LM head's kernels, allocates split-K workspaces
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with report.recording() as self.recorded[key], torch.cuda.graph(graph, pool=pool):
@@ -116,14 +159,20 @@ class DraftChain:
             pool = graph.pool()
             self.graphs[key] = graph
         torch.cuda.synchronize()
-        logger.info("captured the draft's catch-up and %d-token chain for batch sizes %s in %.1f s", self.k,
-                    self.sizes, time.perf_counter() - start)
+        logger.info("captured the draft's catch-up and %d-token chain for batch sizes %s (sampled up to %d) in %.1f s",
+                    self.k, self.sizes, self.sampled_sizes[-1], time.perf_counter() - start)
 
-    def stage(self, catch_up: list[list[int]], starts: list[int], block_tables: list[list[int]]) -> tuple[int, int]:
+    def stage(self, catch_up: list[list[int]], starts: list[int], block_tables: list[list[int]],
+              params: list[SamplingParams] | None = None) -> tuple[int, int, str]:
         """Fill the input buffers for len(starts) sequences; returns the graph's (batch size, catch-up rows per
-        sequence). catch_up[i]: the one or two tokens sequence i's draft cache lacks, ending at position starts[i] − 1."""
+        sequence, mode). catch_up[i]: the one or two tokens sequence i's draft cache lacks, ending at position
+        starts[i] − 1; params: the sequences' sampling parameters (None: all greedy)."""
         b, bs_, s = len(starts), self.block_size, self.k - 1
-        bs = self.sizes[bisect.bisect_left(self.sizes, b)] if self.graphs else b
+        mode = GREEDY
+        if params is not None and not all(p.greedy for p in params):
+            mode = FILTERED if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params) else SAMPLED
+        sizes = self.sizes if mode == GREEDY else self.sampled_sizes
+        bs = sizes[bisect.bisect_left(sizes, b)] if self.graphs else b
         c = max(len(ids) for ids in catch_up)
         if self.copied is not None:
             self.copied.synchronize()  # the previous run's copies out of the staging buffers are done
@@ -151,20 +200,36 @@ class DraftChain:
         self.dev64.copy_(self.host64, non_blocking=True)
         end = self._tables_end + b * self.width
         self.dev32[:end].copy_(self.host32[:end], non_blocking=True)
+        if mode != GREEDY:
+            self._params_np[:, :b] = [[1.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params],
+                                      [p.min_p for p in params], [p.top_k for p in params],
+                                      [float(p.greedy) for p in params]]
+            self._params_np[:, b:bs] = [[1.0], [1.0], [0.0], [0.0], [1.0]]  # padding rows: greedy
+            self.params.copy_(self.host_params, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        return bs, c
+        return bs, c, mode
 
     @torch.inference_mode()
-    def run(self, catch_up: list[list[int]], starts: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """Draft k tokens for each of len(starts) sequences (see ``stage``). Returns them [b, k] — a view of a static
-        buffer, valid until the next run."""
-        key = self.stage(catch_up, starts, block_tables)
+    def run(self, catch_up: list[list[int]], starts: list[int], block_tables: list[list[int]],
+            params: list[SamplingParams] | None = None, generators: list[torch.Generator | None] | None = None,
+            engine_generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft k tokens for each of len(starts) sequences (see ``stage``; sampled rows draw their noise from their
+        ``generators`` entry, else from ``engine_generator``). Returns the tokens [b, k] and, when any row samples,
+        the draft distributions [b, k, vocab] — views of static buffers, valid until the next run."""
+        key = self.stage(catch_up, starts, block_tables, params)
+        if key[2] != GREEDY:
+            self.noise[:key[0]].exponential_(generator=engine_generator)
+            for i, g in enumerate(generators or []):
+                if g is not None:
+                    self.noise[i].exponential_(generator=g)
         self.runs += 1
         if self.graphs:
             self.graphs[key].replay()
-            report.record("draft chain", f"cuda graph (batch {key[0]}, catch-up of {key[1]} and {self.k} tokens)")
+            report.record("draft chain", f"cuda graph (batch {key[0]}, catch-up of {key[1]} and {self.k} tokens, "
+                                         f"{key[2]})")
             report.replay(self.recorded[key])
         else:
             self._chain(*key, max(starts))
-        return self.drafted[:len(starts)]
+        b = len(starts)
+        return self.drafted[:b], None if key[2] == GREEDY else self.q[:b]
