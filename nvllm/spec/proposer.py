@@ -8,8 +8,9 @@ DraftModelProposer: a second, smaller model with its own paged KV cache of the s
 block size as the target's, so every sequence's block table serves both caches (the draft's K/V land in the
 same block ids of its own tensors). `seq.num_draft_computed` counts the tokens whose draft K/V are in place.
 Each step the draft mirrors the target's prefill chunks, catches up on the 1–2 tokens the last verification
-added, then proposes k tokens autoregressively, batched across sequences (on the GPU its single-token steps
-replay the draft runner's CUDA graphs). After verification the count keeps only the accepted drafts.
+added, then proposes k tokens autoregressively, batched across sequences. With a fixed k on the GPU the catch-up and
+the k steps replay as one ``DraftChain`` graph (greedy or sampled); otherwise step by step, each step replaying the
+draft runner's decode graphs. After verification the count keeps only the accepted drafts.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ class DraftModelProposer:
                  chain_k: int = 0):
         """runner: the draft's ModelRunner (its model, KV cache and CUDA graphs are used, not its sampler);
         vocab_size: the target's (draft logits are cut or padded to it); banned(seq) → (rows, token ids);
-        chain_k: the fixed k, if any — greedy drafts then run their catch-up and their k steps as one ``DraftChain``
-        (with the runner's CUDA graphs only)."""
+        chain_k: the fixed k, if any — drafts then run their catch-up and their k steps as one ``DraftChain`` (with
+        the runner's CUDA graphs only)."""
         self.runner = runner
         self.block_size = runner.block_size
         self.vocab_size = vocab_size
