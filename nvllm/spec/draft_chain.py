@@ -221,8 +221,9 @@ class DraftChain:
         if key[2] != GREEDY:
             self.noise[:key[0]].exponential_(generator=engine_generator)
             for i, g in enumerate(generators or []):
-                if g is not None:
-                    self.noise[i].exponential_(generator=g)
+                if g is not None:  # a draw per step, as step by step: a seeded request drafts the same either way
+                    for j in range(self.k):
+                        self.noise[i, j].exponential_(generator=g)
         self.runs += 1
         if self.graphs:
             self.graphs[key].replay()
