@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from gpu_profile import profile_steps  # noqa: E402
+from gpu_profile import PROFILE_CASES, profile_steps  # noqa: E402
 from hf_baselines import hf_baseline, hf_compiled_baseline  # noqa: E402
 
 
@@ -86,11 +86,13 @@ QUANT_CONFIGS = {
 }
 
 
-def quant_runs(model_dir: Path, res: dict, methods: list[str], save, suffix: str = "") -> None:
+def quant_runs(model_dir: Path, res: dict, methods: list[str], save, suffix: str = "", profile: bool = False) -> None:
     """W4A16 g128 decode at batch 1 (random packed weights; bf16 lm_head unless "-head") against the bf16 TPOT of
-    this run; keys ``nvllm_{method}_w4{suffix}_…``."""
+    this run; keys ``nvllm_{method}_w4{suffix}_…``. ``profile``: then torch.profiler over 32 decode steps of each
+    (``profile_{method}_decode_b1…``)."""
     from nvllm.bench.offline import run_latency
     from nvllm.config import EngineConfig
+    from nvllm.llm import LLM
 
     for method in methods:
         qdir = Path(tempfile.mkdtemp(prefix=f"qwen7b-{method}-"))
@@ -101,11 +103,16 @@ def quant_runs(model_dir: Path, res: dict, methods: list[str], save, suffix: str
         (qdir / "config.json").write_text(json.dumps(cfg))
         config = EngineConfig(model=str(qdir), load_format="dummy", dtype="bfloat16", max_model_len=4096,
                               max_num_seqs=64, log_stats_interval=0)
+        llm = LLM.from_config(config)
         lat = run_latency(config, batch_size=1, input_len=128, output_len=256, num_iters_warmup=1, num_iters=3,
-                          progress=False)
+                          progress=False, llm=llm)
         res[f"nvllm_{method}_w4{suffix}_tpot_ms"] = lat["median_tpot_ms"]
         res[f"nvllm_{method}_w4{suffix}_kernel_report"] = lat["kernel_report"]
         save()
+        if profile:  # last: a profiler session slows the process's later launches
+            profile_steps(llm, res, [c for c in PROFILE_CASES if c[0].startswith("decode")], f"{method}_")
+            save()
+        del llm
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -386,7 +393,8 @@ def main() -> None:
                     help="also run the graphs engine with SiLU·mul in the gate_up epilogue (NVLLM_FUSED_SILU=1), first")
     ap.add_argument("--pdl-compare", action="store_true",
                     help="also run the graphs engine (and --quant) with programmatic dependent launch off, first")
-    ap.add_argument("--profile", action="store_true", help="profile a prefill and decode steps (torch.profiler)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile a prefill and decode steps (torch.profiler); with --quant, each format's decode steps too")
     ap.add_argument("--kv", default="", help="comma-separated KV-cache dtypes to compare at 8K context: auto,int8,...")
     ap.add_argument("--kv-throughput", default="",
                     help="comma-separated KV-cache dtypes for the KV-bound throughput run: auto,int8,...")
@@ -433,7 +441,7 @@ def main() -> None:
         steps.append(("quant nopdl", lambda: with_env("NVLLM_PDL", "0", lambda: quant_runs(
             model_dir, res, args.quant.split(","), save, "_nopdl"))))
     if args.quant:
-        steps.append(("quant", lambda: quant_runs(model_dir, res, args.quant.split(","), save)))
+        steps.append(("quant", lambda: quant_runs(model_dir, res, args.quant.split(","), save, profile=args.profile)))
     if args.quant and args.gemv_compare:
         res["gemv_compare"] = json.loads(args.gemv_compare)
         steps.append(("quant gemv", lambda: with_gemv_defaults(res["gemv_compare"], lambda: quant_runs(

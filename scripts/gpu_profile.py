@@ -38,19 +38,21 @@ def device_us(prof, labels: str | None = None) -> float:
 PROFILE_CASES = (("prefill512", 512, 1), ("prefill2048", 2048, 1), ("decode_b1", 128, 32))  # (name, prompt tokens, steps profiled)
 
 
-def profile_steps(llm, res: dict) -> None:
-    """torch.profiler over a 512- and a 2048-token prefill and over 32 batch-1 decode steps: the kernels' GPU time
-    against the wall time of engine.step(), so the gap between measured and wall is placed."""
+def profile_steps(llm, res: dict, cases=PROFILE_CASES, tag: str = "") -> None:
+    """torch.profiler over a 512- and a 2048-token prefill and over 32 batch-1 decode steps (or the given ``cases``):
+    the kernels' GPU time against the wall time of engine.step(), so the gap between measured and wall is placed.
+    ``tag`` prefixes the cases' names (keys, files)."""
     from nvllm.bench.offline import random_token_prompts
     from nvllm.sampling_params import SamplingParams
 
     out = Path(os.environ.get("OUT", "."))
     eng = llm.engine
-    for name, input_len, steps in PROFILE_CASES:
+    for name, input_len, steps in cases:
+        name = tag + name
         eng.block_manager.reset_prefix_cache()
         prompt = random_token_prompts(llm.get_tokenizer(), 1, input_len, seed=7)[0]
         eng.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-        if name.startswith("decode"):
+        if "decode" in name:
             eng.step(partial=False)  # the prefill, outside the profile
             eng.step(partial=False)
         prof, wall = profiled_steps(eng, steps)
