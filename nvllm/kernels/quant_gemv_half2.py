@@ -137,13 +137,6 @@ def _x(x_ptr, k, sc):
 
 
 @_jit
-def _prefetch_l2(ptrs):
-    """Ask for the lines at ``ptrs`` to be brought into L2; nothing waits for them."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@_jit
 def quant_gemv_half2_kernel(
     x_ptr, xw_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     N, K,
@@ -154,29 +147,17 @@ def quant_gemv_half2_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,                  # Triton f16 operations instead of the inline PTX
     X_WORDS: tl.constexpr,                    # bf16 inputs, also passed as an int32 view (xw_ptr)
-    PREFETCH: tl.constexpr,                   # the program's weights into L2 before anything waits (not interpreted)
     PDL: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    if PREFETCH:
-        # the weights do not depend on the kernel before this one: under PDL their fetch overlaps its tail, and
-        # otherwise the input-scale pass below; one hint per 128-byte line of words (32 columns), scales (64) and
-        # zeros (256), clamped into the tensors
-        lines = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 32) * 32, N - 1)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            _prefetch_l2(qw_ptr + rows[:, None] * stride_qw + lines[None, :])
-            grp = k0 // GROUP
-            _prefetch_l2(s_ptr + grp * stride_s + tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 64) * 64, N - 1))
-            _prefetch_l2(qz_ptr + grp * stride_qz + (pid_n * BLOCK_N) // 8 + tl.arange(0, 1))
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
     # the power of two that brings this program's inputs below 512: 2^(8 − E), E = floor(log2 max |x|)
     m = 0.0
     for k0 in range(k_begin, k_end, BLOCK_K):
