@@ -213,15 +213,16 @@ def test_draft_chain_drafts_what_the_step_by_step_loop_drafts(draft, drafts, alo
         assert llm.engine.scheduler.num_preemptions > 0
     assert stats[0] == stats[1]
     assert proposer.chain.runs > 0
-    # what the chain takes: greedy sequences that all draft its k, one or two tokens to catch up, nothing banned
+    # what the chain takes: sequences drafting at most its k, one or two tokens to catch up, nothing banned
     seq = [Sequence(f"r{i}", 0, list(range(6)), 6, SamplingParams(temperature=0), RequestMetrics(0.0))
            for i in range(2)]
     full = {id(x): 4 for x in seq}
     one, two, three = ([(x, 6 - n, list(range(n))) for x in seq] for n in (1, 2, 3))
     assert proposer._chains(seq, full, one) and proposer._chains(seq, full, two)
     assert not proposer._chains(seq, full, three)  # the draft fell behind: the loop's forward catches it up
-    assert not proposer._chains(seq, {id(seq[0]): 4, id(seq[1]): 2}, one)
-    assert not proposer._chains(seq, {id(x): 3 for x in seq}, one)
+    assert proposer._chains(seq, {id(seq[0]): 4, id(seq[1]): 2}, one)  # a k cut near the end: the first 2 drafts
+    assert proposer._chains(seq, {id(x): 3 for x in seq}, one)
+    assert not proposer._chains(seq, {id(x): 5 for x in seq}, one)
     seq[1].params = SamplingParams(temperature=0, min_tokens=1)
     assert not proposer._chains(seq, full, one)
     seq[1].params = SamplingParams(temperature=0.8, top_p=0.9)  # sampled graphs, up to MAX_SAMPLED_BATCH rows
@@ -234,15 +235,35 @@ def test_draft_chain_drafts_what_the_step_by_step_loop_drafts(draft, drafts, alo
     assert proposer._chains(many, {id(x): 4 for x in many}, [(x, 5, [1]) for x in many])
 
 
+def test_draft_chain_runs_to_the_model_length(demo_dir, drafts):
+    """Near the end of the model's length (here its max_position_embeddings) the last steps' k is cut: the chain still
+    drafts them, its steps after a sequence's last used draft as padding rows (their positions would lie past the
+    rotary table); outputs equal plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
+    want = make_llm(demo_dir).generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = chained(make_llm(demo_dir, speculative=spec_of("truncated", drafts, 4)), 4)
+    runs = []
+    original = llm.engine.spec.proposer.chain.run
+
+    def run(*args):
+        runs.append(min(args[6]))  # the fewest drafts a sequence of the step uses
+        return original(*args)
+    llm.engine.spec.proposer.chain.run = run
+    got = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want and len(got) + len(llm.get_tokenizer().encode("Once upon a time")) == 512
+    assert min(runs) < 4  # the cut steps went through the chain
+
+
 def test_draft_chain_stages_catch_up_rows_and_padding(demo_dir, drafts):
     """The chain's inputs, as the graphs see them: two catch-up rows per sequence when one has two tokens to catch
     up, the first a padding row (slot −1, context 0) for those with one, else one row each; each step's position, slot and context length from the block table;
     padding sequences store nowhere and attend to nothing."""
     llm = make_llm(demo_dir, block_size=8, speculative=spec_of("self", drafts, 3))
     chain = DraftChain(llm.engine.spec.proposer.runner, 3, 512, capture=False)
+    d = chain._split(chain.dev64, chain.dev32, chain.max_batch, 2, 2, chain.width)
+    assert (d["cu_slots"] == -1).all() and (d["slots"] == -1).all()  # the capture's warm-up runs store nowhere
     chain.graphs = {1: None, 2: None, 4: None}  # pretend-captured sizes: 3 sequences pad to 4
     assert chain.stage([[7], [8, 9], [5]], [10, 16, 3], [[4, 2], [1, 6, 3], [0]]) == (4, 2, "greedy")
-    d = chain._split(chain.dev64, chain.dev32, chain.max_batch, 2, 2, chain.width)
     n = 8
     assert d["cu_ids"][:n].tolist() == [0, 7, 8, 9, 0, 5, 0, 0]
     assert d["cu_pos"][:n].tolist() == [0, 9, 14, 15, 0, 2, 0, 0]
@@ -265,6 +286,13 @@ def test_draft_chain_stages_catch_up_rows_and_padding(demo_dir, drafts):
                                      [-1.0, -1.0, 5.0, 0.0] + [0.0] * (chain.params.shape[1] - 4),  # -1: off
                                      [0.0, 1.0, 0.0, 1.0] + [0.0] * (chain.params.shape[1] - 4)]
     assert chain.stage([[7]], [10], [[4, 2]], ps[:1]) == (1, 1, "sampled")
+    # a sequence using fewer than k drafts (its k cut at the end): the steps after its last used draft are padding,
+    # also where their positions would lie past its blocks (position 16 needs a third block)
+    assert chain.stage([[7]], [15], [[4, 2]], None, [2]) == (1, 1, "greedy")
+    assert d["pos"][:, :1].tolist() == [[15], [0]] and d["slots"][:, :1].tolist() == [[2 * 8 + 7], [-1]]
+    assert d["ctx"][:, :1].tolist() == [[16], [0]]
+    chain.stage([[7]], [15], [[4, 2]], None, [1])
+    assert d["slots"][:, :1].tolist() == [[-1], [-1]] and d["ctx"][:, :1].tolist() == [[0], [0]]
 
 
 @pytest.mark.parametrize("draft", ["self", "ngram"])

@@ -1,4 +1,4 @@
-"""DraftChain: a greedy draft model's whole proposal — its catch-up and its k single-token steps — as one CUDA graph
+"""DraftChain: a draft model's whole proposal — its catch-up and its k single-token steps — as one CUDA graph
 per batch size.
 
 Once a verification is read, everything the draft does next is known in advance except the tokens it draws: the
@@ -13,15 +13,19 @@ GPU time.
 Each batch size has two graphs: one catch-up row per sequence (every sequence has one token to catch up: the last
 verification rejected a draft) and two (a sequence that has one pads its first row: stored nowhere, attending to
 nothing, as are the rows of the batch's padding sequences). At batch 1 the chain's forwards have exactly the loop's
-shapes, so on the GPU too it drafts exactly the loop's tokens. Greedy only (what sampled requests draw is drawn outside, step by step), every sequence with the same k,
+shapes, so on the GPU too it drafts exactly the loop's tokens.
+
 Sampled requests draft through graphs of their own (``SAMPLED``, or ``FILTERED`` when a request sets top-k, top-p
 or min-p): each step shapes the logits by the rows' temperatures (and filters), keeps the softmax — the draft
 distribution q that verification needs — and draws by the exponential race (argmax of q / E) over noise E drawn
-outside the graph before each replay, from the engine's generator or a seeded request's own; greedy rows of the
-batch take the argmax. Every sequence drafts the same k, nothing is banned (``min_tokens``), catch-ups are of one or
-two tokens; the proposer falls back to the step-by-step loop otherwise. Batch sizes follow the draft's decode graphs
-up to ``MAX_CHAIN_BATCH`` (greedy) and ``MAX_SAMPLED_BATCH`` (sampled). On the CPU (tests) the same chain runs
-eagerly over the same buffers.
+outside the graph before each replay, from the engine's generator or, one step at a time as the loop draws it, a
+seeded request's own; greedy rows of the batch take the argmax.
+
+Every sequence drafts k tokens; one that may use fewer (its ``max_tokens`` or the model length cut its k) has the
+first ones, its steps after its last used draft being padding rows. Nothing may be banned (``min_tokens``) and
+catch-ups are of one or two tokens; the proposer falls back to the step-by-step loop otherwise. Batch sizes follow the
+draft's decode graphs up to ``MAX_CHAIN_BATCH`` (greedy) and ``MAX_SAMPLED_BATCH`` (sampled). On the CPU (tests) the
+same chain runs eagerly over the same buffers.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class DraftChain:
         self.dev32 = torch.zeros_like(self.host32, device=dev)
         self._views = [self._split(b64, b32, n, c, s, width) for b64, b32 in
                        ((self.host64.numpy(), self.host32.numpy()), (self.dev64, self.dev32))]
+        self._views[1]["cu_slots"].fill_(-1)  # the capture's warm-up runs store nowhere
+        self._views[1]["slots"].fill_(-1)
         self._tables_end = c * n + s * n  # where the block tables start in the int32 buffer
         self.query_start_loc = torch.arange(c * n + 1, dtype=torch.int32, device=dev)
         self.drafted = torch.zeros(n, k, dtype=torch.int64, device=dev)
@@ -163,10 +169,11 @@ class DraftChain:
                     self.k, self.sizes, self.sampled_sizes[-1], time.perf_counter() - start)
 
     def stage(self, catch_up: list[list[int]], starts: list[int], block_tables: list[list[int]],
-              params: list[SamplingParams] | None = None) -> tuple[int, int, str]:
+              params: list[SamplingParams] | None = None, used: list[int] | None = None) -> tuple[int, int, str]:
         """Fill the input buffers for len(starts) sequences; returns the graph's (batch size, catch-up rows per
         sequence, mode). catch_up[i]: the one or two tokens sequence i's draft cache lacks, ending at position
-        starts[i] − 1; params: the sequences' sampling parameters (None: all greedy)."""
+        starts[i] − 1; params: the sequences' sampling parameters (None: all greedy); used[i]: how many drafts
+        sequence i will use (k by default; the steps after its last one are padding rows)."""
         b, bs_, s = len(starts), self.block_size, self.k - 1
         mode = GREEDY
         if params is not None and not all(p.greedy for p in params):
@@ -188,12 +195,16 @@ class DraftChain:
         h["cu_slots"][c * b:c * bs] = -1  # to nothing
         h["cu_ctx"][c * b:c * bs] = 0
         if s:
-            pos = [[st + j for st in starts] for j in range(s)]
+            # step j feeds draft j + 1 at position start + j; it is needed while draft j + 2 is used, and otherwise a
+            # padding row (its position may lie past the sequence's blocks and the model's length)
+            need = [[used is None or j + 2 <= used[i] for i in range(b)] for j in range(s)]
+            pos = [[st + j if ok else 0 for st, ok in zip(starts, row)] for j, row in enumerate(need)]
             h["pos"][:, :b] = pos
-            h["slots"][:, :b] = [[t[p // bs_] * bs_ + p % bs_ for t, p in zip(block_tables, row)] for row in pos]
+            h["slots"][:, :b] = [[t[p // bs_] * bs_ + p % bs_ if ok else -1 for t, p, ok in zip(block_tables, prow, row)]
+                                 for prow, row in zip(pos, need)]
+            h["ctx"][:, :b] = [[p + 1 if ok else 0 for p, ok in zip(prow, row)] for prow, row in zip(pos, need)]
             h["pos"][:, b:bs] = 0
             h["slots"][:, b:bs] = -1
-            h["ctx"][:, :b] = h["pos"][:, :b] + 1
             h["ctx"][:, b:bs] = 0
         width = max(len(t) for t in block_tables)
         h["tables"][:b, :width] = [t + [0] * (width - len(t)) for t in block_tables]
@@ -213,16 +224,18 @@ class DraftChain:
     @torch.inference_mode()
     def run(self, catch_up: list[list[int]], starts: list[int], block_tables: list[list[int]],
             params: list[SamplingParams] | None = None, generators: list[torch.Generator | None] | None = None,
-            engine_generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            engine_generator: torch.Generator | None = None,
+            used: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft k tokens for each of len(starts) sequences (see ``stage``; sampled rows draw their noise from their
-        ``generators`` entry, else from ``engine_generator``). Returns the tokens [b, k] and, when any row samples,
-        the draft distributions [b, k, vocab] — views of static buffers, valid until the next run."""
-        key = self.stage(catch_up, starts, block_tables, params)
+        ``generators`` entry, else from ``engine_generator``; ``used[i]``: how many of its drafts sequence i will use,
+        k by default). Returns the tokens [b, k] and, when any row samples, the draft distributions [b, k, vocab] —
+        views of static buffers, valid until the next run."""
+        key = self.stage(catch_up, starts, block_tables, params, used)
         if key[2] != GREEDY:
             self.noise[:key[0]].exponential_(generator=engine_generator)
             for i, g in enumerate(generators or []):
-                if g is not None:  # a draw per step, as step by step: a seeded request drafts the same either way
-                    for j in range(self.k):
+                if g is not None and not params[i].greedy:  # a draw per used step, as step by step: a seeded
+                    for j in range(used[i] if used else self.k):  # request drafts the same either way
                         self.noise[i, j].exponential_(generator=g)
         self.runs += 1
         if self.graphs:

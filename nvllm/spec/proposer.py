@@ -177,14 +177,14 @@ class DraftModelProposer:
             mirror = [it for it in items if plan.get(id(it[0]), 0) == 0]
             if mirror:  # other sequences' prompt chunks: into the draft's cache, no logits
                 self._forward(mirror, [])
-            k = self.chain.k
+            k, used = self.chain.k, [plan[id(s)] for s in spec_seqs]
             drafted, q = self.chain.run([ids for _, _, ids in catch_up], [s.num_tokens for s in spec_seqs],
                                         [s.block_table for s in spec_seqs], [s.params for s in spec_seqs],
-                                        [s.generator for s in spec_seqs], gen)
+                                        [s.generator for s in spec_seqs], gen, used)
             pending = PendingTokens([s for s in spec_seqs for _ in range(k)], drafted.reshape(-1))
-            return Drafts({id(s): Proposal([-1 - (i * k + j) for j in range(k)],
-                                           None if s.params.greedy else q[i]) for i, s in enumerate(spec_seqs)},
-                          pending)
+            return Drafts({id(s): Proposal([-1 - (i * k + j) for j in range(n)],
+                                           None if s.params.greedy else q[i, :n])
+                           for i, (s, n) in enumerate(zip(spec_seqs, used))}, pending)
         logits = self._forward(items, want)
         if logits is None:
             return Drafts()
@@ -226,12 +226,13 @@ class DraftModelProposer:
 
     def _chains(self, seqs: list[Sequence], plan: dict[int, int],
                 catch_up: list[tuple[Sequence, int, list[int]]]) -> bool:
-        """Whether this step's drafts run as the chain: sequences that all draft the chain's k with one or two tokens to
-        catch up, nothing banned, few enough for its graphs (greedy or sampled)."""
+        """Whether this step's drafts run as the chain: sequences that draft at most the chain's k (those nearing their
+        end may use fewer) with one or two tokens to catch up, nothing banned, few enough for its graphs (greedy or
+        sampled)."""
         c = self.chain
         return (c is not None and bool(seqs) and len(seqs) <= c.max_batch_for([s.params for s in seqs])
                 and all(1 <= len(ids) <= CATCH_UP for _, _, ids in catch_up)
-                and all(plan[id(s)] == c.k and self.banned(s)[0] == 0 for s in seqs))
+                and all(plan[id(s)] <= c.k and self.banned(s)[0] == 0 for s in seqs))
 
     def _masked(self, logits: torch.Tensor, seqs: list[Sequence], j: int) -> torch.Tensor:
         """logits with the tokens banned at draft position j (min_tokens: EOS and stop ids) set to -inf."""
