@@ -237,17 +237,17 @@ def test_draft_chain_drafts_what_the_step_by_step_loop_drafts(draft, drafts, alo
 
 def test_draft_chain_runs_to_the_model_length(demo_dir, drafts):
     """Near the end of the model's length (here its max_position_embeddings) the last steps' k is cut: the chain still
-    drafts them, its steps after a sequence's last used draft as padding rows (their positions would lie past the
-    rotary table); outputs equal plain decoding's."""
+    drafts them, and outputs equal plain decoding's. (That the steps after a sequence's last used draft are padding
+    rows is checked on the staged buffers, in the test below.)"""
     params = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
     want = make_llm(demo_dir).generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids
     llm = chained(make_llm(demo_dir, speculative=spec_of("truncated", drafts, 4)), 4)
     runs = []
     original = llm.engine.spec.proposer.chain.run
 
-    def run(*args):
-        runs.append(min(args[6]))  # the fewest drafts a sequence of the step uses
-        return original(*args)
+    def run(catch_up, starts, tables, params, generators, gen, used):
+        runs.append(min(used))  # the fewest drafts a sequence of the step uses
+        return original(catch_up, starts, tables, params, generators, gen, used)
     llm.engine.spec.proposer.chain.run = run
     got = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want and len(got) + len(llm.get_tokenizer().encode("Once upon a time")) == 512
