@@ -171,8 +171,9 @@ def test_gemv_half2_matches_reference(case, x_scale, dtype):
     x = (torch.randn(1, qw.in_features, generator=gen) * x_scale).to(dtype)
     bias = (torch.randn(qw.out_features, generator=gen) * 0.1 * x_scale).to(dtype)
     exact = semantic_ref(x.float(), qw, bias.float())
-    for split_k, serial in ((1, 0), (2, 0), (2, 1)):
-        y = run_gemv(x, qw, bias, variant="half2", split_k=split_k, serial=serial, block_n=32, block_k=32)
+    for split_k, serial, x_once in ((1, 0, 1), (2, 0, 1), (2, 1, 1), (3, 1, 1), (2, 1, 0)):
+        y = run_gemv(x, qw, bias, variant="half2", split_k=split_k, serial=serial, block_n=32, block_k=32,
+                     x_once=x_once)
         check(y.float(), exact, max(HALF2_TOL, TIGHT[dtype]))
 
 
@@ -200,7 +201,7 @@ sig = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "
        "stride_qz": "i32", "stride_s": "i32", "k_per_split": "i32"}
 for x_words in (True, False):
     const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_N=128, BLOCK_K=64,
-                 INTERPRET=False, X_WORDS=x_words, PDL=True)
+                 INTERPRET=False, X_WORDS=x_words, X_SPAN=64 if x_words else 0, PDL=True)
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(fn=kernel, signature=sig, constexprs={(list(sig).index(k),): v for k, v in const.items()})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})

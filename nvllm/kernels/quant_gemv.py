@@ -324,7 +324,7 @@ def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None,
     block_k = next((c for c in (want_k, 64, 32, 16) if c <= want_k and group_size % c == 0 and K % c == 0), 16)
     block_n = 128 if block_m <= 2 else 64
     cfg = {"variant": "tile", "block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
-           "magic": 0, "stages": 3, "waves": 0, "serial": 0}
+           "magic": 0, "stages": 3, "waves": 0, "serial": 0, "x_once": 1}
     tuned = TUNED.get((fmt, bits, block_m), {})
     if tuned and group_size % tuned.get("block_k", block_k) == 0 and K % tuned.get("block_k", block_k) == 0:
         cfg.update(tuned)
@@ -344,6 +344,16 @@ def _splits(n_tiles: int, K: int, block_k: int, device: torch.device, waves: int
         return None
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(-(-waves * sms // n_tiles), K // block_k, MAX_SPLITS))
+
+
+X_SPAN_MAX = 1024
+"""Longest K range (inputs) whose max ``half2`` takes in one load (``x_once``); longer ranges loop."""
+
+
+def _x_span(k_per_split: int) -> int:
+    """``half2``'s X_SPAN: the power of two that covers a split's inputs, or 0 (a loop) past ``X_SPAN_MAX``."""
+    span = triton.next_power_of_2(k_per_split)
+    return span if span <= X_SPAN_MAX else 0
 
 
 _WORKSPACES: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -370,7 +380,8 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     """``x [M, K]`` (M ≤ 16, contiguous rows) times the packed layer → ``[M, N]`` in x's dtype, fp32 math.
     ``config`` overrides ``variant`` (``VARIANTS``), ``block_m``, ``block_n``, ``block_k``, ``num_warps``,
     ``magic`` (0/1, variant tile), ``stages``, ``waves`` (ignored with an explicit ``split_k``), ``serial``
-    (0/1: split-K finished inside the kernel, no zeroing and cast launches; see ``_workspace``)."""
+    (0/1: split-K finished inside the kernel, no zeroing and cast launches; see ``_workspace``), ``x_once`` (0/1,
+    variant half2: the max of a split's inputs in one load, see ``X_SPAN_MAX``)."""
     M, K = x.shape
     N = scales.shape[1]
     cfg = pick_gemv_config(M, K, group_size, fmt, bits)
@@ -419,7 +430,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
             *(ws if ws is not None else (out, out)),
             N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split, GROUP=group_size,
             HAS_BIAS=direct_bias, ATOMIC=atomic, SERIAL=ws is not None, STAGES=cfg["stages"], BLOCK_N=bn, BLOCK_K=bk,
-            INTERPRET=interpret, X_WORDS=x_words, num_warps=cfg["num_warps"], **pdl.launch_args(x))
+            INTERPRET=interpret, X_WORDS=x_words, X_SPAN=_x_span(k_per_split) if cfg["x_once"] else 0, num_warps=cfg["num_warps"], **pdl.launch_args(x))
     elif variant in ("field", "row"):
         _quant_gemv_field_kernel[(n_tiles, split_k)](*args, 0x4B000000, ROWS=variant == "row", **common)
     else:

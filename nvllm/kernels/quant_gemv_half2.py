@@ -147,6 +147,7 @@ def quant_gemv_half2_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,                  # Triton f16 operations instead of the inline PTX
     X_WORDS: tl.constexpr,                    # bf16 inputs, also passed as an int32 view (xw_ptr)
+    X_SPAN: tl.constexpr,                     # a power of two ≥ k_per_split: the inputs' max in one load (0: a loop)
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -159,9 +160,13 @@ def quant_gemv_half2_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     # the power of two that brings this program's inputs below 512: 2^(8 − E), E = floor(log2 max |x|)
-    m = 0.0
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        m = tl.maximum(m, tl.max(tl.abs(tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32))))
+    if X_SPAN:   # one load: one memory latency before the weights can be multiplied, not one per K step
+        offs_x = k_begin + tl.arange(0, X_SPAN)
+        m = tl.max(tl.abs(tl.load(x_ptr + offs_x, mask=offs_x < k_end, other=0.0).to(tl.float32)))
+    else:
+        m = 0.0
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            m = tl.maximum(m, tl.max(tl.abs(tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32))))
     e = tl.minimum(tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 255, 8), 253)   # biased exponent of max
     sc = ((262 - e) << 23).to(tl.float32, bitcast=True)
     unscale = ((e - 8) << 23).to(tl.float32, bitcast=True)
