@@ -78,6 +78,11 @@ VARIANT_TILES: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
     ("awq", "row"): [(256, 32, 1, 3), (256, 32, 1, 1), (512, 32, 1, 3), (512, 16, 1, 3), (512, 16, 2, 3),
                      (1024, 16, 2, 3), (1024, 32, 4, 1)],
 }
+# half2 at several rows (each word dequantized once for all of them): fewer words a step as rows grow (registers)
+HALF2_ROW_TILES: dict[int, list[tuple[int, int, int, int]]] = {
+    2: [(256, 64, 1, 1), (256, 32, 1, 1), (512, 64, 2, 1), (128, 64, 1, 1)],
+    4: [(256, 32, 1, 1), (256, 16, 1, 1), (512, 32, 2, 1), (512, 64, 4, 1)],
+}
 WAVES = {"tile": (0, 4)}      # programs per SM that split-K aims at (0: plan_split_k's two waves)
 DEFAULT_WAVES = (2, 4, 8)    # --waves overrides
 SERIAL_VARIANTS = ("tile", "row", "half2")   # also timed with split-K finished in the kernel (config serial=1)
@@ -125,9 +130,10 @@ def variant_configs(fmt: str, m: int, variants: list[str]) -> list[dict]:
     bm = 1 << max(0, (m - 1).bit_length())
     out = []
     for v in variants:
-        if v == "half2" and bm != 1:   # one row of 4-bit GPTQ only (no AWQ tiles listed)
-            continue
-        for bn, bk, nw, st in VARIANT_TILES.get((fmt, v), []):
+        tiles = VARIANT_TILES.get((fmt, v), [])
+        if v == "half2" and bm != 1:   # (4-bit GPTQ only: no AWQ tiles listed)
+            tiles = HALF2_ROW_TILES.get(bm, []) if fmt == "gptq" else []
+        for bn, bk, nw, st in tiles:
             if v == "tile" and bm * bk * bn > MAX_TILE_PRODUCTS:
                 continue
             out.append(dict(variant=v, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, stages=st))

@@ -158,3 +158,18 @@ def test_quant_linear_dispatch(monkeypatch):
 
     with pytest.raises(ValueError, match="features"):
         QG.quant_linear(torch.randn(2, qw.in_features + 8), qw)
+
+
+def test_rows_with_a_tuned_half2_config_take_the_gemv(monkeypatch):
+    """Past GEMV_MAX_M, row counts that quant_gemv.TUNED gives a half2 config (4-bit GPTQ, up to 4 rows) still run
+    the GEMV; 8-bit GPTQ at the same rows runs the fused kernel."""
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    monkeypatch.setattr(QG, "GEMV_MAX_M", 2)
+    for case, rows, want in ((CASES[2], 3, "triton w4a16 gptq gemv"), (CASES[2], 4, "triton w4a16 gptq gemv"),
+                             (CASES[5], 4, "triton w8a16 gptq")):
+        qw = make_weight(*case)
+        x = torch.randn(rows, qw.in_features)
+        report.reset()
+        y = QG.quant_linear(x, qw)
+        assert report.snapshot() == {"quant_gemm": {want: 1}}, (case[0], rows)
+        check(y, semantic_ref(x, qw, None), 2e-3 if "gemv" in want else TIGHT[torch.float32])

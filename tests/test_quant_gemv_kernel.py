@@ -62,7 +62,9 @@ def test_gemv_split_k_and_conversion(case, split_k, magic):
     qw = make_weight(*case)
     x = torch.randn(2, qw.in_features)
     bias = torch.randn(qw.out_features)
-    check(run_gemv(x, qw, bias, split_k=split_k, magic=magic), semantic_ref(x, qw, bias), TIGHT[torch.float32])
+    half2 = QV.pick_gemv_config(2, qw.in_features, qw.group_size, qw.fmt, qw.bits)["variant"] == "half2"
+    check(run_gemv(x, qw, bias, split_k=split_k, magic=magic), semantic_ref(x, qw, bias),
+          HALF2_TOL if half2 else TIGHT[torch.float32])
 
 
 @pytest.mark.parametrize("block_n,block_k", [(32, 16), (128, 32), (16, 64)])
@@ -184,10 +186,26 @@ def test_gemv_half2_ragged_n_and_tiles():
         check(run_gemv(x, qw, variant="half2", block_n=bn, block_k=bk, waves=8), semantic_ref(x, qw, None), HALF2_TOL)
 
 
+@pytest.mark.parametrize("M", [2, 3, 4])
+def test_gemv_half2_rows(M):
+    """Several rows share each dequantized word; each row has its own input scale (rows of very different
+    magnitudes), rows past M are masked."""
+    qw = make_weight("gptq4-k256-n72-g64", "gptq", 4, 256, 72, 64, False, False)
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, qw.in_features, generator=gen) * torch.tensor([1e-3, 3000.0, 1.0, 40.0])[:M, None]
+    bias = torch.randn(qw.out_features, generator=gen)
+    exact = semantic_ref(x, qw, bias)
+    for split_k, serial, x_once in ((1, 0, 1), (2, 0, 1), (3, 1, 1), (2, 1, 0)):
+        y = run_gemv(x, qw, bias, variant="half2", split_k=split_k, serial=serial, block_n=32, block_k=32,
+                     x_once=x_once)
+        for r in range(M):   # relative to each row's own largest output
+            check(y[r:r + 1].float(), exact[r:r + 1], HALF2_TOL)
+
+
 def test_gemv_half2_refuses_other_formats():
-    for case, M in ((CASES[1], 1), (CASES[5], 1), (CASES[2], 2)):   # AWQ, 8-bit GPTQ, two rows
+    for case, M in ((CASES[1], 1), (CASES[5], 1), (CASES[5], 2)):   # AWQ, 8-bit GPTQ
         qw = make_weight(*case)
-        with pytest.raises(ValueError, match="half2 takes one row of a 4-bit GPTQ weight"):
+        with pytest.raises(ValueError, match="half2 takes a 4-bit GPTQ weight"):
             run_gemv(torch.randn(M, qw.in_features), qw, variant="half2")
 
 
@@ -196,16 +214,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel as kernel
-sig = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16", "bias_ptr": "*i32",
-       "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "N": "i32", "K": "i32", "stride_qw": "i32",
-       "stride_qz": "i32", "stride_s": "i32", "k_per_split": "i32"}
-for x_words in (True, False):
-    const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_N=128, BLOCK_K=64,
-                 INTERPRET=False, X_WORDS=x_words, X_SPAN=64 if x_words else 0, PDL=True)
-    sig.update({k: "constexpr" for k in const})
+base = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16",
+        "bias_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+        "stride_xm": "i32", "stride_om": "i32", "stride_qw": "i32", "stride_qz": "i32", "stride_s": "i32",
+        "k_per_split": "i32"}
+for x_words, rows in ((True, 1), (False, 1), (True, 2), (True, 4)):
+    const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_M=rows, BLOCK_N=128,
+                 BLOCK_K=64, INTERPRET=False, X_WORDS=x_words, X_SPAN=64 if x_words else 0, PDL=True)
+    sig = dict(base, **{k: "constexpr" for k in const})
     src = ASTSource(fn=kernel, signature=sig, constexprs={(list(sig).index(k),): v for k, v in const.items()})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})
-    assert ck.asm["cubin"] and ck.asm["ptx"].count("fma.rn.f16x2") == 3 * 8 * 4, x_words
+    # per word (8 of a K step) and column (4 a thread): three FMAs after a multiply, for each row
+    assert ck.asm["cubin"] and ck.asm["ptx"].count("fma.rn.f16x2") == 3 * 8 * 4 * rows, (x_words, rows)
 print("assembled")
 """
 

@@ -42,7 +42,7 @@ import torch
 from nvllm.kernels import report
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
 from nvllm.kernels.backend import eager_triton, use_triton
-from nvllm.kernels.quant_gemv import gemv_supported, quant_gemv
+from nvllm.kernels.quant_gemv import gemv_supported, gemv_tuned, quant_gemv
 from nvllm.quant.formats import QuantWeight
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
@@ -51,7 +51,8 @@ triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload unde
 GEMV_MAX_M = int(os.environ.get("NVLLM_QUANT_GEMV_MAX_M", "2"))
 """Up to this many rows (and contiguous groups), ``quant_linear`` runs the GEMV kernel of ``quant_gemv``. H200,
 Qwen2.5-7B projections (docs/PERF.md): at M = 1 the GEMV beat the fused kernel, at M = 2 they tied, from M = 4
-on the fused kernel won."""
+on the fused kernel won. Row counts with a measured ``half2`` config (``quant_gemv.gemv_tuned``: 4-bit GPTQ, and AWQ
+repacked to it, up to 4 rows) take the GEMV past this."""
 
 DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_QUANT_DEQUANT_MIN_M", "128"))
 """From this many rows on, ``quant_linear`` dequantizes and calls a dense matmul. A first H200 reading put
@@ -320,16 +321,17 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = N
     x2 = x.reshape(-1, qw.in_features)
     if use_triton(x):
         m = x2.shape[0]
-        if m <= GEMV_MAX_M and gemv_supported(m, qw.in_features, qw.group_size, qw.act_order, fmt=qw.fmt,
+        fmt = f"{qw.extra['from']} as {qw.fmt}" if qw.extra.get("from") else qw.fmt   # the kernel report's name
+        if (m <= GEMV_MAX_M or gemv_tuned(m, qw.fmt, qw.bits)) and gemv_supported(m, qw.in_features, qw.group_size, qw.act_order, fmt=qw.fmt,
                                               bits=qw.bits):
-            report.record("quant_gemm", f"triton w{qw.bits}a16 {qw.fmt} gemv")
+            report.record("quant_gemm", f"triton w{qw.bits}a16 {fmt} gemv")
             y = quant_gemv(x2, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits,
                            group_size=qw.group_size, bias=bias)
         elif m >= DEQUANT_MATMUL_MIN_M:
-            report.record("quant_gemm", f"triton dequant {qw.fmt} + torch matmul")
+            report.record("quant_gemm", f"triton dequant {fmt} + torch matmul")
             y = dequant_matmul(x2, qw, bias)
         else:
-            report.record("quant_gemm", f"triton w{qw.bits}a16 {qw.fmt}")
+            report.record("quant_gemm", f"triton w{qw.bits}a16 {fmt}")
             y = quant_gemm(x2, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits,
                            group_size=qw.group_size, g_idx=qw.g_idx, bias=bias)
     else:

@@ -299,10 +299,20 @@ TUNED: dict[tuple[str, int, int], dict[str, int | str]] = {
     # run AE (the same sweep with half2): GPTQ 1.441 ms with half2 against 1.969 ms with row; run AQ (K splits up to
     # MAX_SPLITS = 256 instead of 64): 1.318 ms, still the best single config
     ("gptq", 4, 1): dict(variant="half2", block_n=256, block_k=64, num_warps=1, stages=1, waves=16, serial=1),
-    ("gptq", 4, 2): dict(variant="row", block_n=128, block_k=64, num_warps=1, stages=3, waves=8, serial=1),
+    # session 9 (half2 over several rows, each word dequantized once for all; --ms 2,4 --waves 8,16): 28 layers at
+    # M = 2 2.130 ms (row, the earlier default, 2.917 ms); at M = 4 3.316 ms (row 4.346, tile 6.026)
+    ("gptq", 4, 2): dict(variant="half2", block_n=256, block_k=64, num_warps=1, stages=1, waves=16, serial=1),
+    ("gptq", 4, 4): dict(variant="half2", block_n=256, block_k=32, num_warps=1, stages=1, waves=16, serial=1),
 }
 """(format, bits, BLOCK_M) → config overrides, from the "best single config" lines of
 ``scripts/gpu_quant_bench.py``; elsewhere (8 bits: not measured) ``tile`` with the heuristic's tiles."""
+
+
+def gemv_tuned(M: int, fmt: str | None, bits: int | None) -> bool:
+    """Whether ``TUNED`` has a measured ``half2`` config for this many rows: such calls take the GEMV past
+    ``quant_gemm.GEMV_MAX_M`` (at M = 4 the 28 layers' GEMVs took 3.3 ms against ~4.7 ms for the fused kernel's
+    whole decode step minus the rest, PERF.md session 9)."""
+    return TUNED.get((fmt, bits, 1 << max(0, (M - 1).bit_length())), {}).get("variant") == "half2"
 
 
 def gemv_supported(M: int, K: int, group_size: int, act_order: bool, block_k: int | None = None,
@@ -398,9 +408,8 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
                          f"block_k {bk}")
     if bn % 8 or bk % (32 // bits) or (fmt == "awq" and bits != 4):
         raise ValueError(f"quant_gemv: block_n {bn} / block_k {bk} do not hold whole {bits}-bit {fmt} words")
-    if variant == "half2" and (fmt != "gptq" or bits != 4 or M != 1):
-        raise ValueError(f"quant_gemv variant half2 takes one row of a 4-bit GPTQ weight, not {M} rows of {bits}-bit "
-                         f"{fmt}")
+    if variant == "half2" and (fmt != "gptq" or bits != 4):
+        raise ValueError(f"quant_gemv variant half2 takes a 4-bit GPTQ weight, not {bits}-bit {fmt}")
     if x.stride(1) != 1:
         x = x.contiguous()
     n_tiles = triton.cdiv(N, bn)
@@ -424,12 +433,14 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
         from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel
 
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
-        x_words = x.dtype == torch.bfloat16 and not interpret   # K is a multiple of the 8 inputs of a word
+        x_words = (x.dtype == torch.bfloat16 and not interpret       # K is a multiple of the 8 inputs of a word
+                   and x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0)
         quant_gemv_half2_kernel[(n_tiles, split_k)](
             x, x.view(torch.int32) if x_words else x, qweight, qzeros, scales, bias if direct_bias else qweight, out,
             *(ws if ws is not None else (out, out)),
-            N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split, GROUP=group_size,
-            HAS_BIAS=direct_bias, ATOMIC=atomic, SERIAL=ws is not None, STAGES=cfg["stages"], BLOCK_N=bn, BLOCK_K=bk,
+            M, N, K, x.stride(0), out.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split,
+            GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic, SERIAL=ws is not None, STAGES=cfg["stages"],
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             INTERPRET=interpret, X_WORDS=x_words, X_SPAN=_x_span(k_per_split) if cfg["x_once"] else 0, num_warps=cfg["num_warps"], **pdl.launch_args(x))
     elif variant in ("field", "row"):
         _quant_gemv_field_kernel[(n_tiles, split_k)](*args, 0x4B000000, ROWS=variant == "row", **common)
