@@ -289,3 +289,25 @@ def test_parse_configs():
 def test_parse_rejects_unsupported(cfg, match):
     with pytest.raises(ValueError, match=match):
         F.parse_quantization_config(cfg)
+
+
+@pytest.mark.parametrize("chunk", [8, 24, 8192])
+def test_awq_to_gptq_is_exact(chunk):
+    """Every weight dequantizes to the same value in the GPTQ v1 layout; a zero point of 0 (not storable in v1)
+    is mirrored: codes 15 - q, stored zero 15 - 1 = 14, scale negated."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (40, 128), generator=gen, dtype=torch.int32)
+    zeros = torch.randint(1, 16, (4, 40), generator=gen, dtype=torch.int32)
+    zeros[1, :9] = 0                                        # the only zero points of 0
+    scales = (torch.rand(4, 40, generator=gen) * 1e-2 + 1e-3).half()
+    p = F.pack_awq(q, zeros, scales)
+    awq = F.QuantWeight.from_awq(p["qweight"], p["qzeros"], p["scales"], 32)
+    gptq = F.awq_to_gptq(awq, chunk=chunk)
+    assert (gptq.fmt, gptq.bits, gptq.group_size, gptq.g_idx, gptq.extra) == ("gptq", 4, 32, None, {"from": "awq"})
+    assert torch.equal(gptq.dequantize(), awq.dequantize())
+    q2, z2 = F.unpack_gptq(gptq.qweight, gptq.qzeros, 4)
+    assert torch.equal(z2[1, :9], torch.full((9,), 15, dtype=torch.int32))
+    assert torch.equal(q2[:9, 32:64], 15 - q[:9, 32:64]) and torch.equal(q2[9:], q[9:])
+    assert torch.equal(gptq.scales[1, :9], -scales[1, :9])
+    with pytest.raises(ValueError, match="takes an AWQ weight"):
+        F.awq_to_gptq(gptq)

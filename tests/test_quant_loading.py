@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from nvllm.config import ConfigError
 from nvllm.kernels import report
 from nvllm.layers.quant_linear import QuantLinear
+from nvllm.quant import formats as F
 from nvllm.quant.replay import model_logits
 from tests.conftest import build_tiny_model, make_llm
 from tests.quant_utils import hf_logits, load_nvllm_model, write_by_hand
@@ -61,6 +62,30 @@ def test_triton_kernel_through_the_layer(tmp_path, qwen2_dir, monkeypatch):
         want = x @ lin.quant_weight().dequantize().t() + (0 if lin.bias is None else lin.bias)
         torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
     assert any(impl.startswith("triton") for impl in report.snapshot()["quant_gemm"])
+
+
+def test_awq_layers_run_in_the_gptq_layout(tmp_path, qwen2_dir, monkeypatch):
+    """AWQ layers are repacked in place into the GPTQ v1 layout when loaded (the one-row GEMV reads only that
+    layout): same parameter shapes, the same weight, the kernel report names both; reloading is refused."""
+    dst = tmp_path / "quant"
+    write_by_hand(qwen2_dir, dst, "awq", 4, 32)
+    layer = load_nvllm_model(dst).layers[0]
+    lin = layer.gate_up_proj
+    qw = lin.quant_weight()
+    assert (qw.fmt, qw.extra, tuple(lin.qweight.shape)) == ("gptq", {"from": "awq"}, (64, 256 // 8))
+    awq = load_file(dst / "model.safetensors")
+    gate = awq["model.layers.0.mlp.gate_proj.qweight"]
+    deq = F.dequantize_awq(gate, awq["model.layers.0.mlp.gate_proj.qzeros"],
+                           awq["model.layers.0.mlp.gate_proj.scales"], 32)
+    torch.testing.assert_close(qw.dequantize()[:128], deq)
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    report.reset()
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
+    y = lin(x)
+    torch.testing.assert_close(y, x @ qw.dequantize().t(), rtol=2e-3, atol=2e-3 * float(y.abs().max()))
+    assert report.snapshot()["quant_gemm"] == {"triton w4a16 awq as gptq gemv": 1}
+    with pytest.raises(ConfigError, match="load the checkpoint before running the model"):
+        lin.load_tensor("qweight", 0, gate, "model.layers.0.mlp.gate_proj.qweight")
 
 
 def test_engine_generates_with_quant_gemm(tmp_path, qwen2_dir):

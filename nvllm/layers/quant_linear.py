@@ -7,6 +7,11 @@ GPTQ's ``qzeros`` ``32 / bits`` of them, so a shard of ``n`` outputs covers ``n 
 word columns — the plan only quantizes layers whose shard sizes are whole words. ``g_idx`` (one entry per
 input) is the same for every shard of a fused layer; the loader checks that they agree.
 
+AWQ tensors are repacked in place into the GPTQ v1 layout at the layer's first use (``formats.awq_to_gptq``:
+exact, the same element counts, so the parameters keep their checkpoint shapes and hold the GPTQ words): the
+one-row ``half2`` GEMV, the fastest decode kernel, reads only that layout (PERF.md, session 9). Loading into a
+repacked layer is refused: weights are loaded before the model runs.
+
 Tensor parallelism splits along whole packed words and whole groups. Column-parallel: each rank keeps its
 output columns of every tensor (whole int32 words). Row-parallel: each rank keeps its rows of ``qweight`` (and
 of ``g_idx``) and, for AWQ, its groups' rows of ``scales`` / ``qzeros``. GPTQ may be act-order (a ``g_idx``
@@ -24,7 +29,7 @@ from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, Part, take_shard
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.quant_gemm import quant_linear
-from nvllm.quant.formats import QuantWeight, default_g_idx
+from nvllm.quant.formats import QuantWeight, awq_to_gptq, default_g_idx
 from nvllm.quant.plan import QuantScheme
 
 
@@ -70,6 +75,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self._qw: QuantWeight | None = None
         self._g_idx_loaded = False
+        self._repacked = False   # AWQ: qweight / qzeros / scales hold the GPTQ v1 layout (see the module doc)
 
     # ---- loading -------------------------------------------------------------------------------------------
     def shard_slice(self, shard: int | None) -> slice:
@@ -103,6 +109,9 @@ class QuantLinear(nn.Module):
 
     def load_tensor(self, leaf: str, shard: int | None, tensor: torch.Tensor, ckpt_name: str) -> None:
         """Copy this rank's piece of one checkpoint tensor (a whole layer, or shard ``shard`` of a fused one)."""
+        if self._repacked:
+            raise ConfigError(f"cannot load {ckpt_name!r}: its layer has run already and holds its AWQ weight in "
+                              f"the GPTQ layout; load the checkpoint before running the model")
         self._qw = None
         dst = getattr(self, leaf).data
         if leaf == "g_idx":
@@ -126,6 +135,7 @@ class QuantLinear(nn.Module):
     def init_dummy(self, generator: torch.Generator) -> None:
         """Random packed codes, small scales (|w| ≲ 0.01), contiguous groups: for ``load_format=dummy``."""
         self._qw = None
+        self._repacked = False
         for t in (self.qweight, self.qzeros):
             t.data.copy_(torch.randint(-2**31, 2**31 - 1, t.shape, generator=generator, dtype=torch.int64,
                                        device=t.device).to(torch.int32))
@@ -172,13 +182,27 @@ class QuantLinear(nn.Module):
         if self._qw is None:
             self._settle_groups()
             if self.scheme.fmt == "awq":
-                self._qw = QuantWeight.from_awq(self.qweight, self.qzeros, self.scales, self.group_size)
+                if not self._repacked:
+                    self._repack_awq()
+                self._qw = QuantWeight.from_gptq(self.qweight.view(self.in_features // 8, self.out_features),
+                                                 self.qzeros, self.scales, None, 4, self.group_size)
+                self._qw.extra["from"] = "awq"
             elif self._act_order_all_groups:
                 self._qw = self._act_order_weight()
             else:
                 self._qw = QuantWeight.from_gptq(self.qweight, self.qzeros, self.scales, self.g_idx,
                                                  self.scheme.bits, self.group_size)
         return self._qw
+
+    @torch.no_grad()
+    def _repack_awq(self) -> None:
+        """The loaded AWQ tensors, rewritten in place in the GPTQ v1 layout ([in, out/8] words hold the
+        [in/8, out] GPTQ rows; qzeros and scales keep their shapes)."""
+        gq = awq_to_gptq(QuantWeight.from_awq(self.qweight.data, self.qzeros.data, self.scales.data, self.group_size))
+        self.qweight.data.copy_(gq.qweight.view(self.qweight.shape))
+        self.qzeros.data.copy_(gq.qzeros)
+        self.scales.data.copy_(gq.scales)
+        self._repacked = True
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``SiLU(gate) · up`` of this gate/up layer's output."""

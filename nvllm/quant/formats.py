@@ -352,6 +352,34 @@ class QuantWeight:
         return out
 
 
+def awq_to_gptq(qw: QuantWeight, chunk: int = 8192) -> QuantWeight:
+    """The same 4-bit AWQ-GEMM weight in the GPTQ v1 layout (packed along *in*), exactly: every weight
+    dequantizes to the same value, so the kernels written for GPTQ (the one-row ``half2`` GEMV) serve AWQ
+    checkpoints too. GPTQ v1 stores ``zero - 1`` and cannot hold a zero point of 0; such a (group, column) is
+    stored mirrored — codes ``15 - q``, zero 15, scale ``-s`` — since ``(15 - q - 15)·(-s) = (q - 0)·s``.
+    Converted ``chunk`` output columns at a time (the unpacked codes of a whole LM head would take gigabytes).
+    ``extra["from"]`` records the source format."""
+    if qw.fmt != "awq":
+        raise ValueError(f"awq_to_gptq takes an AWQ weight, not {qw.fmt}")
+    g_idx = default_g_idx(qw.in_features, qw.group_size, qw.qweight.device)
+    qweight = torch.empty(qw.in_features // 8, qw.out_features, dtype=torch.int32, device=qw.qweight.device)
+    qzeros = torch.empty_like(qw.qzeros)
+    scales = torch.empty_like(qw.scales)
+    for c0 in range(0, qw.out_features, chunk):
+        c1 = min(c0 + chunk, qw.out_features)
+        q, zeros = unpack_awq(qw.qweight[:, c0 // 8:c1 // 8], qw.qzeros[:, c0 // 8:c1 // 8])
+        s = qw.scales[:, c0:c1]
+        mirror = zeros == 0                                                  # [G, cols]
+        q = torch.where(mirror[g_idx.long()].t(), 15 - q, q)
+        p = pack_gptq(q, torch.where(mirror, 15, zeros), torch.where(mirror, -s, s), g_idx, 4)
+        qweight[:, c0:c1] = p["qweight"]
+        qzeros[:, c0 // 8:c1 // 8] = p["qzeros"]
+        scales[:, c0:c1] = p["scales"]
+    out = QuantWeight.from_gptq(qweight, qzeros, scales, None, 4, qw.group_size)
+    out.extra["from"] = "awq"
+    return out
+
+
 def _check_shapes(name: str, expect: dict[str, tuple[int, int]], got: dict[str, torch.Tensor]) -> None:
     for key, shape in expect.items():
         if tuple(got[key].shape) != shape:
