@@ -27,6 +27,10 @@ from nvllm.kernels import quant_gemv_half2 as QH  # noqa: E402  (after QV: it ta
 
 if not isinstance(QH.quant_gemv_half2_kernel, InterpretedFunction) or QH.epilogue is not QV._epilogue:
     importlib.reload(QH)
+from nvllm.kernels import quant_gemv_half2_rows as QR  # noqa: E402  (after QH: it takes QH's jitted helpers)
+
+if not isinstance(QR.quant_gemv_half2_rows_kernel, InterpretedFunction) or QR._pair is not QH._pair:
+    importlib.reload(QR)
 
 CONTIGUOUS = [c for c in CASES if not c[7]]   # act-order stays with quant_gemm
 ANY_FORMAT = [v for v in QV.VARIANTS if v != "half2"]   # half2 takes one row of 4-bit GPTQ only (tested below)
@@ -213,18 +217,22 @@ _ASSEMBLE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel as kernel
-base = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16",
-        "bias_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-        "stride_xm": "i32", "stride_om": "i32", "stride_qw": "i32", "stride_qz": "i32", "stride_s": "i32",
-        "k_per_split": "i32"}
+from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel as one_row
+from nvllm.kernels.quant_gemv_half2_rows import quant_gemv_half2_rows_kernel as rows_kernel
+ptrs = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16", "bias_ptr": "*i32",
+        "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+ints = ["N", "K", "stride_qw", "stride_qz", "stride_s", "k_per_split"]
 for x_words, rows in ((True, 1), (False, 1), (True, 2), (True, 4)):
-    const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_M=rows, BLOCK_N=128,
-                 BLOCK_K=64, INTERPRET=False, X_WORDS=x_words, X_SPAN=64 if x_words else 0, PDL=True)
-    sig = dict(base, **{k: "constexpr" for k in const})
+    kernel = one_row if rows == 1 else rows_kernel
+    sig = dict(ptrs, **{k: "i32" for k in (ints if rows == 1 else ["M", "N", "K", "stride_xm", "stride_om"] + ints[2:])})
+    const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_N=128, BLOCK_K=64,
+                 INTERPRET=False, X_WORDS=x_words, X_SPAN=64 if x_words else 0, PDL=True)
+    if rows > 1:
+        const["BLOCK_M"] = rows
+    sig.update({k: "constexpr" for k in kernel.arg_names if k in const})
     src = ASTSource(fn=kernel, signature=sig, constexprs={(list(sig).index(k),): v for k, v in const.items()})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})
-    # per word (8 of a K step) and column (4 a thread): three FMAs after a multiply, for each row
+    # per word (8 of a K step), column (4 a thread) and row: three FMAs after a multiply
     assert ck.asm["cubin"] and ck.asm["ptx"].count("fma.rn.f16x2") == 3 * 8 * 4 * rows, (x_words, rows)
 print("assembled")
 """

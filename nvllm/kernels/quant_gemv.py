@@ -15,9 +15,9 @@ compares them):
   then over the words once per K step. AWQ: the ``[BLOCK_K, BLOCK_N/8]`` word tile broadcast to ``[BLOCK_K,
   8, BLOCK_N/8]`` (index i is column ``8w + i``), summed over K into an accumulator of that shape; one permute
   and reshape after the loop put the columns in order.
-* ``half2`` (``quant_gemv_half2``, one row of a 4-bit GPTQ weight): the ``row`` loop with the dequantization and
-  the products as packed f16x2 instructions (inline PTX): 3.3–4.0 instead of 4.7 SASS instructions per weight in
-  the loop, products rounded to f16.
+* ``half2`` (4-bit GPTQ; ``quant_gemv_half2`` for one row, ``quant_gemv_half2_rows`` for 2-4, each word dequantized
+  once for all rows): the ``row`` loop with the dequantization and the products as packed f16x2 instructions
+  (inline PTX): 3.3–4.0 instead of 4.7 SASS instructions per weight in the loop, products rounded to f16.
 * ``row``: one word row at a time (a static loop over the K step's BLOCK_K/P GPTQ or BLOCK_K AWQ word rows,
   each a 1-D load), FMAs straight into the ``[BLOCK_M, BLOCK_N]`` (AWQ ``[BLOCK_M, 8, BLOCK_N/8]``)
   accumulator: no reduction and no layout change in the loop, few registers.
@@ -55,7 +55,7 @@ from nvllm.kernels.backend import eager_triton
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
-VARIANTS = ("tile", "field", "row", "half2")  # half2: one row of a 4-bit GPTQ weight (quant_gemv_half2)
+VARIANTS = ("tile", "field", "row", "half2")  # half2: 4-bit GPTQ (quant_gemv_half2, quant_gemv_half2_rows)
 
 
 @_jit
@@ -430,18 +430,26 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
                   SERIAL=ws is not None, STAGES=cfg["stages"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                   num_warps=cfg["num_warps"], **pdl.launch_args(x))
     if variant == "half2":
-        from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel
-
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         x_words = (x.dtype == torch.bfloat16 and not interpret       # K is a multiple of the 8 inputs of a word
                    and x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0)
-        quant_gemv_half2_kernel[(n_tiles, split_k)](
-            x, x.view(torch.int32) if x_words else x, qweight, qzeros, scales, bias if direct_bias else qweight, out,
-            *(ws if ws is not None else (out, out)),
-            M, N, K, x.stride(0), out.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split,
-            GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic, SERIAL=ws is not None, STAGES=cfg["stages"],
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            INTERPRET=interpret, X_WORDS=x_words, X_SPAN=_x_span(k_per_split) if cfg["x_once"] else 0, num_warps=cfg["num_warps"], **pdl.launch_args(x))
+        h2_args = (x, x.view(torch.int32) if x_words else x, qweight, qzeros, scales, bias if direct_bias else qweight,
+                   out, *(ws if ws is not None else (out, out)))
+        h2_kw = dict(GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic, SERIAL=ws is not None, STAGES=cfg["stages"],
+                     BLOCK_N=bn, BLOCK_K=bk, INTERPRET=interpret, X_WORDS=x_words,
+                     X_SPAN=_x_span(k_per_split) if cfg["x_once"] else 0, num_warps=cfg["num_warps"],
+                     **pdl.launch_args(x))
+        if bm == 1:
+            from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel
+
+            quant_gemv_half2_kernel[(n_tiles, split_k)](
+                *h2_args, N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split, **h2_kw)
+        else:
+            from nvllm.kernels.quant_gemv_half2_rows import quant_gemv_half2_rows_kernel
+
+            quant_gemv_half2_rows_kernel[(n_tiles, split_k)](
+                *h2_args, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
+                k_per_split, BLOCK_M=bm, **h2_kw)
     elif variant in ("field", "row"):
         _quant_gemv_field_kernel[(n_tiles, split_k)](*args, 0x4B000000, ROWS=variant == "row", **common)
     else:

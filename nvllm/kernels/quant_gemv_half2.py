@@ -58,45 +58,6 @@ add.f32 $0, flo, fhi;
 """
 _WORD_DOT = tl.constexpr(_WORD_DOT_PTX) if tl is not None else _WORD_DOT_PTX  # a global a kernel may read
 
-# _WORD_DOT in two parts, for several rows: the word's four (q − z) pairs once ($0..$3 from $4 the word, $5
-# (1024 + z) twice, $6 (1024 + 16 z) twice), then per row their dot with its four input pairs ($1..$4 the
-# (q − z) pairs, $5..$8 the input pairs; $0 the fp32 sum)
-_WORD_DEQ_PTX = """
-{
-.reg .b32 a, t0, t1, t2, t3;
-lop3.b32 t0, $4, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t0, t0, $5;
-lop3.b32 t1, $4, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 t1, t1, $6;
-shr.b32 a, $4, 8;
-lop3.b32 t2, a, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t2, t2, $5;
-lop3.b32 t3, a, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 t3, t3, $6;
-mov.b32 $0, t0;
-mov.b32 $1, t1;
-mov.b32 $2, t2;
-mov.b32 $3, t3;
-}
-"""
-_WORD_DEQ = tl.constexpr(_WORD_DEQ_PTX) if tl is not None else _WORD_DEQ_PTX
-_PAIRS_DOT_PTX = """
-{
-.reg .b32 acc;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-mul.rn.f16x2 acc, $1, $5;
-fma.rn.f16x2 acc, $2, $6, acc;
-fma.rn.f16x2 acc, $3, $7, acc;
-fma.rn.f16x2 acc, $4, $8, acc;
-mov.b32 {lo, hi}, acc;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}
-"""
-_PAIRS_DOT = tl.constexpr(_PAIRS_DOT_PTX) if tl is not None else _PAIRS_DOT_PTX
-
 # the four input pairs of a word row from eight bf16 inputs read as four 32-bit words ($4..$7: (x0, x1), (x2, x3),
 # (x4, x5), (x6, x7)), times the program's scale $8 (and 1/16 for the odd pairs): a bf16 is the top half of its fp32
 _PAIRS_PTX = """
@@ -153,40 +114,36 @@ def _word_dot_ops(words, z, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @_jit
-def _pairs(x_rows, kb, sc, rows_ok, X_WORDS: tl.constexpr):
-    """Each row's four f16x2 input pairs of the word row at input kb (``x_rows``: the rows' pointers,
-    ``[BLOCK_M, 1]``; rows not ``rows_ok`` read 0): from bf16 inputs read as 32-bit words (``X_WORDS``: the
-    pointers are then into an int32 view) or from inputs of any type one by one."""
+def _pairs(x_ptr, kb, sc, X_WORDS: tl.constexpr):
+    """The four f16x2 input pairs of the word row at input kb: from bf16 inputs read as 32-bit words (``X_WORDS``:
+    ``x_ptr`` is then an int32 view) or from inputs of any type one by one."""
     if X_WORDS:
-        j = kb // 2
+        j = kb // 2 + tl.arange(0, 1)
         return tl.inline_asm_elementwise(
             _PAIRS, "=r,=r,=r,=r,r,r,r,r,f",
-            [tl.load(x_rows + j, mask=rows_ok, other=0), tl.load(x_rows + j + 1, mask=rows_ok, other=0),
-             tl.load(x_rows + j + 2, mask=rows_ok, other=0), tl.load(x_rows + j + 3, mask=rows_ok, other=0), sc],
+            [tl.load(x_ptr + j), tl.load(x_ptr + j + 1), tl.load(x_ptr + j + 2), tl.load(x_ptr + j + 3), sc],
             dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
     else:
         s16 = sc * 0.0625
-        return (_pair(_x(x_rows, kb, sc, rows_ok), _x(x_rows, kb + 4, sc, rows_ok)),
-                _pair(_x(x_rows, kb + 1, s16, rows_ok), _x(x_rows, kb + 5, s16, rows_ok)),
-                _pair(_x(x_rows, kb + 2, sc, rows_ok), _x(x_rows, kb + 6, sc, rows_ok)),
-                _pair(_x(x_rows, kb + 3, s16, rows_ok), _x(x_rows, kb + 7, s16, rows_ok)))
+        return (_pair(_x(x_ptr, kb, sc), _x(x_ptr, kb + 4, sc)),
+                _pair(_x(x_ptr, kb + 1, s16), _x(x_ptr, kb + 5, s16)),
+                _pair(_x(x_ptr, kb + 2, sc), _x(x_ptr, kb + 6, sc)),
+                _pair(_x(x_ptr, kb + 3, s16), _x(x_ptr, kb + 7, s16)))
 
 
 @_jit
-def _x(x_rows, k, sc, rows_ok):
-    return tl.load(x_rows + k, mask=rows_ok, other=0.0).to(tl.float32) * sc
+def _x(x_ptr, k, sc):
+    return tl.load(x_ptr + k + tl.arange(0, 1)).to(tl.float32) * sc
 
 
 @_jit
 def quant_gemv_half2_kernel(
     x_ptr, xw_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K,
-    stride_xm, stride_om,                     # row strides of x (elements; even under X_WORDS) and out
+    N, K,
     stride_qw, stride_qz, stride_s,           # row strides of qweight [K/8, N], qzeros, scales
     k_per_split,                              # K range of one split (a multiple of BLOCK_K)
     GROUP: tl.constexpr,                      # group size, a multiple of BLOCK_K
     HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, SERIAL: tl.constexpr, STAGES: tl.constexpr,
-    BLOCK_M: tl.constexpr,                    # rows (a power of two ≥ M): each word dequantized once for all
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,                  # Triton f16 operations instead of the inline PTX
     X_WORDS: tl.constexpr,                    # bf16 inputs, also passed as an int32 view (xw_ptr)
@@ -200,28 +157,21 @@ def quant_gemv_half2_kernel(
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    rows_ok = mask_m[:, None]                                                        # [BLOCK_M, 1]
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    # per row, the power of two that brings this program's inputs below 512: 2^(8 − E), E = floor(log2 max |x|)
+    # the power of two that brings this program's inputs below 512: 2^(8 − E), E = floor(log2 max |x|)
     if X_SPAN:   # one load: one memory latency before the weights can be multiplied, not one per K step
         offs_x = k_begin + tl.arange(0, X_SPAN)
-        m = tl.max(tl.abs(tl.load(x_rows + offs_x[None, :], mask=rows_ok & (offs_x < k_end)[None, :],
-                                  other=0.0).to(tl.float32)), axis=1)
+        m = tl.max(tl.abs(tl.load(x_ptr + offs_x, mask=offs_x < k_end, other=0.0).to(tl.float32)))
     else:
-        m = tl.zeros((BLOCK_M,), tl.float32)
+        m = 0.0
         for k0 in range(k_begin, k_end, BLOCK_K):
-            m = tl.maximum(m, tl.max(tl.abs(tl.load(x_rows + k0 + tl.arange(0, BLOCK_K)[None, :], mask=rows_ok,
-                                                    other=0.0).to(tl.float32)), axis=1))
+            m = tl.maximum(m, tl.max(tl.abs(tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32))))
     e = tl.minimum(tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 255, 8), 253)   # biased exponent of max
-    sc = ((262 - e) << 23).to(tl.float32, bitcast=True)[:, None]                     # [BLOCK_M, 1]
-    unscale = ((e - 8) << 23).to(tl.float32, bitcast=True)[:, None]
-    xp_rows = (xw_ptr + offs_m[:, None] * (stride_xm // 2)) if X_WORDS else x_rows
+    sc = ((262 - e) << 23).to(tl.float32, bitcast=True)
+    unscale = ((e - 8) << 23).to(tl.float32, bitcast=True)
     zshift = (offs_n % 8) * 4
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc = tl.full((BLOCK_N,), 0.0, tl.float32)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
         grp = k0 // GROUP
         s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -230,29 +180,21 @@ def quant_gemv_half2_kernel(
         z1 = (0x6400 + z).to(tl.uint32) * 0x10001                                   # f16 (1024 + z) twice
         z16 = (0x6400 + 16 * z).to(tl.uint32) * 0x10001                             # (1024 + 16 z) twice
         for w in tl.static_range(BLOCK_K // 8):
-            words = words_of(qw_ptr + (k0 // 8 + w) * stride_qw + offs_n, mask_n)[None, :]   # [1, BLOCK_N]
+            words = words_of(qw_ptr + (k0 // 8 + w) * stride_qw + offs_n, mask_n)    # [BLOCK_N]
             kb = k0 + 8 * w
             if INTERPRET:
-                d = _word_dot_ops(words, z[None, :], _x(x_rows, kb, sc, rows_ok), _x(x_rows, kb + 1, sc, rows_ok),
-                                  _x(x_rows, kb + 2, sc, rows_ok), _x(x_rows, kb + 3, sc, rows_ok),
-                                  _x(x_rows, kb + 4, sc, rows_ok), _x(x_rows, kb + 5, sc, rows_ok),
-                                  _x(x_rows, kb + 6, sc, rows_ok), _x(x_rows, kb + 7, sc, rows_ok))
+                d = _word_dot_ops(words, z, _x(x_ptr, kb, sc), _x(x_ptr, kb + 1, sc), _x(x_ptr, kb + 2, sc),
+                                  _x(x_ptr, kb + 3, sc), _x(x_ptr, kb + 4, sc), _x(x_ptr, kb + 5, sc),
+                                  _x(x_ptr, kb + 6, sc), _x(x_ptr, kb + 7, sc))
             else:
-                p0, p1, p2, p3 = _pairs(xp_rows, kb, sc, rows_ok, X_WORDS)             # [BLOCK_M, 1] each
-                if BLOCK_M == 1:   # one piece of PTX per word
-                    d = tl.inline_asm_elementwise(_WORD_DOT, "=f,r,r,r,r,r,r,r",
-                                                  [words, z1[None, :], z16[None, :], p0, p1, p2, p3],
-                                                  dtype=tl.float32, is_pure=True, pack=1)
-                else:              # the word's (q − z) pairs once, then a dot per row
-                    t0, t1, t2, t3 = tl.inline_asm_elementwise(
-                        _WORD_DEQ, "=r,=r,=r,=r,r,r,r", [words, z1[None, :], z16[None, :]],
-                        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
-                    d = tl.inline_asm_elementwise(_PAIRS_DOT, "=f,r,r,r,r,r,r,r,r", [t0, t1, t2, t3, p0, p1, p2, p3],
-                                                  dtype=tl.float32, is_pure=True, pack=1)     # [BLOCK_M, BLOCK_N]
+                p0, p1, p2, p3 = _pairs(xw_ptr if X_WORDS else x_ptr, kb, sc, X_WORDS)
+                d = tl.inline_asm_elementwise(_WORD_DOT, "=f,r,r,r,r,r,r,r", [words, z1, z16, p0, p1, p2, p3],
+                                              dtype=tl.float32, is_pure=True, pack=1)
             if w == 0:
                 part = d
             else:
                 part += d
-        acc += s[None, :] * part
-    epilogue(acc * unscale, out_ptr, stride_om, offs_m, mask_m, offs_n, mask_n, bias_ptr, ws_ptr, cnt_ptr,
-             N, HAS_BIAS, ATOMIC, SERIAL, BLOCK_M, BLOCK_N)
+        acc += s * part
+    offs_m = tl.arange(0, 1)
+    epilogue((acc * unscale)[None, :], out_ptr, 0, offs_m, offs_m < 1, offs_n, mask_n, bias_ptr, ws_ptr, cnt_ptr,
+             N, HAS_BIAS, ATOMIC, SERIAL, 1, BLOCK_N)
