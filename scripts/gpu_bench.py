@@ -86,9 +86,11 @@ QUANT_CONFIGS = {
 }
 
 
-def quant_runs(model_dir: Path, res: dict, methods: list[str], save, suffix: str = "", profile: bool = False) -> None:
+def quant_runs(model_dir: Path, res: dict, methods: list[str], save, suffix: str = "", profile: bool = False,
+               batches: tuple[int, ...] = ()) -> None:
     """W4A16 g128 decode at batch 1 (random packed weights; bf16 lm_head unless "-head") against the bf16 TPOT of
-    this run; keys ``nvllm_{method}_w4{suffix}_…``. ``profile``: then torch.profiler over 32 decode steps of each
+    this run; keys ``nvllm_{method}_w4{suffix}_…``. ``batches``: also the decode step at each of these batch sizes
+    with 256-token contexts (``…_b{n}_step_ms``). ``profile``: then torch.profiler over 32 decode steps of each
     (``profile_{method}_decode_b1…``)."""
     from nvllm.bench.offline import run_latency
     from nvllm.config import EngineConfig
@@ -108,6 +110,8 @@ def quant_runs(model_dir: Path, res: dict, methods: list[str], save, suffix: str
                           progress=False, llm=llm)
         res[f"nvllm_{method}_w4{suffix}_tpot_ms"] = lat["median_tpot_ms"]
         res[f"nvllm_{method}_w4{suffix}_kernel_report"] = lat["kernel_report"]
+        for b in batches:
+            res[f"nvllm_{method}_w4{suffix}_b{b}_step_ms"] = decode_step_ms(llm, b, 256, steps=32)
         save()
         if profile:  # last: a profiler session slows the process's later launches
             profile_steps(llm, res, [c for c in PROFILE_CASES if c[0].startswith("decode")], f"{method}_")
@@ -349,6 +353,10 @@ def table(res: dict) -> str:
             line = f"{method}{suffix} W4A16 g128 TPOT {res[k]:.2f} ms = {1000 / res[k]:.0f} tok/s"
             if "nvllm_graphs_tpot_ms" in res:
                 line += f" ({res['nvllm_graphs_tpot_ms'] / res[k]:.2f}x nvllm bf16)"
+            per_batch = [(int(b[len(f"nvllm_{method}_w4{suffix}_b"):-len("_step_ms")]), v) for b, v in res.items()
+                         if b.startswith(f"nvllm_{method}_w4{suffix}_b") and b.endswith("_step_ms")]
+            if per_batch:
+                line += "; decode step at 256 tokens: " + ", ".join(f"b{b} {v:.2f} ms" for b, v in sorted(per_batch))
             lines.append(line)
     for kv in ("auto", "int8", "fp8_e4m3"):
         if f"kv_{kv}_tokens" in res:
@@ -399,6 +407,8 @@ def main() -> None:
     ap.add_argument("--kv-throughput", default="",
                     help="comma-separated KV-cache dtypes for the KV-bound throughput run: auto,int8,...")
     ap.add_argument("--quant", default="", help="comma-separated W4A16 formats to time at batch 1: awq,gptq,gptq-head")
+    ap.add_argument("--quant-batches", default="",
+                    help="comma-separated batch sizes: with --quant, also the decode step at each (256-token contexts)")
     ap.add_argument("--gemv-compare", default="",
                     help='also run --quant with these one-row GEMV defaults (JSON, format -> quant_gemv config, e.g. '
                          '{"gptq": {"variant": "half2", "block_n": 128, "block_k": 64, "num_warps": 1}}); keys _gemv')
@@ -441,7 +451,8 @@ def main() -> None:
         steps.append(("quant nopdl", lambda: with_env("NVLLM_PDL", "0", lambda: quant_runs(
             model_dir, res, args.quant.split(","), save, "_nopdl"))))
     if args.quant:
-        steps.append(("quant", lambda: quant_runs(model_dir, res, args.quant.split(","), save, profile=args.profile)))
+        steps.append(("quant", lambda: quant_runs(model_dir, res, args.quant.split(","), save, profile=args.profile,
+                                                  batches=tuple(int(b) for b in args.quant_batches.split(",") if b))))
     if args.quant and args.gemv_compare:
         res["gemv_compare"] = json.loads(args.gemv_compare)
         steps.append(("quant gemv", lambda: with_gemv_defaults(res["gemv_compare"], lambda: quant_runs(
