@@ -252,3 +252,16 @@ def test_gemv_half2_inline_ptx_assembles_for_hopper():
     r = subprocess.run([sys.executable, "-c", _ASSEMBLE], env=env, capture_output=True, text=True, timeout=600,
                        cwd=pathlib.Path(__file__).resolve().parents[1])
     assert r.returncode == 0 and "assembled" in r.stdout, r.stderr[-3000:]
+
+
+def test_half2_defaults_narrow_their_k_step_to_the_group():
+    """A tuned half2 config whose K step is wider than the group (g32, g16) keeps half2 with the widest step that
+    fits, and the GEMV through those defaults matches the reference."""
+    for group, want in ((128, 64), (64, 64), (32, 32), (16, 16)):
+        cfg = QV.pick_gemv_config(1, 256, group, "gptq", 4)
+        assert (cfg["variant"], cfg["block_k"]) == ("half2", want), group
+    assert QV.pick_gemv_config(4, 256, 16, "gptq", 4)["block_k"] == 16
+    qw = make_weight("gptq4-k128-n64-g32", "gptq", 4, 128, 64, 32, False, False)
+    for rows in (1, 3):
+        x = torch.randn(rows, qw.in_features)
+        check(run_gemv(x, qw), semantic_ref(x, qw, None), HALF2_TOL)

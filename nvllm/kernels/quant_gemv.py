@@ -328,14 +328,18 @@ def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None,
     registers), the largest of 128/64/32 that divides the group. H200 sweep (scripts/gpu_quant_bench.py, the
     Qwen2.5-7B projections, M 1–2), variant ``tile``: 128 × 128 tiles, 4 warps, a 3-stage K loop were best or
     within 10% on every shape but GPTQ down (M = 1), for both layouts. Then ``TUNED[(fmt, bits, BLOCK_M)]`` where
-    its BLOCK_K fits the group and K."""
+    its BLOCK_K fits the group and K (a ``half2`` config narrows its K step to the group: g32 was not measured, but
+    the alternative, ``tile``, took 1.8× ``half2``'s time at g128, runs M and AE)."""
     block_m = 1 << max(0, (M - 1).bit_length())
     want_k = 128 if block_m <= 2 else 64 if block_m <= 4 else 32
     block_k = next((c for c in (want_k, 64, 32, 16) if c <= want_k and group_size % c == 0 and K % c == 0), 16)
     block_n = 128 if block_m <= 2 else 64
     cfg = {"variant": "tile", "block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
            "magic": 0, "stages": 3, "waves": 0, "serial": 0, "x_once": 1}
-    tuned = TUNED.get((fmt, bits, block_m), {})
+    tuned = dict(TUNED.get((fmt, bits, block_m), {}))
+    if tuned.get("variant") == "half2":   # groups narrower than its K step (g32, g16): the widest step that fits
+        tuned["block_k"] = next((c for c in (tuned["block_k"], 64, 32, 16)
+                                 if c <= tuned["block_k"] and group_size % c == 0 and K % c == 0), tuned["block_k"])
     if tuned and group_size % tuned.get("block_k", block_k) == 0 and K % tuned.get("block_k", block_k) == 0:
         cfg.update(tuned)
     return cfg
