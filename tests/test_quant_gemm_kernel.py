@@ -173,3 +173,8 @@ def test_rows_with_a_tuned_half2_config_take_the_gemv(monkeypatch):
         y = QG.quant_linear(x, qw)
         assert report.snapshot() == {"quant_gemm": {want: 1}}, (case[0], rows)
         check(y, semantic_ref(x, qw, None), 2e-3 if "gemv" in want else TIGHT[torch.float32])
+    monkeypatch.setattr(QG, "GEMV_MAX_M", 0)                   # 0 turns the GEMV off, tuned rows included
+    qw = make_weight(*CASES[2])
+    report.reset()
+    QG.quant_linear(torch.randn(1, qw.in_features), qw)
+    assert report.snapshot() == {"quant_gemm": {"triton w4a16 gptq": 1}}

@@ -33,7 +33,7 @@ if not isinstance(QR.quant_gemv_half2_rows_kernel, InterpretedFunction) or QR._p
     importlib.reload(QR)
 
 CONTIGUOUS = [c for c in CASES if not c[7]]   # act-order stays with quant_gemm
-ANY_FORMAT = [v for v in QV.VARIANTS if v != "half2"]   # half2 takes one row of 4-bit GPTQ only (tested below)
+ANY_FORMAT = [v for v in QV.VARIANTS if v != "half2"]   # half2 takes 4-bit GPTQ only (tested below)
 HALF2_TOL = 2e-3   # f16 products and four-term sums (quant_gemv_half2), relative to the largest |output|
 
 

@@ -164,3 +164,36 @@ def test_bad_quantized_checkpoints(tmp_path, qwen2_dir):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="unsupported quant_method"):
         load_nvllm_model(dst)
+
+
+def test_awq_layer_state_dict_round_trip(tmp_path, qwen2_dir):
+    """state_dict carries the layout: a repacked layer's state loads into a fresh layer as the same weight, and AWQ
+    tensors loaded into a repacked layer are repacked again; layers whose inputs fill no whole GPTQ word stay AWQ."""
+    dst = tmp_path / "quant"
+    write_by_hand(qwen2_dir, dst, "awq", 4, 32)
+    lin = load_nvllm_model(dst).layers[0].gate_up_proj
+    want = lin.quant_weight().dequantize()
+    saved = {k: v.clone() if torch.is_tensor(v) else v for k, v in lin.state_dict().items()}
+    assert saved["_extra_state"] == {"layout": "gptq"} and "GPTQ layout" in lin.extra_repr()
+    fresh = load_nvllm_model(dst).layers[0].gate_up_proj
+    fresh.init_dummy(torch.Generator().manual_seed(0))   # an AWQ-layout layer with other weights
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.quant_weight().dequantize(), want)
+    awq = {k: v for k, v in saved.items()}
+    awq.update(_extra_state={"layout": "awq"}, qweight=lin.qweight.new_zeros(lin.qweight.shape))
+    lin.load_state_dict(awq)                              # AWQ words (all code 0) into a repacked layer
+    assert lin.quant_weight().fmt == "gptq" and torch.equal(
+        lin.quant_weight().dequantize(), F.QuantWeight.from_awq(awq["qweight"], awq["qzeros"], awq["scales"],
+                                                                32).dequantize())
+
+
+def test_awq_layer_with_inputs_off_whole_words_keeps_its_layout():
+    from nvllm.quant.plan import QuantScheme
+
+    scheme = QuantScheme("awq", 4, -1)
+    lin = QuantLinear(36, 16, False, None, scheme)
+    lin.init_dummy(torch.Generator().manual_seed(0))
+    qw = lin.quant_weight()
+    assert qw.fmt == "awq" and not qw.extra
+    x = torch.randn(2, 36)
+    torch.testing.assert_close(lin(x), x @ qw.dequantize().t())

@@ -294,6 +294,8 @@ TUNED: dict[tuple[str, int, int], dict[str, int | str]] = {
     # the four shapes; 28 layers at M = 1: AWQ 1.967 ms (tile 3.179), GPTQ 2.151 ms (tile 2.567). Run AB (--waves
     # 8,16,32,64, M = 1; its second call): AWQ 1.859 ms with 32 programs per SM (gate_up 29.6 µs); GPTQ still best
     # at 8 (2.080 ms)
+    # (since session 9 QuantLinear repacks AWQ layers into GPTQ's layout at load, so the "gptq" entries serve AWQ
+    # checkpoints; these two serve AWQ layers whose inputs fill no whole GPTQ word, and direct calls)
     ("awq", 4, 1): dict(variant="row", block_n=1024, block_k=32, num_warps=4, stages=1, waves=32, serial=1),
     ("awq", 4, 2): dict(variant="row", block_n=1024, block_k=32, num_warps=4, stages=1, waves=8, serial=1),
     # run AE (the same sweep with half2): GPTQ 1.441 ms with half2 against 1.969 ms with row; run AQ (K splits up to
@@ -308,11 +310,12 @@ TUNED: dict[tuple[str, int, int], dict[str, int | str]] = {
 ``scripts/gpu_quant_bench.py``; elsewhere (8 bits: not measured) ``tile`` with the heuristic's tiles."""
 
 
-def gemv_tuned(M: int, fmt: str | None, bits: int | None) -> bool:
-    """Whether ``TUNED`` has a measured ``half2`` config for this many rows: such calls take the GEMV past
-    ``quant_gemm.GEMV_MAX_M`` (at M = 4 the 28 layers' GEMVs took 3.3 ms against ~4.7 ms for the fused kernel's
-    whole decode step minus the rest, PERF.md session 9)."""
-    return TUNED.get((fmt, bits, 1 << max(0, (M - 1).bit_length())), {}).get("variant") == "half2"
+def gemv_tuned(M: int, K: int, group_size: int, fmt: str | None, bits: int | None) -> bool:
+    """Whether this call's default GEMV config is a measured ``half2`` one (``TUNED``, its K step fitting the
+    group): such calls take the GEMV past ``quant_gemm.GEMV_MAX_M`` (batch-4 GPTQ decode step 5.39 ms with the
+    fused kernel, 4.20 ms with ``half2``, PERF.md runs AZ and BB)."""
+    return (fmt, bits, 1 << max(0, (M - 1).bit_length())) in TUNED and \
+        pick_gemv_config(M, K, group_size, fmt, bits)["variant"] == "half2"
 
 
 def gemv_supported(M: int, K: int, group_size: int, act_order: bool, block_k: int | None = None,
@@ -361,13 +364,15 @@ def _splits(n_tiles: int, K: int, block_k: int, device: torch.device, waves: int
 
 
 X_SPAN_MAX = 1024
-"""Longest K range (inputs) whose max ``half2`` takes in one load (``x_once``); longer ranges loop."""
+"""Longest K range (inputs) whose max one-row ``half2`` takes in one load (``x_once``); longer ranges loop. With
+several rows 256 (the widest the session-9 sweeps measured; ptxas gives two rows at 1024 a spill)."""
 
 
-def _x_span(k_per_split: int) -> int:
-    """``half2``'s X_SPAN: the power of two that covers a split's inputs, or 0 (a loop) past ``X_SPAN_MAX``."""
+def _x_span(k_per_split: int, rows: int = 1) -> int:
+    """``half2``'s X_SPAN: the power of two that covers a split's inputs, or 0 (a loop) past ``X_SPAN_MAX`` (256
+    with several rows)."""
     span = triton.next_power_of_2(k_per_split)
-    return span if span <= X_SPAN_MAX else 0
+    return span if span <= (X_SPAN_MAX if rows == 1 else 256) else 0
 
 
 _WORKSPACES: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -441,7 +446,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
                    out, *(ws if ws is not None else (out, out)))
         h2_kw = dict(GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic, SERIAL=ws is not None, STAGES=cfg["stages"],
                      BLOCK_N=bn, BLOCK_K=bk, INTERPRET=interpret, X_WORDS=x_words,
-                     X_SPAN=_x_span(k_per_split) if cfg["x_once"] else 0, num_warps=cfg["num_warps"],
+                     X_SPAN=_x_span(k_per_split, bm) if cfg["x_once"] else 0, num_warps=cfg["num_warps"],
                      **pdl.launch_args(x))
         if bm == 1:
             from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel

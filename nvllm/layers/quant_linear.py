@@ -9,8 +9,10 @@ input) is the same for every shard of a fused layer; the loader checks that they
 
 AWQ tensors are repacked in place into the GPTQ v1 layout at the layer's first use (``formats.awq_to_gptq``:
 exact, the same element counts, so the parameters keep their checkpoint shapes and hold the GPTQ words): the
-one-row ``half2`` GEMV, the fastest decode kernel, reads only that layout (PERF.md, session 9). Loading into a
-repacked layer is refused: weights are loaded before the model runs.
+``half2`` GEMV, the fastest decode kernel, reads only that layout (PERF.md, session 9). Layers whose inputs do not
+fill whole GPTQ words (``in_features % 8``) stay in the AWQ layout. Loading a checkpoint tensor into a repacked
+layer is refused (weights are loaded before the model runs); ``state_dict`` carries the layout as the module's
+extra state, so a state dict loads back into a fresh layer as it was saved.
 
 Tensor parallelism splits along whole packed words and whole groups. Column-parallel: each rank keeps its
 output columns of every tensor (whole int32 words). Row-parallel: each rank keeps its rows of ``qweight`` (and
@@ -181,12 +183,14 @@ class QuantLinear(nn.Module):
         """The packed weight as a ``QuantWeight`` (validated once, then cached)."""
         if self._qw is None:
             self._settle_groups()
-            if self.scheme.fmt == "awq":
+            if self.scheme.fmt == "awq" and (self._repacked or self.in_features % 8 == 0):
                 if not self._repacked:
                     self._repack_awq()
                 self._qw = QuantWeight.from_gptq(self.qweight.view(self.in_features // 8, self.out_features),
                                                  self.qzeros, self.scales, None, 4, self.group_size)
                 self._qw.extra["from"] = "awq"
+            elif self.scheme.fmt == "awq":
+                self._qw = QuantWeight.from_awq(self.qweight, self.qzeros, self.scales, self.group_size)
             elif self._act_order_all_groups:
                 self._qw = self._act_order_weight()
             else:
@@ -204,6 +208,14 @@ class QuantLinear(nn.Module):
         self.scales.data.copy_(gq.scales)
         self._repacked = True
 
+    def get_extra_state(self) -> dict:
+        """The packed tensors' layout, saved with them by ``state_dict``."""
+        return {"layout": "gptq" if self._repacked or self.scheme.fmt == "gptq" else "awq"}
+
+    def set_extra_state(self, state: dict) -> None:
+        self._qw = None
+        self._repacked = self.scheme.fmt == "awq" and state.get("layout") == "gptq"
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``SiLU(gate) · up`` of this gate/up layer's output."""
         return silu_and_mul(self(x))
@@ -218,5 +230,6 @@ class QuantLinear(nn.Module):
         return y if out is None else out.copy_(y)
 
     def extra_repr(self) -> str:
+        layout = " (in the GPTQ layout)" if self._repacked else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.fmt} "
-                f"{self.scheme.bits}-bit g{self.group_size}")
+                f"{self.scheme.bits}-bit g{self.group_size}{layout}")

@@ -357,10 +357,13 @@ def awq_to_gptq(qw: QuantWeight, chunk: int = 8192) -> QuantWeight:
     dequantizes to the same value, so the kernels written for GPTQ (the one-row ``half2`` GEMV) serve AWQ
     checkpoints too. GPTQ v1 stores ``zero - 1`` and cannot hold a zero point of 0; such a (group, column) is
     stored mirrored — codes ``15 - q``, zero 15, scale ``-s`` — since ``(15 - q - 15)·(-s) = (q - 0)·s``.
-    Converted ``chunk`` output columns at a time (the unpacked codes of a whole LM head would take gigabytes).
-    ``extra["from"]`` records the source format."""
+    Converted ``chunk`` output columns (a multiple of 8) at a time: the unpacked codes of a whole LM head would take
+    gigabytes. The scales keep their dtype. ``extra["from"]`` records the source format."""
     if qw.fmt != "awq":
         raise ValueError(f"awq_to_gptq takes an AWQ weight, not {qw.fmt}")
+    if chunk <= 0 or chunk % 8 or qw.in_features % 8:
+        raise ValueError(f"awq_to_gptq needs whole 8-column chunks (got {chunk}) and inputs in whole GPTQ words "
+                         f"(got {qw.in_features})")
     g_idx = default_g_idx(qw.in_features, qw.group_size, qw.qweight.device)
     qweight = torch.empty(qw.in_features // 8, qw.out_features, dtype=torch.int32, device=qw.qweight.device)
     qzeros = torch.empty_like(qw.qzeros)
@@ -371,10 +374,10 @@ def awq_to_gptq(qw: QuantWeight, chunk: int = 8192) -> QuantWeight:
         s = qw.scales[:, c0:c1]
         mirror = zeros == 0                                                  # [G, cols]
         q = torch.where(mirror[g_idx.long()].t(), 15 - q, q)
-        p = pack_gptq(q, torch.where(mirror, 15, zeros), torch.where(mirror, -s, s), g_idx, 4)
+        p = pack_gptq(q, torch.where(mirror, 15, zeros), s, g_idx, 4)
         qweight[:, c0:c1] = p["qweight"]
         qzeros[:, c0 // 8:c1 // 8] = p["qzeros"]
-        scales[:, c0:c1] = p["scales"]
+        scales[:, c0:c1] = torch.where(mirror, -s, s)
     out = QuantWeight.from_gptq(qweight, qzeros, scales, None, 4, qw.group_size)
     out.extra["from"] = "awq"
     return out
