@@ -137,6 +137,14 @@ def _x(x_ptr, k, sc):
 
 
 @_jit
+def _pow2_scale(m):
+    """For inputs whose largest magnitude is ``m``: the power of two that brings them below 512, 2^(8 − E) with
+    E = floor(log2 m) (clamped to keep both powers normal), and its inverse."""
+    e = tl.minimum(tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 255, 8), 253)   # biased exponent of m
+    return ((262 - e) << 23).to(tl.float32, bitcast=True), ((e - 8) << 23).to(tl.float32, bitcast=True)
+
+
+@_jit
 def quant_gemv_half2_kernel(
     x_ptr, xw_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     N, K,
@@ -167,9 +175,7 @@ def quant_gemv_half2_kernel(
         m = 0.0
         for k0 in range(k_begin, k_end, BLOCK_K):
             m = tl.maximum(m, tl.max(tl.abs(tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32))))
-    e = tl.minimum(tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 255, 8), 253)   # biased exponent of max
-    sc = ((262 - e) << 23).to(tl.float32, bitcast=True)
-    unscale = ((e - 8) << 23).to(tl.float32, bitcast=True)
+    sc, unscale = _pow2_scale(m)
     zshift = (offs_n % 8) * 4
     acc = tl.full((BLOCK_N,), 0.0, tl.float32)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from nvllm.kernels.backend import eager_triton
 from nvllm.kernels.quant_gemv import _epilogue as epilogue, _words as words_of  # shared with the other variants
-from nvllm.kernels.quant_gemv_half2 import _PAIRS, _pair, _word_dot_ops  # the one-row kernel's pieces
+from nvllm.kernels.quant_gemv_half2 import _PAIRS, _pair, _pow2_scale, _word_dot_ops  # the one-row kernel's pieces
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
@@ -126,9 +126,9 @@ def quant_gemv_half2_rows_kernel(
         for k0 in range(k_begin, k_end, BLOCK_K):
             m = tl.maximum(m, tl.max(tl.abs(tl.load(x_rows + k0 + tl.arange(0, BLOCK_K)[None, :], mask=rows_ok,
                                                     other=0.0).to(tl.float32)), axis=1))
-    e = tl.minimum(tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 255, 8), 253)   # biased exponent of max
-    sc = ((262 - e) << 23).to(tl.float32, bitcast=True)[:, None]                     # [BLOCK_M, 1]
-    unscale = ((e - 8) << 23).to(tl.float32, bitcast=True)[:, None]
+    sc, unscale = _pow2_scale(m)
+    sc = sc[:, None]                                                                 # [BLOCK_M, 1]
+    unscale = unscale[:, None]
     xp_rows = (xw_ptr + offs_m[:, None] * (stride_xm // 2)) if X_WORDS else x_rows
     zshift = (offs_n % 8) * 4
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
