@@ -3,7 +3,7 @@
 Two modes:
 
 ``--mode variants`` (default; about 3 minutes on an H200, most of it Triton compiling, in parallel): the
-GEMV kernel's variants (``quant_gemv.VARIANTS``: tile, field, row, half2), each over a few tile configs and
+GEMV kernel's variants (``quant_gemv.VARIANTS``: tile, field, row, half2, mma), each over a few tile configs and
 split-K depths, at M = 1 and 2. Prints per shape and format the best config of each variant (µs, % of the
 int4 floor) next to cuBLAS on the bf16 weight, the 28-layer totals per variant, and the best *single*
 config per (format, M) over the four shapes (the candidate default for ``pick_gemv_config``). Writes
@@ -75,6 +75,8 @@ VARIANT_TILES: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
                       (512, 64, 2, 3), (512, 128, 4, 3), (128, 64, 1, 3), (64, 64, 1, 1), (128, 32, 1, 1)],
     ("gptq", "half2"): [(128, 64, 1, 3), (128, 64, 1, 1), (128, 128, 1, 3), (256, 64, 1, 3), (256, 64, 1, 1),
                         (256, 128, 2, 3), (512, 64, 2, 3), (64, 64, 1, 1)],
+    # mma: eight subtiles of 8 columns, BLOCK_K / 32 mma steps per K step, one warp; any row count ≤ 8
+    ("gptq", "mma"): [(64, 128, 1, 1), (64, 64, 1, 1), (64, 32, 1, 1)],
     ("awq", "row"): [(256, 32, 1, 3), (256, 32, 1, 1), (512, 32, 1, 3), (512, 16, 1, 3), (512, 16, 2, 3),
                      (1024, 16, 2, 3), (1024, 32, 4, 1)],
 }
@@ -85,7 +87,7 @@ HALF2_ROW_TILES: dict[int, list[tuple[int, int, int, int]]] = {
 }
 WAVES = {"tile": (0, 4)}      # programs per SM that split-K aims at (0: plan_split_k's two waves)
 DEFAULT_WAVES = (2, 4, 8)    # --waves overrides
-SERIAL_VARIANTS = ("tile", "row", "half2")   # also timed with split-K finished in the kernel (config serial=1)
+SERIAL_VARIANTS = ("tile", "row", "half2", "mma")   # also timed with split-K finished in the kernel (config serial=1)
 
 
 def random_weight(fmt: str, n: int, k: int, gen: torch.Generator, device: str = DEVICE) -> QuantWeight:

@@ -31,10 +31,15 @@ from nvllm.kernels import quant_gemv_half2_rows as QR  # noqa: E402  (after QH: 
 
 if not isinstance(QR.quant_gemv_half2_rows_kernel, InterpretedFunction) or QR._pair is not QH._pair:
     importlib.reload(QR)
+from nvllm.kernels import quant_gemv_mma as QM  # noqa: E402  (after QH: it takes QH's jitted helpers)
+
+if not isinstance(QM.quant_gemv_mma_kernel, InterpretedFunction) or QM._pair is not QH._pair:
+    importlib.reload(QM)
 
 CONTIGUOUS = [c for c in CASES if not c[7]]   # act-order stays with quant_gemm
-ANY_FORMAT = [v for v in QV.VARIANTS if v != "half2"]   # half2 takes 4-bit GPTQ only (tested below)
-HALF2_TOL = 2e-3   # f16 products and four-term sums (quant_gemv_half2), relative to the largest |output|
+ANY_FORMAT = [v for v in QV.VARIANTS if v not in ("half2", "mma")]   # those take 4-bit GPTQ only (tested below)
+HALF2_TOL = 2e-3   # f16 products and four-term sums (quant_gemv_half2), relative to the largest |output|; also
+# variant mma (inputs rounded to f16)
 
 
 def run_gemv(x, qw, bias=None, **kw):
@@ -54,7 +59,8 @@ def test_gemv_matches_dequant_matmul(case, M, dtype):
     # the GEMV multiplies by the fp32 weight: no rounding of a dequantized tile to x's dtype (the default for one
     # row of 4-bit GPTQ, half2, rounds its products to f16)
     exact = semantic_ref(x.float(), qw, None if bias is None else bias.float()).to(dtype)
-    half2 = QV.pick_gemv_config(M, qw.in_features, qw.group_size, qw.fmt, qw.bits)["variant"] == "half2"
+    half2 = QV.pick_gemv_config(M, qw.in_features, qw.group_size, qw.fmt, qw.bits,
+                                qw.out_features)["variant"] in ("half2", "mma")
     check(y, exact, max(HALF2_TOL, TIGHT[dtype]) if half2 else TIGHT[dtype])
     check(y, quant_gemm_reference(x, qw, bias), max(HALF2_TOL, LOOSE[dtype]) if half2 else LOOSE[dtype])
 
@@ -66,7 +72,8 @@ def test_gemv_split_k_and_conversion(case, split_k, magic):
     qw = make_weight(*case)
     x = torch.randn(2, qw.in_features)
     bias = torch.randn(qw.out_features)
-    half2 = QV.pick_gemv_config(2, qw.in_features, qw.group_size, qw.fmt, qw.bits)["variant"] == "half2"
+    half2 = QV.pick_gemv_config(2, qw.in_features, qw.group_size, qw.fmt, qw.bits,
+                                qw.out_features)["variant"] in ("half2", "mma")
     check(run_gemv(x, qw, bias, split_k=split_k, magic=magic), semantic_ref(x, qw, bias),
           HALF2_TOL if half2 else TIGHT[torch.float32])
 
@@ -265,3 +272,107 @@ def test_half2_defaults_narrow_their_k_step_to_the_group():
     for rows in (1, 3):
         x = torch.randn(rows, qw.in_features)
         check(run_gemv(x, qw), semantic_ref(x, qw, None), HALF2_TOL)
+
+
+# ----------------------------------------------------------------------------- variant mma (quant_gemv_mma)
+
+MMA_CASES = [("gptq4-k256-n128-g64", "gptq", 4, 256, 128, 64, False, False),
+             ("gptq4-k256-n64-g32-sym", "gptq", 4, 256, 64, 32, True, False),
+             ("gptq4-k256-n192-g128", "gptq", 4, 256, 192, 128, False, False)]
+
+
+@pytest.mark.parametrize("M,dtype", [(1, torch.bfloat16), (3, torch.float16), (8, torch.bfloat16),
+                                     (8, torch.float32)], ids=str)
+@pytest.mark.parametrize("case", MMA_CASES, ids=[c[0] for c in MMA_CASES])
+def test_gemv_mma_matches_reference(case, M, dtype):
+    """Tensor-core fragments (emulated under the interpreter): every row against the fp32 reference, rows of very
+    different magnitudes (each its own input scale), bias, split-K atomic and finished in the kernel (twice: the
+    workspace is left zeroed)."""
+    qw = make_weight(*case)
+    gen = torch.Generator().manual_seed(M + 31)
+    mags = torch.tensor([1e-3, 3000.0, 1.0, 40.0, 0.5, 7.0, 1e-2, 2.0])[:M, None]
+    x = (torch.randn(M, qw.in_features, generator=gen) * mags).to(dtype)
+    bias = (torch.randn(qw.out_features, generator=gen) * mags.mean()).to(dtype)
+    exact = semantic_ref(x.float(), qw, bias.float())
+    bk = min(qw.group_size, 64)
+    for split_k, serial in ((1, 0), (2, 0), (2, 1), (2, 1), (4, 1)):
+        y = run_gemv(x, qw, bias, variant="mma", block_n=64, block_k=bk, split_k=split_k, serial=serial)
+        for r in range(M):
+            check(y[r:r + 1].float(), exact[r:r + 1], max(HALF2_TOL, TIGHT[dtype]))
+    for ws, cnt in QV._WORKSPACES[torch.device("cpu")]:
+        assert not ws.any() and not cnt.any()
+
+
+def test_gemv_mma_refuses_what_it_cannot_take():
+    qw = make_weight(*MMA_CASES[0])
+    for kw, M in ((dict(block_n=128), 1), (dict(block_k=16), 1), ({}, 9)):
+        with pytest.raises(ValueError, match="mma takes at most 8 rows"):
+            run_gemv(torch.randn(M, qw.in_features), qw, variant="mma", **{"block_n": 64, "block_k": 64, **kw})
+    ragged = make_weight("gptq4-k128-n200-g64", "gptq", 4, 128, 200, 64, False, False)
+    with pytest.raises(ValueError, match="N a multiple of 64"):
+        run_gemv(torch.randn(2, ragged.in_features), ragged, variant="mma", block_n=64, block_k=64)
+    with pytest.raises(ValueError, match="mma takes a 4-bit GPTQ weight"):
+        awq = make_weight(*CASES[1])
+        run_gemv(torch.randn(2, awq.in_features), awq, variant="mma", block_n=64, block_k=64)
+
+
+def test_mma_defaults_need_whole_subtiles():
+    """The tuned mma configs (3-8 rows) apply where N is known and a multiple of 64; elsewhere the heuristic, and
+    those calls then stay with quant_gemm past GEMV_MAX_M."""
+    assert QV.pick_gemv_config(5, 256, 128, "gptq", 4, 128)["variant"] == "mma"
+    assert QV.pick_gemv_config(5, 256, 32, "gptq", 4, 128)["block_k"] == 32      # narrowed to the group
+    for n in (None, 200):
+        assert QV.pick_gemv_config(5, 256, 128, "gptq", 4, n)["variant"] == "tile"
+    assert QV.gemv_tuned(8, 256, 128, "gptq", 4, 192) and not QV.gemv_tuned(8, 256, 128, "gptq", 4, 200)
+    assert not QV.gemv_tuned(8, 256, 16, "gptq", 4, 192)                         # g16: no whole mma step
+    qw = make_weight(*MMA_CASES[2])
+    x = torch.randn(6, qw.in_features)
+    check(run_gemv(x, qw), semantic_ref(x, qw, None), HALF2_TOL)                 # the default: mma
+
+
+_MMA_LAYOUT = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nvllm.kernels.quant_gemv_mma import quant_gemv_mma_kernel as kernel
+ptrs = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16", "bias_ptr": "*i32",
+        "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+ints = ["M", "N", "K", "stride_xm", "stride_om", "stride_qw", "stride_qz", "stride_s", "k_per_split"]
+for x_words, rows, block_k in ((True, 1, 128), (False, 8, 64)):
+    sig = dict(ptrs, **{k: "i32" for k in ints})
+    const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_K=block_k, ROWS=rows,
+                 X_CHUNK=256, INTERPRET=False, X_WORDS=x_words, PDL=True)
+    sig.update({k: "constexpr" for k in kernel.arg_names if k in const})
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(list(sig).index(k),): v for k, v in const.items()})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})
+    ttgir = ck.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    asm = [l for l in ttgir.splitlines() if "elementwise_inline_asm" in l and "mma.sync" in l]
+    assert len(asm) == 8 * block_k // 32, len(asm)                  # eight subtiles per mma step
+    for line in asm:                                                 # every operand: one element per lane
+        types = re.findall(r"tensor<(\d+)x\w+, (#\w+)>", line.rsplit(" : ", 1)[1])
+        assert types and all(n == "32" for n, _ in types), line[-300:]
+        for _, lay in types:
+            assert re.search(r"sizePerThread = \[1\], threadsPerWarp = \[32\], warpsPerCTA = \[1\]",
+                             layouts[lay]), layouts[lay]
+    assert ck.asm["cubin"] and ck.asm["ptx"].count("mma.sync.aligned.m16n8k16") == 2 * len(asm)
+print("lanes ok")
+"""
+
+
+def test_gemv_mma_fragments_sit_on_their_lanes():
+    """The mma fragments are right only if each tensor's element i sits on lane i (a [32] tensor, one warp).
+    Compile the kernel for sm_90 with Triton's own ptxas (no GPU needed) and read the layout of every inline-mma
+    operand in the TTGIR, so a Triton that lays them out otherwise fails here rather than silently on the GPU."""
+    import pathlib
+    import subprocess
+    import sys
+
+    ptxas = pathlib.Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _MMA_LAYOUT], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert r.returncode == 0 and "lanes ok" in r.stdout, r.stderr[-3000:]

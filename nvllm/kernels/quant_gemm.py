@@ -51,8 +51,8 @@ triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload unde
 GEMV_MAX_M = int(os.environ.get("NVLLM_QUANT_GEMV_MAX_M", "2"))
 """Up to this many rows (and contiguous groups), ``quant_linear`` runs the GEMV kernel of ``quant_gemv``. H200,
 Qwen2.5-7B projections (docs/PERF.md): at M = 1 the GEMV beat the fused kernel, at M = 2 they tied, from M = 4
-on the fused kernel won. Row counts with a measured ``half2`` config (``quant_gemv.gemv_tuned``: 4-bit GPTQ, and AWQ
-repacked to it, up to 4 rows) take the GEMV past this; 0 turns the GEMV off."""
+on the fused kernel won. Row counts with a measured ``half2`` or ``mma`` config (``quant_gemv.gemv_tuned``: 4-bit
+GPTQ, and AWQ repacked to it, up to 8 rows) take the GEMV past this; 0 turns the GEMV off."""
 
 DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_QUANT_DEQUANT_MIN_M", "128"))
 """From this many rows on, ``quant_linear`` dequantizes and calls a dense matmul. A first H200 reading put
@@ -322,7 +322,8 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = N
     if use_triton(x):
         m = x2.shape[0]
         fmt = f"{qw.extra['from']} as {qw.fmt}" if qw.extra.get("from") else qw.fmt   # the kernel report's name
-        gemv = m <= GEMV_MAX_M or (GEMV_MAX_M > 0 and gemv_tuned(m, qw.in_features, qw.group_size, qw.fmt, qw.bits))
+        gemv = m <= GEMV_MAX_M or (GEMV_MAX_M > 0 and gemv_tuned(m, qw.in_features, qw.group_size, qw.fmt, qw.bits,
+                                                                   qw.out_features))
         if gemv and gemv_supported(m, qw.in_features, qw.group_size, qw.act_order, fmt=qw.fmt, bits=qw.bits):
             report.record("quant_gemm", f"triton w{qw.bits}a16 {fmt} gemv")
             y = quant_gemv(x2, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits,

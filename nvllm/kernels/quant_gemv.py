@@ -18,6 +18,9 @@ compares them):
 * ``half2`` (4-bit GPTQ; ``quant_gemv_half2`` for one row, ``quant_gemv_half2_rows`` for 2-4, each word dequantized
   once for all rows): the ``row`` loop with the dequantization and the products as packed f16x2 instructions
   (inline PTX): 3.3–4.0 instead of 4.7 SASS instructions per weight in the loop, products rounded to f16.
+* ``mma`` (4-bit GPTQ, 1-8 rows, 64-column tiles; ``quant_gemv_mma``): each word dequantized into tensor-core
+  fragments, the products and sums on ``mma.sync``; every row up to eight for the price of one. The default for
+  3-8 rows; at one or two rows ``half2`` is faster.
 * ``row``: one word row at a time (a static loop over the K step's BLOCK_K/P GPTQ or BLOCK_K AWQ word rows,
   each a 1-D load), FMAs straight into the ``[BLOCK_M, BLOCK_N]`` (AWQ ``[BLOCK_M, 8, BLOCK_N/8]``)
   accumulator: no reduction and no layout change in the loop, few registers.
@@ -55,7 +58,7 @@ from nvllm.kernels.backend import eager_triton
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
-VARIANTS = ("tile", "field", "row", "half2")  # half2: 4-bit GPTQ (quant_gemv_half2, quant_gemv_half2_rows)
+VARIANTS = ("tile", "field", "row", "half2", "mma")  # half2, mma: 4-bit GPTQ (quant_gemv_half2[_rows], quant_gemv_mma)
 
 
 @_jit
@@ -304,18 +307,21 @@ TUNED: dict[tuple[str, int, int], dict[str, int | str]] = {
     # session 9 (half2 over several rows, each word dequantized once for all; --ms 2,4 --waves 8,16): 28 layers at
     # M = 2 2.130 ms (row, the earlier default, 2.917 ms); at M = 4 3.316 ms (row 4.346, tile 6.026)
     ("gptq", 4, 2): dict(variant="half2", block_n=256, block_k=64, num_warps=1, stages=1, waves=16, serial=1),
-    ("gptq", 4, 4): dict(variant="half2", block_n=256, block_k=32, num_warps=1, stages=1, waves=16, serial=1),
+    # session 10 (the tensor-core variant mma; PERF runs BD, BG): 28 layers at M = 4 2.942 ms (half2 3.049 ms in the
+    # same run), M = 8 3.694 ms (no GEMV took 5-8 rows before); at M = 1 mma took 2.308 ms against half2's 1.281
+    ("gptq", 4, 4): dict(variant="mma", block_n=64, block_k=128, num_warps=1, stages=1, waves=16, serial=1),
+    ("gptq", 4, 8): dict(variant="mma", block_n=64, block_k=64, num_warps=1, stages=1, waves=16, serial=1),
 }
 """(format, bits, BLOCK_M) → config overrides, from the "best single config" lines of
 ``scripts/gpu_quant_bench.py``; elsewhere (8 bits: not measured) ``tile`` with the heuristic's tiles."""
 
 
-def gemv_tuned(M: int, K: int, group_size: int, fmt: str | None, bits: int | None) -> bool:
-    """Whether this call's default GEMV config is a measured ``half2`` one (``TUNED``, its K step fitting the
-    group): such calls take the GEMV past ``quant_gemm.GEMV_MAX_M`` (batch-4 GPTQ decode step 5.39 ms with the
+def gemv_tuned(M: int, K: int, group_size: int, fmt: str | None, bits: int | None, N: int | None = None) -> bool:
+    """Whether this call's default GEMV config is a measured ``half2`` or ``mma`` one (``TUNED``, its K step fitting
+    the group): such calls take the GEMV past ``quant_gemm.GEMV_MAX_M`` (batch-4 GPTQ decode step 5.39 ms with the
     fused kernel, 4.20 ms with ``half2``, PERF.md runs AZ and BB)."""
     return (fmt, bits, 1 << max(0, (M - 1).bit_length())) in TUNED and \
-        pick_gemv_config(M, K, group_size, fmt, bits)["variant"] == "half2"
+        pick_gemv_config(M, K, group_size, fmt, bits, N)["variant"] in ("half2", "mma")
 
 
 def gemv_supported(M: int, K: int, group_size: int, act_order: bool, block_k: int | None = None,
@@ -326,13 +332,14 @@ def gemv_supported(M: int, K: int, group_size: int, act_order: bool, block_k: in
 
 
 def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None,
-                     bits: int | None = None) -> dict[str, int | str]:
+                     bits: int | None = None, N: int | None = None) -> dict[str, int | str]:
     """Tile sizes: BLOCK_M covers the rows, BLOCK_K shrinks as rows grow (the [M, K, N] products live in
     registers), the largest of 128/64/32 that divides the group. H200 sweep (scripts/gpu_quant_bench.py, the
     Qwen2.5-7B projections, M 1–2), variant ``tile``: 128 × 128 tiles, 4 warps, a 3-stage K loop were best or
     within 10% on every shape but GPTQ down (M = 1), for both layouts. Then ``TUNED[(fmt, bits, BLOCK_M)]`` where
-    its BLOCK_K fits the group and K (a ``half2`` config narrows its K step to the group: g32 was not measured, but
-    the alternative, ``tile``, took 1.8× ``half2``'s time at g128, runs M and AE)."""
+    its BLOCK_K fits the group and K (a ``half2`` or ``mma`` config narrows its K step to the group: g32 was not
+    measured, but the alternative, ``tile``, took 1.8× ``half2``'s time at g128, runs M and AE); an ``mma`` one needs
+    N, a multiple of 64."""
     block_m = 1 << max(0, (M - 1).bit_length())
     want_k = 128 if block_m <= 2 else 64 if block_m <= 4 else 32
     block_k = next((c for c in (want_k, 64, 32, 16) if c <= want_k and group_size % c == 0 and K % c == 0), 16)
@@ -340,9 +347,12 @@ def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None,
     cfg = {"variant": "tile", "block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
            "magic": 0, "stages": 3, "waves": 0, "serial": 0, "x_once": 1}
     tuned = dict(TUNED.get((fmt, bits, block_m), {}))
-    if tuned.get("variant") == "half2":   # groups narrower than its K step (g32, g16): the widest step that fits
-        tuned["block_k"] = next((c for c in (tuned["block_k"], 64, 32, 16)
-                                 if c <= tuned["block_k"] and group_size % c == 0 and K % c == 0), tuned["block_k"])
+    if tuned.get("variant") == "mma" and (N is None or N % 64):
+        tuned = {}
+    if tuned.get("variant") in ("half2", "mma"):   # groups narrower than its K step (g32, g16): the widest that fits
+        steps = (tuned["block_k"], 64, 32) + ((16,) if tuned["variant"] == "half2" else ())
+        tuned["block_k"] = next((c for c in steps if c <= tuned["block_k"] and group_size % c == 0 and K % c == 0),
+                                tuned["block_k"])
     if tuned and group_size % tuned.get("block_k", block_k) == 0 and K % tuned.get("block_k", block_k) == 0:
         cfg.update(tuned)
     return cfg
@@ -403,7 +413,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     variant half2: the max of a split's inputs in one load, see ``X_SPAN_MAX``)."""
     M, K = x.shape
     N = scales.shape[1]
-    cfg = pick_gemv_config(M, K, group_size, fmt, bits)
+    cfg = pick_gemv_config(M, K, group_size, fmt, bits, N)
     unknown = set(config) - set(cfg)
     if unknown:
         raise TypeError(f"unknown quant_gemv config keys {sorted(unknown)}")
@@ -417,8 +427,11 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
                          f"block_k {bk}")
     if bn % 8 or bk % (32 // bits) or (fmt == "awq" and bits != 4):
         raise ValueError(f"quant_gemv: block_n {bn} / block_k {bk} do not hold whole {bits}-bit {fmt} words")
-    if variant == "half2" and (fmt != "gptq" or bits != 4):
-        raise ValueError(f"quant_gemv variant half2 takes a 4-bit GPTQ weight, not {bits}-bit {fmt}")
+    if variant in ("half2", "mma") and (fmt != "gptq" or bits != 4):
+        raise ValueError(f"quant_gemv variant {variant} takes a 4-bit GPTQ weight, not {bits}-bit {fmt}")
+    if variant == "mma" and (M > 8 or bk % 32 or bn != 64 or N % 64):
+        raise ValueError(f"quant_gemv variant mma takes at most 8 rows, block_k a multiple of 32, block_n 64 and "
+                         f"N a multiple of 64, not M={M}, block_k {bk}, block_n {bn}, N={N}")
     if x.stride(1) != 1:
         x = x.contiguous()
     n_tiles = triton.cdiv(N, bn)
@@ -438,16 +451,25 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     common = dict(BITS=bits, AWQ=fmt == "awq", GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic,
                   SERIAL=ws is not None, STAGES=cfg["stages"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                   num_warps=cfg["num_warps"], **pdl.launch_args(x))
-    if variant == "half2":
+    if variant in ("half2", "mma"):
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         x_words = (x.dtype == torch.bfloat16 and not interpret       # K is a multiple of the 8 inputs of a word
                    and x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0)
         h2_args = (x, x.view(torch.int32) if x_words else x, qweight, qzeros, scales, bias if direct_bias else qweight,
                    out, *(ws if ws is not None else (out, out)))
         h2_kw = dict(GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic, SERIAL=ws is not None, STAGES=cfg["stages"],
-                     BLOCK_N=bn, BLOCK_K=bk, INTERPRET=interpret, X_WORDS=x_words,
-                     X_SPAN=_x_span(k_per_split, bm) if cfg["x_once"] else 0, num_warps=cfg["num_warps"],
+                     BLOCK_N=bn, BLOCK_K=bk, INTERPRET=interpret, X_WORDS=x_words, num_warps=cfg["num_warps"],
                      **pdl.launch_args(x))
+        if variant == "mma":
+            from nvllm.kernels.quant_gemv_mma import quant_gemv_mma_kernel
+
+            rows = triton.next_power_of_2(max(M, 1))
+            quant_gemv_mma_kernel[(n_tiles, split_k)](
+                *h2_args, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
+                k_per_split, ROWS=rows, X_CHUNK=min(triton.next_power_of_2(k_per_split), 1024),
+                **{k: v for k, v in h2_kw.items() if k != "BLOCK_N"})
+            return finish_split_k(out, bias, x.dtype, 2 if atomic else 1)
+        h2_kw["X_SPAN"] = _x_span(k_per_split, bm) if cfg["x_once"] else 0
         if bm == 1:
             from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel
 
