@@ -205,7 +205,7 @@ def quant_gemv_mma_kernel(
 
     qw_lane = qw_ptr + t * stride_qw + n0 + g                            # subtile 0, word row t of each step
     zshift = 4 * g
-    a0 = tl.full((32,), 0.0, tl.float32)   # running sums: a{e}{h} for subtile e, C column 2t + h
+    a0 = tl.full((32,), 0.0, tl.float32)   # running sums of subtile e: a{e} its column 2t, b{e} its column 2t + 1
     a1 = a0
     a2 = a0
     a3 = a0
