@@ -245,9 +245,9 @@ print("assembled")
 """
 
 
-def test_gemv_half2_inline_ptx_assembles_for_hopper():
-    """The interpreter cannot run inline PTX: compile the kernel for sm_90 with Triton's own ptxas instead (no GPU
-    needed), both input paths, so a PTX mistake fails here rather than on the GPU."""
+def compile_for_hopper(script: str, done: str) -> None:
+    """Run ``script`` (which compiles kernels for sm_90 with Triton's own ptxas: no GPU needed) outside the
+    interpreter and check it printed ``done``."""
     import pathlib
     import subprocess
     import sys
@@ -256,9 +256,15 @@ def test_gemv_half2_inline_ptx_assembles_for_hopper():
     if not ptxas.exists():
         pytest.skip("this Triton has no bundled ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _ASSEMBLE], env=env, capture_output=True, text=True, timeout=600,
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
                        cwd=pathlib.Path(__file__).resolve().parents[1])
-    assert r.returncode == 0 and "assembled" in r.stdout, r.stderr[-3000:]
+    assert r.returncode == 0 and done in r.stdout, r.stderr[-3000:]
+
+
+def test_gemv_half2_inline_ptx_assembles_for_hopper():
+    """The interpreter cannot run inline PTX: compile the kernel for sm_90 instead, both input paths, so a PTX
+    mistake fails here rather than on the GPU."""
+    compile_for_hopper(_ASSEMBLE, "assembled")
 
 
 def test_half2_defaults_narrow_their_k_step_to_the_group():
@@ -365,14 +371,4 @@ def test_gemv_mma_fragments_sit_on_their_lanes():
     """The mma fragments are right only if each tensor's element i sits on lane i (a [32] tensor, one warp).
     Compile the kernel for sm_90 with Triton's own ptxas (no GPU needed) and read the layout of every inline-mma
     operand in the TTGIR, so a Triton that lays them out otherwise fails here rather than silently on the GPU."""
-    import pathlib
-    import subprocess
-    import sys
-
-    ptxas = pathlib.Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("this Triton has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _MMA_LAYOUT], env=env, capture_output=True, text=True, timeout=600,
-                       cwd=pathlib.Path(__file__).resolve().parents[1])
-    assert r.returncode == 0 and "lanes ok" in r.stdout, r.stderr[-3000:]
+    compile_for_hopper(_MMA_LAYOUT, "lanes ok")

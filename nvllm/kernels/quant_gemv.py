@@ -458,7 +458,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
         h2_args = (x, x.view(torch.int32) if x_words else x, qweight, qzeros, scales, bias if direct_bias else qweight,
                    out, *(ws if ws is not None else (out, out)))
         h2_kw = dict(GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic, SERIAL=ws is not None, STAGES=cfg["stages"],
-                     BLOCK_N=bn, BLOCK_K=bk, INTERPRET=interpret, X_WORDS=x_words, num_warps=cfg["num_warps"],
+                     BLOCK_K=bk, INTERPRET=interpret, X_WORDS=x_words, num_warps=cfg["num_warps"],
                      **pdl.launch_args(x))
         if variant == "mma":
             from nvllm.kernels.quant_gemv_mma import quant_gemv_mma_kernel
@@ -466,10 +466,9 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
             rows = triton.next_power_of_2(max(M, 1))
             quant_gemv_mma_kernel[(n_tiles, split_k)](
                 *h2_args, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
-                k_per_split, ROWS=rows, X_CHUNK=min(triton.next_power_of_2(k_per_split), 1024),
-                **{k: v for k, v in h2_kw.items() if k != "BLOCK_N"})
+                k_per_split, ROWS=rows, X_CHUNK=min(triton.next_power_of_2(k_per_split), 1024), **h2_kw)
             return finish_split_k(out, bias, x.dtype, 2 if atomic else 1)
-        h2_kw["X_SPAN"] = _x_span(k_per_split, bm) if cfg["x_once"] else 0
+        h2_kw.update(BLOCK_N=bn, X_SPAN=_x_span(k_per_split, bm) if cfg["x_once"] else 0)
         if bm == 1:
             from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel
 

@@ -22,22 +22,30 @@ from nvllm.kernels.quant_gemv_half2 import _PAIRS, _pair, _pow2_scale, _word_dot
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
+
+def deq_pairs_ptx(word: str, z1: str, z16: str) -> str:
+    """PTX lines leaving a packed GPTQ word's four (q − z) pairs as f16x2 in registers t0..t3 (fields (0, 4), (1, 5)
+    times 16, (2, 6), (3, 7) times 16), given the operands holding the word and (1024 + z), (1024 + 16 z) twice; the
+    enclosing block declares ``.reg .b32 a, t0, t1, t2, t3``. Shared with ``quant_gemv_mma``."""
+    return f"""lop3.b32 t0, {word}, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t0, t0, {z1};
+lop3.b32 t1, {word}, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 t1, t1, {z16};
+shr.b32 a, {word}, 8;
+lop3.b32 t2, a, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t2, t2, {z1};
+lop3.b32 t3, a, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 t3, t3, {z16};
+"""
+
+
 # _WORD_DOT in two parts, for several rows: the word's four (q − z) pairs once ($0..$3 from $4 the word, $5
 # (1024 + z) twice, $6 (1024 + 16 z) twice), then per row their dot with its four input pairs ($1..$4 the
 # (q − z) pairs, $5..$8 the input pairs; $0 the fp32 sum)
 _WORD_DEQ_PTX = """
 {
 .reg .b32 a, t0, t1, t2, t3;
-lop3.b32 t0, $4, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t0, t0, $5;
-lop3.b32 t1, $4, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 t1, t1, $6;
-shr.b32 a, $4, 8;
-lop3.b32 t2, a, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t2, t2, $5;
-lop3.b32 t3, a, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 t3, t3, $6;
-mov.b32 $0, t0;
+""" + deq_pairs_ptx("$4", "$5", "$6") + """mov.b32 $0, t0;
 mov.b32 $1, t1;
 mov.b32 $2, t2;
 mov.b32 $3, t3;

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from nvllm.kernels.backend import eager_triton
 from nvllm.kernels.quant_gemv_half2 import _PAIRS, _pair, _pow2_scale  # the input packing of half2
+from nvllm.kernels.quant_gemv_half2_rows import deq_pairs_ptx  # its dequantization, as PTX text
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
@@ -57,16 +58,7 @@ _WORD_MMA_PTX = """
 .reg .f32 d2, d3, fz;
 mov.b32 z, 0;
 mov.f32 fz, 0f00000000;
-lop3.b32 t0, $2, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t0, t0, $3;
-lop3.b32 t1, $2, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 t1, t1, $4;
-shr.b32 a, $2, 8;
-lop3.b32 t2, a, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t2, t2, $3;
-lop3.b32 t3, a, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 t3, t3, $4;
-mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, d2, d3}, {$5, z, $6, z}, {t0, t1}, {$9, $10, fz, fz};
+""" + deq_pairs_ptx("$2", "$3", "$4") + """mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, d2, d3}, {$5, z, $6, z}, {t0, t1}, {$9, $10, fz, fz};
 mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, d2, d3}, {$7, z, $8, z}, {t2, t3}, {$0, $1, d2, d3};
 }
 """
@@ -113,7 +105,7 @@ def _mma_ops(words, z, p0, p1, p2, p3, c0, c1):
 
 
 @_jit
-def _lane_pairs(x_ptr, xw_ptr, row_off, kb, sc, X_WORDS: tl.constexpr):
+def _lane_pairs(x_ptr, xw_ptr, row_off, kb, sc, INTERPRET: tl.constexpr, X_WORDS: tl.constexpr):
     """The A registers of each element: its lane's row's four input pairs of the word row at input ``kb``, times the
     row's scale ``sc`` (and 1/16 for pairs 1 and 3; rows past M have a scale of 0)."""
     if X_WORDS:     # bf16 inputs as int32 words (two inputs each); row_off in inputs, even
@@ -126,37 +118,22 @@ def _lane_pairs(x_ptr, xw_ptr, row_off, kb, sc, X_WORDS: tl.constexpr):
     else:
         xs = x_ptr + row_off + kb
         s16 = sc * 0.0625
-        return (_pair(tl.load(xs).to(tl.float32) * sc,
-                      tl.load(xs + 4).to(tl.float32) * sc),
-                _pair(tl.load(xs + 1).to(tl.float32) * s16,
-                      tl.load(xs + 5).to(tl.float32) * s16),
-                _pair(tl.load(xs + 2).to(tl.float32) * sc,
-                      tl.load(xs + 6).to(tl.float32) * sc),
-                _pair(tl.load(xs + 3).to(tl.float32) * s16,
-                      tl.load(xs + 7).to(tl.float32) * s16))
+        return (_pack(tl.load(xs).to(tl.float32) * sc, tl.load(xs + 4).to(tl.float32) * sc, INTERPRET),
+                _pack(tl.load(xs + 1).to(tl.float32) * s16, tl.load(xs + 5).to(tl.float32) * s16, INTERPRET),
+                _pack(tl.load(xs + 2).to(tl.float32) * sc, tl.load(xs + 6).to(tl.float32) * sc, INTERPRET),
+                _pack(tl.load(xs + 3).to(tl.float32) * s16, tl.load(xs + 7).to(tl.float32) * s16, INTERPRET))
 
 
 @_jit
-def _pair_ops(lo, hi):
-    """The interpreter's ``_pair``: two fp32 values as one f16x2 word."""
-    flo = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    fhi = hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    return flo | (fhi << 16)
-
-
-@_jit
-def _lane_pairs_ops(x_ptr, row_off, kb, sc):
-    """The interpreter's ``_lane_pairs``."""
-    xs = x_ptr + row_off + kb
-    s16 = sc * 0.0625
-    return (_pair_ops(tl.load(xs).to(tl.float32) * sc,
-                      tl.load(xs + 4).to(tl.float32) * sc),
-            _pair_ops(tl.load(xs + 1).to(tl.float32) * s16,
-                      tl.load(xs + 5).to(tl.float32) * s16),
-            _pair_ops(tl.load(xs + 2).to(tl.float32) * sc,
-                      tl.load(xs + 6).to(tl.float32) * sc),
-            _pair_ops(tl.load(xs + 3).to(tl.float32) * s16,
-                      tl.load(xs + 7).to(tl.float32) * s16))
+def _pack(lo, hi, INTERPRET: tl.constexpr):
+    """Two fp32 values as one f16x2 word: ``_pair``'s PTX, or under the interpreter the same through Triton
+    operations."""
+    if INTERPRET:
+        flo = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        fhi = hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return flo | (fhi << 16)
+    else:
+        return _pair(lo, hi)
 
 
 @_jit
@@ -251,7 +228,7 @@ def quant_gemv_mma_kernel(
         d7 = c0
         for ks in tl.static_range(BLOCK_K // 32):
             w0, w1, w2, w3, w4, w5, w6, w7 = _words8(qw_lane + (k0 // 8 + 4 * ks) * stride_qw)
-            p0, p1, p2, p3 = _pairs_of(x_ptr, xw_ptr, row_off, 8 * (k0 // 8 + 4 * ks + t), sc, INTERPRET, X_WORDS)
+            p0, p1, p2, p3 = _lane_pairs(x_ptr, xw_ptr, row_off, 8 * (k0 // 8 + 4 * ks + t), sc, INTERPRET, X_WORDS)
             c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7 = _mma8(
                 c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7, w0, w1, w2, w3, w4, w5, w6, w7,
                 y0, y1, y2, y3, y4, y5, y6, y7, v0, v1, v2, v3, v4, v5, v6, v7, p0, p1, p2, p3, INTERPRET)
@@ -306,14 +283,6 @@ def _words8(wrow):
 @_jit
 def _word(wrow, e: tl.constexpr):
     return tl.load(wrow + 8 * e, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-
-
-@_jit
-def _pairs_of(x_ptr, xw_ptr, row_off, kb, sc, INTERPRET: tl.constexpr, X_WORDS: tl.constexpr):
-    if INTERPRET:
-        return _lane_pairs_ops(x_ptr, row_off, kb, sc)
-    else:
-        return _lane_pairs(x_ptr, xw_ptr, row_off, kb, sc, X_WORDS)
 
 
 @_jit
