@@ -63,9 +63,16 @@ def _kernels():
     gemv_common = dict(BITS=4, GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1,
                        BLOCK_M=1, BLOCK_N=128, BLOCK_K=64)
     gemv_ptrs = {"qw_ptr": "*i32", "qz_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-    yield "rms_norm", rmsnorm._rms_norm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK=1024), ("eps",)
-    yield "silu_and_mul", activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, INTERLEAVE=0), ()
-    yield "silu_and_mul interleaved", activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, INTERLEAVE=4), ()
+    plain = dict(PARTIAL=False, HAS_BIAS=False)
+    yield "rms_norm", rmsnorm._rms_norm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK=1024, **plain), ("eps",)
+    # finishing a GEMV's split-K sum (nvllm.kernels.partial_sum): reads, then re-zeroes, its fp32 accumulator
+    yield "rms_norm partial sum", rmsnorm._rms_norm_kernel, {"x_ptr": "*fp32"}, dict(
+        HAS_RESIDUAL=True, BLOCK=1024, PARTIAL=True, HAS_BIAS=True), ("eps",)
+    yield "silu_and_mul", activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, INTERLEAVE=0, **plain), ()
+    yield "silu_and_mul interleaved", activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, INTERLEAVE=4,
+                                                                                **plain), ()
+    yield "silu_and_mul partial sum", activation._silu_and_mul_kernel, {"x_ptr": "*fp32"}, dict(
+        BLOCK=1024, INTERLEAVE=0, PARTIAL=True, HAS_BIAS=True), ()
     yield "rope_store", rope_store._rope_store_kernel, {
         "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "k_scale_ptr": "*fp32",
         "v_scale_ptr": "*fp32"}, dict(BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=0, QMAX=127), ()

@@ -40,6 +40,7 @@ import os
 import torch
 
 from nvllm.kernels import report
+from nvllm.kernels.partial_sum import PartialSum, take
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
 from nvllm.kernels.backend import eager_triton, use_triton
 from nvllm.kernels.quant_gemv import gemv_supported, gemv_tuned, quant_gemv
@@ -53,6 +54,10 @@ GEMV_MAX_M = int(os.environ.get("NVLLM_QUANT_GEMV_MAX_M", "2"))
 Qwen2.5-7B projections (docs/PERF.md): at M = 1 the GEMV beat the fused kernel, at M = 2 they tied, from M = 4
 on the fused kernel won. Row counts with a measured ``half2`` or ``mma`` config (``quant_gemv.gemv_tuned``: 4-bit
 GPTQ, and AWQ repacked to it, up to 8 rows) take the GEMV past this; 0 turns the GEMV off."""
+
+PARTIAL_SUMS = os.environ.get("NVLLM_PARTIAL_SUMS", "1") != "0"
+"""Whether ``quant_linear(..., partial=True)`` may leave a GEMV's split-K sum to its consumer
+(``nvllm.kernels.partial_sum``); ``NVLLM_PARTIAL_SUMS=0`` finishes every sum in the GEMV."""
 
 DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_QUANT_DEQUANT_MIN_M", "128"))
 """From this many rows on, ``quant_linear`` dequantizes and calls a dense matmul. A first H200 reading put
@@ -309,12 +314,14 @@ def dequant_matmul(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None =
 # ----------------------------------------------------------------------------------------------- dispatch
 
 
-def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None,
+                 partial: bool = False) -> torch.Tensor | PartialSum:
     """``y = x @ W.T + bias`` for a quantized layer; ``x [..., K]`` → ``[..., N]`` in x's dtype.
 
     Triton (``use_triton(x)``): the GEMV kernel up to ``GEMV_MAX_M`` rows (contiguous groups), the fused
     kernel below ``DEQUANT_MATMUL_MIN_M`` rows, Triton dequantize + dense matmul from there on. Otherwise the
-    torch reference (dequantize + fp32 matmul)."""
+    torch reference (dequantize + fp32 matmul). ``partial``: a GEMV call on a 2-D ``x`` returns its unfinished
+    ``PartialSum`` (its consumer adds the bias, casts and re-zeroes the accumulator), others the output."""
     if x.shape[-1] != qw.in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the quantized layer expects {qw.in_features}")
     lead = x.shape[:-1]
@@ -326,6 +333,12 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = N
                                                                    qw.out_features))
         if gemv and gemv_supported(m, qw.in_features, qw.group_size, qw.act_order, fmt=qw.fmt, bits=qw.bits):
             report.record("quant_gemm", f"triton w{qw.bits}a16 {fmt} gemv")
+            buf = take(x.device, m * qw.out_features) if partial and x.dim() == 2 and PARTIAL_SUMS else None
+            if buf is not None:
+                acc = buf[:m * qw.out_features].view(m, qw.out_features)
+                quant_gemv(x2, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits, group_size=qw.group_size,
+                           acc=acc)
+                return PartialSum(acc, bias, x.dtype)
             y = quant_gemv(x2, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits,
                            group_size=qw.group_size, bias=bias)
         elif m >= DEQUANT_MATMUL_MIN_M:

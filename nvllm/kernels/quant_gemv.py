@@ -405,8 +405,10 @@ def _workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tens
 
 def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *,
                fmt: str, bits: int, group_size: int, bias: torch.Tensor | None = None,
-               split_k: int | None = None, **config: int | str) -> torch.Tensor:
+               split_k: int | None = None, acc: torch.Tensor | None = None, **config: int | str) -> torch.Tensor:
     """``x [M, K]`` (M ≤ 16, contiguous rows) times the packed layer → ``[M, N]`` in x's dtype, fp32 math.
+    ``acc``: a zeroed fp32 ``[M, N]`` tensor (contiguous rows) that the splits add into instead, returned as it is
+    (no bias, no cast: ``partial_sum.PartialSum``'s consumer finishes it).
     ``config`` overrides ``variant`` (``VARIANTS``), ``block_m``, ``block_n``, ``block_k``, ``num_warps``,
     ``magic`` (0/1, variant tile), ``stages``, ``waves`` (ignored with an explicit ``split_k``), ``serial``
     (0/1: split-K finished inside the kernel, no zeroing and cast launches; see ``_workspace``), ``x_once`` (0/1,
@@ -438,11 +440,14 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     if split_k is None:
         split_k = _splits(n_tiles, K, bk, x.device, cfg["waves"])
     split_k, k_per_split = plan_split_k(n_tiles, K, bk, x.device, split_k)
-    ws = _workspace(x.device, M * N, n_tiles) if cfg["serial"] and split_k > 1 else None
-    atomic = split_k > 1 and ws is None
-    out = split_k_output(M, N, x, 2 if atomic else 1)
+    if acc is not None:
+        assert acc.shape == (M, N) and acc.dtype == torch.float32 and acc.stride(1) == 1, (acc.shape, acc.dtype)
+        bias = None
+    ws = _workspace(x.device, M * N, n_tiles) if cfg["serial"] and split_k > 1 and acc is None else None
+    atomic = (split_k > 1 and ws is None) or acc is not None
+    out = acc if acc is not None else split_k_output(M, N, x, 2 if atomic else 1)
     if M == 0:
-        return out.to(x.dtype)
+        return out if acc is not None else out.to(x.dtype)
     direct_bias = bias is not None and not atomic
     args = (x, qweight, qzeros, scales, bias if direct_bias else qweight, out,
             *(ws if ws is not None else (out, out)),
@@ -460,6 +465,7 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
         h2_kw = dict(GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic, SERIAL=ws is not None, STAGES=cfg["stages"],
                      BLOCK_K=bk, INTERPRET=interpret, X_WORDS=x_words, num_warps=cfg["num_warps"],
                      **pdl.launch_args(x))
+        x_span = _x_span(k_per_split, bm) if cfg["x_once"] else 0
         if variant == "mma":
             from nvllm.kernels.quant_gemv_mma import quant_gemv_mma_kernel
 
@@ -467,21 +473,20 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
             quant_gemv_mma_kernel[(n_tiles, split_k)](
                 *h2_args, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
                 k_per_split, ROWS=rows, X_CHUNK=min(triton.next_power_of_2(k_per_split), 1024), **h2_kw)
-            return finish_split_k(out, bias, x.dtype, 2 if atomic else 1)
-        h2_kw.update(BLOCK_N=bn, X_SPAN=_x_span(k_per_split, bm) if cfg["x_once"] else 0)
-        if bm == 1:
+        elif bm == 1:
             from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel
 
             quant_gemv_half2_kernel[(n_tiles, split_k)](
-                *h2_args, N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split, **h2_kw)
+                *h2_args, N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split,
+                BLOCK_N=bn, X_SPAN=x_span, **h2_kw)
         else:
             from nvllm.kernels.quant_gemv_half2_rows import quant_gemv_half2_rows_kernel
 
             quant_gemv_half2_rows_kernel[(n_tiles, split_k)](
                 *h2_args, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
-                k_per_split, BLOCK_M=bm, **h2_kw)
+                k_per_split, BLOCK_M=bm, BLOCK_N=bn, X_SPAN=x_span, **h2_kw)
     elif variant in ("field", "row"):
         _quant_gemv_field_kernel[(n_tiles, split_k)](*args, 0x4B000000, ROWS=variant == "row", **common)
     else:
         _quant_gemv_kernel[(n_tiles, split_k)](*args, MAGIC=bool(cfg["magic"]), **common)
-    return finish_split_k(out, bias, x.dtype, 2 if atomic else 1)
+    return out if acc is not None else finish_split_k(out, bias, x.dtype, 2 if atomic else 1)

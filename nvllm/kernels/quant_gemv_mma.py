@@ -332,8 +332,8 @@ def _store(out_ptr, stride_om, g, n_c, out0, out1, ok, bias_ptr, HAS_BIAS: tl.co
     """Each lane's two columns: added atomically into the fp32 output (split-K), or with the bias and cast."""
     ptrs = out_ptr + g * stride_om + n_c
     if ATOMIC:
-        tl.atomic_add(ptrs, out0, mask=ok)
-        tl.atomic_add(ptrs + 1, out1, mask=ok)
+        tl.atomic_add(ptrs, out0, mask=ok, sem="relaxed")
+        tl.atomic_add(ptrs + 1, out1, mask=ok, sem="relaxed")
     else:
         if HAS_BIAS:
             out0 += tl.load(bias_ptr + n_c).to(tl.float32)

@@ -17,8 +17,8 @@ triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload unde
 @_jit
 def store_tile(out_ptrs, acc, mask_mn, bias_ptr, offs_n, mask_n, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
     """Write one fp32 ``[BLOCK_M, BLOCK_N]`` tile: added atomically (split-K), or with its bias and cast."""
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask_mn)
+    if ATOMIC:   # relaxed: the reader is a later kernel, which the launch boundary orders after every add
+        tl.atomic_add(out_ptrs, acc, mask=mask_mn, sem="relaxed")
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]

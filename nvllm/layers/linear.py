@@ -71,8 +71,9 @@ class Linear(nn.Module):
             return gemm_silu_and_mul(x, self.weight, self.bias, self.interleave)
         return silu_and_mul(self(x))
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``out``: an optional destination (contiguous rows), e.g. a CUDA-graph piece's static buffer."""
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor:
+        """``out``: an optional destination (contiguous rows), e.g. a CUDA-graph piece's static buffer.
+        ``partial`` is ``QuantLinear``'s (dense GEMMs finish their outputs: always a tensor)."""
         if self.tp is None or self.tp.size == 1:
             return gemm(x, self.weight, self.bias, out=out)
         y = self.tp.all_reduce(gemm(x, self.weight))

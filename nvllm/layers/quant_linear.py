@@ -30,6 +30,7 @@ from nvllm.config import ConfigError
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, Part, take_shard
 from nvllm.kernels.activation import silu_and_mul
+from nvllm.kernels.partial_sum import PartialSum
 from nvllm.kernels.quant_gemm import quant_linear
 from nvllm.quant.formats import QuantWeight, awq_to_gptq, default_g_idx
 from nvllm.quant.plan import QuantScheme
@@ -217,13 +218,16 @@ class QuantLinear(nn.Module):
         self._repacked = self.scheme.fmt == "awq" and state.get("layout") == "gptq"
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``SiLU(gate) · up`` of this gate/up layer's output."""
-        return silu_and_mul(self(x))
+        """``SiLU(gate) · up`` of this gate/up layer's output (a GEMV's split-K sum finished by SiLU·mul)."""
+        return silu_and_mul(self(x, partial=True))
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``out``: an optional destination (copied into: the quantized kernels write fresh tensors)."""
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                partial: bool = False) -> torch.Tensor | PartialSum:
+        """``out``: an optional destination (copied into: the quantized kernels write fresh tensors).
+        ``partial``: a GEMV call may return its unfinished ``PartialSum`` for the consumer to finish (not with
+        ``out`` or tensor parallelism)."""
         if self.tp is None or self.tp.size == 1:
-            y = quant_linear(x, self.quant_weight(), self.bias)
+            y = quant_linear(x, self.quant_weight(), self.bias, partial=partial and out is None)
         else:
             y = self.tp.all_reduce(quant_linear(x, self.quant_weight()))  # partial sums of this rank's inputs
             y = y if self.bias is None else y + self.bias

@@ -141,10 +141,12 @@ class DecoderLayer(nn.Module):
         return self.attn(q, k, v, kv_cache, meta, positions=positions, rotary=self.rotary, out=out)
 
     def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
-        """o_proj, post-attention norm (with the residual add) and the MLP → (hidden, residual)."""
-        hidden = self.o_proj(attn_out)
+        """o_proj, post-attention norm (with the residual add) and the MLP → (hidden, residual). ``hidden`` may
+        be down_proj's unfinished ``PartialSum`` (a quantized GEMV's split-K sum, nvllm.kernels.partial_sum):
+        the next RMSNorm's residual add finishes it, as the post-attention norm does o_proj's."""
+        hidden = self.o_proj(attn_out, partial=True)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        hidden = self.down_proj(self.gate_up_proj.silu_and_mul(hidden))
+        hidden = self.down_proj(self.gate_up_proj.silu_and_mul(hidden), partial=True)
         return hidden, residual
 
     def forward(self, positions, hidden, residual, kv_cache, meta: AttentionMetadata):
