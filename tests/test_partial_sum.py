@@ -20,6 +20,8 @@ from nvllm.kernels import quant_gemm as QG  # noqa: E402
 from nvllm.kernels import report  # noqa: E402
 from nvllm.kernels.activation import silu_and_mul  # noqa: E402
 from nvllm.kernels.rmsnorm import fused_add_rms_norm  # noqa: E402
+from nvllm.kernels.rope_store import rope_store  # noqa: E402
+from nvllm.layers.rotary import RotaryEmbedding  # noqa: E402
 from nvllm.quant import formats as F  # noqa: E402
 
 EPS = 1e-6
@@ -96,6 +98,38 @@ def test_finish_and_the_buffers():
         QG.PARTIAL_SUMS = True
 
 
+@pytest.mark.parametrize("cache", [None, torch.int8], ids=["model-dtype", "int8"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_rope_store_finishes_the_sum(with_bias, cache):
+    """q, k, v as one PartialSum's heads (GQA 2, head_dim 32, a padding row with slot −1): the rotated q and the
+    caches equal ``rope_store`` on the finished projection, bit for bit; the accumulator is zeroed, padding row
+    included."""
+    from tests.test_rope_store import _case, _same, _views
+
+    heads, kv_heads, head_dim, tokens = 4, 2, 32, 5
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None)
+    # fp16: the interpreter rounds fp32 -> fp16 as torch does (fp32 -> bf16 it truncates)
+    buf, positions, slots, caches = _case(tokens, heads, kv_heads, head_dim, torch.float16, cache, pad=0)
+    g = torch.Generator().manual_seed(5)
+    acc = torch.randn(buf.shape, generator=g) * 2
+    bias = torch.randn(buf.shape[1], generator=g).to(torch.float16) if with_bias else None
+    want_caches = [c.clone() for c in caches]
+    finished = P.PartialSum(acc.clone(), bias, torch.float16).finish()
+    want_q, _ = rope_store(*_views(finished, heads, kv_heads, head_dim), positions, rope.cos, rope.sin,
+                           *want_caches[:2], slots, *want_caches[2:])
+    ps = P.PartialSum(acc, bias, torch.float16)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    views = (ps.heads(0, heads, head_dim), ps.heads(q_size, kv_heads, head_dim),
+             ps.heads(q_size + kv_size, kv_heads, head_dim))
+    report.reset()
+    got_q, got_k = rope_store(*views, positions, rope.cos, rope.sin, *caches[:2], slots, *caches[2:])
+    assert report.snapshot()["rotary"] == {"triton rope_store (fused with kv_store, finishes split-K sums)": 1}
+    assert got_k is None and _same(got_q, want_q) and got_q.is_contiguous()
+    for c, w in zip(caches, want_caches):
+        assert _same(c, w)
+    assert not acc.any()
+
+
 def test_consumers_without_triton_finish_first(monkeypatch):
     qw = _layer()
     x = torch.randn(1, qw.in_features, generator=torch.Generator().manual_seed(4))
@@ -109,8 +143,8 @@ def test_consumers_without_triton_finish_first(monkeypatch):
 
 
 def test_engine_greedy_with_sums_finished_by_consumers(tmp_path, monkeypatch):
-    """A GPTQ 4-bit Qwen2 (qkv bias) through the engine on the Triton kernels: o_proj, gate_up and down leave
-    their sums to the norms and SiLU·mul; the greedy tokens are HF transformers' on the dequantized weights,
+    """A GPTQ 4-bit Qwen2 (qkv bias) through the engine on the Triton kernels: qkv, o_proj, gate_up and down
+    leave their sums to rope_store, the norms and SiLU·mul; the greedy tokens are HF transformers' on the dequantized weights,
     and the same with every sum finished in the GEMV."""
     import transformers
 
@@ -128,7 +162,8 @@ def test_engine_greedy_with_sums_finished_by_consumers(tmp_path, monkeypatch):
         llm = make_llm(str(tmp_path / "gptq"))
         report.reset()
         tokens[on] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-        finished_by = {impl for op in ("fused_add_rms_norm", "silu_and_mul") for impl in report.snapshot()[op]}
+        finished_by = {impl for op in ("fused_add_rms_norm", "silu_and_mul", "rotary") for impl in report.snapshot()[op]}
+        assert sum("finishes split-K sums" in impl for impl in finished_by) == (3 if on else 0), finished_by
         assert any("finishes split-K sums" in impl for impl in finished_by) == on, finished_by
         del llm
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -148,6 +183,7 @@ from triton.compiler import ASTSource
 from nvllm.kernels.jit import lazy_jit
 from nvllm.kernels.activation import _silu_and_mul_kernel
 from nvllm.kernels.rmsnorm import _rms_norm_kernel
+from nvllm.kernels.rope_store import _rope_store_kernel
 cases = (
     (_rms_norm_kernel, {"x_ptr": "*fp32", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
                         "res_out_ptr": "*bf16", "bias_ptr": "*bf16", "n_inner": "i32", "n_cols": "i32", "eps": "fp32",
@@ -157,15 +193,28 @@ cases = (
                             "stride_ot": "i32", "inter": "i32"},
      dict(BLOCK=1024, INTERLEAVE=0, PARTIAL=True, HAS_BIAS=True, PDL=True), 4, 2),
 )
+rope = {n: "*bf16" for n in ("k_cache_ptr", "v_cache_ptr", "q_out_ptr", "qb_ptr", "kb_ptr", "vb_ptr")}
+rope.update({n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "k_scale_ptr", "v_scale_ptr")})
+rope.update(pos_ptr="*i64", slot_ptr="*i64")
+for name in lazy_jit(_rope_store_kernel).arg_names:
+    if name not in rope:
+        rope[name] = "i32"
+rope_const = dict(BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=0, QMAX=127, PARTIAL=True,
+                  HAS_BIAS=True, PDL=True)
+for c in rope_const:
+    rope.pop(c)
+# k's program zeroes k and v (4 stores), q's program q (2): both after their own barrier, the last 2 after the last
+cases += ((_rope_store_kernel, rope, rope_const, 4, 2),)
 for kernel, sig, const, warps, zero_stores in cases:
     fn = lazy_jit(kernel)
     sig = dict(sig, **{k: "constexpr" for k in const})
     src = ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v for k, v in const.items()})
     ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ttgir"]
     body = ttgir[ttgir.index("tt.func public"):]
-    stores = [m.start() for m in re.finditer(r"tt\.store", body)]
-    barrier = max((m.start() for m in re.finditer(r"(gpu|ttg)\.barrier", body)), default=-1)
-    assert barrier > 0 and sum(s > barrier for s in stores) == zero_stores, (kernel.__name__, barrier, stores)
+    stores = [m.start() for m in re.finditer(r"tt\.store[^\n]*!tt\.ptr<f32>", body)]   # into the accumulator
+    barriers = [m.start() for m in re.finditer(r"(gpu|ttg)\.barrier", body)]
+    assert barriers and all(s > barriers[0] for s in stores), (kernel.__name__, barriers, stores)
+    assert sum(s > barriers[-1] for s in stores) == zero_stores, (kernel.__name__, barriers, stores)
 print("barriers ok")
 """
 

@@ -75,7 +75,12 @@ def _kernels():
         BLOCK=1024, INTERLEAVE=0, PARTIAL=True, HAS_BIAS=True), ()
     yield "rope_store", rope_store._rope_store_kernel, {
         "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "k_scale_ptr": "*fp32",
-        "v_scale_ptr": "*fp32"}, dict(BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=0, QMAX=127), ()
+        "v_scale_ptr": "*fp32"}, dict(BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=0, QMAX=127,
+                                      **plain), ()
+    yield "rope_store partial sum", rope_store._rope_store_kernel, {
+        "q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "pos_ptr": "*i64", "cos_ptr": "*fp32",
+        "sin_ptr": "*fp32", "slot_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}, dict(
+        BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=0, QMAX=127, PARTIAL=True, HAS_BIAS=True), ()
     skinny = dict(HAS_BIAS=False, SPLIT=True, USE_DOT=False, ACC_K=1, EVEN_K=True, UPCAST=False,
                   DOT_PRECISION="tf32", FMA_STAGES=1, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128)
     skinny_ptrs = {"ws_ptr": "*fp32", "lock_ptr": "*i32"}

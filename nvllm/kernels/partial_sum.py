@@ -64,6 +64,13 @@ class PartialSum:
     def device(self) -> torch.device:
         return self.acc.device
 
+    def heads(self, start: int, num_heads: int, head_dim: int) -> PartialSum:
+        """Columns ``[start, start + num_heads·head_dim)`` as ``[M, num_heads, head_dim]`` (q, k or v of a fused
+        qkv projection), sharing the accumulator."""
+        cols = slice(start, start + num_heads * head_dim)
+        bias = None if self.bias is None else self.bias[cols].view(num_heads, head_dim)
+        return PartialSum(self.acc[:, cols].view(-1, num_heads, head_dim), bias, self.dtype)
+
     def release(self) -> None:
         """After the consumer's launch: the buffer may serve the next GEMV."""
         _HELD.discard(self.acc.untyped_storage().data_ptr())

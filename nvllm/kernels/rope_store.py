@@ -13,6 +13,10 @@ and for an int8 / fp8 e4m3 cache the per-(token, head) scales, written from the 
 qkv projection's output. The rotate-half (neox) form is the only one the models use; every rope scaling
 (linear, llama3) lives in the cos/sin tables (nvllm/layers/rotary.py), so it needs nothing here.
 
+A quantized qkv projection may leave its split-K sum unfinished (``nvllm.kernels.partial_sum``): q, k and v are
+then the head views of its fp32 accumulator; the kernel adds the bias and rounds them to the activations' dtype
+(the finished GEMV's bits) before rotating, writes the rotated q to a new tensor, and zeroes the accumulator.
+
 Attention reads this step's K/V from the cache only (paged / prefill / decode kernels), so rotating k in
 place is for the contract's sake (callers and hooks that look at k see what was stored), not for attention.
 
@@ -27,6 +31,7 @@ from nvllm.kernels import pdl, report
 from nvllm.kernels.backend import use_triton
 from nvllm.kernels.jit import lazy_jit
 from nvllm.kernels.kv_store import store_kv_reference, store_quant_args
+from nvllm.kernels.partial_sum import PartialSum
 from nvllm.kernels.rotary import _rotate_halves, apply_rotary_reference
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
@@ -51,6 +56,7 @@ def rope_store_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
 
 def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    q_out_ptr, qb_ptr, kb_ptr, vb_ptr,        # PARTIAL: rotated q's destination [T, H, D]; biases [H, D], [H_kv, D]
     stride_qt, stride_qh, stride_qd,          # q [T, H, D]
     stride_kt, stride_kh, stride_kd,          # k [T, H_kv, D]
     stride_vt, stride_vh, stride_vd,          # v [T, H_kv, D]
@@ -66,6 +72,8 @@ def _rope_store_kernel(
     BLOCK_HALF: tl.constexpr,                 # next power of two >= D/2
     QUANT: tl.constexpr,                      # 0: plain copy + cast; 1: int8; 2: fp8 e4m3 (with scales)
     QMAX: tl.constexpr,                       # 127 (int8) or 448 (fp8 e4m3)
+    PARTIAL: tl.constexpr,                    # q, k, v: a GEMV's fp32 split-K accumulator (module doc)
+    HAS_BIAS: tl.constexpr,                   # PARTIAL: its bias (qb_ptr, kb_ptr, vb_ptr)
     PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
 ):
     """Two programs per token (grid [T, 2]), both with that position's cos/sin row: program 0 rotates the
@@ -73,7 +81,8 @@ def _rope_store_kernel(
     1 rotates its q heads in place. Every tile is [heads, D/2]: the two halves of rotate-half are separate
     loads, and the cache rows are written half by half. Each element is read before it is written and no two
     programs touch the same one. The arithmetic is ``_rotary_kernel``'s, then ``_store_kv_kernel``'s on the
-    rotated k rounded to k's dtype, so the results are the same bits."""
+    rotated k rounded to k's dtype, so the results are the same bits. ``PARTIAL``: q, k and v are first finished
+    (bias added, rounded to q_out's dtype), rotated q goes to q_out, and each program zeroes what it read."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -89,15 +98,24 @@ def _rope_store_kernel(
         h = tl.arange(0, BLOCK_HKV)[:, None]
         mask = (h < num_kv_heads) & d_mask[None, :]
         p1 = k_ptr + t * stride_kt + h * stride_kh + d * stride_kd
-        k1, k2 = _rotate_halves(p1, p1 + half * stride_kd, mask, c, s, k_ptr.dtype.element_ty)
+        v_src = v_ptr + t * stride_vt + h * stride_vh + d * stride_vd
+        if PARTIAL:
+            ty = q_out_ptr.dtype.element_ty
+            k1, k2 = _rotate_finished(p1, p1 + half * stride_kd, kb_ptr + h * 2 * half + d, half, mask, c, s,
+                                      HAS_BIAS, ty)
+        else:
+            k1, k2 = _rotate_halves(p1, p1 + half * stride_kd, mask, c, s, k_ptr.dtype.element_ty)
 
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             blk = slot // BLOCK_SIZE
             off = slot % BLOCK_SIZE
-            v_src = v_ptr + t * stride_vt + h * stride_vh + d * stride_vd
-            v1 = tl.load(v_src, mask=mask)
-            v2 = tl.load(v_src + half * stride_vd, mask=mask)
+            if PARTIAL:
+                v1 = _finished(v_src, vb_ptr + h * 2 * half + d, mask, HAS_BIAS, ty)
+                v2 = _finished(v_src + half * stride_vd, vb_ptr + h * 2 * half + d + half, mask, HAS_BIAS, ty)
+            else:
+                v1 = tl.load(v_src, mask=mask)
+                v2 = tl.load(v_src + half * stride_vd, mask=mask)
             k_dst = k_cache_ptr + blk * stride_cb + off * stride_co + h * stride_ch + d * stride_cd
             v_dst = v_cache_ptr + blk * stride_ub + off * stride_uo + h * stride_uh + d * stride_ud
             if QUANT == 0:
@@ -117,11 +135,44 @@ def _rope_store_kernel(
                 tl.store(v_dst, v1y.to(v_cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(v_dst + half * stride_ud, v2y.to(v_cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(v_scale_ptr + s_off, v_amax / QMAX, mask=h_mask)
+        if PARTIAL:   # every thread's reads done before any zero lands (layouts differ between the reads)
+            tl.debug_barrier()
+            zero = tl.zeros((BLOCK_HKV, BLOCK_HALF), tl.float32)
+            tl.store(p1, zero, mask=mask)
+            tl.store(p1 + half * stride_kd, zero, mask=mask)
+            tl.store(v_src, zero, mask=mask)
+            tl.store(v_src + half * stride_vd, zero, mask=mask)
     else:  # names of their own: Triton checks names bound in both branches for one type
         hq = tl.arange(0, BLOCK_H)[:, None]
         q_mask = (hq < num_heads) & d_mask[None, :]
         q1 = q_ptr + t * stride_qt + hq * stride_qh + d * stride_qd
-        _rotate_halves(q1, q1 + half * stride_qd, q_mask, c, s, q_ptr.dtype.element_ty)
+        if PARTIAL:   # q_out: contiguous [T, H, D]
+            r1, r2 = _rotate_finished(q1, q1 + half * stride_qd, qb_ptr + hq * 2 * half + d, half, q_mask, c, s,
+                                      HAS_BIAS, q_out_ptr.dtype.element_ty)
+            dst = q_out_ptr + (t * num_heads + hq) * 2 * half + d
+            tl.store(dst, r1, mask=q_mask)
+            tl.store(dst + half, r2, mask=q_mask)
+            tl.debug_barrier()
+            zero_q = tl.zeros((BLOCK_H, BLOCK_HALF), tl.float32)
+            tl.store(q1, zero_q, mask=q_mask)
+            tl.store(q1 + half * stride_qd, zero_q, mask=q_mask)
+        else:
+            _rotate_halves(q1, q1 + half * stride_qd, q_mask, c, s, q_ptr.dtype.element_ty)
+
+
+def _finished(p, b, mask, HAS_BIAS: tl.constexpr, ty):
+    """A split-K sum as the finished GEMV stores it: fp32 sum plus bias, rounded once to ``ty``."""
+    x = tl.load(p, mask=mask, other=0.0)
+    if HAS_BIAS:
+        x += tl.load(b, mask=mask, other=0.0).to(tl.float32)
+    return x.to(ty)
+
+
+def _rotate_finished(p1, p2, b1, half, mask, c, s, HAS_BIAS: tl.constexpr, ty):
+    """``_rotate_halves`` of finished split-K sums (``_finished``; ``b1``: the first half's bias), not stored."""
+    x1 = _finished(p1, b1, mask, HAS_BIAS, ty).to(tl.float32)
+    x2 = _finished(p2, b1 + half, mask, HAS_BIAS, ty).to(tl.float32)
+    return (x1 * c - x2 * s).to(ty), (x2 * c + x1 * s).to(ty)
 
 
 def _quantize_halves(x1, x2, mask, QMAX: tl.constexpr, QUANT: tl.constexpr):
@@ -139,15 +190,23 @@ def _quantize_halves(x1, x2, mask, QMAX: tl.constexpr, QUANT: tl.constexpr):
     return tl.minimum(tl.maximum(y1, -QMAX), QMAX), tl.minimum(tl.maximum(y2, -QMAX), QMAX), amax
 
 
-_rope_store_kernel.helpers = ("_rotate_halves", "_quantize_halves")
+_rope_store_kernel.helpers = ("_rotate_halves", "_quantize_halves", "_finished", "_rotate_finished")
 
 
-def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_store_triton(q: torch.Tensor | PartialSum, k: torch.Tensor | PartialSum, v: torch.Tensor | PartialSum,
+                      positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as ``rope_store_reference``. Grid [T, 2]: per token one program for k (rotate, store k
-    and v) and one for q (rotate); q/k/v/cos/sin/caches may be strided."""
+    and v) and one for q (rotate); q/k/v/cos/sin/caches may be strided. q, k, v may instead be the head views of
+    one ``PartialSum`` (``PartialSum.heads``): then the rotated q is a new tensor and k is not returned (None)."""
+    partial = q if isinstance(q, PartialSum) else None
+    q_out = None
+    if partial is not None:
+        assert isinstance(k, PartialSum) and isinstance(v, PartialSum), "q, k and v: one PartialSum's heads"
+        biases = (q.bias, k.bias, v.bias)
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        q, k, v = q.acc, k.acc, v.acc
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), (q.shape, k.shape, v.shape, k_cache.shape)
@@ -155,7 +214,9 @@ def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     assert head_dim % 2 == 0 and cos.shape[-1] == sin.shape[-1] == head_dim // 2, (head_dim, cos.shape)
     assert v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim, (k_cache.shape, v_cache.shape)
     if num_tokens == 0:
-        return q, k
+        if partial is not None:
+            partial.release()
+        return (q, k) if partial is None else (q_out, None)
     import triton
 
     quant, qmax, k_scale, v_scale, scale_strides = store_quant_args(k_cache, v_cache, k_scale, v_scale)
@@ -163,15 +224,20 @@ def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     block_hkv = triton.next_power_of_2(num_kv_heads)
     block_half = triton.next_power_of_2(head_dim // 2)
     tile = max(block_h, 2 * block_hkv) * block_half
+    has_bias = partial is not None and biases[0] is not None
+    extra = (q_out, *biases) if has_bias else (q_out if partial is not None else q,) * 4
     _jit(_rope_store_kernel)[(num_tokens, 2)](
-        q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+        q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale, *extra,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
         *k_cache.stride(), *v_cache.stride(), *scale_strides,
         num_heads, num_kv_heads, head_dim // 2,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half,
-        QUANT=quant, QMAX=qmax,
+        QUANT=quant, QMAX=qmax, PARTIAL=partial is not None, HAS_BIAS=has_bias,
         num_warps=4 if tile >= 1024 else (2 if tile >= 256 else 1), **pdl.launch_args(q),
     )
+    if partial is not None:
+        partial.release()
+        return q_out, None
     return q, k
 
 
@@ -181,8 +247,17 @@ def rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 def rope_store(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     """Rotates q and k in place, stores k and v into the paged cache (see the module docstring); returns
     (q, k). The report keeps the ``kv_store`` entries the separate store records (the same store, the same
-    bits) and says under ``rotary`` that it ran fused."""
+    bits) and says under ``rotary`` that it ran fused. q, k, v may be the head views of a quantized qkv GEMV's
+    ``PartialSum``: then the kernel finishes them (or, off the Triton path, ``PartialSum.finish``) and the
+    rotated q it returns is a new tensor (k: None on the Triton path)."""
     quant = k_scale is not None
+    if isinstance(q, PartialSum):
+        if use_triton(q.acc):
+            report.record("rotary", "triton rope_store (fused with kv_store, finishes split-K sums)")
+            report.record("kv_store", "triton store_kv (quantize)" if quant else "triton store_kv")
+            return rope_store_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale,
+                                     v_scale)
+        q, k, v = q.finish(), k.finish(), v.finish()
     if use_triton(q):
         report.record("rotary", "triton rope_store (fused with kv_store)")
         report.record("kv_store", "triton store_kv (quantize)" if quant else "triton store_kv")

@@ -86,7 +86,9 @@ class Attention(nn.Module):
 
         With ``positions`` [T] and ``rotary`` (a RotaryEmbedding: its cos/sin tables) q and k come unrotated:
         one fused kernel rotates both in place and stores k and v into the cache (``rope_store``, the same
-        bits as rotary then store). Without them q and k are already rotated and only the store runs.
+        bits as rotary then store). Without them q and k are already rotated and only the store runs. With them
+        q, k, v may also be a quantized qkv projection's unfinished ``PartialSum`` heads (``rope_store`` finishes
+        them).
         ``out``: a [T, H, D] buffer (e.g. a view of a static one) the attention writes into; the result is
         then a view of it."""
         if len(kv_cache) == 2:
@@ -97,8 +99,8 @@ class Attention(nn.Module):
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         else:
             assert positions is not None, "the fused rotary + KV store needs the positions"
-            rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
-                       k_scale, v_scale)
+            q, _ = rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
+                              k_scale, v_scale)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
                               self.scale, meta.max_query_len, out=out, max_context_len=meta.max_context_len,
                               k_scale=k_scale, v_scale=v_scale)

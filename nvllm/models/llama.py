@@ -17,6 +17,7 @@ from torch import nn
 from nvllm.config import ConfigError
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, even_part, head_parts, layer_shards
+from nvllm.kernels.partial_sum import PartialSum
 from nvllm.layers.attention import Attention, AttentionMetadata
 from nvllm.layers.embed_head import LMHead, VocabEmbedding
 from nvllm.layers.linear import Linear
@@ -100,11 +101,19 @@ class DecoderLayer(nn.Module):
         self.down_proj = make_linear(inter, s.hidden_size, s.mlp_bias, None, dtype, quant.get("down_proj"),
                                      shards["down_proj"], tp)
 
-    def split_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotate: bool = True):
+    def split_qkv(self, qkv: torch.Tensor | PartialSum, positions: torch.Tensor, rotate: bool = True):
         """The fused projection's output → per-head q, k (normed for Qwen3, rotated in place unless ``rotate``
-        is False: then the attention step rotates them, fused with the KV store) and v."""
+        is False: then the attention step rotates them, fused with the KV store) and v. A ``PartialSum``
+        (a quantized GEMV's unfinished split-K sum) stays one with ``rotate=False`` and no q/k norms — the
+        attention step's ``rope_store`` finishes it — and is finished here otherwise."""
         s = self.s
         q_size, kv_size = s.num_local_heads * s.head_dim, s.num_local_kv_heads * s.head_dim
+        if isinstance(qkv, PartialSum):
+            if not rotate and not s.qk_norm:
+                return (qkv.heads(0, s.num_local_heads, s.head_dim),
+                        qkv.heads(q_size, s.num_local_kv_heads, s.head_dim),
+                        qkv.heads(q_size + kv_size, s.num_local_kv_heads, s.head_dim))
+            qkv = qkv.finish()
         q = qkv[:, :q_size].view(-1, s.num_local_heads, s.head_dim)
         k = qkv[:, q_size:q_size + kv_size].view(-1, s.num_local_kv_heads, s.head_dim)
         v = qkv[:, q_size + kv_size:].view(-1, s.num_local_kv_heads, s.head_dim)
@@ -123,7 +132,8 @@ class DecoderLayer(nn.Module):
                       residual_out: torch.Tensor | None = None):
         """Input norm (with the residual add, except at the first layer: ``residual`` None), the fused q/k/v
         projection, q/k norms (Qwen3) and, unless ``rotate`` is False, rotary → (q [T, H, D], k [T, H_kv, D],
-        v [T, H_kv, D], residual). ``rotate=False`` leaves the rotation to ``attention``. ``qkv_out`` /
+        v [T, H_kv, D], residual). ``rotate=False`` leaves the rotation to ``attention`` (and q, k, v may then
+        be a quantized projection's unfinished ``PartialSum`` heads, which ``attention`` finishes). ``qkv_out`` /
         ``residual_out``: destinations for the projection's output and the residual (static buffers of a
         CUDA-graph piece, written in place instead of copied)."""
         if residual is None:
@@ -131,7 +141,8 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, residual_out=residual_out)
-        q, k, v = self.split_qkv(self.qkv_proj(hidden, out=qkv_out), positions, rotate)
+        qkv = self.qkv_proj(hidden, out=qkv_out, partial=not rotate and not self.s.qk_norm)
+        q, k, v = self.split_qkv(qkv, positions, rotate)
         return q, k, v, residual
 
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
