@@ -347,7 +347,7 @@ def table(res: dict) -> str:
         if f"hf_prefill_{n}_ms" in res:
             row += f"; HF {res[f'hf_prefill_{n}_ms']:.1f} ms ({res[f'hf_prefill_{n}_ms'] / limit_ms:.2f}x)"
         lines.append(row)
-    for method, suffix in ((m, s) for m in QUANT_CONFIGS for s in ("", "_nopdl", "_gemv")):
+    for method, suffix in ((m, s) for m in QUANT_CONFIGS for s in ("", "_finished", "_nopdl", "_gemv")):
         k = f"nvllm_{method}_w4{suffix}_tpot_ms"
         if k in res:
             line = f"{method}{suffix} W4A16 g128 TPOT {res[k]:.2f} ms = {1000 / res[k]:.0f} tok/s"
@@ -356,7 +356,7 @@ def table(res: dict) -> str:
             per_batch = [(int(b[len(f"nvllm_{method}_w4{suffix}_b"):-len("_step_ms")]), v) for b, v in res.items()
                          if b.startswith(f"nvllm_{method}_w4{suffix}_b") and b.endswith("_step_ms")]
             if per_batch:
-                line += "; decode step at 256 tokens: " + ", ".join(f"b{b} {v:.2f} ms" for b, v in sorted(per_batch))
+                line += "; decode step at 256 tokens: " + ", ".join(f"b{b} {v:.3f} ms" for b, v in sorted(per_batch))
             lines.append(line)
     for kv in ("auto", "int8", "fp8_e4m3"):
         if f"kv_{kv}_tokens" in res:
@@ -409,6 +409,9 @@ def main() -> None:
     ap.add_argument("--quant", default="", help="comma-separated W4A16 formats to time at batch 1: awq,gptq,gptq-head")
     ap.add_argument("--quant-batches", default="",
                     help="comma-separated batch sizes: with --quant, also the decode step at each (256-token contexts)")
+    ap.add_argument("--partial-compare", action="store_true",
+                    help="also run --quant with every split-K sum finished in the GEMV (NVLLM_PARTIAL_SUMS=0), first; "
+                         "keys _finished")
     ap.add_argument("--gemv-compare", default="",
                     help='also run --quant with these one-row GEMV defaults (JSON, format -> quant_gemv config, e.g. '
                          '{"gptq": {"variant": "half2", "block_n": 128, "block_k": 64, "num_warps": 1}}); keys _gemv')
@@ -450,9 +453,13 @@ def main() -> None:
     if args.quant and args.pdl_compare:
         steps.append(("quant nopdl", lambda: with_env("NVLLM_PDL", "0", lambda: quant_runs(
             model_dir, res, args.quant.split(","), save, "_nopdl"))))
+    quant_batches = tuple(int(b) for b in args.quant_batches.split(",") if b)
+    if args.quant and args.partial_compare:
+        steps.append(("quant finished", lambda: with_env("NVLLM_PARTIAL_SUMS", "0", lambda: quant_runs(
+            model_dir, res, args.quant.split(","), save, "_finished", batches=quant_batches))))
     if args.quant:
         steps.append(("quant", lambda: quant_runs(model_dir, res, args.quant.split(","), save, profile=args.profile,
-                                                  batches=tuple(int(b) for b in args.quant_batches.split(",") if b))))
+                                                  batches=quant_batches)))
     if args.quant and args.gemv_compare:
         res["gemv_compare"] = json.loads(args.gemv_compare)
         steps.append(("quant gemv", lambda: with_gemv_defaults(res["gemv_compare"], lambda: quant_runs(

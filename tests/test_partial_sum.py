@@ -77,7 +77,7 @@ def test_silu_and_mul_finishes_the_sum(dtype):
         assert not ps.acc.any() and not _held(ps)
 
 
-def test_finish_and_the_buffers():
+def test_finish_and_the_buffers(monkeypatch):
     """``finish`` gives the finished GEMV's output; a held buffer is not handed out twice; inputs with leading
     dimensions, and ``NVLLM_PARTIAL_SUMS=0``, give finished outputs."""
     qw = _layer()
@@ -91,11 +91,8 @@ def test_finish_and_the_buffers():
     torch.testing.assert_close(b.finish(), want - bias, rtol=1e-5, atol=1e-5)
     assert not a.acc.any() and not b.acc.any() and not _held(a) and not _held(b)
     assert isinstance(QG.quant_linear(x.view(1, 2, -1), qw, bias, partial=True), torch.Tensor)
-    QG.PARTIAL_SUMS = False
-    try:
-        assert isinstance(QG.quant_linear(x, qw, bias, partial=True), torch.Tensor)
-    finally:
-        QG.PARTIAL_SUMS = True
+    monkeypatch.setenv("NVLLM_PARTIAL_SUMS", "0")
+    assert isinstance(QG.quant_linear(x, qw, bias, partial=True), torch.Tensor)
 
 
 @pytest.mark.parametrize("cache", [None, torch.int8], ids=["model-dtype", "int8"])
@@ -158,7 +155,7 @@ def test_engine_greedy_with_sums_finished_by_consumers(tmp_path, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     tokens = {}
     for on in (True, False):
-        monkeypatch.setattr(QG, "PARTIAL_SUMS", on)
+        monkeypatch.setenv("NVLLM_PARTIAL_SUMS", "1" if on else "0")
         llm = make_llm(str(tmp_path / "gptq"))
         report.reset()
         tokens[on] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -55,9 +55,11 @@ Qwen2.5-7B projections (docs/PERF.md): at M = 1 the GEMV beat the fused kernel, 
 on the fused kernel won. Row counts with a measured ``half2`` or ``mma`` config (``quant_gemv.gemv_tuned``: 4-bit
 GPTQ, and AWQ repacked to it, up to 8 rows) take the GEMV past this; 0 turns the GEMV off."""
 
-PARTIAL_SUMS = os.environ.get("NVLLM_PARTIAL_SUMS", "1") != "0"
-"""Whether ``quant_linear(..., partial=True)`` may leave a GEMV's split-K sum to its consumer
-(``nvllm.kernels.partial_sum``); ``NVLLM_PARTIAL_SUMS=0`` finishes every sum in the GEMV."""
+def partial_sums() -> bool:
+    """Whether ``quant_linear(..., partial=True)`` may leave a GEMV's split-K sum to its consumer
+    (``nvllm.kernels.partial_sum``); ``NVLLM_PARTIAL_SUMS=0`` finishes every sum in the GEMV. Read at each call:
+    engines built while it is 0 capture their graphs that way (the GPU benchmark compares both)."""
+    return os.environ.get("NVLLM_PARTIAL_SUMS", "1") != "0"
 
 DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_QUANT_DEQUANT_MIN_M", "128"))
 """From this many rows on, ``quant_linear`` dequantizes and calls a dense matmul. A first H200 reading put
@@ -333,7 +335,7 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = N
                                                                    qw.out_features))
         if gemv and gemv_supported(m, qw.in_features, qw.group_size, qw.act_order, fmt=qw.fmt, bits=qw.bits):
             report.record("quant_gemm", f"triton w{qw.bits}a16 {fmt} gemv")
-            buf = take(x.device, m * qw.out_features) if partial and x.dim() == 2 and PARTIAL_SUMS else None
+            buf = take(x.device, m * qw.out_features) if partial and x.dim() == 2 and partial_sums() else None
             if buf is not None:
                 acc = buf[:m * qw.out_features].view(m, qw.out_features)
                 quant_gemv(x2, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits, group_size=qw.group_size,
