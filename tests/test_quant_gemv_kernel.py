@@ -184,9 +184,10 @@ def test_gemv_half2_matches_reference(case, x_scale, dtype):
     x = (torch.randn(1, qw.in_features, generator=gen) * x_scale).to(dtype)
     bias = (torch.randn(qw.out_features, generator=gen) * 0.1 * x_scale).to(dtype)
     exact = semantic_ref(x.float(), qw, bias.float())
-    for split_k, serial, x_once in ((1, 0, 1), (2, 0, 1), (2, 1, 1), (3, 1, 1), (2, 1, 0)):
+    for split_k, serial, x_once, x_pairs in ((1, 0, 1, 0), (2, 0, 1, 0), (2, 1, 1, 0), (3, 1, 1, 0), (2, 1, 0, 0),
+                                             (1, 0, 1, 1), (3, 1, 1, 1), (2, 1, 0, 1)):
         y = run_gemv(x, qw, bias, variant="half2", split_k=split_k, serial=serial, block_n=32, block_k=32,
-                     x_once=x_once)
+                     x_once=x_once, x_pairs=x_pairs)
         check(y.float(), exact, max(HALF2_TOL, TIGHT[dtype]))
 
 
@@ -194,7 +195,25 @@ def test_gemv_half2_ragged_n_and_tiles():
     qw = make_weight("gptq4-k128-n200-g64", "gptq", 4, 128, 200, 64, False, False)
     x = torch.randn(1, qw.in_features)
     for bn, bk in ((128, 64), (64, 32), (16, 16)):
-        check(run_gemv(x, qw, variant="half2", block_n=bn, block_k=bk, waves=8), semantic_ref(x, qw, None), HALF2_TOL)
+        for x_pairs in (0, 1):
+            check(run_gemv(x, qw, variant="half2", block_n=bn, block_k=bk, waves=8, x_pairs=x_pairs),
+                  semantic_ref(x, qw, None), HALF2_TOL)
+
+
+def test_gemv_half2_pairs_built_once_per_program():
+    """``x_pairs``: each program packs its split's inputs into its part of the scratch once; a ragged last split
+    (K 160 in splits of 64: X_SPAN 64, the last split 32 inputs) reads only its own rows."""
+    qw = make_weight("gptq4-k160-n64-g32", "gptq", 4, 160, 64, 32, False, False)
+    x = torch.randn(1, qw.in_features) * 40
+    want = semantic_ref(x, qw, None)
+    QV._SCRATCH.clear()
+    for split_k in (1, 3):   # the scratch as split 3 left it
+        check(run_gemv(x, qw, variant="half2", block_n=32, block_k=32, split_k=split_k, x_pairs=1), want, HALF2_TOL)
+    scratch = QV._SCRATCH[torch.device("cpu")]
+    tiles, span = 2, 64   # split 3: 64 inputs a split (k_per_split rounds to whole K steps), 8 word rows of 4 words
+    pairs = scratch[:tiles * 3 * span // 2].view(3, tiles, span // 8, 4)   # [split, tile, row, pair]
+    assert torch.equal(pairs[:, 0], pairs[:, 1])                           # both column tiles built the same pairs
+    assert pairs[2, 0, :4].any() and not pairs[2, 0, 4:].any()             # the last split: 32 inputs, 4 rows
 
 
 @pytest.mark.parametrize("M", [2, 3, 4])
@@ -229,13 +248,18 @@ from nvllm.kernels.quant_gemv_half2_rows import quant_gemv_half2_rows_kernel as 
 ptrs = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16", "bias_ptr": "*i32",
         "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 ints = ["N", "K", "stride_qw", "stride_qz", "stride_s", "k_per_split"]
-for x_words, rows in ((True, 1), (False, 1), (True, 2), (True, 4)):
+for x_words, rows, x_pairs in ((True, 1, False), (False, 1, False), (True, 1, True), (True, 2, False),
+                               (True, 4, False)):
     kernel = one_row if rows == 1 else rows_kernel
     sig = dict(ptrs, **{k: "i32" for k in (ints if rows == 1 else ["M", "N", "K", "stride_xm", "stride_om"] + ints[2:])})
     const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_N=128, BLOCK_K=64,
                  INTERPRET=False, X_WORDS=x_words, X_SPAN=64 if x_words else 0, PDL=True)
     if rows > 1:
         const["BLOCK_M"] = rows
+    else:
+        sig = dict(sig, xp_ptr="*i32")
+        sig = {k: sig[k] for k in kernel.arg_names if k in sig}   # in the kernel's argument order
+        const["X_PAIRS"] = x_pairs
     sig.update({k: "constexpr" for k in kernel.arg_names if k in const})
     src = ASTSource(fn=kernel, signature=sig, constexprs={(list(sig).index(k),): v for k, v in const.items()})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})

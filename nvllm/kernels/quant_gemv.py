@@ -302,8 +302,10 @@ TUNED: dict[tuple[str, int, int], dict[str, int | str]] = {
     ("awq", 4, 1): dict(variant="row", block_n=1024, block_k=32, num_warps=4, stages=1, waves=32, serial=1),
     ("awq", 4, 2): dict(variant="row", block_n=1024, block_k=32, num_warps=4, stages=1, waves=8, serial=1),
     # run AE (the same sweep with half2): GPTQ 1.441 ms with half2 against 1.969 ms with row; run AQ (K splits up to
-    # MAX_SPLITS = 256 instead of 64): 1.318 ms, still the best single config
-    ("gptq", 4, 1): dict(variant="half2", block_n=256, block_k=64, num_warps=1, stages=1, waves=16, serial=1),
+    # MAX_SPLITS = 256 instead of 64): 1.318 ms, still the best single config; run BK (x_pairs: each program packs
+    # its inputs once): 1.288 against 1.314 ms, batch-1 decode 1.873 against 1.909 ms
+    ("gptq", 4, 1): dict(variant="half2", block_n=256, block_k=64, num_warps=1, stages=1, waves=16, serial=1,
+                         x_pairs=1),
     # session 9 (half2 over several rows, each word dequantized once for all; --ms 2,4 --waves 8,16): 28 layers at
     # M = 2 2.130 ms (row, the earlier default, 2.917 ms); at M = 4 3.316 ms (row 4.346, tile 6.026)
     ("gptq", 4, 2): dict(variant="half2", block_n=256, block_k=64, num_warps=1, stages=1, waves=16, serial=1),
@@ -345,7 +347,7 @@ def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None,
     block_k = next((c for c in (want_k, 64, 32, 16) if c <= want_k and group_size % c == 0 and K % c == 0), 16)
     block_n = 128 if block_m <= 2 else 64
     cfg = {"variant": "tile", "block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
-           "magic": 0, "stages": 3, "waves": 0, "serial": 0, "x_once": 1}
+           "magic": 0, "stages": 3, "waves": 0, "serial": 0, "x_once": 1, "x_pairs": 0}
     tuned = dict(TUNED.get((fmt, bits, block_m), {}))
     if tuned.get("variant") == "mma" and (N is None or N % 64):
         tuned = {}
@@ -403,6 +405,23 @@ def _workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tens
     return held[-1]
 
 
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+def _pairs_scratch(device: torch.device, numel: int) -> torch.Tensor | None:
+    """The int32 scratch where one-row ``half2`` programs build their input pairs (``x_pairs``), grown as needed
+    (older ones stay allocated: CUDA graphs may hold them); None while a CUDA graph is being captured and none is
+    large enough yet (the call then builds its pairs per word row, as without ``x_pairs``). Programs write and
+    read only their own part; one per device, so calls on concurrent streams must not use it."""
+    held = _SCRATCH.get(device)
+    if held is not None and held.numel() >= numel:
+        return held
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    _SCRATCH[device] = held = torch.empty(max(numel, 1 << 20), device=device, dtype=torch.int32)
+    return held
+
+
 def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *,
                fmt: str, bits: int, group_size: int, bias: torch.Tensor | None = None,
                split_k: int | None = None, acc: torch.Tensor | None = None, **config: int | str) -> torch.Tensor:
@@ -412,7 +431,8 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     ``config`` overrides ``variant`` (``VARIANTS``), ``block_m``, ``block_n``, ``block_k``, ``num_warps``,
     ``magic`` (0/1, variant tile), ``stages``, ``waves`` (ignored with an explicit ``split_k``), ``serial``
     (0/1: split-K finished inside the kernel, no zeroing and cast launches; see ``_workspace``), ``x_once`` (0/1,
-    variant half2: the max of a split's inputs in one load, see ``X_SPAN_MAX``)."""
+    variant half2: the max of a split's inputs in one load, see ``X_SPAN_MAX``), ``x_pairs`` (0/1, one-row half2
+    with ``x_once``: the split's input pairs built once per program, see ``_pairs_scratch``)."""
     M, K = x.shape
     N = scales.shape[1]
     cfg = pick_gemv_config(M, K, group_size, fmt, bits, N)
@@ -476,9 +496,10 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
         elif bm == 1:
             from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel
 
+            xp = _pairs_scratch(x.device, n_tiles * split_k * x_span // 2) if cfg["x_pairs"] and x_span else None
             quant_gemv_half2_kernel[(n_tiles, split_k)](
-                *h2_args, N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0), k_per_split,
-                BLOCK_N=bn, X_SPAN=x_span, **h2_kw)
+                *h2_args, xp if xp is not None else out, N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0),
+                k_per_split, BLOCK_N=bn, X_SPAN=x_span, X_PAIRS=xp is not None, **h2_kw)
         else:
             from nvllm.kernels.quant_gemv_half2_rows import quant_gemv_half2_rows_kernel
 
