@@ -55,16 +55,17 @@ Qwen2.5-7B projections (docs/PERF.md): at M = 1 the GEMV beat the fused kernel, 
 on the fused kernel won. Row counts with a measured ``half2`` or ``mma`` config (``quant_gemv.gemv_tuned``: 4-bit
 GPTQ, and AWQ repacked to it, up to 8 rows) take the GEMV past this; 0 turns the GEMV off."""
 
+DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_QUANT_DEQUANT_MIN_M", "128"))
+"""From this many rows on, ``quant_linear`` dequantizes and calls a dense matmul. A first H200 reading put
+the crossing between M=64 (fused faster on the long-K down_proj shape, slower on qkv) and M=256 (fused 2–3×
+slower); to be measured properly and recorded in docs/PERF.md."""
+
+
 def partial_sums() -> bool:
     """Whether ``quant_linear(..., partial=True)`` may leave a GEMV's split-K sum to its consumer
     (``nvllm.kernels.partial_sum``); ``NVLLM_PARTIAL_SUMS=0`` finishes every sum in the GEMV. Read at each call:
     engines built while it is 0 capture their graphs that way (the GPU benchmark compares both)."""
     return os.environ.get("NVLLM_PARTIAL_SUMS", "1") != "0"
-
-DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_QUANT_DEQUANT_MIN_M", "128"))
-"""From this many rows on, ``quant_linear`` dequantizes and calls a dense matmul. A first H200 reading put
-the crossing between M=64 (fused faster on the long-K down_proj shape, slower on qkv) and M=256 (fused 2–3×
-slower); to be measured properly and recorded in docs/PERF.md."""
 
 
 # ---------------------------------------------------------------------------------------------- reference
