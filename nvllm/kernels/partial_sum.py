@@ -4,8 +4,8 @@ A one-row GEMV splits K over many programs (``quant_gemv``). Finishing the sum i
 ticket per column tile, the last split reads the workspace back, adds the bias, casts and re-zeroes it) costs
 two dependent trips to L2 at the end of every call: 1.4–1.8 µs per Qwen2.5-7B projection on the H200, against
 atomic adds alone (PERF.md session 11, ``gpu_gemv_anatomy.py`` ``base`` against ``red_only``). The kernel that
-reads the projection's output next — the residual add and RMSNorm after o_proj and down_proj, SiLU·mul after
-gate_up — reads every element once anyway, so it can finish the sum instead: the GEMV adds its splits into a
+reads the projection's output next — rope_store after qkv, the residual add and RMSNorm after o_proj and
+down_proj, SiLU·mul after gate_up — reads every element once anyway, so it can finish the sum instead: the GEMV adds its splits into a
 zeroed fp32 accumulator and returns a ``PartialSum``; the consumer reads ``acc + bias``, rounds it to the
 activations' dtype (the bits the finished GEMV would have stored) and writes zeros back, leaving the accumulator
 ready for the next GEMV.
@@ -28,7 +28,7 @@ import torch
 MIN_NUMEL = 1 << 20   # 4 MiB of fp32: eight rows of a 128k-wide projection
 
 _BUFFERS: dict[torch.device, list[torch.Tensor]] = {}
-_HELD: set[int] = set()   # data_ptr of the buffers a pending sum holds
+_HELD: set[int] = set()   # storage data_ptr of the buffers a pending sum holds
 
 
 def take(device: torch.device, numel: int) -> torch.Tensor | None:
