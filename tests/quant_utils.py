@@ -56,8 +56,8 @@ def write_by_hand(src: Path, dst: Path, fmt: str, bits: int = 4, group: int = 32
     return deq
 
 
-def hf_logits(src: Path, ids: torch.Tensor, replace: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """HF transformers' float32 logits for ``ids [B, S]``, with some weights replaced (e.g. dequantized)."""
+def hf_model(src: Path, replace: dict[str, torch.Tensor] | None = None):
+    """HF transformers' float32 model of ``src``, with some weights replaced (e.g. dequantized)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -65,7 +65,20 @@ def hf_logits(src: Path, ids: torch.Tensor, replace: dict[str, torch.Tensor] | N
         params = dict(model.named_parameters())
         for name, w in (replace or {}).items():
             params[name].copy_(w)
-        return model(ids).logits
+    return model
+
+
+def hf_logits(src: Path, ids: torch.Tensor, replace: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """HF transformers' float32 logits for ``ids [B, S]``, with some weights replaced (e.g. dequantized)."""
+    with torch.no_grad():
+        return hf_model(src, replace)(ids).logits
+
+
+def hf_greedy(src: Path, prompt: list[int], n: int, replace: dict[str, torch.Tensor] | None = None) -> list[int]:
+    """HF transformers' ``n`` greedy tokens after ``prompt`` (float32, weights replaced as in ``hf_model``)."""
+    with torch.no_grad():
+        out = hf_model(src, replace).generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
 
 
 def load_nvllm_model(path: Path):

@@ -17,7 +17,7 @@ from nvllm.layers.quant_linear import QuantLinear
 from nvllm.quant import formats as F
 from nvllm.quant.replay import model_logits
 from tests.conftest import build_tiny_model, make_llm
-from tests.quant_utils import hf_logits, load_nvllm_model, write_by_hand
+from tests.quant_utils import hf_greedy, hf_logits, load_nvllm_model, write_by_hand
 
 # (id, fmt, bits, group, sym, act_order)
 FORMATS = [
@@ -89,8 +89,6 @@ def test_awq_layers_run_in_the_gptq_layout(tmp_path, qwen2_dir, monkeypatch):
 
 
 def test_engine_generates_with_quant_gemm(tmp_path, qwen2_dir):
-    import transformers
-
     dst = tmp_path / "quant"
     deq = write_by_hand(qwen2_dir, dst, "awq", 4, 32)
     llm = make_llm(str(dst))
@@ -98,13 +96,7 @@ def test_engine_generates_with_quant_gemm(tmp_path, qwen2_dir):
     prompt = [1, 17, 42, 99, 7]
     got = llm.generate([prompt], _greedy(8), use_tqdm=False)[0].outputs[0].token_ids
     assert "quant_gemm" in report.snapshot()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32)
-    with torch.no_grad():
-        params = dict(hf.named_parameters())
-        for name, w in deq.items():
-            params[name].copy_(w)
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
-    assert got == want
+    assert got == hf_greedy(qwen2_dir, prompt, 8, deq)
 
 
 def _greedy(n):
