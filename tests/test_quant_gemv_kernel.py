@@ -239,7 +239,17 @@ def test_gemv_half2_refuses_other_formats():
             run_gemv(torch.randn(M, qw.in_features), qw, variant="half2")
 
 
-_ASSEMBLE = r"""
+_PREFETCH_CHECK = r"""
+def check_prefetch(ptx, ahead, cols):
+    # the weights' lines asked of L2 (one per 32 columns and word row, 32 lanes each asking at least one) all
+    # before the PDL wait, and none without PREFETCH
+    asks = [i for i, line in enumerate(ptx.splitlines()) if "prefetch.global.L2" in line]
+    wait = next(i for i, line in enumerate(ptx.splitlines()) if "griddepcontrol.wait" in line)
+    assert len(asks) == (max(1, ahead * cols // 32 // 32) if ahead else 0), (ahead, len(asks))
+    assert all(i < wait for i in asks), (asks, wait)
+"""
+
+_ASSEMBLE = _PREFETCH_CHECK + r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -248,12 +258,12 @@ from nvllm.kernels.quant_gemv_half2_rows import quant_gemv_half2_rows_kernel as 
 ptrs = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16", "bias_ptr": "*i32",
         "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 ints = ["N", "K", "stride_qw", "stride_qz", "stride_s", "k_per_split"]
-for x_words, rows, x_pairs in ((True, 1, False), (False, 1, False), (True, 1, True), (True, 2, False),
-                               (True, 4, False)):
+for x_words, rows, x_pairs, ahead in ((True, 1, False, 0), (False, 1, False, 0), (True, 1, True, 8), (True, 2, False, 4),
+                                      (True, 4, False, 0)):
     kernel = one_row if rows == 1 else rows_kernel
     sig = dict(ptrs, **{k: "i32" for k in (ints if rows == 1 else ["M", "N", "K", "stride_xm", "stride_om"] + ints[2:])})
     const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_N=128, BLOCK_K=64,
-                 INTERPRET=False, X_WORDS=x_words, X_SPAN=64 if x_words else 0, PDL=True)
+                 INTERPRET=False, X_WORDS=x_words, X_SPAN=64 if x_words else 0, PREFETCH=ahead, PDL=True)
     if rows > 1:
         const["BLOCK_M"] = rows
     else:
@@ -265,6 +275,7 @@ for x_words, rows, x_pairs in ((True, 1, False), (False, 1, False), (True, 1, Tr
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})
     # per word (8 of a K step), column (4 a thread) and row: three FMAs after a multiply
     assert ck.asm["cubin"] and ck.asm["ptx"].count("fma.rn.f16x2") == 3 * 8 * 4 * rows, (x_words, rows)
+    check_prefetch(ck.asm["ptx"], ahead, 128)
 print("assembled")
 """
 
@@ -287,8 +298,20 @@ def compile_for_hopper(script: str, done: str) -> None:
 
 def test_gemv_half2_inline_ptx_assembles_for_hopper():
     """The interpreter cannot run inline PTX: compile the kernel for sm_90 instead, both input paths, so a PTX
-    mistake fails here rather than on the GPU."""
+    mistake fails here rather than on the GPU; with ``PREFETCH`` the weights' L2 requests come before the PDL
+    wait."""
     compile_for_hopper(_ASSEMBLE, "assembled")
+
+
+def test_prefetch_config_runs_under_the_interpreter():
+    """``prefetch`` (the tuned one- and two-row default) asks nothing of L2 under the interpreter, which cannot run
+    the PTX, and the sums are those without it, for every variant that takes it."""
+    qw = make_weight("gptq4-k256-n64-g64", "gptq", 4, 256, 64, 64, False, False)
+    for rows, variant in ((1, "half2"), (2, "half2"), (3, "mma")):
+        x = torch.randn(rows, qw.in_features)
+        with_ = run_gemv(x, qw, variant=variant, prefetch=64, block_n=64)
+        torch.testing.assert_close(with_, run_gemv(x, qw, variant=variant, prefetch=0, block_n=64), rtol=0, atol=0)
+        check(with_, semantic_ref(x, qw, None), HALF2_TOL)
 
 
 def test_half2_defaults_narrow_their_k_step_to_the_group():
@@ -360,7 +383,7 @@ def test_mma_defaults_need_whole_subtiles():
     check(run_gemv(x, qw), semantic_ref(x, qw, None), HALF2_TOL)                 # the default: mma
 
 
-_MMA_LAYOUT = r"""
+_MMA_LAYOUT = _PREFETCH_CHECK + r"""
 import re
 import triton
 from triton.backends.compiler import GPUTarget
@@ -369,10 +392,10 @@ from nvllm.kernels.quant_gemv_mma import quant_gemv_mma_kernel as kernel
 ptrs = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16", "bias_ptr": "*i32",
         "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 ints = ["M", "N", "K", "stride_xm", "stride_om", "stride_qw", "stride_qz", "stride_s", "k_per_split"]
-for x_words, rows, block_k in ((True, 1, 128), (False, 8, 64)):
+for x_words, rows, block_k, ahead in ((True, 1, 128, 16), (False, 8, 64, 0)):
     sig = dict(ptrs, **{k: "i32" for k in ints})
     const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_K=block_k, ROWS=rows,
-                 X_CHUNK=256, INTERPRET=False, X_WORDS=x_words, PDL=True)
+                 X_CHUNK=256, INTERPRET=False, X_WORDS=x_words, PREFETCH=ahead, PDL=True)
     sig.update({k: "constexpr" for k in kernel.arg_names if k in const})
     src = ASTSource(fn=kernel, signature=sig, constexprs={(list(sig).index(k),): v for k, v in const.items()})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})
@@ -387,6 +410,7 @@ for x_words, rows, block_k in ((True, 1, 128), (False, 8, 64)):
             assert re.search(r"sizePerThread = \[1\], threadsPerWarp = \[32\], warpsPerCTA = \[1\]",
                              layouts[lay]), layouts[lay]
     assert ck.asm["cubin"] and ck.asm["ptx"].count("mma.sync.aligned.m16n8k16") == 2 * len(asm)
+    check_prefetch(ck.asm["ptx"], ahead, 64)
 print("lanes ok")
 """
 

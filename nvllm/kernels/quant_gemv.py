@@ -53,7 +53,7 @@ import os
 import torch
 
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
-from nvllm.kernels import pdl
+from nvllm.kernels import pdl, prefetch
 from nvllm.kernels.backend import eager_triton
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
@@ -303,14 +303,18 @@ TUNED: dict[tuple[str, int, int], dict[str, int | str]] = {
     ("awq", 4, 2): dict(variant="row", block_n=1024, block_k=32, num_warps=4, stages=1, waves=8, serial=1),
     # run AE (the same sweep with half2): GPTQ 1.441 ms with half2 against 1.969 ms with row; run AQ (K splits up to
     # MAX_SPLITS = 256 instead of 64): 1.318 ms, still the best single config; run BK (x_pairs: each program packs
-    # its inputs once): 1.288 against 1.314 ms, batch-1 decode 1.873 against 1.909 ms
+    # its inputs once): 1.288 against 1.314 ms, batch-1 decode 1.873 against 1.909 ms; session 12 (weights asked of
+    # L2 before the PDL wait; PERF runs BP, BQ): 8 MiB best, batch-1 TPOT 1.804 / 1.803 against 1.868 / 1.866 ms
     ("gptq", 4, 1): dict(variant="half2", block_n=256, block_k=64, num_warps=1, stages=1, waves=16, serial=1,
-                         x_pairs=1),
+                         x_pairs=1, prefetch=8),
     # session 9 (half2 over several rows, each word dequantized once for all; --ms 2,4 --waves 8,16): 28 layers at
-    # M = 2 2.130 ms (row, the earlier default, 2.917 ms); at M = 4 3.316 ms (row 4.346, tile 6.026)
-    ("gptq", 4, 2): dict(variant="half2", block_n=256, block_k=64, num_warps=1, stages=1, waves=16, serial=1),
+    # M = 2 2.130 ms (row, the earlier default, 2.917 ms); at M = 4 3.316 ms (row 4.346, tile 6.026); session 12:
+    # batch-2 step 2.640 against 2.670 ms with 8 MiB prefetched
+    ("gptq", 4, 2): dict(variant="half2", block_n=256, block_k=64, num_warps=1, stages=1, waves=16, serial=1,
+                         prefetch=8),
     # session 10 (the tensor-core variant mma; PERF runs BD, BG): 28 layers at M = 4 2.942 ms (half2 3.049 ms in the
-    # same run), M = 8 3.694 ms (no GEMV took 5-8 rows before); at M = 1 mma took 2.308 ms against half2's 1.281
+    # same run), M = 8 3.694 ms (no GEMV took 5-8 rows before); at M = 1 mma took 2.308 ms against half2's 1.281.
+    # No prefetch: batch-8 steps 3.76 / 3.80 ms with it against 3.62 (run BQ)
     ("gptq", 4, 4): dict(variant="mma", block_n=64, block_k=128, num_warps=1, stages=1, waves=16, serial=1),
     ("gptq", 4, 8): dict(variant="mma", block_n=64, block_k=64, num_warps=1, stages=1, waves=16, serial=1),
 }
@@ -347,7 +351,8 @@ def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None,
     block_k = next((c for c in (want_k, 64, 32, 16) if c <= want_k and group_size % c == 0 and K % c == 0), 16)
     block_n = 128 if block_m <= 2 else 64
     cfg = {"variant": "tile", "block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
-           "magic": 0, "stages": 3, "waves": 0, "serial": 0, "x_once": 1, "x_pairs": 0}
+           "magic": 0, "stages": 3, "waves": 0, "serial": 0, "x_once": 1, "x_pairs": 0,
+           "prefetch": 0}
     tuned = dict(TUNED.get((fmt, bits, block_m), {}))
     if tuned.get("variant") == "mma" and (N is None or N % 64):
         tuned = {}
@@ -432,7 +437,8 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     ``magic`` (0/1, variant tile), ``stages``, ``waves`` (ignored with an explicit ``split_k``), ``serial``
     (0/1: split-K finished inside the kernel, no zeroing and cast launches; see ``_workspace``), ``x_once`` (0/1,
     variant half2: the max of a split's inputs in one load, see ``X_SPAN_MAX``), ``x_pairs`` (0/1, one-row half2
-    with ``x_once``: the split's input pairs built once per program, see ``_pairs_scratch``)."""
+    with ``x_once``: the split's input pairs built once per program, see ``_pairs_scratch``), ``prefetch`` (MiB,
+    variants half2 and mma: the call's weights asked of L2 before the PDL wait, at most this much; ``prefetch.py``)."""
     M, K = x.shape
     N = scales.shape[1]
     cfg = pick_gemv_config(M, K, group_size, fmt, bits, N)
@@ -486,6 +492,9 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
                      BLOCK_K=bk, INTERPRET=interpret, X_WORDS=x_words, num_warps=cfg["num_warps"],
                      **pdl.launch_args(x))
         x_span = _x_span(k_per_split, bm) if cfg["x_once"] else 0
+        ahead = 0 if interpret or bn % 32 else prefetch.rows(cfg["prefetch"] << 20, n_tiles * split_k, bn,
+                                                               k_per_split // 8)
+        h2_kw["PREFETCH"] = ahead
         if variant == "mma":
             from nvllm.kernels.quant_gemv_mma import quant_gemv_mma_kernel
 

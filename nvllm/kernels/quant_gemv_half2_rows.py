@@ -17,6 +17,7 @@ Under the Triton interpreter the same steps run as Triton f16 operations. The to
 from __future__ import annotations
 
 from nvllm.kernels.backend import eager_triton
+from nvllm.kernels.prefetch import prefetch_rows
 from nvllm.kernels.quant_gemv import _epilogue as epilogue, _words as words_of  # shared with the other variants
 from nvllm.kernels.quant_gemv_half2 import _PAIRS, _pair, _pow2_scale, _word_dot_ops  # the one-row kernel's pieces
 
@@ -109,21 +110,24 @@ def quant_gemv_half2_rows_kernel(
     INTERPRET: tl.constexpr,                  # Triton f16 operations instead of the inline PTX
     X_WORDS: tl.constexpr,                    # bf16 inputs, also passed as an int32 view (xw_ptr)
     X_SPAN: tl.constexpr,                     # a power of two ≥ k_per_split: the inputs' max in one load (0: a loop)
+    PREFETCH: tl.constexpr,                   # word rows of the split asked of L2 before the PDL wait (prefetch.py)
     PDL: tl.constexpr,
 ):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    if PREFETCH:
+        prefetch_rows(qw_ptr, stride_qw, k_begin // 8, k_end // 8, pid_n * BLOCK_N, N, PREFETCH, BLOCK_N)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     rows_ok = mask_m[:, None]                                                        # [BLOCK_M, 1]
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
     # per row, the power of two that brings this program's inputs below 512: 2^(8 − E), E = floor(log2 max |x|)
     if X_SPAN:   # one load: one memory latency before the weights can be multiplied, not one per K step
         offs_x = k_begin + tl.arange(0, X_SPAN)
