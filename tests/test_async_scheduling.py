@@ -143,3 +143,19 @@ def test_generated_blocks_hashed_with_real_tokens(demo_dir):
         again = llm.generate([follow], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
         got[mode] = again.num_cached_tokens
     assert got[True] == got[False] > 40
+
+
+def test_placeholders_resolve_on_the_device():
+    """A decode step whose every input is its own row's placeholder takes the previous step's tokens as they are
+    (a view: nothing copied to the device between the steps); any other mix gathers them — the same ids either
+    way."""
+    import torch
+
+    from nvllm.engine.inflight import resolve_placeholders
+
+    prev = torch.tensor([11, 22, 33, 44])
+    fast = resolve_placeholders([-1, -2, -3], prev, prev.device)
+    assert fast.tolist() == [11, 22, 33] and fast.data_ptr() == prev.data_ptr()
+    assert resolve_placeholders([-2, -1], prev, prev.device).tolist() == [22, 11]             # rows reordered
+    assert resolve_placeholders([-1, 7, -3], prev, prev.device).tolist() == [11, 7, 33]       # a host id among them
+    assert resolve_placeholders([-1, -2, -3, -4], prev, prev.device).tolist() == [11, 22, 33, 44]

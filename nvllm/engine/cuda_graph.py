@@ -33,6 +33,20 @@ def batch_size_ladder(max_batch: int, extra: tuple[int, ...] = ()) -> list[int]:
     return sorted(set(sizes) | {b for b in extra if 0 < b <= max_batch})
 
 
+def staging_bytes(n: int, max_blocks: int, rows: int | None = None) -> int:
+    """Bytes of the staging buffer of ``staging_views`` up to the end of block-table row ``rows`` (all n)."""
+    return 28 * n + 4 * max_blocks * (n if rows is None else rows)
+
+
+def staging_views(buf: torch.Tensor, n: int, max_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A uint8 buffer of ``staging_bytes(n, max_blocks)`` as (meta int64 [3, n], context lengths int32 [n], block
+    tables int32 [n, max_blocks]), back to back in that order (each offset a multiple of its element size)."""
+    meta = buf[:24 * n].view(torch.int64).view(3, n)
+    ctx = buf[24 * n:28 * n].view(torch.int32)
+    tables = buf[28 * n:staging_bytes(n, max_blocks)].view(torch.int32).view(n, max_blocks)
+    return meta, ctx, tables
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_batch: int, max_blocks_per_seq: int, device: torch.device,
                  extra_sizes: tuple[int, ...] = ()):
@@ -42,20 +56,19 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.sizes = batch_size_ladder(max_batch, extra_sizes)
         n = self.sizes[-1]
-        # device inputs: rows 0..2 of `meta` are token ids, positions and slots; one copy fills them
-        self.meta = torch.zeros(3, n, dtype=torch.int64, device=device)
+        # device inputs, views of one byte buffer (``staging_views``) so that one copy a step fills them: rows 0..2
+        # of `meta` are token ids, positions and slots, then the context lengths and the block tables
+        self.staged = torch.zeros(staging_bytes(n, max_blocks_per_seq), dtype=torch.uint8, device=device)
+        self.meta, self.context_lens, self.block_tables = staging_views(self.staged, n, max_blocks_per_seq)
         self.input_ids, self.positions, self.slot_mapping = self.meta[0], self.meta[1], self.meta[2]
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        # pinned host staging: each step writes here, then three asynchronous copies; the next write waits
-        # for them (a step of mid-prompt chunks samples nothing, so nothing else would wait). The writes go through
-        # numpy views: as torch ops they took 57 us of the H200 host's time per step (PERF run AK); the same writes
-        # in numpy took 1.8 us against 18.6 us as torch ops on the CI host
+        # pinned host staging, laid out the same: each step writes here, then one asynchronous copy; the next write
+        # waits for it (a step of mid-prompt chunks samples nothing, so nothing else would wait). The writes go
+        # through numpy views: as torch ops they took 57 us of the H200 host's time per step (PERF run AK); the same
+        # writes in numpy took 1.8 us against 18.6 us as torch ops on the CI host
         pin = torch.device(device).type == "cuda"
-        self.host_meta = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)
-        self.host_ctx = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
-        self.host_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self.host_staged = torch.zeros(self.staged.numel(), dtype=torch.uint8, pin_memory=pin)
+        self.host_meta, self.host_ctx, self.host_tables = staging_views(self.host_staged, n, max_blocks_per_seq)
         self._meta_np, self._ctx_np = self.host_meta.numpy(), self.host_ctx.numpy()
         self._tables_np = self.host_tables.numpy()
         self.slot_mapping.fill_(-1)
@@ -115,10 +128,10 @@ class DecodeGraphs:
         ctx[:b] = context_lens
         ctx[b:bs] = 0  # ... attending to nothing
         self._tables_np[:b, :len(block_tables[0])] = block_tables
-        # whole contiguous buffers: a strided slice would be staged through pageable memory by copy_
-        self.meta.copy_(self.host_meta, non_blocking=True)
-        self.context_lens.copy_(self.host_ctx, non_blocking=True)
-        self.block_tables[:b].copy_(self.host_tables[:b], non_blocking=True)
+        # one contiguous prefix (meta, context lengths, the first b rows of the tables): each copy is a few µs of
+        # the device's time between two steps, whatever its size
+        end = staging_bytes(self.meta.shape[1], self.block_tables.shape[1], b)
+        self.staged[:end].copy_(self.host_staged[:end], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
         if on_device:

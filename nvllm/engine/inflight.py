@@ -37,7 +37,12 @@ class PendingTokens:
 
 def resolve_placeholders(input_ids: list[int], prev: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Token ids on the device, each placeholder −1 − r replaced by row r of ``prev`` (tokens still on the device:
-    the previous step's samples, or this step's drafts)."""
+    the previous step's samples, or this step's drafts). When every id is the placeholder of its own row — a decode
+    step of the sequences that sampled last step, in the same order — that is ``prev``'s first rows, a view: no
+    copy to the device and no gather between the two steps."""
+    n = len(input_ids)
+    if prev.dim() == 1 and n <= prev.shape[0] and prev.dtype == torch.long and input_ids == list(range(-1, -1 - n, -1)):
+        return prev[:n]
     ids = host_tensor(input_ids, torch.long, device)
     return torch.where(ids < 0, prev[(-1 - ids).clamp_(min=0)], ids)
 
