@@ -15,16 +15,22 @@ from nvllm.layers.sampler import host_tensor
 class PendingTokens:
     """Tokens a step sampled (asynchronous scheduling) or drafted (speculative decoding), left on the device so
     the host can launch the step that takes them before they are known: the device tensor feeds that step's
-    inputs, and a copy to pinned host memory is read once the step that made them is done."""
+    inputs, and a copy to pinned host memory is read once the step that made them is done. That copy runs on a
+    stream of its own (``_copy_stream``): on the step's stream it sat between the sampler and the next step's input
+    copy, one more transfer's latency between two steps."""
 
     def __init__(self, owners: list[Sequence], tokens: torch.Tensor):
         self.owners = owners  # the sequence of each row, in row order
         self.device = tokens
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
+            side = _copy_stream(tokens.device)
+            side.wait_stream(torch.cuda.current_stream(tokens.device))
+            with torch.cuda.stream(side):
+                self._host.copy_(tokens, non_blocking=True)
+                self._done = torch.cuda.Event()
+                self._done.record(side)
+            tokens.record_stream(side)   # not reused by the allocator before the copy has read it
         else:
             self._host, self._done = tokens, None
 
@@ -33,6 +39,16 @@ class PendingTokens:
         if self._done is not None:
             self._done.synchronize()
         return self._host.tolist()
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream that copies sampled tokens to the host, one per device."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
 
 
 def resolve_placeholders(input_ids: list[int], prev: torch.Tensor, device: torch.device) -> torch.Tensor:
