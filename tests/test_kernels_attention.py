@@ -150,13 +150,15 @@ def test_decode_attention_matches_reference(dtype, group, num_kv_heads, block_si
     ref = decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
 
     # the default policy (contexts this short: one split, output written directly), then split-KV with
-    # partitions of 16 and 32 tokens: the 100-token context spans 7 and 4 partitions, merged by stage 2
+    # partitions of 16 and 32 tokens: the 100-token context spans 7 and 4 partitions, merged by stage 2; each
+    # also with the first tile read in two parts (``fresh_tokens``: the newest one or three tokens after the rest)
     for partition_size in (None, 16, 32):
-        out = torch.full_like(q, float("nan"))
-        got = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,
-                               partition_size=partition_size)
-        assert got is out
-        _assert_close(out, ref, dtype)
+        for fresh in (0, 1, 3):
+            out = torch.full_like(q, float("nan"))
+            got = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,
+                                   partition_size=partition_size, fresh_tokens=fresh)
+            assert got is out
+            _assert_close(out, ref, dtype)
 
 
 def test_decode_attention_odd_head_dim_padding_row_and_max_len():
@@ -175,7 +177,7 @@ def test_decode_attention_odd_head_dim_padding_row_and_max_len():
         buf = torch.full((len(ctx_lens), group * num_kv_heads, head_dim + 8), float("nan"))
         out = buf[:, :, :head_dim]                          # strided: rows of head_dim + 8
         decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.2, out=out,
-                         max_context_len=max(ctx_lens), partition_size=partition_size)
+                         max_context_len=max(ctx_lens), partition_size=partition_size, fresh_tokens=1)
         _assert_close(out, ref, dtype)
         assert torch.isnan(buf[:, :, head_dim:]).all()       # nothing written past the row
 

@@ -181,10 +181,12 @@ def test_decode_dequantizes_like_reference(qdtype, dtype, group, num_kv_heads, b
     q = torch.randn(len(ctx_lens), group * num_kv_heads, head_dim, generator=gen).to(dtype)
     context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
     ref = decode_attention_reference(q, kc, vc, block_tables, context_lens, head_dim ** -0.5, ks, vs)
-    for partition_size in (None, 16):                    # one split; then split-KV with the stage-2 merge
+    # one split; then split-KV with the stage-2 merge; each also with the newest token's row and scales read
+    # after the rest of the first tile (fresh_tokens)
+    for partition_size, fresh in ((None, 0), (16, 0), (None, 1), (16, 1)):
         out = torch.full_like(q, float("nan"))
         decode_attention(q, kc, vc, block_tables, context_lens, head_dim ** -0.5, out=out,
-                         partition_size=partition_size, k_scale=ks, v_scale=vs)
+                         partition_size=partition_size, k_scale=ks, v_scale=vs, fresh_tokens=fresh)
         _close(out, ref, dtype)
 
 

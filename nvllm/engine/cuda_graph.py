@@ -49,10 +49,13 @@ def staging_views(buf: torch.Tensor, n: int, max_blocks: int) -> tuple[torch.Ten
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_batch: int, max_blocks_per_seq: int, device: torch.device,
-                 extra_sizes: tuple[int, ...] = ()):
+                 extra_sizes: tuple[int, ...] = (), fresh_tokens: int = 0):
         """``extra_sizes``: batch sizes captured besides the ladder (speculative verification: k + 1 rows; padded to
-        the next rung, 5 rows of the 7B ran 1.4% slower, PERF run AH)."""
+        the next rung, 5 rows of the 7B ran 1.4% slower, PERF run AH). ``fresh_tokens``: the graphs' attention
+        metadata's (1 when every row is a sequence's one new token; 0 under speculative decoding, whose verify
+        rows store several tokens of one sequence)."""
         self.model = model
+        self.fresh_tokens = fresh_tokens
         self.kv_caches = kv_caches
         self.sizes = batch_size_ladder(max_batch, extra_sizes)
         n = self.sizes[-1]
@@ -90,7 +93,8 @@ class DecodeGraphs:
         # max_context_len=None: the decode kernel sizes its split grid from the block-table capacity, a
         # number fixed at capture time
         return AttentionMetadata(self.slot_mapping[:bs], self.block_tables[:bs], self.query_start_loc[:bs + 1],
-                                 self.context_lens[:bs], max_query_len=1, max_context_len=None)
+                                 self.context_lens[:bs], max_query_len=1, max_context_len=None,
+                                 fresh_tokens=self.fresh_tokens)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -120,7 +120,8 @@ class ModelRunner:
             spec = config.speculative
             verify_rows = (spec.num_speculative_tokens + 1,) if spec is not None and not spec.auto else ()
             self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
-                                       -(-self.max_model_len // self.block_size), self.device, verify_rows)
+                                       -(-self.max_model_len // self.block_size), self.device, verify_rows,
+                                       fresh_tokens=1 if spec is None else 0)
             self.graphs.capture()
             self.piecewise = PiecewiseGraphs(self.model, self.kv_caches,
                                              min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS), self.device,

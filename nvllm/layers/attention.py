@@ -71,6 +71,9 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32, tokens in the cache after this step
     max_query_len: int
     max_context_len: int | None  # None: unknown on the host (CUDA graphs)
+    # > 0: a decode step in which each sequence stores (at most) its last ``fresh_tokens`` tokens and nothing else
+    # the attention reads changes: its kernel may read the others before the PDL wait (0: no such promise)
+    fresh_tokens: int = 0
 
 
 class Attention(nn.Module):
@@ -103,5 +106,5 @@ class Attention(nn.Module):
                               k_scale, v_scale)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
                               self.scale, meta.max_query_len, out=out, max_context_len=meta.max_context_len,
-                              k_scale=k_scale, v_scale=v_scale)
+                              k_scale=k_scale, v_scale=v_scale, fresh_tokens=meta.fresh_tokens)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
