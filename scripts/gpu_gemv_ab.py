@@ -2,7 +2,8 @@
 changed), the four Qwen2.5-7B projections timed alone, then the engine's GPTQ decode (batch-1 TPOT and the decode
 step at several batch sizes). Settings run in the order given; repeat one to see the run-to-run spread.
 
-    python scripts/gpu_gemv_ab.py --settings '{"p0": {"gptq,4,1": {"prefetch": 0}}, "p8": {"gptq,4,1": {"prefetch": 8}}}'
+    python scripts/gpu_gemv_ab.py \
+        --settings '{"p0": {"gptq,4,1": {"prefetch": 0}}, "p8": {"gptq,4,1": {"prefetch": 8}}}'
 
 Per projection: ``quant_gemv`` at M = 1 with the setting's defaults into a PartialSum-style fp32 accumulator (as the
 engine calls it), checked against the torch reference once, then timed in a CUDA graph over copies of the weight

@@ -10,9 +10,9 @@ leaves DRAM idle — and the GEMV's first loads find their lines in L2 or on the
 How much to ask for is a byte budget over the whole call (``rows``): lines asked of L2 stay there only while L2
 (50 MB on the H200) holds them, so a call whose weights do not fit asks for as many rows per program as the budget
 allows. On the H200 8 MiB was best (PERF.md runs BP, BQ); 24 and 48 MiB were slower than 8 (the requests then
-compete with the previous kernel's own loads, which it waits on — a guess, not measured). Without PDL the requests still precede the GEMV's input phase.
-Under the Triton interpreter (the CPU tests) nothing is asked: the loads that follow read the same bytes either way,
-so the results cannot differ.
+compete with the previous kernel's own loads, which it waits on — a guess, not measured). Without PDL the requests
+still precede the GEMV's input phase. Under the Triton interpreter (the CPU tests) nothing is asked: the loads that
+follow read the same bytes either way, so the results cannot differ.
 """
 
 from __future__ import annotations

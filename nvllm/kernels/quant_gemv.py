@@ -304,12 +304,12 @@ TUNED: dict[tuple[str, int, int], dict[str, int | str]] = {
     # run AE (the same sweep with half2): GPTQ 1.441 ms with half2 against 1.969 ms with row; run AQ (K splits up to
     # MAX_SPLITS = 256 instead of 64): 1.318 ms, still the best single config; run BK (x_pairs: each program packs
     # its inputs once): 1.288 against 1.314 ms, batch-1 decode 1.873 against 1.909 ms; session 12 (weights asked of
-    # L2 before the PDL wait; PERF runs BP, BQ): 8 MiB best, batch-1 TPOT 1.804 / 1.803 against 1.868 / 1.866 ms
+    # L2 before the PDL wait; PERF runs BP, BQ): 8 MiB best, batch-1 TPOT 1.8038 / 1.8032 against 1.8675 / 1.8659 ms
     ("gptq", 4, 1): dict(variant="half2", block_n=256, block_k=64, num_warps=1, stages=1, waves=16, serial=1,
                          x_pairs=1, prefetch=8),
     # session 9 (half2 over several rows, each word dequantized once for all; --ms 2,4 --waves 8,16): 28 layers at
     # M = 2 2.130 ms (row, the earlier default, 2.917 ms); at M = 4 3.316 ms (row 4.346, tile 6.026); session 12:
-    # batch-2 step 2.640 against 2.670 ms with 8 MiB prefetched
+    # batch-2 step 2.6399 against 2.6699 ms with 8 MiB prefetched (run BQ)
     ("gptq", 4, 2): dict(variant="half2", block_n=256, block_k=64, num_warps=1, stages=1, waves=16, serial=1,
                          prefetch=8),
     # session 10 (the tensor-core variant mma; PERF runs BD, BG): 28 layers at M = 4 2.942 ms (half2 3.049 ms in the
