@@ -54,6 +54,14 @@ def test_tiny_models_match_hf(tiny_models, kind):
     check_against_hf(tiny_models[kind], PROMPT, 32)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_attention_bias_matches_hf(tmp_path, kind):
+    """``attention_bias``: HF gives q/k/v and o_proj biases (random here, as every tiny model's biases)."""
+    from tests.conftest import build_tiny_model
+
+    check_against_hf(build_tiny_model(kind, tmp_path / kind, attention_bias=True), PROMPT, 16)
+
+
 def test_demo_model_matches_hf(demo_dir):
     tok = transformers.AutoTokenizer.from_pretrained(demo_dir)
     check_against_hf(demo_dir, tok.encode("Once upon a time, there was a little dog named Max."), 64)

@@ -52,6 +52,8 @@ class ModelShape:
         self.rope_theta, self.rope_scaling = rope_parameters(c)
         self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
         self.qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(c, "attention_bias", False))
+        # HF gives o_proj a bias with attention_bias too (Llama, Mistral, Qwen3), never Qwen2's
+        self.o_bias = architecture != "Qwen2ForCausalLM" and bool(getattr(c, "attention_bias", False))
         self.qk_norm = architecture == "Qwen3ForCausalLM"
         self.mlp_bias = bool(getattr(c, "mlp_bias", False))
         act = getattr(c, "hidden_act", "silu")
@@ -89,7 +91,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
         self.qkv_proj = make_linear(s.hidden_size, q + 2 * kv, s.qkv_bias, [q, kv, kv], dtype, quant.get("qkv_proj"),
                                     shards["qkv_proj"], tp)
-        self.o_proj = make_linear(q, s.hidden_size, False, None, dtype, quant.get("o_proj"), shards["o_proj"], tp)
+        self.o_proj = make_linear(q, s.hidden_size, s.o_bias, None, dtype, quant.get("o_proj"), shards["o_proj"],
+                                  tp)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
