@@ -92,6 +92,8 @@ def test_graph_inputs_staged_with_padding_rows():
     from nvllm.engine.cuda_graph import DecodeGraphs
 
     g = DecodeGraphs(None, None, 8, 4, torch.device("cpu"), extra_sizes=(3,))
+    assert g._meta(2).fresh_tokens == 0                       # no promise unless the runner gives one
+    assert DecodeGraphs(None, None, 8, 4, torch.device("cpu"), fresh_tokens=1)._meta(4).fresh_tokens == 1
     assert g.stage([7, 8], [10, 20], [100, 200], [[1, 2], [3, 4]], [11, 21]) == 2
     assert g.stage([5, 6, 9], [3, 4, 5], [30, 40, 50], [[1, 2, 0], [3, 0, 0], [4, 5, 6]], [4, 5, 6]) == 3
     assert g.stage([1, 2, 3, 4], [7, 8, 9, 10], [70, 80, 90, 99], [[1]] * 4, [8, 9, 10, 11]) == 4
