@@ -14,9 +14,11 @@ Every kernel here that takes ``PDL`` does, first thing when it is set::
     tl.extra.cuda.gdc_launch_dependents()    # the next kernel may start scheduling its programs
 
 so nothing is read or written before the predecessor is done (the correctness of a plain launch), and the
-next kernel's launch overlaps this one's run. The one exception reads what no kernel writes: the decode GEMVs ask
-L2 for their first weights before the wait (``prefetch``). A kernel launched without the attribute (torch's own, cuBLAS)
-waits as usual; one launched with it but not waiting would race, so ``launch_args`` ties the two together.
+next kernel's launch overlaps this one's run. The exceptions read, before the wait, only what the kernel just
+before them cannot be writing: the skinny GEMM's weights (``EARLY_W``), the decode GEMVs' first weights (asked of
+L2, ``prefetch``) and decode attention's keys and values of earlier steps (``fresh_tokens``). A kernel launched
+without the attribute (torch's own, cuBLAS) waits as usual; one launched with it but not waiting would race, so
+``launch_args`` ties the two together.
 
 ``NVLLM_PDL``: ``0`` off; otherwise on where supported (compute capability 9.0+, a Triton with ``launch_pdl``).
 It is read at each launch: engines built while it is ``0`` capture their graphs without PDL (the GPU benchmark
