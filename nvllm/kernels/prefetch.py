@@ -34,6 +34,25 @@ def prefetch_rows(w_ptr, stride_w, row0, row_end, col0, N, ROWS: tl.constexpr, C
                               is_pure=False, pack=1)
 
 
+@_jit
+def start_split(qw_ptr, stride_qw, k_per_split, K, N, COLS: tl.constexpr, PREFETCH: tl.constexpr,
+                PDL: tl.constexpr):
+    """A decode GEMV program's first steps: its column tile and K split (program ids 0 and 1) and the split's K
+    range; then its first ``PREFETCH`` word rows of the GPTQ qweight ``[K/8, N]`` (``COLS`` columns from the tile's
+    first) asked of L2; then, under PDL, the wait for the previous kernel and the go-ahead for the next one.
+    Returns (pid_n, pid_k, k_begin, k_end)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    if PREFETCH:
+        prefetch_rows(qw_ptr, stride_qw, k_begin // 8, k_end // 8, pid_n * COLS, N, PREFETCH, COLS)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    return pid_n, pid_k, k_begin, k_end
+
+
 def rows(budget_bytes: int, programs: int, cols: int, rows_per_program: int) -> int:
     """Word rows each of ``programs`` programs asks for (a power of two, as ``tl.arange`` needs; 0: none): as many
     of its ``rows_per_program`` as fit ``budget_bytes`` over the call, at ``cols`` 4-byte words a row."""

@@ -17,7 +17,7 @@ Under the Triton interpreter the same steps run as Triton f16 operations. The to
 from __future__ import annotations
 
 from nvllm.kernels.backend import eager_triton
-from nvllm.kernels.prefetch import prefetch_rows
+from nvllm.kernels.prefetch import start_split
 from nvllm.kernels.quant_gemv import _epilogue as epilogue, _words as words_of  # shared with the other variants
 from nvllm.kernels.quant_gemv_half2 import _PAIRS, _pair, _pow2_scale, _word_dot_ops  # the one-row kernel's pieces
 
@@ -113,15 +113,7 @@ def quant_gemv_half2_rows_kernel(
     PREFETCH: tl.constexpr,                   # word rows of the split asked of L2 before the PDL wait (prefetch.py)
     PDL: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    if PREFETCH:
-        prefetch_rows(qw_ptr, stride_qw, k_begin // 8, k_end // 8, pid_n * BLOCK_N, N, PREFETCH, BLOCK_N)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pid_n, pid_k, k_begin, k_end = start_split(qw_ptr, stride_qw, k_per_split, K, N, BLOCK_N, PREFETCH, PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)

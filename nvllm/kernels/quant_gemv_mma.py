@@ -44,7 +44,7 @@ torch reference is ``quant_gemm.quant_gemm_reference``; ``quant_gemv.quant_gemv`
 from __future__ import annotations
 
 from nvllm.kernels.backend import eager_triton
-from nvllm.kernels.prefetch import prefetch_rows
+from nvllm.kernels.prefetch import start_split
 from nvllm.kernels.quant_gemv_half2 import _PAIRS, _pair, _pow2_scale  # the input packing of half2
 from nvllm.kernels.quant_gemv_half2_rows import deq_pairs_ptx  # its dequantization, as PTX text
 
@@ -154,15 +154,7 @@ def quant_gemv_mma_kernel(
     PREFETCH: tl.constexpr,                   # word rows of the split asked of L2 before the PDL wait (prefetch.py)
     PDL: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    if PREFETCH:
-        prefetch_rows(qw_ptr, stride_qw, k_begin // 8, k_end // 8, pid_n * 64, N, PREFETCH, 64)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pid_n, pid_k, k_begin, k_end = start_split(qw_ptr, stride_qw, k_per_split, K, N, 64, PREFETCH, PDL)
     lane = tl.arange(0, 32)
     g = lane // 4                                                        # A/C row, B column within a subtile
     t = lane % 4                                                         # word row within an mma step
