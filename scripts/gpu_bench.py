@@ -301,18 +301,25 @@ def with_env(name: str, value: str, fn) -> None:
             os.environ[name] = old
 
 
-def with_gemv_defaults(configs: dict, fn) -> None:
-    """Run ``fn`` with ``quant_gemv.TUNED[(format, 4, 1)]`` set to ``configs[format]`` (engines pick their GEMV config
-    per call from it), then restore the shipped defaults."""
+def with_tuned(entries: dict, fn, merge: bool = False):
+    """Run ``fn`` with ``quant_gemv.TUNED[key]`` set to ``entries[key]`` (engines pick their GEMV config per call from
+    it; ``merge``: laid over the shipped entry instead of replacing it), then restore the shipped defaults; returns
+    what ``fn`` returns."""
     from nvllm.kernels import quant_gemv as QV
 
-    old = dict(QV.TUNED)
-    QV.TUNED.update({(fmt, 4, 1): cfg for fmt, cfg in configs.items()})
+    old = {k: dict(v) for k, v in QV.TUNED.items()}
+    for key, cfg in entries.items():
+        QV.TUNED[key] = dict(QV.TUNED.get(key, {}), **cfg) if merge else dict(cfg)
     try:
-        fn()
+        return fn()
     finally:
         QV.TUNED.clear()
         QV.TUNED.update(old)
+
+
+def with_gemv_defaults(configs: dict, fn) -> None:
+    """``with_tuned`` for the one-row 4-bit entry of each format: ``configs[format]`` replaces it."""
+    with_tuned({(fmt, 4, 1): cfg for fmt, cfg in configs.items()}, fn)
 
 
 def table(res: dict) -> str:

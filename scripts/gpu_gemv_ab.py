@@ -36,20 +36,6 @@ def parse_settings(text: str) -> dict[str, dict[tuple[str, int, int], dict]]:
     return out
 
 
-def with_settings(setting: dict, fn):
-    """Run ``fn`` with the shipped ``TUNED`` entries updated by ``setting``, then restore them."""
-    from nvllm.kernels import quant_gemv as QV
-
-    old = {k: dict(v) for k, v in QV.TUNED.items()}
-    for key, cfg in setting.items():
-        QV.TUNED[key] = dict(QV.TUNED.get(key, {}), **cfg)
-    try:
-        return fn()
-    finally:
-        QV.TUNED.clear()
-        QV.TUNED.update(old)
-
-
 def shape_times() -> dict[str, float]:
     """µs per call of each projection at M = 1 (GPTQ 4-bit g128, the defaults in force), and their sum × 28 in ms."""
     from gpu_quant_bench import SHAPES, random_weight, rotated_copies
@@ -97,11 +83,11 @@ def main() -> None:
     for name, setting in settings.items():
         row = {}
         if not args.skip_shapes:
-            res[f"{name}_shapes_us"] = row_shapes = with_settings(setting, shape_times)
+            res[f"{name}_shapes_us"] = row_shapes = GB.with_tuned(setting, shape_times, merge=True)
             row.update(row_shapes)
         if model_dir is not None:
-            with_settings(setting, lambda: GB.quant_runs(model_dir, res, ["gptq"], save, suffix="_" + name,
-                                                         batches=batches))
+            GB.with_tuned(setting, lambda: GB.quant_runs(model_dir, res, ["gptq"], save, suffix="_" + name,
+                                                         batches=batches), merge=True)
             row["tpot ms"] = res[f"nvllm_gptq_w4_{name}_tpot_ms"]
             for b in batches:
                 row[f"b{b} step ms"] = res[f"nvllm_gptq_w4_{name}_b{b}_step_ms"]
