@@ -5,6 +5,7 @@ speculative decoding (verification of k + 1 tokens, the draft's catch-up)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nvllm import SamplingParams
@@ -106,3 +107,23 @@ def test_graph_inputs_staged_with_padding_rows():
     g.stage([1, 2, 3, 4, 5], [2] * 5, [7] * 5, [[4]] * 5, [3] * 5)
     assert g.slot_mapping[:8].tolist() == [7] * 5 + [-1] * 3   # five rows replay the batch-8 graph
     assert g.context_lens[:8].tolist() == [3] * 5 + [0] * 3 and g.positions[5:8].tolist() == [0] * 3
+
+
+def test_staging_copy_kernel_matches_its_reference():
+    """The kernel that moves a decode step's staged bytes into the graph's buffer (the sampled token ids over the ids'
+    place) under the interpreter: the same bytes as the torch reference; bytes past the staged prefix untouched."""
+    from nvllm.kernels.staging_copy import staging_copy, staging_copy_reference
+
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (5000,), generator=g, dtype=torch.uint8)
+    for nbytes, ids in ((4096, torch.tensor([7, 2**40 + 3, 151643])), (2052, None), (24, torch.tensor([5])),
+                        (0, None), (4096, torch.tensor([], dtype=torch.int64))):
+        got = torch.randint(0, 256, (5000,), generator=g, dtype=torch.uint8)
+        want = got.clone()
+        staging_copy(src, got, nbytes, ids)
+        staging_copy_reference(src, want, nbytes, ids)
+        assert torch.equal(got, want), nbytes
+        if ids is not None and ids.numel():
+            assert got[:8 * ids.numel()].view(torch.int64).tolist() == ids.tolist()
+    with pytest.raises(AssertionError):
+        staging_copy(src, got, 6)   # whole 4-byte words only

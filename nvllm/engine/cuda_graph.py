@@ -19,6 +19,7 @@ import time
 import torch
 
 from nvllm.kernels import pdl, report
+from nvllm.kernels.staging_copy import staging_copy
 from nvllm.layers.attention import AttentionMetadata
 
 logger = logging.getLogger("nvllm")
@@ -76,6 +77,11 @@ class DecodeGraphs:
         self._tables_np = self.host_tables.numpy()
         self.slot_mapping.fill_(-1)
         self.copied = torch.cuda.Event() if pin else None
+        # on the GPU the host's copy lands in `landing` on a side stream as soon as it is staged, and a kernel in
+        # stream order moves it (and the sampled tokens) into the graph's buffers (nvllm.kernels.staging_copy)
+        self.landing = torch.zeros_like(self.staged) if pin else None
+        self.copy_stream = torch.cuda.Stream(device) if pin else None
+        self.landing_read = torch.cuda.Event() if pin else None  # the last staging kernel has read `landing`
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.recorded: dict[int, object] = {}  # batch size → the kernel-report records its capture made
@@ -135,11 +141,19 @@ class DecodeGraphs:
         # one contiguous prefix (meta, context lengths, the first b rows of the tables): each copy is a few µs of
         # the device's time between two steps, whatever its size
         end = staging_bytes(self.meta.shape[1], self.block_tables.shape[1], b)
-        self.staged[:end].copy_(self.host_staged[:end], non_blocking=True)
-        if self.copied is not None:
+        if self.copy_stream is None:
+            self.staged[:end].copy_(self.host_staged[:end])
+            if on_device:
+                self.input_ids[:b].copy_(input_ids)
+            return bs
+        main = torch.cuda.current_stream()
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.landing_read)
+            self.landing[:end].copy_(self.host_staged[:end], non_blocking=True)
             self.copied.record()
-        if on_device:
-            self.input_ids[:b].copy_(input_ids)
+        main.wait_event(self.copied)
+        staging_copy(self.landing, self.staged, end, input_ids if on_device else None)
+        self.landing_read.record(main)
         return bs
 
     def run(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
