@@ -110,6 +110,7 @@ def quant_runs(model_dir: Path, res: dict, methods: list[str], save, suffix: str
                           progress=False, llm=llm)
         res[f"nvllm_{method}_w4{suffix}_tpot_ms"] = lat["median_tpot_ms"]
         res[f"nvllm_{method}_w4{suffix}_kernel_report"] = lat["kernel_report"]
+        res[f"nvllm_{method}_w4{suffix}_greedy"] = greedy_ids(llm)
         for b in batches:
             res[f"nvllm_{method}_w4{suffix}_b{b}_step_ms"] = decode_step_ms(llm, b, 256, steps=32)
         save()
@@ -119,6 +120,17 @@ def quant_runs(model_dir: Path, res: dict, methods: list[str], save, suffix: str
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def greedy_ids(llm, tokens: int = 48) -> list[list[int]]:
+    """Greedy token ids of four fixed random prompts (batch 4 and batch 1), to compare settings' engines by."""
+    from nvllm.bench.offline import random_token_prompts
+    from nvllm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    prompts = random_token_prompts(llm.get_tokenizer(), 4, 64, seed=5)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return outs + [llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids]
 
 
 def decode_step_ms(llm, batch: int, context: int, steps: int = 16) -> float:

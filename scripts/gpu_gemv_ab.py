@@ -91,6 +91,9 @@ def main() -> None:
             row["tpot ms"] = res[f"nvllm_gptq_w4_{name}_tpot_ms"]
             for b in batches:
                 row[f"b{b} step ms"] = res[f"nvllm_gptq_w4_{name}_b{b}_step_ms"]
+            greedy = res[f"nvllm_gptq_w4_{name}_greedy"]
+            first = res.setdefault("greedy_first_setting", greedy)
+            row["greedy = first"] = float(greedy == first)   # the same weights (seeded): the same tokens
         save()
         rows.append((name, row))
         print(name, " ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
