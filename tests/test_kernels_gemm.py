@@ -104,6 +104,21 @@ def test_skinny_gemm_early_first_tile(name, M, dtype, N, K, bias, strided):
 
 
 @pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("name", ["fma-deferred", "fma-perstep-split3", "mma"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_skinny_gemm_wide_output_holds_the_rounded_result(name, M, dtype):
+    """A 16-bit GEMM into an fp32 ``out`` (the LM head's logits) stores the values the 16-bit output holds, bit
+    for bit, not the unrounded fp32 sums (greedy ties then break as with a cast after the GEMM); ``gemm``'s
+    ``out_dtype`` gives the same on both paths."""
+    x, w, b = _inputs(M, 72, 160, dtype, True, False)
+    narrow = G.skinny_gemm(x, w, b, CONFIGS[name])
+    wide = G.skinny_gemm(x, w, b, CONFIGS[name], out=torch.full((M, 72), float("nan")))
+    assert wide.dtype == torch.float32 and torch.equal(wide, narrow.float())
+    assert torch.equal(G.gemm(x, w, b, out_dtype=torch.float32), F.linear(x, w, b).float())   # not in the table
+    _poison_workspaces()
+
+
+@pytest.mark.parametrize("M", [1, 3])
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("dtype,bias", [(torch.float32, True), (torch.bfloat16, False)], ids=["fp32", "bf16"])
 def test_skinny_gemm_silu_and_mul_epilogue(name, M, dtype, bias):

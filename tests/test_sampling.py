@@ -79,6 +79,33 @@ def test_sampled_frequencies_match_softmax():
     assert chi2 < 13.82  # 99.9% quantile, 2 degrees of freedom
 
 
+def test_greedy_argmax_kernel_matches_torch(monkeypatch):
+    """The one-launch greedy argmax under the interpreter against ``torch.argmax``: rows wider than one block and
+    not a multiple of it, a tie across blocks (the lowest index), an all −inf row, NaN (the largest), bf16 logits,
+    a strided row set, and launch after launch on the same ticket counters; the sampler's greedy rows take it and
+    the kernel report says so."""
+    from nvllm.kernels import argmax as A, report
+
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 2 * A.BLOCK + 123, generator=g)
+    x[1, 5] = x[1, A.BLOCK + 7] = 40.0                    # the same max in two blocks
+    x[2] = float("-inf")
+    x[3, 3 * A.BLOCK // 2] = float("nan")
+    x[3, 2 * A.BLOCK + 100] = float("nan")
+    x[3, 10] = float("inf")
+    for logits in (x, x.bfloat16(), x[:, :A.BLOCK + 1], torch.randn(3, 64, generator=g)):
+        for _ in range(2):
+            assert A.greedy_argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert A.greedy_argmax(x).tolist() == [int(x[0].argmax()), 5, 0, 3 * A.BLOCK // 2]
+    report.reset()
+    rows = [SampleRow(SamplingParams(temperature=0), None, [])] * 4
+    assert Sampler(seed=0).sample(x.clone(), rows).tolist() == x.argmax(dim=-1).tolist()
+    assert report.snapshot()["sampler"] == {"triton greedy argmax": 1}
+    monkeypatch.setenv("NVLLM_KERNELS", "torch")
+    assert not A.argmax_kernel_fits(x)
+
+
 def test_top_p_min_p_mask():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     keep = lambda **kw: (apply_top_k_top_p_min_p(logits, torch.tensor([kw.get("k", -1)]),  # noqa: E731

@@ -254,8 +254,9 @@ def _skinny_gemm_kernel(
         if SILU_B:
             _store_silu_and_mul(acc, y_ptr, stride_ym, offs_m, mask_m, pid_n, N, SILU_B, BLOCK_N, BLOCK_M)
         else:
-            tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
-                     mask=mask_out)
+            # rounded to x's dtype first: a wider y (fp32 logits) holds the bits the x-dtype result would
+            tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
+                     acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask_out)
 
 
 def _store_silu_and_mul(acc, y_ptr, stride_ym, offs_m, mask_m, pid_n, N, B: tl.constexpr,
@@ -316,7 +317,8 @@ _skinny_gemm_kernel.do_not_specialize = ("M", "ws_stride_s")
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
                 out: torch.Tensor | None = None, early_w: bool | None = None, silu_block: int = 0) -> torch.Tensor:
     """The Triton path: ``x [M, K]`` (any strides) times ``weight [N, K]`` (rows contiguous) (+ bias) →
-    ``[M, N]`` in x's dtype (or into ``out``, a contiguous-rows [M, N] tensor). ``early_w``: the ``fma``
+    ``[M, N]`` in x's dtype (or into ``out``, a contiguous-rows [M, N] tensor; a wider dtype than x's, e.g. fp32
+    logits, holds the values rounded to x's dtype, as a cast of the x-dtype result would). ``early_w``: the ``fma``
     kernel's first W tile loaded before waiting on the previous kernel (default: with PDL; tests force it).
     ``silu_block`` B: ``weight`` is a gate_up interleaved in blocks of B (``activation.interleave_rows``; needs
     ``config.block_n % 2B == 0``) and the result is ``SiLU(gate) · up``, ``[M, N/2]``. Raises RuntimeError
@@ -397,18 +399,23 @@ def _skinny_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``y = x Wᵀ (+ b)`` through the measured choice for this shape; F.linear unless the table says Triton.
-    ``out``: a destination of y's shape and dtype with contiguous rows (a static buffer: no copy)."""
+    ``out``: a destination of y's shape and dtype with contiguous rows (a static buffer: no copy). ``out_dtype``
+    (without ``out``): y computed in x's dtype, returned in this one (the skinny kernel stores it so, no cast
+    kernel after it: the LM head's fp32 logits)."""
     choice = _skinny_choice(x, weight, bias)
     if choice is not None:
         report.record("gemm", choice.describe())
         M, N = x.numel() // x.shape[-1], weight.shape[0]
+        if out is None and out_dtype is not None:
+            out = torch.empty((M, N), dtype=out_dtype, device=x.device)
         y = skinny_gemm(x.reshape(M, -1), weight, bias, choice, out=None if out is None else out.view(M, N))
         return y.view(*x.shape[:-1], N)
     report.record("gemm", "torch F.linear (cuBLAS)" if x.is_cuda else "torch F.linear (cpu)")
     if out is None:
-        return F.linear(x, weight, bias)
+        y = F.linear(x, weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
     x2, o2 = x.reshape(-1, x.shape[-1]), out.view(-1, weight.shape[0])
     if bias is None:
         torch.mm(x2, weight.t(), out=o2)

@@ -66,7 +66,9 @@ class LMHead(nn.Module):
         load_vocab_rows(self.weight.data, self.part, tensor, ckpt_name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return gather_logits(gemm(hidden, self.weight), self.tp, self.vocab_size)
+        # one rank: fp32 straight from the GEMM (no cast kernel); ranks gather their slices in the model dtype
+        wide = torch.float32 if self.tp.size == 1 else None
+        return gather_logits(gemm(hidden, self.weight, out_dtype=wide), self.tp, self.vocab_size)
 
 
 class QuantLMHead(QuantLinear):

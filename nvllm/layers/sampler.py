@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from nvllm.kernels import report
+from nvllm.kernels.argmax import argmax_kernel_fits, greedy_argmax
 from nvllm.sampling_params import SamplingParams
 
 
@@ -71,7 +72,6 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The chosen token of every row, as an int64 device tensor; nothing waits for the device (logits is
         modified in place: banned tokens are masked)."""
-        report.record("sampler", "torch")
         device = logits.device
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned]
         if banned:
@@ -79,6 +79,10 @@ class Sampler:
             logits[host_tensor(list(bi), torch.long, device), host_tensor(list(bt), torch.long, device)] = float("-inf")
 
         greedy = [r.params.greedy for r in rows]
+        if all(greedy) and argmax_kernel_fits(logits):
+            report.record("sampler", "triton greedy argmax")
+            return greedy_argmax(logits)
+        report.record("sampler", "torch")
         if all(greedy):
             return logits.argmax(dim=-1)
         ps = [r.params for r in rows]
