@@ -106,6 +106,48 @@ def test_greedy_argmax_kernel_matches_torch(monkeypatch):
     assert not A.argmax_kernel_fits(x)
 
 
+def test_gumbel_argmax_kernel_matches_its_reference(monkeypatch):
+    """Gumbel-max in one launch under the interpreter: with the same Exp(1) noise it picks the reference's token
+    (``argmax(softmax(scale · x) / noise)``), one scale for all rows or one per row, masked (−inf) tokens never."""
+    from nvllm.kernels import argmax as A
+
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, A.BLOCK + 300, generator=g) * 3
+    x[2, : A.BLOCK] = float("-inf")                        # only the second block may be drawn
+    noise = torch.empty_like(x).exponential_(generator=g)
+    for scale in (1.0, 1 / 0.7, torch.tensor([1.0, 2.0, 0.5, 1.3, 1.0, 4.0])):
+        got = A.gumbel_argmax(x, noise, scale)
+        assert got.tolist() == A.gumbel_argmax_reference(x, noise, scale).tolist()
+        assert int(got[2]) >= A.BLOCK
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_sampler_draws_follow_the_softmax_on_both_paths(kernels, monkeypatch):
+    """The sampler's draws at temperature 0.8, with and without top-k, in a batch that mixes in greedy rows: the
+    frequencies against softmax(logits / T) (chi-square), the greedy rows their argmax, on the torch path and on
+    the Gumbel-max kernel's (interpreter); the kernel report names the path."""
+    from nvllm.kernels import report
+
+    monkeypatch.setenv("NVLLM_KERNELS", kernels)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0])
+    n, temp = 4000, 0.8
+    sampler = Sampler(seed=5)
+    for top_k, dof_limit in ((0, 24.32), (3, 13.82)):      # 99.9% chi-square quantiles, 7 and 2 dof
+        rows = [SampleRow(SamplingParams(temperature=temp, top_k=top_k), None, [])] * n
+        rows += [SampleRow(SamplingParams(temperature=0), None, [])] * 2
+        batch = torch.cat([logits.repeat(n, 1), torch.tensor([[0.0, 5.0] + [0.0] * 6, [9.0] + [0.0] * 7])])
+        report.reset()
+        got = sampler.sample(batch, rows).tolist()
+        assert got[n:] == [1, 0]
+        keep = 8 if top_k == 0 else top_k
+        counts = torch.bincount(torch.tensor(got[:n]), minlength=8).double()
+        assert counts[keep:].sum() == 0
+        expected = torch.softmax(logits[:keep] / temp, -1).double() * n
+        assert ((counts[:keep] - expected) ** 2 / expected).sum().item() < dof_limit
+        assert report.snapshot()["sampler"] == {("triton gumbel argmax" if kernels == "triton" else "torch"): 1}
+
+
 def test_top_p_min_p_mask():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     keep = lambda **kw: (apply_top_k_top_p_min_p(logits, torch.tensor([kw.get("k", -1)]),  # noqa: E731

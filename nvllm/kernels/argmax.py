@@ -1,10 +1,13 @@
-"""Greedy sampling's argmax over the vocabulary in one launch (``greedy_argmax``).
+"""Sampling's argmax over the vocabulary in one launch: greedy (``greedy_argmax``) and Gumbel-max
+(``gumbel_argmax``: ``argmax(x / T − log E)``, E ~ Exp(1), a draw from ``softmax(x / T)``).
 
 torch's argmax of a ``[rows, 152064]`` fp32 row set is a memset and a reduction kernel: 11.8–12.2 µs of a batch-1
 decode step's critical path on the H200 (PERF.md, runs CA and CC). Here each program takes the max of one block of
 a row and its first index, writes both to a workspace and takes a ticket; the row's last program reduces the
 blocks' maxima (the first block holding the row's max gives the index) and re-arms the ticket for the next
-launch: 5.6–6.2 µs (run CJ).
+launch: 5.6–6.2 µs (run CJ). Sampling at a temperature ran a pinned copy of the temperatures, a division, a
+softmax, the noise, a second division and that argmax; with one temperature for the batch it is now the noise and
+this kernel, which scales x and subtracts log E as it loads them.
 
 Ties go to the lowest index and a NaN counts as the largest value, as in ``torch.argmax`` (the reference,
 ``greedy_argmax_reference``). The workspace is one per device, like ``quant_gemv``'s: calls on concurrent
@@ -34,13 +37,21 @@ def _first_max(vals, pos, valid, END: tl.constexpr):
 
 
 @_jit
-def _argmax_kernel(x_ptr, out_ptr, val_ptr, idx_ptr, cnt_ptr, V, stride_x, BLOCK: tl.constexpr,
+def _argmax_kernel(x_ptr, noise_ptr, scale_ptr, out_ptr, val_ptr, idx_ptr, cnt_ptr, V, stride_x, stride_noise,
+                   scale, NOISE: tl.constexpr, ROW_SCALES: tl.constexpr, BLOCK: tl.constexpr,
                    BLOCKS: tl.constexpr):
+    """argmax of each row of x, or with ``NOISE`` of ``scale · x − log(noise)`` (Gumbel-max sampling; the row's
+    own scale from ``scale_ptr`` with ``ROW_SCALES``)."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
     nblk = tl.num_programs(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    if NOISE:
+        e = tl.load(noise_ptr + row.to(tl.int64) * stride_noise + offs, mask=offs < V, other=1.0).to(tl.float32)
+        if ROW_SCALES:
+            scale = tl.load(scale_ptr + row)
+        x = x * scale - tl.log(e)
     best, first = _first_max(x, offs, offs < V, V)
     slot = row * nblk + blk
     tl.store(val_ptr + slot, best)
@@ -80,14 +91,40 @@ def argmax_kernel_fits(logits: torch.Tensor) -> bool:
             and 0 < logits.shape[1] <= BLOCK * MAX_BLOCKS)
 
 
+def _launch(x: torch.Tensor, noise: torch.Tensor | None, scale: float | torch.Tensor) -> torch.Tensor:
+    rows, V = x.shape
+    nblk = triton.cdiv(V, BLOCK)
+    out = torch.empty(rows, device=x.device, dtype=torch.int64)
+    vals, idxs, cnt = _workspace(x.device, rows * nblk, rows)
+    row_scales = isinstance(scale, torch.Tensor)
+    _argmax_kernel[(rows, nblk)](x, x if noise is None else noise, scale if row_scales else x, out, vals, idxs, cnt,
+                                 V, x.stride(0), 0 if noise is None else noise.stride(0),
+                                 1.0 if row_scales else float(scale), NOISE=noise is not None,
+                                 ROW_SCALES=row_scales, BLOCK=BLOCK, BLOCKS=triton.next_power_of_2(nblk),
+                                 num_warps=8)
+    return out
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` (int64): the kernel where ``argmax_kernel_fits``, else torch's."""
     if not argmax_kernel_fits(logits):
         return greedy_argmax_reference(logits)
-    rows, V = logits.shape
-    nblk = triton.cdiv(V, BLOCK)
-    out = torch.empty(rows, device=logits.device, dtype=torch.int64)
-    vals, idxs, cnt = _workspace(logits.device, rows * nblk, rows)
-    _argmax_kernel[(rows, nblk)](logits, out, vals, idxs, cnt, V, logits.stride(0), BLOCK=BLOCK,
-                                 BLOCKS=triton.next_power_of_2(nblk), num_warps=8)
-    return out
+    return _launch(logits, None, 1.0)
+
+
+def gumbel_argmax_reference(x: torch.Tensor, noise: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """A draw from ``softmax(scale · x)`` per row given ``noise`` ~ Exp(1) of x's shape: ``argmax(p / noise)``,
+    which orders tokens as ``scale · x − log(noise)`` does (Gumbel-max). ``scale``: one for every row or one per
+    row (a float32 tensor)."""
+    s = scale[:, None] if isinstance(scale, torch.Tensor) else scale
+    return ((x * s).softmax(dim=-1) / noise).argmax(dim=-1)
+
+
+def gumbel_argmax(x: torch.Tensor, noise: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """``argmax(scale · x − log(noise))`` per row in one launch (no softmax pass): the token the reference draws,
+    up to the rounding of the two forms. The reference where the kernel does not fit."""
+    if not (argmax_kernel_fits(x) and noise.shape == x.shape and noise.stride(-1) == 1):
+        return gumbel_argmax_reference(x, noise, scale)
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(torch.float32).contiguous()
+    return _launch(x, noise, scale)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from nvllm.kernels import report
-from nvllm.kernels.argmax import argmax_kernel_fits, greedy_argmax
+from nvllm.kernels.argmax import argmax_kernel_fits, greedy_argmax, gumbel_argmax
 from nvllm.sampling_params import SamplingParams
 
 
@@ -82,27 +82,54 @@ class Sampler:
         if all(greedy) and argmax_kernel_fits(logits):
             report.record("sampler", "triton greedy argmax")
             return greedy_argmax(logits)
+        if argmax_kernel_fits(logits):
+            report.record("sampler", "triton gumbel argmax")
+            return self._sample_triton(logits, rows, greedy)
         report.record("sampler", "torch")
         if all(greedy):
             return logits.argmax(dim=-1)
         ps = [r.params for r in rows]
         temps = host_tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)], torch.float32, device)
-        x = logits / temps[:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in ps):
-            x = apply_top_k_top_p_min_p(x, host_tensor([p.top_k for p in ps], torch.long, device),
-                                        host_tensor([p.top_p for p in ps], torch.float32, device),
-                                        host_tensor([p.min_p for p in ps], torch.float32, device))
-        probs = x.softmax(dim=-1)
-        # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1), one draw per row and token; rows
-        # with their own seed draw from their own generator, so a seeded request ignores its batch.
-        noise = torch.empty_like(probs).exponential_(generator=self._engine_generator(device))
-        for i, r in enumerate(rows):
-            if r.generator is not None and not greedy[i]:
-                noise[i].exponential_(generator=r.generator)
-        chosen = (probs / noise).argmax(dim=-1)
+        probs = self._filtered(logits / temps[:, None], ps).softmax(dim=-1)
+        chosen = (probs / self._noise(probs, rows, greedy)).argmax(dim=-1)
         if any(greedy):
             chosen = torch.where(host_tensor(greedy, torch.bool, device), logits.argmax(dim=-1), chosen)
         return chosen
+
+    def _sample_triton(self, logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> torch.Tensor:
+        """The draws of ``sample`` by ``gumbel_argmax``: one kernel after the noise, no copy of the temperatures
+        when the batch shares one (greedy rows: noise 1 and scale 1, their plain argmax)."""
+        ps = [r.params for r in rows]
+        temps = [1.0 if g else p.temperature for g, p in zip(greedy, ps)]
+        noise = self._noise(logits, rows, greedy)
+        for i, g in enumerate(greedy):
+            if g:
+                noise[i].fill_(1.0)
+        same = all(t == temps[0] for t in temps)
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in ps):
+            scaled = logits / (temps[0] if same else host_tensor(temps, torch.float32, logits.device)[:, None])
+            return gumbel_argmax(self._filtered(scaled, ps), noise, 1.0)
+        scale = 1.0 / temps[0] if same else host_tensor([1.0 / t for t in temps], torch.float32, logits.device)
+        return gumbel_argmax(logits, noise, scale)
+
+    @staticmethod
+    def _filtered(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+        """x with each row's top-k / top-p / min-p mask applied (x itself when no row asks for one)."""
+        if not any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in ps):
+            return x
+        device = x.device
+        return apply_top_k_top_p_min_p(x, host_tensor([p.top_k for p in ps], torch.long, device),
+                                       host_tensor([p.top_p for p in ps], torch.float32, device),
+                                       host_tensor([p.min_p for p in ps], torch.float32, device))
+
+    def _noise(self, like: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> torch.Tensor:
+        """Exp(1) draws of ``like``'s shape, one per row and token; rows with their own seed draw from their own
+        generator, so a seeded request ignores its batch (Gumbel-max in its exponential form: argmax(p / E))."""
+        noise = torch.empty_like(like, dtype=torch.float32).exponential_(generator=self._engine_generator(like.device))
+        for i, r in enumerate(rows):
+            if r.generator is not None and not greedy[i]:
+                noise[i].exponential_(generator=r.generator)
+        return noise
 
 
 def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
