@@ -106,16 +106,19 @@ class Sampler:
             if g:
                 noise[i].fill_(1.0)
         same = all(t == temps[0] for t in temps)
-        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in ps):
+        if self._filters(ps):
             scaled = logits / (temps[0] if same else host_tensor(temps, torch.float32, logits.device)[:, None])
             return gumbel_argmax(self._filtered(scaled, ps), noise, 1.0)
         scale = 1.0 / temps[0] if same else host_tensor([1.0 / t for t in temps], torch.float32, logits.device)
         return gumbel_argmax(logits, noise, scale)
 
     @staticmethod
-    def _filtered(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+    def _filters(ps: list[SamplingParams]) -> bool:
+        return any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in ps)
+
+    def _filtered(self, x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
         """x with each row's top-k / top-p / min-p mask applied (x itself when no row asks for one)."""
-        if not any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in ps):
+        if not self._filters(ps):
             return x
         device = x.device
         return apply_top_k_top_p_min_p(x, host_tensor([p.top_k for p in ps], torch.long, device),
