@@ -79,10 +79,10 @@ class Sampler:
             logits[host_tensor(list(bi), torch.long, device), host_tensor(list(bt), torch.long, device)] = float("-inf")
 
         greedy = [r.params.greedy for r in rows]
-        if all(greedy) and argmax_kernel_fits(logits):
-            report.record("sampler", "triton greedy argmax")
-            return greedy_argmax(logits)
         if argmax_kernel_fits(logits):
+            if all(greedy):
+                report.record("sampler", "triton greedy argmax")
+                return greedy_argmax(logits)
             report.record("sampler", "triton gumbel argmax")
             return self._sample_triton(logits, rows, greedy)
         report.record("sampler", "torch")
