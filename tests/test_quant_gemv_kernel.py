@@ -216,6 +216,21 @@ def test_gemv_half2_pairs_built_once_per_program():
     assert pairs[2, 0, :4].any() and not pairs[2, 0, 4:].any()             # the last split: 32 inputs, 4 rows
 
 
+def test_gemv_half2_early_words():
+    """``early``: a split of one K step of 64 loads its eight word rows, scales and zeros before its inputs (after
+    the PDL wait, or before it); the same sums in the same order as the loop, so the same bits."""
+    qw = make_weight("gptq4-k256-n64-g128", "gptq", 4, 256, 64, 128, False, False)
+    x = torch.randn(1, qw.in_features) * 7
+    want = run_gemv(x, qw, variant="half2", block_n=32, block_k=64, split_k=4, x_pairs=1)
+    check(want, semantic_ref(x, qw, None), HALF2_TOL)
+    for early in (1, 2):
+        assert torch.equal(run_gemv(x, qw, variant="half2", block_n=32, block_k=64, split_k=4, x_pairs=1,
+                                    early=early), want)
+    # splits of two K steps take the loop: early changes nothing
+    assert torch.equal(run_gemv(x, qw, variant="half2", block_n=32, block_k=64, split_k=2, x_pairs=1, early=1),
+                       run_gemv(x, qw, variant="half2", block_n=32, block_k=64, split_k=2, x_pairs=1))
+
+
 @pytest.mark.parametrize("M", [2, 3, 4])
 def test_gemv_half2_rows(M):
     """Several rows share each dequantized word; each row has its own input scale (rows of very different
@@ -258,8 +273,9 @@ from nvllm.kernels.quant_gemv_half2_rows import quant_gemv_half2_rows_kernel as 
 ptrs = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16", "bias_ptr": "*i32",
         "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 ints = ["N", "K", "stride_qw", "stride_qz", "stride_s", "k_per_split"]
-for x_words, rows, x_pairs, ahead in ((True, 1, False, 0), (False, 1, False, 0), (True, 1, True, 8), (True, 2, False, 4),
-                                      (True, 4, False, 0)):
+for x_words, rows, x_pairs, ahead, early in ((True, 1, False, 0, 0), (False, 1, False, 0, 0), (True, 1, True, 8, 0),
+                                             (True, 1, True, 8, 1), (True, 1, True, 0, 2), (True, 2, False, 4, 0),
+                                             (True, 4, False, 0, 0)):
     kernel = one_row if rows == 1 else rows_kernel
     sig = dict(ptrs, **{k: "i32" for k in (ints if rows == 1 else ["M", "N", "K", "stride_xm", "stride_om"] + ints[2:])})
     const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_N=128, BLOCK_K=64,
@@ -270,12 +286,17 @@ for x_words, rows, x_pairs, ahead in ((True, 1, False, 0), (False, 1, False, 0),
         sig = dict(sig, xp_ptr="*i32")
         sig = {k: sig[k] for k in kernel.arg_names if k in sig}   # in the kernel's argument order
         const["X_PAIRS"] = x_pairs
+        const["EARLY"] = early
     sig.update({k: "constexpr" for k in kernel.arg_names if k in const})
     src = ASTSource(fn=kernel, signature=sig, constexprs={(list(sig).index(k),): v for k, v in const.items()})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})
     # per word (8 of a K step), column (4 a thread) and row: three FMAs after a multiply
     assert ck.asm["cubin"] and ck.asm["ptx"].count("fma.rn.f16x2") == 3 * 8 * 4 * rows, (x_words, rows)
     check_prefetch(ck.asm["ptx"], ahead, 128)
+    lines = ck.asm["ptx"].splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    early_loads = sum("ld.global" in line for line in lines[:wait])   # EARLY 2: words, scales, zeros before the wait
+    assert (early_loads >= 10) == (early == 2) and (early_loads == 0) == (early != 2), (early, early_loads)
 print("assembled")
 """
 

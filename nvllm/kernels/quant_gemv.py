@@ -304,9 +304,10 @@ TUNED: dict[tuple[str, int, int], dict[str, int | str]] = {
     # run AE (the same sweep with half2): GPTQ 1.441 ms with half2 against 1.969 ms with row; run AQ (K splits up to
     # MAX_SPLITS = 256 instead of 64): 1.318 ms, still the best single config; run BK (x_pairs: each program packs
     # its inputs once): 1.288 against 1.314 ms, batch-1 decode 1.873 against 1.909 ms; session 12 (weights asked of
-    # L2 before the PDL wait; PERF runs BP, BQ): 8 MiB best, batch-1 TPOT 1.8038 / 1.8032 against 1.8675 / 1.8659 ms
+    # L2 before the PDL wait; PERF runs BP, BQ): 8 MiB best, batch-1 TPOT 1.8038 / 1.8032 against 1.8675 / 1.8659 ms;
+    # session 15 (early=2, runs CS, CT): q/k/v 4.20–4.25 against 4.63–5.05 µs, TPOT 1.695–1.699 against 1.699–1.703
     ("gptq", 4, 1): dict(variant="half2", block_n=256, block_k=64, num_warps=1, stages=1, waves=16, serial=1,
-                         x_pairs=1, prefetch=8),
+                         x_pairs=1, prefetch=8, early=2),
     # session 9 (half2 over several rows, each word dequantized once for all; --ms 2,4 --waves 8,16): 28 layers at
     # M = 2 2.130 ms (row, the earlier default, 2.917 ms); at M = 4 3.316 ms (row 4.346, tile 6.026); session 12:
     # batch-2 step 2.6399 against 2.6699 ms with 8 MiB prefetched (run BQ)
@@ -352,7 +353,7 @@ def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None,
     block_n = 128 if block_m <= 2 else 64
     cfg = {"variant": "tile", "block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
            "magic": 0, "stages": 3, "waves": 0, "serial": 0, "x_once": 1, "x_pairs": 0,
-           "prefetch": 0}
+           "prefetch": 0, "early": 0}
     tuned = dict(TUNED.get((fmt, bits, block_m), {}))
     if tuned.get("variant") == "mma" and (N is None or N % 64):
         tuned = {}
@@ -438,7 +439,9 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     (0/1: split-K finished inside the kernel, no zeroing and cast launches; see ``_workspace``), ``x_once`` (0/1,
     variant half2: the max of a split's inputs in one load, see ``X_SPAN_MAX``), ``x_pairs`` (0/1, one-row half2
     with ``x_once``: the split's input pairs built once per program, see ``_pairs_scratch``), ``prefetch`` (MiB,
-    variants half2 and mma: the call's weights asked of L2 before the PDL wait, at most this much; ``prefetch.py``)."""
+    variants half2 and mma: the call's weights asked of L2 before the PDL wait, at most this much; ``prefetch.py``),
+    ``early`` (0/1/2, one-row half2 with ``x_pairs`` and splits of one K step of 64: the split's words, scales and
+    zeros loaded into registers before its inputs; 2: before the PDL wait, in place of the L2 prefetch)."""
     M, K = x.shape
     N = scales.shape[1]
     cfg = pick_gemv_config(M, K, group_size, fmt, bits, N)
@@ -508,7 +511,8 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
             xp = _pairs_scratch(x.device, n_tiles * split_k * x_span // 2) if cfg["x_pairs"] and x_span else None
             quant_gemv_half2_kernel[(n_tiles, split_k)](
                 *h2_args, xp if xp is not None else out, N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0),
-                k_per_split, BLOCK_N=bn, X_SPAN=x_span, X_PAIRS=xp is not None, **h2_kw)
+                k_per_split, BLOCK_N=bn, X_SPAN=x_span, X_PAIRS=xp is not None,
+                EARLY=cfg["early"] if xp is not None and k_per_split == bk == 64 else 0, **h2_kw)
         else:
             from nvllm.kernels.quant_gemv_half2_rows import quant_gemv_half2_rows_kernel
 

@@ -17,6 +17,12 @@ it for every word row, for its eight columns. With ``X_PAIRS`` each program pack
 own rows — into a scratch of its own, and the loop reads four words per word row back: 1385 instead of 1571 SASS
 instructions per K step of 64, 28 layers' GEMVs 1.288 instead of 1.314 ms (PERF run BK).
 
+Splits of one K step (q/k/v and o_proj: K = 3584 in 56 splits of 64): with ``EARLY`` the step's eight word rows,
+scales and zeros go straight into registers, and with ``EARLY == 2`` before the PDL wait — while the previous kernel
+still runs — instead of being asked of L2; after the wait only the inputs are read. Same summation order, same bits.
+On the H200 q/k/v took 4.20–4.25 instead of 4.63–5.05 µs and batch-1 TPOT moved 1.699–1.703 → 1.695–1.699 ms
+(PERF runs CS, CT); loading them after the wait (``EARLY == 1``) was slower than the prefetch.
+
 Precision: per program the inputs of its K range are scaled by a power of two so that |x| < 512 — the products and
 the four-term half sums stay below 2^15, far from f16's 65504 — and the scale is undone exactly at the end; each
 product and half sum is rounded to f16 (11 significant bits, the accuracy of an fp16 dot product of 4 terms), each
@@ -157,6 +163,17 @@ def _word_dot_pairs_ops(words, z, p0, p1, p2, p3):
 
 
 @_jit
+def _row_dot(words, xp, j, z, z1, z16, INTERPRET: tl.constexpr):
+    """One word row's dot with its input pairs, the four words at ``xp + j`` of the program's scratch."""
+    pj = xp + j + tl.arange(0, 1)
+    p0, p1, p2, p3 = tl.load(pj), tl.load(pj + 1), tl.load(pj + 2), tl.load(pj + 3)
+    if INTERPRET:
+        return _word_dot_pairs_ops(words, z, p0, p1, p2, p3)
+    return tl.inline_asm_elementwise(_WORD_DOT, "=f,r,r,r,r,r,r,r", [words, z1, z16, p0, p1, p2, p3],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@_jit
 def _scratch_pairs(x_ptr, xp, k_begin, k_end, X_SPAN: tl.constexpr, INTERPRET: tl.constexpr):
     """The split's inputs as f16x2 pairs, written once to the program's scratch ``xp`` (four words per word row:
     the ``_pairs`` of that row): each lane packs its own rows instead of every lane packing every row. Returns
@@ -217,11 +234,31 @@ def quant_gemv_half2_kernel(
     X_PAIRS: tl.constexpr,                    # with X_SPAN: the split's input pairs built once into the program's
                                               # scratch (xp_ptr, X_SPAN / 2 words) and read back per word row
     PREFETCH: tl.constexpr,                   # word rows of the split asked of L2 before the PDL wait (prefetch.py)
+    EARLY: tl.constexpr,                      # with X_PAIRS, a split of one K step of 64: its words, scales and
+                                              # zeros loaded before its inputs (1: after the PDL wait, 2: before)
     PDL: tl.constexpr,
 ):
-    pid_n, pid_k, k_begin, k_end = start_split(qw_ptr, stride_qw, k_per_split, K, N, BLOCK_N, PREFETCH, PDL)
+    pid_n, pid_k, k_begin, k_end = start_split(qw_ptr, stride_qw, k_per_split, K, N, BLOCK_N,
+                                               0 if EARLY == 2 else PREFETCH, PDL and EARLY != 2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    if EARLY:
+        tl.static_assert(BLOCK_K == 64 and X_PAIRS, "EARLY: one K step of eight word rows, pairs in the scratch")
+        grp0 = k_begin // GROUP
+        s0 = tl.load(s_ptr + grp0 * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        zw0 = tl.load(qz_ptr + grp0 * stride_qz + offs_n // 8, mask=mask_n, other=0)
+        row = qw_ptr + (k_begin // 8) * stride_qw + offs_n
+        w0 = words_of(row, mask_n)
+        w1 = words_of(row + stride_qw, mask_n)
+        w2 = words_of(row + 2 * stride_qw, mask_n)
+        w3 = words_of(row + 3 * stride_qw, mask_n)
+        w4 = words_of(row + 4 * stride_qw, mask_n)
+        w5 = words_of(row + 5 * stride_qw, mask_n)
+        w6 = words_of(row + 6 * stride_qw, mask_n)
+        w7 = words_of(row + 7 * stride_qw, mask_n)
+        if EARLY == 2 and PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
     # the power of two that brings this program's inputs below 512: 2^(8 − E), E = floor(log2 max |x|)
     if X_PAIRS:
         xp = xp_ptr + (pid_k * tl.num_programs(0) + pid_n).to(tl.int64) * (X_SPAN // 2)
@@ -239,37 +276,45 @@ def quant_gemv_half2_kernel(
         sc, unscale = _pow2_scale(m)
     zshift = (offs_n % 8) * 4
     acc = tl.full((BLOCK_N,), 0.0, tl.float32)
-    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
-        grp = k0 // GROUP
-        s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        zw = tl.load(qz_ptr + grp * stride_qz + offs_n // 8, mask=mask_n, other=0)
-        z = ((zw >> zshift) & 15) + 1                                                # v1 stores zero − 1
-        z1 = (0x6400 + z).to(tl.uint32) * 0x10001                                   # f16 (1024 + z) twice
-        z16 = (0x6400 + 16 * z).to(tl.uint32) * 0x10001                             # (1024 + 16 z) twice
-        for w in tl.static_range(BLOCK_K // 8):
-            words = words_of(qw_ptr + (k0 // 8 + w) * stride_qw + offs_n, mask_n)    # [BLOCK_N]
-            kb = k0 + 8 * w
-            if X_PAIRS:
-                pj = xp + (kb - k_begin) // 2 + tl.arange(0, 1)
-                p0, p1, p2, p3 = tl.load(pj), tl.load(pj + 1), tl.load(pj + 2), tl.load(pj + 3)
-                if INTERPRET:
-                    d = _word_dot_pairs_ops(words, z, p0, p1, p2, p3)
+    if EARLY:
+        z = ((zw0 >> zshift) & 15) + 1                                               # v1 stores zero − 1
+        z1 = (0x6400 + z).to(tl.uint32) * 0x10001
+        z16 = (0x6400 + 16 * z).to(tl.uint32) * 0x10001
+        part = _row_dot(w0, xp, 0, z, z1, z16, INTERPRET)           # summed in the loop's order: the same bits
+        part += _row_dot(w1, xp, 4, z, z1, z16, INTERPRET)
+        part += _row_dot(w2, xp, 8, z, z1, z16, INTERPRET)
+        part += _row_dot(w3, xp, 12, z, z1, z16, INTERPRET)
+        part += _row_dot(w4, xp, 16, z, z1, z16, INTERPRET)
+        part += _row_dot(w5, xp, 20, z, z1, z16, INTERPRET)
+        part += _row_dot(w6, xp, 24, z, z1, z16, INTERPRET)
+        part += _row_dot(w7, xp, 28, z, z1, z16, INTERPRET)
+        acc += s0 * part
+    else:
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
+            grp = k0 // GROUP
+            s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            zw = tl.load(qz_ptr + grp * stride_qz + offs_n // 8, mask=mask_n, other=0)
+            z = ((zw >> zshift) & 15) + 1                                                # v1 stores zero − 1
+            z1 = (0x6400 + z).to(tl.uint32) * 0x10001                                   # f16 (1024 + z) twice
+            z16 = (0x6400 + 16 * z).to(tl.uint32) * 0x10001                             # (1024 + 16 z) twice
+            for w in tl.static_range(BLOCK_K // 8):
+                words = words_of(qw_ptr + (k0 // 8 + w) * stride_qw + offs_n, mask_n)    # [BLOCK_N]
+                kb = k0 + 8 * w
+                if X_PAIRS:
+                    d = _row_dot(words, xp, (kb - k_begin) // 2, z, z1, z16, INTERPRET)
+                elif INTERPRET:
+                    d = _word_dot_ops(words, z, _x(x_ptr, kb, sc), _x(x_ptr, kb + 1, sc), _x(x_ptr, kb + 2, sc),
+                                      _x(x_ptr, kb + 3, sc), _x(x_ptr, kb + 4, sc), _x(x_ptr, kb + 5, sc),
+                                      _x(x_ptr, kb + 6, sc), _x(x_ptr, kb + 7, sc))
                 else:
+                    p0, p1, p2, p3 = _pairs(xw_ptr if X_WORDS else x_ptr, kb, sc, X_WORDS)
                     d = tl.inline_asm_elementwise(_WORD_DOT, "=f,r,r,r,r,r,r,r", [words, z1, z16, p0, p1, p2, p3],
                                                   dtype=tl.float32, is_pure=True, pack=1)
-            elif INTERPRET:
-                d = _word_dot_ops(words, z, _x(x_ptr, kb, sc), _x(x_ptr, kb + 1, sc), _x(x_ptr, kb + 2, sc),
-                                  _x(x_ptr, kb + 3, sc), _x(x_ptr, kb + 4, sc), _x(x_ptr, kb + 5, sc),
-                                  _x(x_ptr, kb + 6, sc), _x(x_ptr, kb + 7, sc))
-            else:
-                p0, p1, p2, p3 = _pairs(xw_ptr if X_WORDS else x_ptr, kb, sc, X_WORDS)
-                d = tl.inline_asm_elementwise(_WORD_DOT, "=f,r,r,r,r,r,r,r", [words, z1, z16, p0, p1, p2, p3],
-                                              dtype=tl.float32, is_pure=True, pack=1)
-            if w == 0:
-                part = d
-            else:
-                part += d
-        acc += s * part
+                if w == 0:
+                    part = d
+                else:
+                    part += d
+            acc += s * part
     offs_m = tl.arange(0, 1)
     epilogue((acc * unscale)[None, :], out_ptr, 0, offs_m, offs_m < 1, offs_n, mask_n, bias_ptr, ws_ptr, cnt_ptr,
              N, HAS_BIAS, ATOMIC, SERIAL, 1, BLOCK_N)
