@@ -19,10 +19,11 @@ USER_ERRORS = (ConfigError, ValueError, FileNotFoundError)
 
 
 def fail(message: str, code: int = 2):
-    """One clear line on stderr and a non-zero exit: how every user mistake ends."""
+    """One clear line on stderr and a non-zero exit: how every user mistake ends. The line is never broken at the
+    console's width (80 columns when stderr is not a terminal); a terminal wraps it for display."""
     from nvllm.logger import console
 
-    console().print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    console().print(f"[bold red]error:[/] {message}", highlight=False, markup=True, soft_wrap=True)
     raise typer.Exit(code)
 
 

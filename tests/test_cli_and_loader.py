@@ -17,8 +17,8 @@ from nvllm.config import ConfigError
 from tests.conftest import build_tiny_model
 
 
-def nvllm(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, COLUMNS="200")
+def nvllm(*args: str, timeout: int = 120, columns: int = 200) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS=str(columns))
     return subprocess.run([sys.executable, "-m", "nvllm.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -44,6 +44,13 @@ def test_generate_bad_input(args, message):
     assert r.returncode == 2
     assert message in " ".join(r.stderr.split())
     assert "Traceback" not in r.stderr
+
+
+def test_bad_input_is_one_line_on_a_narrow_console():
+    """A log or a pipe reads the error as one line: the console does not break it at its width."""
+    r = nvllm("generate", "--top-p", "1.5", columns=30)
+    assert r.returncode == 2
+    assert [line for line in r.stderr.splitlines() if line.strip()] == ["error: top_p must be in (0, 1], got 1.5"], r.stderr
 
 
 def test_empty_prompt_cli():
