@@ -16,7 +16,8 @@ Every kernel here that takes ``PDL`` does, first thing when it is set::
 so nothing is read or written before the predecessor is done (the correctness of a plain launch), and the
 next kernel's launch overlaps this one's run. The exceptions read, before the wait, only what the kernel just
 before them cannot be writing: the skinny GEMM's weights (``EARLY_W``), the decode GEMVs' first weights (asked of
-L2, ``prefetch``) and decode attention's keys and values of earlier steps (``fresh_tokens``). A kernel launched
+L2, ``prefetch``; a one-step split's words, scales and zeros into registers, ``quant_gemv_half2`` ``EARLY``) and
+decode attention's keys and values of earlier steps (``fresh_tokens``). A kernel launched
 without the attribute (torch's own, cuBLAS) waits as usual; one launched with it but not waiting would race, so
 ``launch_args`` ties the two together.
 
