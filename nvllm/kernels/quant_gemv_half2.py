@@ -163,6 +163,14 @@ def _word_dot_pairs_ops(words, z, p0, p1, p2, p3):
 
 
 @_jit
+def _zero_consts(zw, zshift):
+    """Each column's zero point from its packed GPTQ zeros word (v1 stores zero − 1), and the two f16x2 constants
+    ``_WORD_DOT`` subtracts: (1024 + z) twice and (1024 + 16 z) twice."""
+    z = ((zw >> zshift) & 15) + 1
+    return z, (0x6400 + z).to(tl.uint32) * 0x10001, (0x6400 + 16 * z).to(tl.uint32) * 0x10001
+
+
+@_jit
 def _row_dot(words, xp, j, z, z1, z16, INTERPRET: tl.constexpr):
     """One word row's dot with its input pairs, the four words at ``xp + j`` of the program's scratch."""
     pj = xp + j + tl.arange(0, 1)
@@ -277,9 +285,7 @@ def quant_gemv_half2_kernel(
     zshift = (offs_n % 8) * 4
     acc = tl.full((BLOCK_N,), 0.0, tl.float32)
     if EARLY:
-        z = ((zw0 >> zshift) & 15) + 1                                               # v1 stores zero − 1
-        z1 = (0x6400 + z).to(tl.uint32) * 0x10001
-        z16 = (0x6400 + 16 * z).to(tl.uint32) * 0x10001
+        z, z1, z16 = _zero_consts(zw0, zshift)
         part = _row_dot(w0, xp, 0, z, z1, z16, INTERPRET)           # summed in the loop's order: the same bits
         part += _row_dot(w1, xp, 4, z, z1, z16, INTERPRET)
         part += _row_dot(w2, xp, 8, z, z1, z16, INTERPRET)
@@ -294,9 +300,7 @@ def quant_gemv_half2_kernel(
             grp = k0 // GROUP
             s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             zw = tl.load(qz_ptr + grp * stride_qz + offs_n // 8, mask=mask_n, other=0)
-            z = ((zw >> zshift) & 15) + 1                                                # v1 stores zero − 1
-            z1 = (0x6400 + z).to(tl.uint32) * 0x10001                                   # f16 (1024 + z) twice
-            z16 = (0x6400 + 16 * z).to(tl.uint32) * 0x10001                             # (1024 + 16 z) twice
+            z, z1, z16 = _zero_consts(zw, zshift)
             for w in tl.static_range(BLOCK_K // 8):
                 words = words_of(qw_ptr + (k0 // 8 + w) * stride_qw + offs_n, mask_n)    # [BLOCK_N]
                 kb = k0 + 8 * w

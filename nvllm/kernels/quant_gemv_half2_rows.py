@@ -19,7 +19,8 @@ from __future__ import annotations
 from nvllm.kernels.backend import eager_triton
 from nvllm.kernels.prefetch import start_split
 from nvllm.kernels.quant_gemv import _epilogue as epilogue, _words as words_of  # shared with the other variants
-from nvllm.kernels.quant_gemv_half2 import _PAIRS, _pair, _pow2_scale, _word_dot_ops  # the one-row kernel's pieces
+from nvllm.kernels.quant_gemv_half2 import (  # the one-row kernel's pieces
+    _PAIRS, _pair, _pow2_scale, _word_dot_ops, _zero_consts)
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
@@ -140,9 +141,7 @@ def quant_gemv_half2_rows_kernel(
         grp = k0 // GROUP
         s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         zw = tl.load(qz_ptr + grp * stride_qz + offs_n // 8, mask=mask_n, other=0)
-        z = ((zw >> zshift) & 15) + 1                                                # v1 stores zero − 1
-        z1 = (0x6400 + z).to(tl.uint32) * 0x10001                                   # f16 (1024 + z) twice
-        z16 = (0x6400 + 16 * z).to(tl.uint32) * 0x10001                             # (1024 + 16 z) twice
+        z, z1, z16 = _zero_consts(zw, zshift)
         for w in tl.static_range(BLOCK_K // 8):
             words = words_of(qw_ptr + (k0 // 8 + w) * stride_qw + offs_n, mask_n)[None, :]   # [1, BLOCK_N]
             kb = k0 + 8 * w
