@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from http.client import HTTPConnection
 from pathlib import Path
 
 import httpx
@@ -40,3 +41,20 @@ def start_server(args: list[str], log_path: Path, timeout: float = 120) -> tuple
             proc.kill()
             pytest.fail(f"server did not become healthy:\n{log_path.read_text()}")
         time.sleep(0.25)
+
+
+def assert_keeps_idle_connection(base: str) -> None:
+    """httpx (so the openai client) keeps an idle connection 5 s. A server must keep it longer, or a client can
+    send on a connection the server is closing at that moment, and a request with no retries fails."""
+    conn = HTTPConnection(base.removeprefix("http://"), timeout=10)
+    try:
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        sock = conn.sock
+        time.sleep(5.5)  # past httpx's keepalive_expiry, and past uvicorn's default keep-alive
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 200 and conn.sock is sock  # the same connection answered
+    finally:
+        conn.close()

@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_utils import free_port, start_server
+from tests.server_utils import assert_keeps_idle_connection, free_port, start_server
 from tests.test_serve import BAD_REQUESTS, PROMPTS
 
 KEY = "sk-disagg"
@@ -223,7 +223,12 @@ def test_bad_input_at_the_router_answers_4xx(deployment, what, path, body, heade
 
 def test_metrics_split_and_pools_drain(deployment):
     urls = deployment["urls"]
-    _client(urls["router"]).completions.create(model=MODEL, prompt=PROMPTS[9], max_tokens=4)
+    c = _client(urls["router"])  # what the router counts, made here: the module's tests may run on other workers
+    c.completions.create(model=MODEL, prompt=PROMPTS[9], max_tokens=4)
+    assert "".join(ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt=PROMPTS[8], max_tokens=4,
+                                                                     stream=True))
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt="hi", max_tokens=0)
     m = _metrics(urls["router"])
     assert m["nvllm:kv_transfers_total[outcome=ok]"] > 0 and m["nvllm:kv_transfer_bytes_total"] > 0
     assert m["nvllm:kv_transfer_seconds_total"] > 0 and m["nvllm:disagg_first_decodes_total"] > 0
@@ -267,6 +272,12 @@ def test_disconnected_clients_free_blocks_on_both_sides(deployment):
     asyncio.run(main())
     for u in (urls["prefill"], urls["decode0"], urls["decode1"]):
         _wait_pool_empty(u)
+
+
+def test_router_and_workers_keep_idle_connections(deployment):
+    """The router and a worker both keep an idle connection past a client's 5 s (checked side by side)."""
+    with ThreadPoolExecutor(2) as ex:
+        list(ex.map(assert_keeps_idle_connection, (deployment["urls"]["router"], deployment["urls"]["decode0"])))
 
 
 def test_router_in_front_of_mixed_replicas(deployment, tmp_path):

@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_utils import start_server
+from tests.server_utils import assert_keeps_idle_connection, start_server
 
 KEY = "sk-test-key"
 MODEL = "stories260K"
@@ -111,6 +111,10 @@ def test_models_health_kernel_report(client, http):
     assert http.get("/health").status_code == 200
     report = http.get("/v1/kernel_report").json()
     assert "gemm" in report and all(isinstance(v, int) for impls in report.values() for v in impls.values())
+
+
+def test_an_idle_connection_outlives_the_clients_keepalive(server):
+    assert_keeps_idle_connection(server)
 
 
 def test_completion_usage_and_stream(client, http):

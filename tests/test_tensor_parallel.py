@@ -27,6 +27,7 @@ from nvllm import SamplingParams
 from nvllm.config import ConfigError
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.worker_pool import WorkerFailure
+from nvllm.engine.model_runner import ModelRunner
 from nvllm.engine.step_inputs import SHUTDOWN, StepInputs
 from nvllm.kernels.quant_gemm import quant_linear
 from nvllm.layers.quant_linear import QuantLinear
@@ -267,8 +268,19 @@ def test_killed_worker_ends_the_engine_within_seconds(demo_dir):
     assert_workers_gone(llm)
 
 
-def test_worker_startup_error_reaches_rank0_as_itself(models, tmp_path):
-    """A checkpoint missing a tensor: the worker's ConfigError is what rank 0 raises (its own is the cause)."""
+def test_worker_startup_error_reaches_rank0_as_itself(models, tmp_path, monkeypatch):
+    """A checkpoint missing a tensor: the worker's ConfigError is what rank 0 raises (its own is the cause).
+    Both ranks fail to load; rank 0 loads only once the worker has ended, so that the worker's error is there to
+    be found (on a loaded machine rank 0 could otherwise fail more than the grace period before it)."""
+    build = ModelRunner._build
+
+    def build_after_the_workers(self):
+        if self.workers is not None:  # rank 0
+            for p in self.workers.procs:
+                p.join(60)
+        build(self)
+
+    monkeypatch.setattr(ModelRunner, "_build", build_after_the_workers)
     src = models["llama"]
     for f in os.listdir(src):
         if f != "model.safetensors":

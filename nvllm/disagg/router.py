@@ -34,6 +34,9 @@ from nvllm.serve.errors import APIError, install_error_handlers
 from nvllm.serve.http import SSE_DONE, ClientGone, check_api_key, json_object, read_body, sse, until_disconnect
 
 logger = logging.getLogger("nvllm")
+# The router drops a connection to a worker after this long idle: well inside any server's keep-alive (uvicorn's
+# default is 5 s), so it never sends a request on a connection that the worker is closing at that moment.
+_IDLE_S = 2.0
 
 
 def parse_urls(text: str | None, flag: str) -> list[str]:
@@ -74,7 +77,8 @@ class Router:
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512,
+                                                            keepalive_expiry=_IDLE_S))
         self.pool = WorkerPool(cfg.prefill, cfg.decode, cfg.mixed, self.client, cfg.poll_interval, cfg.api_key)
         self.metrics = RouterMetrics(self.pool)
 
@@ -349,7 +353,7 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
 def run_router(cfg: RouterConfig, sock=None) -> None:
     """Serve until SIGINT/SIGTERM; sock: the listening socket when the caller bound it already."""
     from nvllm.logger import setup_logging
-    from nvllm.serve.api_server import _exit_quietly_after_signals, bind_socket
+    from nvllm.serve.api_server import KEEP_ALIVE_S, _exit_quietly_after_signals, bind_socket
 
     setup_logging()
     sock = sock or bind_socket(cfg.host, cfg.port)
@@ -359,7 +363,8 @@ def run_router(cfg: RouterConfig, sock=None) -> None:
         logger.info("router at http://%s:%d/v1: %s", host, port,
                     f"mixed {', '.join(cfg.mixed)}" if cfg.mixed else
                     f"prefill {', '.join(cfg.prefill)}; decode {', '.join(cfg.decode)}")
-        server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, timeout_graceful_shutdown=5))
+        server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, timeout_keep_alive=KEEP_ALIVE_S,
+                                               timeout_graceful_shutdown=5))
         with _exit_quietly_after_signals():
             server.run(sockets=[sock])
     finally:

@@ -244,7 +244,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
         host, port = sock.getsockname()[:2]
         logger.info("serving %s at http://%s:%d/v1 (API key %s)", model_name, host, port,
                     "required" if config.api_key else "not required")
-        server = _GracefulServer(uvicorn.Config(app, log_level=config.log_level,
+        server = _GracefulServer(uvicorn.Config(app, log_level=config.log_level, timeout_keep_alive=KEEP_ALIVE_S,
                                                 timeout_graceful_shutdown=config.shutdown_timeout + _FLUSH_S),
                                  engine, config.shutdown_timeout)
         with _exit_quietly_after_signals():
@@ -257,6 +257,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
     logger.info("server stopped")
 
 
+# An idle connection stays open this long. httpx (so the openai client) drops its idle connections after 5 s, the
+# same as uvicorn's default: with equal timeouts a client can send on a connection the server is closing, and a
+# request with no retries fails with a read error. Longer here, the client always lets go first.
+KEEP_ALIVE_S = 15
 _FLUSH_S = 5  # after the abort, time for the final chunks to reach the clients before uvicorn cancels
 
 
