@@ -273,9 +273,12 @@ from nvllm.kernels.quant_gemv_half2_rows import quant_gemv_half2_rows_kernel as 
 ptrs = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16", "bias_ptr": "*i32",
         "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 ints = ["N", "K", "stride_qw", "stride_qz", "stride_s", "k_per_split"]
-for x_words, rows, x_pairs, ahead, early in ((True, 1, False, 0, 0), (False, 1, False, 0, 0), (True, 1, True, 8, 0),
-                                             (True, 1, True, 8, 1), (True, 1, True, 0, 2), (True, 2, False, 4, 0),
-                                             (True, 4, False, 0, 0)):
+merge_args = {"lse_ptr": "*fp32", "po_ptr": "*fp32", "ctx_ptr": "*i32", "merge_splits": "i32", "merge_partition": "i32"}
+before = {}   # MERGE → global loads before the PDL wait (one row, EARLY 2)
+for x_words, rows, x_pairs, ahead, early, merge in (
+        (True, 1, False, 0, 0, False), (False, 1, False, 0, 0, False), (True, 1, True, 8, 0, False),
+        (True, 1, True, 8, 1, False), (True, 1, True, 0, 2, False), (True, 1, True, 0, 2, True),
+        (True, 2, False, 4, 0, False), (True, 4, False, 0, 0, False)):
     kernel = one_row if rows == 1 else rows_kernel
     sig = dict(ptrs, **{k: "i32" for k in (ints if rows == 1 else ["M", "N", "K", "stride_xm", "stride_om"] + ints[2:])})
     const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_N=128, BLOCK_K=64,
@@ -283,10 +286,11 @@ for x_words, rows, x_pairs, ahead, early in ((True, 1, False, 0, 0), (False, 1, 
     if rows > 1:
         const["BLOCK_M"] = rows
     else:
-        sig = dict(sig, xp_ptr="*i32")
+        sig = dict(sig, xp_ptr="*i32", **merge_args)
         sig = {k: sig[k] for k in kernel.arg_names if k in sig}   # in the kernel's argument order
         const["X_PAIRS"] = x_pairs
         const["EARLY"] = early
+        const.update(MERGE=merge, HEAD_DIM=128, PO_D=128, MERGE_S=64, MERGE_C=16)
     sig.update({k: "constexpr" for k in kernel.arg_names if k in const})
     src = ASTSource(fn=kernel, signature=sig, constexprs={(list(sig).index(k),): v for k, v in const.items()})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})
@@ -297,6 +301,11 @@ for x_words, rows, x_pairs, ahead, early in ((True, 1, False, 0, 0), (False, 1, 
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     early_loads = sum("ld.global" in line for line in lines[:wait])   # EARLY 2: words, scales, zeros before the wait
     assert (early_loads >= 10) == (early == 2) and (early_loads == 0) == (early != 2), (early, early_loads)
+    if rows == 1 and early == 2:   # MERGE: the context length too; the partials (the kernel waited for) after it
+        before[merge] = early_loads
+        if merge:
+            assert before[True] == before[False] + 1, before
+            assert sum("ld.global" in line for line in lines[wait:]) >= 2 + 8
 print("assembled")
 """
 

@@ -23,7 +23,9 @@ Kernel (flash-decoding):
   stage 2  grid (B, H), only when num_splits > 1: merges the partials of one (sequence, head) with weights
            exp(lse_i - max lse). (A merge inside stage 1 by the last program of each group, on a ticket
            counter, saved the launch but measured 3x slower at batch 1 and slower on every shape of
-           gpu_attention_bench, run Q: one program reads all the group's partials serially.)
+           gpu_attention_bench, run Q: one program reads all the group's partials serially.) With
+           ``defer_merge`` the partials are returned instead (``attention_partials``): a one-row o_proj GEMV
+           merges each program's inputs as it reads them, one launch fewer per layer.
   The query heads of a group form the M side of tl.dot, padded to 16 rows (the smallest tensor-core tile);
   head_dim is padded to a power of two with masks.
   Quantized cache (KV_QUANT): the kernel dequantizes as it reads, never in a pass over the cache. A K tile
@@ -47,7 +49,8 @@ import functools
 
 import torch
 
-from nvllm.kernels import pdl
+from nvllm.kernels import pdl, report
+from nvllm.kernels.attention_partials import AttentionPartials
 from nvllm.kernels.jit import lazy_jit
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
@@ -300,7 +303,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
                      max_context_len: int | None = None, partition_size: int | None = None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     fresh_tokens: int = 0) -> torch.Tensor:
+                     fresh_tokens: int = 0, defer_merge: bool = False) -> torch.Tensor | AttentionPartials:
     """Triton paged decode attention (flash-decoding). Same result as ``decode_attention_reference``.
     ``k_scale``/``v_scale``: the per-(token, head) scales of an int8 / fp8 cache (None: unquantized).
 
@@ -309,7 +312,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     short contexts split). Row b of q is sequence b's query; rows past len(context_lens) are not written
     (the reference leaves rows that no sequence owns untouched too). ``fresh_tokens`` > 0: the launch just before
     this one stored at most each sequence's last ``fresh_tokens`` tokens in the cache (a decode step: 1), so under
-    PDL the first tile's other tokens are read before the wait; 0: nothing is read before it."""
+    PDL the first tile's other tokens are read before the wait; 0: nothing is read before it. ``defer_merge``: a
+    split launch returns its ``AttentionPartials`` unmerged, for its consumer to merge (``attention_partials``)."""
     import triton
 
     num_rows, num_heads, head_dim = q.shape
@@ -359,12 +363,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         SPLIT=split, IEEE_DOT=ieee, KV_QUANT=kv_quant, FRESH=max(0, int(fresh_tokens)),
         num_warps=4, num_stages=2, **pdl.launch_args(q),
     )
+    if split and defer_merge and batch == num_rows:
+        return AttentionPartials(out, part_o, part_lse, context_lens, partition)
     if split:
-        _jit(_decode_stage2_kernel)[(batch, num_heads)](
-            part_o, part_lse, out,
-            *part_lse.stride(), *out.stride(),
-            head_dim, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4 if block_d >= 128 else 2, **pdl.launch_args(q),
-        )
+        merge_partials(part_o, part_lse, out)
     return out
+
+
+def merge_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Stage 2: the partials of ``part_o.shape[0]`` sequences merged into ``out`` [B, H, D] (later rows untouched)."""
+    import triton
+
+    batch, num_heads, num_splits, block_d = part_o.shape
+    report.record("attention.merge", "triton decode merge")
+    _jit(_decode_stage2_kernel)[(batch, num_heads)](
+        part_o, part_lse, out,
+        *part_lse.stride(), *out.stride(),
+        out.shape[2], num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        num_warps=4 if block_d >= 128 else 2, **pdl.launch_args(out),
+    )

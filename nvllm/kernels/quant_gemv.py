@@ -53,7 +53,8 @@ import os
 import torch
 
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
-from nvllm.kernels import pdl, prefetch
+from nvllm.kernels import pdl, prefetch, report
+from nvllm.kernels.attention_partials import AttentionPartials
 from nvllm.kernels.backend import eager_triton
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
@@ -385,6 +386,10 @@ X_SPAN_MAX = 1024
 """Longest K range (inputs) whose max one-row ``half2`` takes in one load (``x_once``); longer ranges loop. With
 several rows 256 (the widest the session-9 sweeps measured; ptxas gives two rows at 1024 a spill)."""
 
+MERGE_CHUNK = 16
+"""Attention splits a one-row ``half2`` program merges per load of its inputs (``attention_partials``): contexts of
+up to 16 partitions take one trip to memory, longer ones one more per 16."""
+
 
 def _x_span(k_per_split: int, rows: int = 1) -> int:
     """``half2``'s X_SPAN: the power of two that covers a split's inputs, or 0 (a loop) past ``X_SPAN_MAX`` (256
@@ -441,7 +446,11 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     with ``x_once``: the split's input pairs built once per program, see ``_pairs_scratch``), ``prefetch`` (MiB,
     variants half2 and mma: the call's weights asked of L2 before the PDL wait, at most this much; ``prefetch.py``),
     ``early`` (0/1/2, one-row half2 with ``x_pairs`` and splits of one K step of 64: the split's words, scales and
-    zeros loaded into registers before its inputs; 2: before the PDL wait, in place of the L2 prefetch)."""
+    zeros loaded into registers before its inputs; 2: before the PDL wait, in place of the L2 prefetch).
+    ``x`` may be a split decode attention's unmerged ``AttentionPartials``: a one-row ``half2`` call with input pairs
+    whose K splits each lie inside one head merges them in its prologue; any other call merges them first."""
+    merge = x if isinstance(x, AttentionPartials) else None
+    x = x.rows if merge is not None else x
     M, K = x.shape
     N = scales.shape[1]
     cfg = pick_gemv_config(M, K, group_size, fmt, bits, N)
@@ -469,6 +478,10 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     if split_k is None:
         split_k = _splits(n_tiles, K, bk, x.device, cfg["waves"])
     split_k, k_per_split = plan_split_k(n_tiles, K, bk, x.device, split_k)
+    x_span = _x_span(k_per_split, bm) if cfg["x_once"] else 0
+    pairs = variant == "half2" and bm == 1 and bool(cfg["x_pairs"]) and x_span > 0
+    if merge is not None and not (pairs and merge.fits(M, k_per_split)):
+        merge, x = None, merge.finish()
     if acc is not None:
         assert acc.shape == (M, N) and acc.dtype == torch.float32 and acc.stride(1) == 1, (acc.shape, acc.dtype)
         bias = None
@@ -494,7 +507,6 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
         h2_kw = dict(GROUP=group_size, HAS_BIAS=direct_bias, ATOMIC=atomic, SERIAL=ws is not None, STAGES=cfg["stages"],
                      BLOCK_K=bk, INTERPRET=interpret, X_WORDS=x_words, num_warps=cfg["num_warps"],
                      **pdl.launch_args(x))
-        x_span = _x_span(k_per_split, bm) if cfg["x_once"] else 0
         ahead = 0 if interpret or bn % 32 else prefetch.rows(cfg["prefetch"] << 20, n_tiles * split_k, bn,
                                                                k_per_split // 8)
         h2_kw["PREFETCH"] = ahead
@@ -508,11 +520,19 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
         elif bm == 1:
             from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel
 
-            xp = _pairs_scratch(x.device, n_tiles * split_k * x_span // 2) if cfg["x_pairs"] and x_span else None
+            xp = _pairs_scratch(x.device, n_tiles * split_k * x_span // 2) if pairs else None
+            if merge is not None:
+                report.record("attention.merge", "in the w4a16 gemv's prologue")
+                ms = merge.num_splits
+                m_args = (merge.part_lse, merge.part_o, merge.context_lens, ms, merge.partition)
+                m_kw = dict(MERGE=True, HEAD_DIM=merge.head_dim, PO_D=merge.part_o.shape[3],
+                            MERGE_S=triton.next_power_of_2(ms), MERGE_C=min(triton.next_power_of_2(ms), MERGE_CHUNK))
+            else:
+                m_args, m_kw = (out, out, out, 0, 0), dict(MERGE=False, HEAD_DIM=1, PO_D=1, MERGE_S=1, MERGE_C=1)
             quant_gemv_half2_kernel[(n_tiles, split_k)](
-                *h2_args, xp if xp is not None else out, N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0),
-                k_per_split, BLOCK_N=bn, X_SPAN=x_span, X_PAIRS=xp is not None,
-                EARLY=cfg["early"] if xp is not None and k_per_split == bk == 64 else 0, **h2_kw)
+                *h2_args, xp if xp is not None else out, *m_args, N, K, qweight.stride(0), qzeros.stride(0),
+                scales.stride(0), k_per_split, BLOCK_N=bn, X_SPAN=x_span, X_PAIRS=xp is not None,
+                EARLY=cfg["early"] if xp is not None and k_per_split == bk == 64 else 0, **m_kw, **h2_kw)
         else:
             from nvllm.kernels.quant_gemv_half2_rows import quant_gemv_half2_rows_kernel
 

@@ -182,21 +182,78 @@ def _row_dot(words, xp, j, z, z1, z16, INTERPRET: tl.constexpr):
 
 
 @_jit
-def _scratch_pairs(x_ptr, xp, k_begin, k_end, X_SPAN: tl.constexpr, INTERPRET: tl.constexpr):
-    """The split's inputs as f16x2 pairs, written once to the program's scratch ``xp`` (four words per word row:
-    the ``_pairs`` of that row): each lane packs its own rows instead of every lane packing every row. Returns
-    the power-of-two scale's inverse; the caller's barrier makes the pairs visible to every lane."""
+def _split_inputs(x_ptr, k_begin, k_end, X_SPAN: tl.constexpr):
+    """The split's inputs in fp32 as eight vectors over its word rows r: x_j[r] = x[k_begin + 8 r + j]."""
     r = tl.arange(0, X_SPAN // 8)
     xr = x_ptr + k_begin + 8 * r
     ok = 8 * r < k_end - k_begin
-    x0 = tl.load(xr, mask=ok, other=0.0).to(tl.float32)
-    x1 = tl.load(xr + 1, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(xr + 2, mask=ok, other=0.0).to(tl.float32)
-    x3 = tl.load(xr + 3, mask=ok, other=0.0).to(tl.float32)
-    x4 = tl.load(xr + 4, mask=ok, other=0.0).to(tl.float32)
-    x5 = tl.load(xr + 5, mask=ok, other=0.0).to(tl.float32)
-    x6 = tl.load(xr + 6, mask=ok, other=0.0).to(tl.float32)
-    x7 = tl.load(xr + 7, mask=ok, other=0.0).to(tl.float32)
+    return (tl.load(xr, mask=ok, other=0.0).to(tl.float32), tl.load(xr + 1, mask=ok, other=0.0).to(tl.float32),
+            tl.load(xr + 2, mask=ok, other=0.0).to(tl.float32), tl.load(xr + 3, mask=ok, other=0.0).to(tl.float32),
+            tl.load(xr + 4, mask=ok, other=0.0).to(tl.float32), tl.load(xr + 5, mask=ok, other=0.0).to(tl.float32),
+            tl.load(xr + 6, mask=ok, other=0.0).to(tl.float32), tl.load(xr + 7, mask=ok, other=0.0).to(tl.float32))
+
+
+@_jit
+def _merged_inputs(x_ptr, lse_ptr, po_ptr, n_live, num_splits, k_begin, k_end, X_SPAN: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, PO_D: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr):
+    """``_split_inputs`` of a split decode attention's unmerged output (``attention_partials``): the split's inputs
+    lie in one head h; each is Σ_s w_s o_s / Σ_s w_s over the ``n_live`` partitions that hold tokens, w_s =
+    exp2(lse_s − max lse), rounded to x's dtype — stage 2's formula (``decode_attention``). The log-sum-exps and the
+    first ``MERGE_C`` partitions' outputs are loaded together: one trip to memory up to ``MERGE_C`` partitions."""
+    r = tl.arange(0, X_SPAN // 8)
+    ok = 8 * r < k_end - k_begin
+    h = k_begin // HEAD_DIM
+    d = k_begin - h * HEAD_DIM + 8 * r
+    lse_row = lse_ptr + h * num_splits
+    po_row = po_ptr + (h * num_splits).to(tl.int64) * PO_D
+    s = tl.arange(0, MERGE_S)
+    lse = tl.load(lse_row + s, mask=s < n_live, other=float("-inf"))
+    c = tl.arange(0, MERGE_C)
+    live = c < n_live
+    tile = po_row + c[:, None] * PO_D + d[None, :]
+    m = live[:, None] & ok[None, :]
+    o0 = tl.load(tile, mask=m, other=0.0)
+    o1 = tl.load(tile + 1, mask=m, other=0.0)
+    o2 = tl.load(tile + 2, mask=m, other=0.0)
+    o3 = tl.load(tile + 3, mask=m, other=0.0)
+    o4 = tl.load(tile + 4, mask=m, other=0.0)
+    o5 = tl.load(tile + 5, mask=m, other=0.0)
+    o6 = tl.load(tile + 6, mask=m, other=0.0)
+    o7 = tl.load(tile + 7, mask=m, other=0.0)
+    lse_c = tl.load(lse_row + c, mask=live, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)           # no tokens: weights 0, inputs 0
+    w_sum = tl.sum(tl.exp2(lse - lse_max), 0)
+    w = tl.exp2(lse_c - lse_max)[:, None]
+    x0, x1, x2, x3 = tl.sum(o0 * w, 0), tl.sum(o1 * w, 0), tl.sum(o2 * w, 0), tl.sum(o3 * w, 0)
+    x4, x5, x6, x7 = tl.sum(o4 * w, 0), tl.sum(o5 * w, 0), tl.sum(o6 * w, 0), tl.sum(o7 * w, 0)
+    for c0 in range(MERGE_C, n_live, MERGE_C):                            # longer contexts: a chunk at a time
+        live = c0 + c < n_live
+        tile = po_row + (c0 + c)[:, None] * PO_D + d[None, :]
+        m = live[:, None] & ok[None, :]
+        w = tl.exp2(tl.load(lse_row + c0 + c, mask=live, other=float("-inf")) - lse_max)[:, None]
+        x0 += tl.sum(tl.load(tile, mask=m, other=0.0) * w, 0)
+        x1 += tl.sum(tl.load(tile + 1, mask=m, other=0.0) * w, 0)
+        x2 += tl.sum(tl.load(tile + 2, mask=m, other=0.0) * w, 0)
+        x3 += tl.sum(tl.load(tile + 3, mask=m, other=0.0) * w, 0)
+        x4 += tl.sum(tl.load(tile + 4, mask=m, other=0.0) * w, 0)
+        x5 += tl.sum(tl.load(tile + 5, mask=m, other=0.0) * w, 0)
+        x6 += tl.sum(tl.load(tile + 6, mask=m, other=0.0) * w, 0)
+        x7 += tl.sum(tl.load(tile + 7, mask=m, other=0.0) * w, 0)
+    den = tl.where(w_sum > 0, w_sum, 1.0)
+    ty = x_ptr.dtype.element_ty
+    return ((x0 / den).to(ty).to(tl.float32), (x1 / den).to(ty).to(tl.float32), (x2 / den).to(ty).to(tl.float32),
+            (x3 / den).to(ty).to(tl.float32), (x4 / den).to(ty).to(tl.float32), (x5 / den).to(ty).to(tl.float32),
+            (x6 / den).to(ty).to(tl.float32), (x7 / den).to(ty).to(tl.float32))
+
+
+@_jit
+def _scratch_pairs(xp, x0, x1, x2, x3, x4, x5, x6, x7, X_SPAN: tl.constexpr, INTERPRET: tl.constexpr):
+    """The split's inputs (``_split_inputs``) as f16x2 pairs, written once to the program's scratch ``xp`` (four
+    words per word row: the ``_pairs`` of that row): each lane packs its own rows instead of every lane packing
+    every row. Returns the power-of-two scale's inverse; the caller's barrier makes the pairs visible to every
+    lane."""
+    r = tl.arange(0, X_SPAN // 8)
     m = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
                    tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
     sc, unscale = _pow2_scale(tl.max(m))
@@ -230,6 +287,7 @@ def _pow2_scale(m):
 @_jit
 def quant_gemv_half2_kernel(
     x_ptr, xw_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, xp_ptr,
+    lse_ptr, po_ptr, ctx_ptr, merge_splits, merge_partition,   # MERGE: attention partials [1, H, S] / [1, H, S, PO_D]
     N, K,
     stride_qw, stride_qz, stride_s,           # row strides of qweight [K/8, N], qzeros, scales
     k_per_split,                              # K range of one split (a multiple of BLOCK_K)
@@ -244,8 +302,15 @@ def quant_gemv_half2_kernel(
     PREFETCH: tl.constexpr,                   # word rows of the split asked of L2 before the PDL wait (prefetch.py)
     EARLY: tl.constexpr,                      # with X_PAIRS, a split of one K step of 64: its words, scales and
                                               # zeros loaded before its inputs (1: after the PDL wait, 2: before)
+    MERGE: tl.constexpr,                      # with X_PAIRS: the inputs are a split decode attention's unmerged
+                                              # partials (``_merged_inputs``), x_ptr only gives their dtype
+    HEAD_DIM: tl.constexpr, PO_D: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    if MERGE:   # the context length is staged before the step: read before the PDL wait
+        tl.static_assert(X_PAIRS, "MERGE: the merged inputs go to the pairs' scratch")
+        ctx = tl.load(ctx_ptr)
+        n_live = (ctx + merge_partition - 1) // merge_partition
     pid_n, pid_k, k_begin, k_end = start_split(qw_ptr, stride_qw, k_per_split, K, N, BLOCK_N,
                                                0 if EARLY == 2 else PREFETCH, PDL and EARLY != 2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -270,7 +335,12 @@ def quant_gemv_half2_kernel(
     # the power of two that brings this program's inputs below 512: 2^(8 − E), E = floor(log2 max |x|)
     if X_PAIRS:
         xp = xp_ptr + (pid_k * tl.num_programs(0) + pid_n).to(tl.int64) * (X_SPAN // 2)
-        unscale = _scratch_pairs(x_ptr, xp, k_begin, k_end, X_SPAN, INTERPRET)
+        if MERGE:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _merged_inputs(x_ptr, lse_ptr, po_ptr, n_live, merge_splits, k_begin,
+                                                            k_end, X_SPAN, HEAD_DIM, PO_D, MERGE_S, MERGE_C)
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _split_inputs(x_ptr, k_begin, k_end, X_SPAN)
+        unscale = _scratch_pairs(xp, x0, x1, x2, x3, x4, x5, x6, x7, X_SPAN, INTERPRET)
         sc = 1.0
         tl.debug_barrier()                                   # every lane's pairs written before any is read
     elif X_SPAN:   # one load: one memory latency before the weights can be multiplied, not one per K step

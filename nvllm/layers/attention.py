@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from nvllm.kernels import attention_partials
+from nvllm.kernels.attention_partials import AttentionPartials
 from nvllm.kernels.kv_store import store_kv
 from nvllm.kernels.paged_attention import paged_attention
 from nvllm.kernels.rope_store import rope_store
@@ -84,7 +86,7 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache | tuple,
                 meta: AttentionMetadata, positions: torch.Tensor | None = None, rotary=None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, defer_merge: bool = False) -> torch.Tensor | AttentionPartials:
         """q: [T, H, D], k/v: [T, H_kv, D] → [T, H·D]. ``kv_cache``: a KVCache (or a plain (k, v) tuple).
 
         With ``positions`` [T] and ``rotary`` (a RotaryEmbedding: its cos/sin tables) q and k come unrotated:
@@ -93,7 +95,8 @@ class Attention(nn.Module):
         q, k, v may also be a quantized qkv projection's unfinished ``PartialSum`` heads (``rope_store`` finishes
         them).
         ``out``: a [T, H, D] buffer (e.g. a view of a static one) the attention writes into; the result is
-        then a view of it."""
+        then a view of it. ``defer_merge``: a split decode may return its partials unmerged
+        (``nvllm.kernels.attention_partials``; its consumer merges them)."""
         if len(kv_cache) == 2:
             (k_cache, v_cache), k_scale, v_scale = kv_cache, None, None
         else:
@@ -106,5 +109,8 @@ class Attention(nn.Module):
                               k_scale, v_scale)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
                               self.scale, meta.max_query_len, out=out, max_context_len=meta.max_context_len,
-                              k_scale=k_scale, v_scale=v_scale, fresh_tokens=meta.fresh_tokens)
+                              k_scale=k_scale, v_scale=v_scale, fresh_tokens=meta.fresh_tokens,
+                              defer_merge=defer_merge and out is None and attention_partials.enabled())
+        if isinstance(out, AttentionPartials):
+            return out
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

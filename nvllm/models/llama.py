@@ -17,6 +17,7 @@ from torch import nn
 from nvllm.config import ConfigError
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, even_part, head_parts, layer_shards
+from nvllm.kernels.attention_partials import AttentionPartials
 from nvllm.kernels.partial_sum import PartialSum
 from nvllm.layers.attention import Attention, AttentionMetadata
 from nvllm.layers.embed_head import LMHead, VocabEmbedding
@@ -151,10 +152,12 @@ class DecoderLayer(nn.Module):
     def attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
                   meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rotary of the unrotated q, k (``pre_attention(..., rotate=False)``) fused with the KV store, then
-        paged attention → [T, H·D] (into ``out`` [T, H, D] when given)."""
-        return self.attn(q, k, v, kv_cache, meta, positions=positions, rotary=self.rotary, out=out)
+        paged attention → [T, H·D] (into ``out`` [T, H, D] when given; without it a split decode's partials may
+        come back unmerged, for o_proj to merge: ``nvllm.kernels.attention_partials``)."""
+        return self.attn(q, k, v, kv_cache, meta, positions=positions, rotary=self.rotary, out=out,
+                         defer_merge=out is None)
 
-    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
+    def post_attention(self, attn_out: torch.Tensor | AttentionPartials, residual: torch.Tensor):
         """o_proj, post-attention norm (with the residual add) and the MLP → (hidden, residual). ``hidden`` may
         be down_proj's unfinished ``PartialSum`` (a quantized GEMV's split-K sum, nvllm.kernels.partial_sum):
         the next RMSNorm's residual add finishes it, as the post-attention norm does o_proj's."""
