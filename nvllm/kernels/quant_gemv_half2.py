@@ -182,78 +182,65 @@ def _row_dot(words, xp, j, z, z1, z16, INTERPRET: tl.constexpr):
 
 
 @_jit
-def _split_inputs(x_ptr, k_begin, k_end, X_SPAN: tl.constexpr):
-    """The split's inputs in fp32 as eight vectors over its word rows r: x_j[r] = x[k_begin + 8 r + j]."""
-    r = tl.arange(0, X_SPAN // 8)
-    xr = x_ptr + k_begin + 8 * r
-    ok = 8 * r < k_end - k_begin
-    return (tl.load(xr, mask=ok, other=0.0).to(tl.float32), tl.load(xr + 1, mask=ok, other=0.0).to(tl.float32),
-            tl.load(xr + 2, mask=ok, other=0.0).to(tl.float32), tl.load(xr + 3, mask=ok, other=0.0).to(tl.float32),
-            tl.load(xr + 4, mask=ok, other=0.0).to(tl.float32), tl.load(xr + 5, mask=ok, other=0.0).to(tl.float32),
-            tl.load(xr + 6, mask=ok, other=0.0).to(tl.float32), tl.load(xr + 7, mask=ok, other=0.0).to(tl.float32))
-
-
-@_jit
-def _merged_inputs(x_ptr, lse_ptr, po_ptr, n_live, num_splits, k_begin, k_end, X_SPAN: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, PO_D: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr):
-    """``_split_inputs`` of a split decode attention's unmerged output (``attention_partials``): the split's inputs
+def _merged_pairs(x_ptr, xp, lse_ptr, po_ptr, n_live, num_splits, k_begin, k_end, X_SPAN: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, PO_D: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """``_scratch_pairs`` of a split decode attention's unmerged output (``attention_partials``). The split's inputs
     lie in one head h; each is Σ_s w_s o_s / Σ_s w_s over the ``n_live`` partitions that hold tokens, w_s =
-    exp2(lse_s − max lse), rounded to x's dtype — stage 2's formula (``decode_attention``). The log-sum-exps and the
-    first ``MERGE_C`` partitions' outputs are loaded together: one trip to memory up to ``MERGE_C`` partitions."""
-    r = tl.arange(0, X_SPAN // 8)
-    ok = 8 * r < k_end - k_begin
+    exp2(lse_s − max lse), rounded to x's dtype: stage 2's formula (``decode_attention``). The log-sum-exps and the
+    first ``MERGE_C`` partitions' outputs (rows of X_SPAN contiguous floats) are loaded together: one trip to
+    memory up to ``MERGE_C`` partitions, one more per ``MERGE_C`` after that."""
+    k = tl.arange(0, X_SPAN)
+    ok = k < k_end - k_begin
     h = k_begin // HEAD_DIM
-    d = k_begin - h * HEAD_DIM + 8 * r
+    d = k_begin - h * HEAD_DIM + k
     lse_row = lse_ptr + h * num_splits
     po_row = po_ptr + (h * num_splits).to(tl.int64) * PO_D
     s = tl.arange(0, MERGE_S)
     lse = tl.load(lse_row + s, mask=s < n_live, other=float("-inf"))
     c = tl.arange(0, MERGE_C)
     live = c < n_live
-    tile = po_row + c[:, None] * PO_D + d[None, :]
-    m = live[:, None] & ok[None, :]
-    o0 = tl.load(tile, mask=m, other=0.0)
-    o1 = tl.load(tile + 1, mask=m, other=0.0)
-    o2 = tl.load(tile + 2, mask=m, other=0.0)
-    o3 = tl.load(tile + 3, mask=m, other=0.0)
-    o4 = tl.load(tile + 4, mask=m, other=0.0)
-    o5 = tl.load(tile + 5, mask=m, other=0.0)
-    o6 = tl.load(tile + 6, mask=m, other=0.0)
-    o7 = tl.load(tile + 7, mask=m, other=0.0)
+    o = tl.load(po_row + c[:, None] * PO_D + d[None, :], mask=live[:, None] & ok[None, :], other=0.0)
     lse_c = tl.load(lse_row + c, mask=live, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)           # no tokens: weights 0, inputs 0
     w_sum = tl.sum(tl.exp2(lse - lse_max), 0)
-    w = tl.exp2(lse_c - lse_max)[:, None]
-    x0, x1, x2, x3 = tl.sum(o0 * w, 0), tl.sum(o1 * w, 0), tl.sum(o2 * w, 0), tl.sum(o3 * w, 0)
-    x4, x5, x6, x7 = tl.sum(o4 * w, 0), tl.sum(o5 * w, 0), tl.sum(o6 * w, 0), tl.sum(o7 * w, 0)
+    x = tl.sum(o * tl.exp2(lse_c - lse_max)[:, None], 0)
     for c0 in range(MERGE_C, n_live, MERGE_C):                            # longer contexts: a chunk at a time
         live = c0 + c < n_live
-        tile = po_row + (c0 + c)[:, None] * PO_D + d[None, :]
-        m = live[:, None] & ok[None, :]
-        w = tl.exp2(tl.load(lse_row + c0 + c, mask=live, other=float("-inf")) - lse_max)[:, None]
-        x0 += tl.sum(tl.load(tile, mask=m, other=0.0) * w, 0)
-        x1 += tl.sum(tl.load(tile + 1, mask=m, other=0.0) * w, 0)
-        x2 += tl.sum(tl.load(tile + 2, mask=m, other=0.0) * w, 0)
-        x3 += tl.sum(tl.load(tile + 3, mask=m, other=0.0) * w, 0)
-        x4 += tl.sum(tl.load(tile + 4, mask=m, other=0.0) * w, 0)
-        x5 += tl.sum(tl.load(tile + 5, mask=m, other=0.0) * w, 0)
-        x6 += tl.sum(tl.load(tile + 6, mask=m, other=0.0) * w, 0)
-        x7 += tl.sum(tl.load(tile + 7, mask=m, other=0.0) * w, 0)
-    den = tl.where(w_sum > 0, w_sum, 1.0)
-    ty = x_ptr.dtype.element_ty
-    return ((x0 / den).to(ty).to(tl.float32), (x1 / den).to(ty).to(tl.float32), (x2 / den).to(ty).to(tl.float32),
-            (x3 / den).to(ty).to(tl.float32), (x4 / den).to(ty).to(tl.float32), (x5 / den).to(ty).to(tl.float32),
-            (x6 / den).to(ty).to(tl.float32), (x7 / den).to(ty).to(tl.float32))
+        o = tl.load(po_row + (c0 + c)[:, None] * PO_D + d[None, :], mask=live[:, None] & ok[None, :], other=0.0)
+        w = tl.exp2(tl.load(lse_row + c0 + c, mask=live, other=float("-inf")) - lse_max)
+        x += tl.sum(o * w[:, None], 0)
+    x = (x / tl.where(w_sum > 0, w_sum, 1.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    # the scratch's four words of word row r: (x[8r + j], x[8r + j + 4]) for j < 4, times the scale (j odd: / 16)
+    sc, unscale = _pow2_scale(tl.max(tl.abs(x), 0))
+    lo, hi = tl.split(tl.permute(tl.reshape(x, (X_SPAN // 8, 2, 4)), (0, 2, 1)))
+    j = tl.arange(0, 4)[None, :]
+    f = tl.where(j % 2 == 0, sc, sc * 0.0625)
+    r = tl.arange(0, X_SPAN // 8)[:, None]
+    if INTERPRET:
+        tl.store(xp + 4 * r + j, _pair_ops(lo * f, hi * f))
+    else:
+        tl.store(xp + 4 * r + j, _pair(lo * f, hi * f))
+    return unscale
 
 
 @_jit
-def _scratch_pairs(xp, x0, x1, x2, x3, x4, x5, x6, x7, X_SPAN: tl.constexpr, INTERPRET: tl.constexpr):
-    """The split's inputs (``_split_inputs``) as f16x2 pairs, written once to the program's scratch ``xp`` (four
-    words per word row: the ``_pairs`` of that row): each lane packs its own rows instead of every lane packing
-    every row. Returns the power-of-two scale's inverse; the caller's barrier makes the pairs visible to every
-    lane."""
+def _scratch_pairs(x_ptr, xp, k_begin, k_end, X_SPAN: tl.constexpr, INTERPRET: tl.constexpr):
+    """The split's inputs as f16x2 pairs, written once to the program's scratch ``xp`` (four words per word row:
+    the ``_pairs`` of that row): each lane packs its own rows instead of every lane packing every row. Returns
+    the power-of-two scale's inverse; the caller's barrier makes the pairs visible to every lane."""
     r = tl.arange(0, X_SPAN // 8)
+    xr = x_ptr + k_begin + 8 * r
+    ok = 8 * r < k_end - k_begin
+    x0 = tl.load(xr, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(xr + 1, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(xr + 2, mask=ok, other=0.0).to(tl.float32)
+    x3 = tl.load(xr + 3, mask=ok, other=0.0).to(tl.float32)
+    x4 = tl.load(xr + 4, mask=ok, other=0.0).to(tl.float32)
+    x5 = tl.load(xr + 5, mask=ok, other=0.0).to(tl.float32)
+    x6 = tl.load(xr + 6, mask=ok, other=0.0).to(tl.float32)
+    x7 = tl.load(xr + 7, mask=ok, other=0.0).to(tl.float32)
     m = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
                    tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
     sc, unscale = _pow2_scale(tl.max(m))
@@ -336,11 +323,10 @@ def quant_gemv_half2_kernel(
     if X_PAIRS:
         xp = xp_ptr + (pid_k * tl.num_programs(0) + pid_n).to(tl.int64) * (X_SPAN // 2)
         if MERGE:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _merged_inputs(x_ptr, lse_ptr, po_ptr, n_live, merge_splits, k_begin,
-                                                            k_end, X_SPAN, HEAD_DIM, PO_D, MERGE_S, MERGE_C)
+            unscale = _merged_pairs(x_ptr, xp, lse_ptr, po_ptr, n_live, merge_splits, k_begin, k_end, X_SPAN,
+                                    HEAD_DIM, PO_D, MERGE_S, MERGE_C, INTERPRET)
         else:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _split_inputs(x_ptr, k_begin, k_end, X_SPAN)
-        unscale = _scratch_pairs(xp, x0, x1, x2, x3, x4, x5, x6, x7, X_SPAN, INTERPRET)
+            unscale = _scratch_pairs(x_ptr, xp, k_begin, k_end, X_SPAN, INTERPRET)
         sc = 1.0
         tl.debug_barrier()                                   # every lane's pairs written before any is read
     elif X_SPAN:   # one load: one memory latency before the weights can be multiplied, not one per K step
