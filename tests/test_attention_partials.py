@@ -11,6 +11,7 @@ from tests.test_kernels_attention import _paged_cache, _skip_unsupported
 from tests.test_quant_gemm_kernel import check, make_weight, semantic_ref
 from tests.test_quant_gemv_kernel import HALF2_TOL, run_gemv  # noqa: I001  (sets up the interpreter's kernels)
 
+from nvllm.kernels import quant_gemv as QV  # noqa: E402
 from nvllm.kernels import report  # noqa: E402
 from nvllm.kernels.attention_partials import AttentionPartials  # noqa: E402
 from nvllm.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
@@ -36,10 +37,11 @@ def _attention(ctx: int, dtype, capacity: int, defer: bool, partition: int = 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)   # bf16: where the interpreter can
-@pytest.mark.parametrize("ctx", [100, 300, 0])   # 7 live partitions; 19 (more than one chunk of 16); none
+@pytest.mark.parametrize("ctx", [100, 300, 0])   # 7 live partitions; 19 (three loads of 8); none
 @pytest.mark.parametrize("block_k,split_k", [(32, 4), (16, 8)])   # each split one head, or half a head
-def test_gemv_merges_the_partials(dtype, ctx, block_k, split_k):
+def test_gemv_merges_the_partials(dtype, ctx, block_k, split_k, monkeypatch):
     _skip_unsupported(dtype)
+    monkeypatch.setattr(QV, "MERGE_CHUNK", 8 if block_k == 16 else QV.MERGE_CHUNK)
     qw = make_weight("gptq4-k128-n64-g32", "gptq", 4, HEADS * HEAD_DIM, 64, 32, False, False)
     kw = dict(variant="half2", block_n=32, block_k=block_k, split_k=split_k, x_pairs=1)
     partials, out, ref = _attention(ctx, dtype, 512, defer=True)

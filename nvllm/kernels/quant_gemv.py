@@ -386,9 +386,11 @@ X_SPAN_MAX = 1024
 """Longest K range (inputs) whose max one-row ``half2`` takes in one load (``x_once``); longer ranges loop. With
 several rows 256 (the widest the session-9 sweeps measured; ptxas gives two rows at 1024 a spill)."""
 
-MERGE_CHUNK = 16
-"""Attention splits a one-row ``half2`` program merges per load of its inputs (``attention_partials``): contexts of
-up to 16 partitions take one trip to memory, longer ones one more per 16."""
+MERGE_CHUNK = 32
+"""Attention partitions a one-row ``half2`` program merges per load of its inputs (``attention_partials``): contexts
+of up to 32 partitions take one trip to memory, longer ones one more per 32. H200, Qwen2.5-7B o_proj, attention +
+o_proj at 2-47 partitions: 7.7-9.5 µs with 32, 8.5-11.2 with 8 and 16, stage 2 then the GEMV 10.0-11.2 (PERF run
+DA). The kernel then takes 167 registers a thread (no spill), which only o_proj's 784 programs pay."""
 
 
 def _x_span(k_per_split: int, rows: int = 1) -> int:
