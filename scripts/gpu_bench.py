@@ -366,8 +366,7 @@ def table(res: dict) -> str:
         if f"hf_prefill_{n}_ms" in res:
             row += f"; HF {res[f'hf_prefill_{n}_ms']:.1f} ms ({res[f'hf_prefill_{n}_ms'] / limit_ms:.2f}x)"
         lines.append(row)
-    suffixes = ("", "_finished", "_nopdl", "_gemv", "_stage2", "_silukernel")
-    for method, suffix in ((m, s) for m in QUANT_CONFIGS for s in suffixes):
+    for method, suffix in ((m, s) for m in QUANT_CONFIGS for s in ("", "_finished", "_nopdl", "_gemv", "_stage2")):
         k = f"nvllm_{method}_w4{suffix}_tpot_ms"
         if k in res:
             line = f"{method}{suffix} W4A16 g128 TPOT {res[k]:.2f} ms = {1000 / res[k]:.0f} tok/s"
@@ -435,9 +434,6 @@ def main() -> None:
     ap.add_argument("--merge-compare", action="store_true",
                     help="also run --quant with decode attention merged by its own kernel "
                          "(NVLLM_ATTENTION_PARTIALS=0), first; keys _stage2")
-    ap.add_argument("--silu-gemv-compare", action="store_true",
-                    help="also run --quant with SiLU·mul as a kernel of its own (NVLLM_SILU_IN_GEMV=0), first; keys "
-                         "_silukernel")
     ap.add_argument("--gemv-compare", default="",
                     help='also run --quant with these one-row GEMV defaults (JSON, format -> quant_gemv config, e.g. '
                          '{"gptq": {"variant": "half2", "block_n": 128, "block_k": 64, "num_warps": 1}}); keys _gemv')
@@ -483,9 +479,6 @@ def main() -> None:
     if args.quant and args.partial_compare:
         steps.append(("quant finished", lambda: with_env("NVLLM_PARTIAL_SUMS", "0", lambda: quant_runs(
             model_dir, res, args.quant.split(","), save, "_finished", batches=quant_batches))))
-    if args.quant and args.silu_gemv_compare:
-        steps.append(("quant silukernel", lambda: with_env("NVLLM_SILU_IN_GEMV", "0", lambda: quant_runs(
-            model_dir, res, args.quant.split(","), save, "_silukernel", batches=quant_batches))))
     if args.quant and args.merge_compare:
         steps.append(("quant stage2", lambda: with_env("NVLLM_ATTENTION_PARTIALS", "0", lambda: quant_runs(
             model_dir, res, args.quant.split(","), save, "_stage2", batches=quant_batches))))

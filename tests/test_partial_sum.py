@@ -18,8 +18,7 @@ pytest.importorskip("triton")
 from nvllm.kernels import partial_sum as P  # noqa: E402
 from nvllm.kernels import quant_gemm as QG  # noqa: E402
 from nvllm.kernels import report  # noqa: E402
-from nvllm.kernels import quant_gemv as QV  # noqa: E402
-from nvllm.kernels.activation import PendingSiluMul, pending_silu_and_mul, silu_and_mul  # noqa: E402
+from nvllm.kernels.activation import silu_and_mul  # noqa: E402
 from nvllm.kernels.rmsnorm import fused_add_rms_norm  # noqa: E402
 from nvllm.kernels.rope_store import rope_store  # noqa: E402
 from nvllm.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -76,41 +75,6 @@ def test_silu_and_mul_finishes_the_sum(dtype):
         got = silu_and_mul(ps)
         assert got.dtype == dtype and torch.equal(got, want)
         assert not ps.acc.any() and not _held(ps)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-def test_down_gemv_finishes_silu_and_mul(dtype, with_bias, monkeypatch):
-    """One row: gate_up's sum with its SiLU·mul left to the down projection's GEMV (``PendingSiluMul``), formed in its
-    prologue with the SiLU·mul kernel's bits; the last of each K range's three column tiles re-zeroes that range.
-    Other variants and ``NVLLM_SILU_IN_GEMV=0`` run the kernel of its own."""
-    gate_up, down = _layer(K=128, N=2 * 192, seed=4), _layer(K=192, N=96, seed=5)
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(1, 128, generator=g).to(dtype)
-    bias = torch.randn(2 * 192, generator=g).to(dtype) if with_bias else None
-
-    def run_down(y, **kw):
-        return QV.quant_gemv(y, down.qweight, down.qzeros, down.scales, fmt="gptq", bits=4, group_size=32, **kw)
-
-    for kw in (dict(variant="half2", block_n=32, block_k=32, x_pairs=1, split_k=2),
-               dict(variant="half2", block_n=32, block_k=32, x_pairs=1, split_k=6), dict(variant="row")):
-        want = run_down(silu_and_mul(QG.quant_linear(x, gate_up, bias)), **kw)
-        ps = QG.quant_linear(x, gate_up, bias, partial=True)
-        pending = pending_silu_and_mul(ps)
-        assert isinstance(pending, PendingSiluMul)
-        report.reset()
-        got = run_down(pending, **kw)
-        fused = kw["variant"] == "half2"
-        assert report.snapshot()["silu_and_mul"] == {
-            "in the w4a16 gemv's prologue (finishes split-K sums)" if fused else
-            "triton silu_and_mul (finishes split-K sums)": 1}
-        assert got.dtype == dtype and torch.equal(got, want)
-        assert not ps.acc.any() and not _held(ps) and not QV._TICKETS[torch.device("cpu")].any()
-    assert pending_silu_and_mul(QG.quant_linear(x.expand(2, -1), gate_up, bias, partial=True)) is None  # two rows
-    monkeypatch.setenv("NVLLM_SILU_IN_GEMV", "0")
-    ps = QG.quant_linear(x, gate_up, bias, partial=True)
-    assert pending_silu_and_mul(ps) is None
-    ps.finish()
 
 
 def test_finish_and_the_buffers(monkeypatch):
@@ -177,7 +141,7 @@ def test_consumers_without_triton_finish_first(monkeypatch):
 
 def test_engine_greedy_with_sums_finished_by_consumers(tmp_path, monkeypatch):
     """A GPTQ 4-bit Qwen2 (qkv bias) through the engine on the Triton kernels: qkv, o_proj, gate_up and down
-    leave their sums to rope_store, the norms and SiLU·mul (in down_proj's GEMV at one row); the greedy tokens are HF transformers' on the dequantized weights,
+    leave their sums to rope_store, the norms and SiLU·mul; the greedy tokens are HF transformers' on the dequantized weights,
     and the same with every sum finished in the GEMV."""
     from nvllm import SamplingParams
     from tests.conftest import build_tiny_model, make_llm
@@ -194,11 +158,8 @@ def test_engine_greedy_with_sums_finished_by_consumers(tmp_path, monkeypatch):
         report.reset()
         tokens[on] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         seen = report.snapshot()
-        ops = ("fused_add_rms_norm", "silu_and_mul", "rotary")
-        finishing = {op for op in ops for impl in seen[op] if "finishes split-K sums" in impl}
-        assert finishing == (set(ops) if on else set()), seen
-        # one-row decode steps: SiLU·mul in the down projection's GEMV
-        assert ("in the w4a16 gemv's prologue (finishes split-K sums)" in seen["silu_and_mul"]) == on, seen
+        finished_by = {impl for op in ("fused_add_rms_norm", "silu_and_mul", "rotary") for impl in seen[op]}
+        assert sum("finishes split-K sums" in impl for impl in finished_by) == (3 if on else 0), finished_by
         del llm
     assert tokens[True] == tokens[False] == hf_greedy(src, prompt, 6, deq)
 

@@ -273,14 +273,12 @@ from nvllm.kernels.quant_gemv_half2_rows import quant_gemv_half2_rows_kernel as 
 ptrs = {"x_ptr": "*bf16", "xw_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16", "bias_ptr": "*i32",
         "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 ints = ["N", "K", "stride_qw", "stride_qz", "stride_s", "k_per_split"]
-merge_args = {"lse_ptr": "*fp32", "po_ptr": "*fp32", "ctx_ptr": "*i32", "merge_splits": "i32", "merge_partition": "i32",
-              "ga_ptr": "*fp32", "gb_ptr": "*bf16", "tk_ptr": "*i32"}
+merge_args = {"lse_ptr": "*fp32", "po_ptr": "*fp32", "ctx_ptr": "*i32", "merge_splits": "i32", "merge_partition": "i32"}
 before = {}   # MERGE → global loads before the PDL wait (one row, EARLY 2)
-for x_words, rows, x_pairs, ahead, early, merge, silu in (
-        (True, 1, False, 0, 0, False, False), (False, 1, False, 0, 0, False, False),
-        (True, 1, True, 8, 0, False, False), (True, 1, True, 8, 1, False, False), (True, 1, True, 0, 2, False, False),
-        (True, 1, True, 0, 2, True, False), (True, 1, True, 8, 0, False, True), (True, 2, False, 4, 0, False, False),
-        (True, 4, False, 0, 0, False, False)):
+for x_words, rows, x_pairs, ahead, early, merge in (
+        (True, 1, False, 0, 0, False), (False, 1, False, 0, 0, False), (True, 1, True, 8, 0, False),
+        (True, 1, True, 8, 1, False), (True, 1, True, 0, 2, False), (True, 1, True, 0, 2, True),
+        (True, 2, False, 4, 0, False), (True, 4, False, 0, 0, False)):
     kernel = one_row if rows == 1 else rows_kernel
     sig = dict(ptrs, **{k: "i32" for k in (ints if rows == 1 else ["M", "N", "K", "stride_xm", "stride_om"] + ints[2:])})
     const = dict(GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1, BLOCK_N=128, BLOCK_K=64,
@@ -292,7 +290,7 @@ for x_words, rows, x_pairs, ahead, early, merge, silu in (
         sig = {k: sig[k] for k in kernel.arg_names if k in sig}   # in the kernel's argument order
         const["X_PAIRS"] = x_pairs
         const["EARLY"] = early
-        const.update(MERGE=merge, HEAD_DIM=128, PO_D=128, MERGE_S=64, MERGE_C=32, SILU=silu, SILU_BIAS=silu)
+        const.update(MERGE=merge, HEAD_DIM=128, PO_D=128, MERGE_S=64, MERGE_C=16)
     sig.update({k: "constexpr" for k in kernel.arg_names if k in const})
     src = ASTSource(fn=kernel, signature=sig, constexprs={(list(sig).index(k),): v for k, v in const.items()})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1})

@@ -13,9 +13,6 @@ This file holds the op's three parts: the torch reference, the Triton kernel and
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -141,59 +138,6 @@ def silu_and_mul_triton(x: torch.Tensor | PartialSum, out: torch.Tensor | None =
     if partial is not None:
         partial.release()
     return out
-
-
-# ------------------------------------------------------------------------------ left to the down projection
-
-
-def in_gemv() -> bool:
-    """Whether a quantized gate_up's SiLU·mul may be left to the down projection's GEMV (``PendingSiluMul``);
-    ``NVLLM_SILU_IN_GEMV=0`` always runs it as a kernel of its own. Read at each call: engines built while it is 0
-    capture their graphs that way (the GPU benchmark compares both)."""
-    return os.environ.get("NVLLM_SILU_IN_GEMV", "1") != "0"
-
-
-@dataclass
-class PendingSiluMul:
-    """SiLU·mul of a gate_up GEMV's unfinished one-row sum (``partial``: ``[1, 2I]``, ``[gate | up]``), left to its
-    one reader, down_proj: a one-row ``half2`` GEMV forms its inputs from the sums in its prologue (the bits of
-    ``silu_and_mul_triton``) and its programs' last reader of each K range re-zeroes that range of the accumulator;
-    any other consumer calls ``finish`` — the SiLU·mul kernel, into ``out`` — first. At batch 1 the kernel of its
-    own was 1.45–1.7 µs of each Qwen2.5-7B GPTQ layer's advance on the H200 (PERF.md runs CX, DB)."""
-
-    partial: PartialSum
-    out: torch.Tensor   # [1, I] in the activations' dtype: where ``finish`` writes
-
-    @property
-    def rows(self) -> torch.Tensor:
-        return self.out
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.out.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.out.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.out.device
-
-    def fits(self, rows: int, k_per_split: int) -> bool:
-        return rows == 1
-
-    def finish(self) -> torch.Tensor:
-        """The SiLU·mul kernel (finishing the sums), into ``out``."""
-        report.record("silu_and_mul", "triton silu_and_mul (finishes split-K sums)")
-        return silu_and_mul_triton(self.partial, out=self.out)
-
-
-def pending_silu_and_mul(x: PartialSum) -> PendingSiluMul | None:
-    """``x``'s SiLU·mul left to the down projection, when it can be (one row on the Triton kernels)."""
-    if in_gemv() and use_triton(x.acc) and x.acc.dim() == 2 and x.acc.shape[0] == 1:
-        return PendingSiluMul(x, torch.empty(1, x.acc.shape[1] // 2, dtype=x.dtype, device=x.acc.device))
-    return None
 
 
 # ----------------------------------------------------------------------------------------------- dispatch

@@ -74,3 +74,7 @@ class AttentionPartials:
         merge_partials(self.part_o, self.part_lse, self.out)
         return self.rows
 
+
+def finished_attention(x: torch.Tensor | AttentionPartials) -> torch.Tensor:
+    """``x`` itself, or the merged rows of unmerged partials."""
+    return x.finish() if isinstance(x, AttentionPartials) else x

@@ -40,7 +40,7 @@ import os
 import torch
 
 from nvllm.kernels import report
-from nvllm.kernels.deferred_input import DEFERRED
+from nvllm.kernels.attention_partials import AttentionPartials
 from nvllm.kernels.partial_sum import PartialSum, take
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
 from nvllm.kernels.backend import eager_triton, use_triton
@@ -326,25 +326,25 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = N
     kernel below ``DEQUANT_MATMUL_MIN_M`` rows, Triton dequantize + dense matmul from there on. Otherwise the
     torch reference (dequantize + fp32 matmul). ``partial``: a GEMV call on a 2-D ``x`` returns its unfinished
     ``PartialSum`` (its consumer adds the bias, casts and re-zeroes the accumulator), others the output. ``x`` may be
-    an input left unfinished (``deferred_input``: o_proj's attention partials, down_proj's SiLU·mul): the GEMV
-    finishes it when it can, else it is finished first."""
-    deferred = x if isinstance(x, DEFERRED) else None
-    x = x.rows if deferred is not None else x   # where ``finish`` writes: shape and dtype, written only by it
+    a split decode attention's unmerged ``AttentionPartials`` (o_proj): the GEMV merges them when it can, else they
+    are merged first."""
+    merge = x if isinstance(x, AttentionPartials) else None
+    x = x.rows if merge is not None else x   # the merge's destination: shape and dtype, written only by a merge
     if x.shape[-1] != qw.in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the quantized layer expects {qw.in_features}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, qw.in_features)
-    gemv_input = deferred if deferred is not None else x2
-    if deferred is not None and not use_triton(x):
-        deferred.finish()
+    gemv_input = merge if merge is not None else x2
+    if merge is not None and not use_triton(x):
+        merge.finish()
     if use_triton(x):
         m = x2.shape[0]
         fmt = f"{qw.extra['from']} as {qw.fmt}" if qw.extra.get("from") else qw.fmt   # the kernel report's name
         gemv = m <= GEMV_MAX_M or (GEMV_MAX_M > 0 and gemv_tuned(m, qw.in_features, qw.group_size, qw.fmt, qw.bits,
                                                                    qw.out_features))
         gemv = gemv and gemv_supported(m, qw.in_features, qw.group_size, qw.act_order, fmt=qw.fmt, bits=qw.bits)
-        if deferred is not None and not gemv:
-            deferred.finish()
+        if merge is not None and not gemv:
+            merge.finish()
         if gemv:
             report.record("quant_gemm", f"triton w{qw.bits}a16 {fmt} gemv")
             buf = take(x.device, m * qw.out_features) if partial and x.dim() == 2 and partial_sums() else None

@@ -54,9 +54,7 @@ import torch
 
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
 from nvllm.kernels import pdl, prefetch, report
-from nvllm.kernels.activation import PendingSiluMul
 from nvllm.kernels.attention_partials import AttentionPartials
-from nvllm.kernels.deferred_input import DEFERRED
 from nvllm.kernels.backend import eager_triton
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
@@ -420,19 +418,6 @@ def _workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tens
     return held[-1]
 
 
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device) -> torch.Tensor | None:
-    """Zeroed int32 counters, one per K split, that a one-row ``half2`` GEMV finishing a SiLU·mul takes to find each
-    split's last reader (it re-zeroes them); None while a CUDA graph is being captured and none exist yet. One per
-    device: calls on concurrent streams must not use them."""
-    held = _TICKETS.get(device)
-    if held is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        held = _TICKETS[device] = torch.zeros(max(MAX_SPLITS, 4096), device=device, dtype=torch.int32)
-    return held
-
-
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
 
 
@@ -464,11 +449,10 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     variants half2 and mma: the call's weights asked of L2 before the PDL wait, at most this much; ``prefetch.py``),
     ``early`` (0/1/2, one-row half2 with ``x_pairs`` and splits of one K step of 64: the split's words, scales and
     zeros loaded into registers before its inputs; 2: before the PDL wait, in place of the L2 prefetch).
-    ``x`` may be an input left unfinished (``deferred_input``): a one-row ``half2`` call with input pairs finishes it
-    in its prologue — a split decode attention's partials when each K split lies inside one head, a gate_up sum's
-    SiLU·mul always — and any other call finishes it first."""
-    deferred = x if isinstance(x, DEFERRED) else None
-    x = x.rows if deferred is not None else x
+    ``x`` may be a split decode attention's unmerged ``AttentionPartials``: a one-row ``half2`` call with input pairs
+    whose K splits each lie inside one head merges them in its prologue; any other call merges them first."""
+    merge = x if isinstance(x, AttentionPartials) else None
+    x = x.rows if merge is not None else x
     M, K = x.shape
     N = scales.shape[1]
     cfg = pick_gemv_config(M, K, group_size, fmt, bits, N)
@@ -498,12 +482,8 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     split_k, k_per_split = plan_split_k(n_tiles, K, bk, x.device, split_k)
     x_span = _x_span(k_per_split, bm) if cfg["x_once"] else 0
     pairs = variant == "half2" and bm == 1 and bool(cfg["x_pairs"]) and x_span > 0
-    xp = _pairs_scratch(x.device, n_tiles * split_k * x_span // 2) if pairs else None
-    silu = isinstance(deferred, PendingSiluMul)
-    tickets = _tickets(x.device) if silu else None
-    if deferred is not None and not (xp is not None and deferred.fits(M, k_per_split) and (tickets is not None or
-                                                                                           not silu)):
-        deferred, silu, x = None, False, deferred.finish()
+    if merge is not None and not (pairs and merge.fits(M, k_per_split)):
+        merge, x = None, merge.finish()
     if acc is not None:
         assert acc.shape == (M, N) and acc.dtype == torch.float32 and acc.stride(1) == 1, (acc.shape, acc.dtype)
         bias = None
@@ -542,27 +522,19 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
         elif bm == 1:
             from nvllm.kernels.quant_gemv_half2 import quant_gemv_half2_kernel
 
-            if isinstance(deferred, AttentionPartials):
+            xp = _pairs_scratch(x.device, n_tiles * split_k * x_span // 2) if pairs else None
+            if merge is not None:
                 report.record("attention.merge", "in the w4a16 gemv's prologue")
-                ms = deferred.num_splits
-                m_args = (deferred.part_lse, deferred.part_o, deferred.context_lens, ms, deferred.partition)
-                m_kw = dict(MERGE=True, HEAD_DIM=deferred.head_dim, PO_D=deferred.part_o.shape[3],
+                ms = merge.num_splits
+                m_args = (merge.part_lse, merge.part_o, merge.context_lens, ms, merge.partition)
+                m_kw = dict(MERGE=True, HEAD_DIM=merge.head_dim, PO_D=merge.part_o.shape[3],
                             MERGE_S=triton.next_power_of_2(ms), MERGE_C=min(triton.next_power_of_2(ms), MERGE_CHUNK))
             else:
                 m_args, m_kw = (out, out, out, 0, 0), dict(MERGE=False, HEAD_DIM=1, PO_D=1, MERGE_S=1, MERGE_C=1)
-            if silu:
-                report.record("silu_and_mul", "in the w4a16 gemv's prologue (finishes split-K sums)")
-                ps = deferred.partial
-                s_args, s_kw = (ps.acc, ps.bias if ps.bias is not None else ps.acc, tickets), \
-                    dict(SILU=True, SILU_BIAS=ps.bias is not None)
-            else:
-                s_args, s_kw = (out, out, out), dict(SILU=False, SILU_BIAS=False)
             quant_gemv_half2_kernel[(n_tiles, split_k)](
-                *h2_args, xp if xp is not None else out, *m_args, *s_args, N, K, qweight.stride(0), qzeros.stride(0),
+                *h2_args, xp if xp is not None else out, *m_args, N, K, qweight.stride(0), qzeros.stride(0),
                 scales.stride(0), k_per_split, BLOCK_N=bn, X_SPAN=x_span, X_PAIRS=xp is not None,
-                EARLY=cfg["early"] if xp is not None and k_per_split == bk == 64 else 0, **m_kw, **s_kw, **h2_kw)
-            if silu:
-                deferred.partial.release()
+                EARLY=cfg["early"] if xp is not None and k_per_split == bk == 64 else 0, **m_kw, **h2_kw)
         else:
             from nvllm.kernels.quant_gemv_half2_rows import quant_gemv_half2_rows_kernel
 

@@ -212,34 +212,7 @@ def _merged_pairs(x_ptr, xp, lse_ptr, po_ptr, n_live, num_splits, k_begin, k_end
         w = tl.exp2(tl.load(lse_row + c0 + c, mask=live, other=float("-inf")) - lse_max)
         x += tl.sum(o * w[:, None], 0)
     x = (x / tl.where(w_sum > 0, w_sum, 1.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    return _row_pairs(xp, x, X_SPAN, INTERPRET)
-
-
-@_jit
-def _silu_pairs(x_ptr, xp, ga_ptr, gb_ptr, inter, k_begin, k_end, X_SPAN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    """``_scratch_pairs`` of SiLU(gate) · up from a gate_up GEMV's unfinished sums ``ga_ptr`` ([gate | up], fp32,
-    ``inter`` each) and its bias: the bits of ``activation.silu_and_mul_triton`` (each finished sum rounded to x's
-    dtype, SiLU rounded, the product rounded)."""
-    k = k_begin + tl.arange(0, X_SPAN)
-    ok = k < k_end
-    gate = tl.load(ga_ptr + k, mask=ok, other=0.0)
-    up = tl.load(ga_ptr + inter + k, mask=ok, other=0.0)
-    if HAS_BIAS:
-        gate += tl.load(gb_ptr + k, mask=ok, other=0.0).to(tl.float32)
-        up += tl.load(gb_ptr + inter + k, mask=ok, other=0.0).to(tl.float32)
-    ty = x_ptr.dtype.element_ty
-    gate = gate.to(ty).to(tl.float32)
-    up = up.to(ty).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
-    return _row_pairs(xp, (act * up).to(ty).to(tl.float32), X_SPAN, INTERPRET)
-
-
-@_jit
-def _row_pairs(xp, x, X_SPAN: tl.constexpr, INTERPRET: tl.constexpr):
-    """The split's inputs ``x`` (fp32, X_SPAN in order, zero past the split) as ``_scratch_pairs`` writes them: word
-    row r's four words are (x[8r + j], x[8r + j + 4]) for j < 4, times the scale (j odd: / 16). Returns the scale's
-    inverse."""
+    # the scratch's four words of word row r: (x[8r + j], x[8r + j + 4]) for j < 4, times the scale (j odd: / 16)
     sc, unscale = _pow2_scale(tl.max(tl.abs(x), 0))
     lo, hi = tl.split(tl.permute(tl.reshape(x, (X_SPAN // 8, 2, 4)), (0, 2, 1)))
     j = tl.arange(0, 4)[None, :]
@@ -302,7 +275,6 @@ def _pow2_scale(m):
 def quant_gemv_half2_kernel(
     x_ptr, xw_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, xp_ptr,
     lse_ptr, po_ptr, ctx_ptr, merge_splits, merge_partition,   # MERGE: attention partials [1, H, S] / [1, H, S, PO_D]
-    ga_ptr, gb_ptr, tk_ptr,                   # SILU: gate_up's fp32 sums [1, 2K], its bias, the splits' tickets
     N, K,
     stride_qw, stride_qz, stride_s,           # row strides of qweight [K/8, N], qzeros, scales
     k_per_split,                              # K range of one split (a multiple of BLOCK_K)
@@ -320,13 +292,10 @@ def quant_gemv_half2_kernel(
     MERGE: tl.constexpr,                      # with X_PAIRS: the inputs are a split decode attention's unmerged
                                               # partials (``_merged_inputs``), x_ptr only gives their dtype
     HEAD_DIM: tl.constexpr, PO_D: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr,
-    SILU: tl.constexpr,                       # with X_PAIRS: the inputs are SiLU·mul of gate_up's unfinished sums
-                                              # (``_silu_pairs``); each split's last reader re-zeroes its range
-    SILU_BIAS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    tl.static_assert(X_PAIRS or not (MERGE or SILU), "MERGE, SILU: the finished inputs go to the pairs' scratch")
     if MERGE:   # the context length is staged before the step: read before the PDL wait
+        tl.static_assert(X_PAIRS, "MERGE: the merged inputs go to the pairs' scratch")
         ctx = tl.load(ctx_ptr)
         n_live = (ctx + merge_partition - 1) // merge_partition
     pid_n, pid_k, k_begin, k_end = start_split(qw_ptr, stride_qw, k_per_split, K, N, BLOCK_N,
@@ -356,14 +325,10 @@ def quant_gemv_half2_kernel(
         if MERGE:
             unscale = _merged_pairs(x_ptr, xp, lse_ptr, po_ptr, n_live, merge_splits, k_begin, k_end, X_SPAN,
                                     HEAD_DIM, PO_D, MERGE_S, MERGE_C, INTERPRET)
-        elif SILU:
-            unscale = _silu_pairs(x_ptr, xp, ga_ptr, gb_ptr, K, k_begin, k_end, X_SPAN, SILU_BIAS, INTERPRET)
         else:
             unscale = _scratch_pairs(x_ptr, xp, k_begin, k_end, X_SPAN, INTERPRET)
         sc = 1.0
         tl.debug_barrier()                                   # every lane's pairs written before any is read
-        if SILU:   # this program has read its sums: its ticket (awaited only at the end)
-            ticket = tl.atomic_add(tk_ptr + pid_k, 1, sem="acq_rel")
     elif X_SPAN:   # one load: one memory latency before the weights can be multiplied, not one per K step
         offs_x = k_begin + tl.arange(0, X_SPAN)
         m = tl.max(tl.abs(tl.load(x_ptr + offs_x, mask=offs_x < k_end, other=0.0).to(tl.float32)))
@@ -413,10 +378,3 @@ def quant_gemv_half2_kernel(
     offs_m = tl.arange(0, 1)
     epilogue((acc * unscale)[None, :], out_ptr, 0, offs_m, offs_m < 1, offs_n, mask_n, bias_ptr, ws_ptr, cnt_ptr,
              N, HAS_BIAS, ATOMIC, SERIAL, 1, BLOCK_N)
-    if SILU:
-        if ticket == tl.num_programs(0) - 1:   # every column tile has read this K range: zero it for the next sum
-            tl.debug_barrier()
-            k = k_begin + tl.arange(0, X_SPAN)
-            tl.store(ga_ptr + k, tl.zeros((X_SPAN,), tl.float32), mask=k < k_end)
-            tl.store(ga_ptr + K + k, tl.zeros((X_SPAN,), tl.float32), mask=k < k_end)
-            tl.atomic_xchg(tk_ptr + pid_k, 0)

@@ -13,7 +13,7 @@ from torch import nn
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, take_shard
 from nvllm.kernels.activation import interleave_rows, silu_and_mul
-from nvllm.kernels.deferred_input import finished_input
+from nvllm.kernels.attention_partials import finished_attention
 from nvllm.kernels.gemm import SkinnyConfig, gemm, gemm_choice, gemm_silu_and_mul
 
 
@@ -74,9 +74,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor:
         """``out``: an optional destination (contiguous rows), e.g. a CUDA-graph piece's static buffer.
-        ``partial`` is ``QuantLinear``'s (dense GEMMs finish their outputs: always a tensor). ``x`` may be an input
-        left unfinished (``nvllm.kernels.deferred_input``: o_proj's, down_proj's), finished first."""
-        x = finished_input(x)
+        ``partial`` is ``QuantLinear``'s (dense GEMMs finish their outputs: always a tensor). ``x`` may be a split
+        decode attention's unmerged partials (o_proj), merged first."""
+        x = finished_attention(x)
         if self.tp is None or self.tp.size == 1:
             return gemm(x, self.weight, self.bias, out=out)
         y = self.tp.all_reduce(gemm(x, self.weight))

@@ -29,7 +29,7 @@ from torch import nn
 from nvllm.config import ConfigError
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, Part, take_shard
-from nvllm.kernels.activation import PendingSiluMul, pending_silu_and_mul, silu_and_mul
+from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.partial_sum import PartialSum
 from nvllm.kernels.quant_gemm import quant_linear
 from nvllm.quant.formats import QuantWeight, awq_to_gptq, default_g_idx
@@ -217,15 +217,9 @@ class QuantLinear(nn.Module):
         self._qw = None
         self._repacked = self.scheme.fmt == "awq" and state.get("layout") == "gptq"
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | PendingSiluMul:
-        """``SiLU(gate) · up`` of this gate/up layer's output (a GEMV's split-K sum finished by SiLU·mul), or at one
-        row that sum with its SiLU·mul left to the down projection (``activation.PendingSiluMul``)."""
-        y = self(x, partial=True)
-        if isinstance(y, PartialSum):
-            pending = pending_silu_and_mul(y)
-            if pending is not None:
-                return pending
-        return silu_and_mul(y)
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``SiLU(gate) · up`` of this gate/up layer's output (a GEMV's split-K sum finished by SiLU·mul)."""
+        return silu_and_mul(self(x, partial=True))
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
                 partial: bool = False) -> torch.Tensor | PartialSum:
