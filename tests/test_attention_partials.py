@@ -92,6 +92,20 @@ def test_other_calls_merge_first():
         assert torch.equal(got, run_gemv(merged.view(1, -1), qw, **kw))
 
 
+def test_a_dense_o_proj_merges_first():
+    """A bf16/fp16 model's o_proj (``Linear``) takes the partials too: stage 2 first, then its GEMM."""
+    from nvllm.layers.linear import Linear
+
+    merged, _, _ = _attention(100, torch.float16, 256, defer=False)
+    partials, out, _ = _attention(100, torch.float16, 256, defer=True)
+    o_proj = Linear(HEADS * HEAD_DIM, 64, dtype=torch.float16)
+    torch.nn.init.normal_(o_proj.weight, std=0.05)
+    with report.recording() as made:
+        got = o_proj(partials)
+    assert made[("attention.merge", "triton decode merge")] == 1
+    assert torch.equal(out, merged) and torch.equal(got, o_proj(merged.view(1, -1)))
+
+
 def test_one_partition_is_no_partials():
     """A context inside one partition is written whole by stage 1: nothing to defer."""
     got, out, ref = _attention(12, torch.float16, 64, defer=True, partition=64)

@@ -127,6 +127,19 @@ def test_rope_store_finishes_the_sum(with_bias, cache):
     assert not acc.any()
 
 
+def test_buffers_made_in_inference_mode_serve_outside_it(monkeypatch):
+    """A buffer first made while an engine ran (inference mode) is zeroed in place by ``finish`` outside it too."""
+    monkeypatch.setattr(P, "_BUFFERS", {})
+    monkeypatch.setattr(P, "_HELD", set())
+    qw = _layer()
+    x = torch.randn(1, qw.in_features, generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        inside = QG.quant_linear(x, qw, None, partial=True).finish()
+    ps = QG.quant_linear(x, qw, None, partial=True)
+    assert len(P._BUFFERS[torch.device("cpu")]) == 1   # the same buffer
+    assert torch.equal(ps.finish(), inside) and not ps.acc.any()
+
+
 def test_consumers_without_triton_finish_first(monkeypatch):
     qw = _layer()
     x = torch.randn(1, qw.in_features, generator=torch.Generator().manual_seed(4))
@@ -144,9 +157,11 @@ def test_engine_greedy_with_sums_finished_by_consumers(tmp_path, monkeypatch):
     leave their sums to rope_store, the norms and SiLU·mul; the greedy tokens are HF transformers' on the dequantized weights,
     and the same with every sum finished in the GEMV."""
     from nvllm import SamplingParams
+    from nvllm.engine.llm_engine import LLMEngine
     from tests.conftest import build_tiny_model, make_llm
     from tests.quant_utils import hf_greedy, write_by_hand
 
+    monkeypatch.setattr(LLMEngine, "_warmup", lambda self: None)   # its 2-8-row GEMVs are slow in the interpreter
     src = build_tiny_model("qwen2", tmp_path / "qwen2", intermediate_size=128)
     deq = write_by_hand(src, tmp_path / "gptq", "gptq", 4, 32, sym=False)
     prompt = [1, 17, 42, 99, 7]

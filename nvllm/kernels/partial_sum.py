@@ -41,7 +41,8 @@ def take(device: torch.device, numel: int) -> torch.Tensor | None:
             return buf
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    buf = torch.zeros(max(numel, MIN_NUMEL), device=device, dtype=torch.float32)
+    with torch.inference_mode(False):   # a normal tensor: ``finish`` zeroes it in place, in inference mode or not
+        buf = torch.zeros(max(numel, MIN_NUMEL), device=device, dtype=torch.float32)
     held.append(buf)
     _HELD.add(buf.untyped_storage().data_ptr())
     return buf
