@@ -50,18 +50,6 @@ class AttentionPartials:
         """``out`` as the ``[B, H·D]`` rows o_proj multiplies (not yet written)."""
         return self.out.view(self.out.shape[0], -1)
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.rows.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.out.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.out.device
-
     def fits(self, rows: int, k_per_split: int) -> bool:
         """Whether a GEMV whose programs take ``k_per_split`` consecutive inputs of one row can merge them: one
         sequence, every program's inputs inside one head."""

@@ -334,34 +334,32 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = N
         raise ValueError(f"input has {x.shape[-1]} features, the quantized layer expects {qw.in_features}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, qw.in_features)
-    gemv_input = merge if merge is not None else x2
-    if merge is not None and not use_triton(x):
+    m = x2.shape[0]
+    triton = use_triton(x)
+    gemv = triton and (m <= GEMV_MAX_M or (GEMV_MAX_M > 0 and gemv_tuned(m, qw.in_features, qw.group_size, qw.fmt,
+                                                                          qw.bits, qw.out_features))) \
+        and gemv_supported(m, qw.in_features, qw.group_size, qw.act_order, fmt=qw.fmt, bits=qw.bits)
+    if merge is not None and not gemv:   # only the GEMV may merge: the other paths read the merged rows (x2)
         merge.finish()
-    if use_triton(x):
-        m = x2.shape[0]
-        fmt = f"{qw.extra['from']} as {qw.fmt}" if qw.extra.get("from") else qw.fmt   # the kernel report's name
-        gemv = m <= GEMV_MAX_M or (GEMV_MAX_M > 0 and gemv_tuned(m, qw.in_features, qw.group_size, qw.fmt, qw.bits,
-                                                                   qw.out_features))
-        gemv = gemv and gemv_supported(m, qw.in_features, qw.group_size, qw.act_order, fmt=qw.fmt, bits=qw.bits)
-        if merge is not None and not gemv:
-            merge.finish()
-        if gemv:
-            report.record("quant_gemm", f"triton w{qw.bits}a16 {fmt} gemv")
-            buf = take(x.device, m * qw.out_features) if partial and x.dim() == 2 and partial_sums() else None
-            if buf is not None:
-                acc = buf[:m * qw.out_features].view(m, qw.out_features)
-                quant_gemv(gemv_input, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits,
-                           group_size=qw.group_size, acc=acc)
-                return PartialSum(acc, bias, x.dtype)
-            y = quant_gemv(gemv_input, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits,
-                           group_size=qw.group_size, bias=bias)
-        elif m >= DEQUANT_MATMUL_MIN_M:
-            report.record("quant_gemm", f"triton dequant {fmt} + torch matmul")
-            y = dequant_matmul(x2, qw, bias)
-        else:
-            report.record("quant_gemm", f"triton w{qw.bits}a16 {fmt}")
-            y = quant_gemm(x2, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits,
-                           group_size=qw.group_size, g_idx=qw.g_idx, bias=bias)
+    fmt = f"{qw.extra['from']} as {qw.fmt}" if qw.extra.get("from") else qw.fmt   # the kernel report's name
+    if gemv:
+        report.record("quant_gemm", f"triton w{qw.bits}a16 {fmt} gemv")
+        gemv_input = merge if merge is not None else x2
+        buf = take(x.device, m * qw.out_features) if partial and x.dim() == 2 and partial_sums() else None
+        if buf is not None:
+            acc = buf[:m * qw.out_features].view(m, qw.out_features)
+            quant_gemv(gemv_input, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits,
+                       group_size=qw.group_size, acc=acc)
+            return PartialSum(acc, bias, x.dtype)
+        y = quant_gemv(gemv_input, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits,
+                       group_size=qw.group_size, bias=bias)
+    elif triton and m >= DEQUANT_MATMUL_MIN_M:
+        report.record("quant_gemm", f"triton dequant {fmt} + torch matmul")
+        y = dequant_matmul(x2, qw, bias)
+    elif triton:
+        report.record("quant_gemm", f"triton w{qw.bits}a16 {fmt}")
+        y = quant_gemm(x2, qw.qweight, qw.qzeros, qw.scales, fmt=qw.fmt, bits=qw.bits,
+                       group_size=qw.group_size, g_idx=qw.g_idx, bias=bias)
     else:
         report.record("quant_gemm", "torch dequant+matmul")
         y = quant_gemm_reference(x2, qw, bias)
