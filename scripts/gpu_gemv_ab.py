@@ -7,7 +7,9 @@ step at several batch sizes). Settings run in the order given; repeat one to see
 
 Per projection: ``quant_gemv`` at M = 1 with the setting's defaults into a PartialSum-style fp32 accumulator (as the
 engine calls it), checked against the torch reference once, then timed in a CUDA graph over copies of the weight
-that together exceed L2 (``gpu_quant_bench.rotated_copies``). Results: $OUT/gemv_ab.json and a table on stdout.
+that together exceed L2 (``gpu_quant_bench.rotated_copies``). Results: $OUT/gemv_ab.json and a table on stdout,
+with the registers of each one-row ``half2`` kernel compiled along the way (a change to the loop that costs
+occupancy shows there first).
 """
 
 from __future__ import annotations
@@ -34,6 +36,24 @@ def parse_settings(text: str) -> dict[str, dict[tuple[str, int, int], dict]]:
             fmt, bits, rows = key.split(",")
             out[name][(fmt, int(bits), int(rows))] = cfg
     return out
+
+
+def watch_registers() -> dict[str, str]:
+    """Registers and spilled bytes of every one-row ``half2`` kernel launched from now on, by its K-loop
+    constexprs (the launch returns the compiled kernel)."""
+    from nvllm.kernels import quant_gemv_half2 as QH
+
+    seen: dict[str, str] = {}
+    run = QH.quant_gemv_half2_kernel.run
+
+    def watched(*args, **kw):
+        k = run(*args, **kw)
+        key = ",".join(f"{c}={kw.get(c)}" for c in ("X_SPAN", "EARLY", "MERGE"))
+        seen[key] = f"{k.n_regs} registers, {k.n_spills} spilled"
+        return k
+
+    QH.quant_gemv_half2_kernel.run = watched
+    return seen
 
 
 def shape_times() -> dict[str, float]:
@@ -79,6 +99,7 @@ def main() -> None:
                  "commit": os.environ.get("NVLLM_COMMIT", "unknown"), "settings": json.loads(args.settings)}
     save = lambda: (out / "gemv_ab.json").write_text(json.dumps(res, indent=1))
     model_dir = None if args.skip_engine else GB.build_model_dir(Path(args.tokenizer_dir))
+    res["half2_registers"] = watch_registers()
     rows = []
     for name, setting in settings.items():
         row = {}
@@ -97,6 +118,8 @@ def main() -> None:
         save()
         rows.append((name, row))
         print(name, " ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+    for key, regs in res["half2_registers"].items():
+        print(f"half2 {key}: {regs}")
     cols = list(rows[0][1]) if rows else []
     print("| setting | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
