@@ -192,7 +192,7 @@ cases = (
     (_rms_norm_kernel, {"x_ptr": "*fp32", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
                         "res_out_ptr": "*bf16", "bias_ptr": "*bf16", "n_inner": "i32", "n_cols": "i32", "eps": "fp32",
                         **{f"stride_{a}{b}": "i32" for a in "xros" for b in "oi"}},
-     dict(HAS_RESIDUAL=True, PARTIAL=True, HAS_BIAS=True, BLOCK=4096, PDL=True), 8, 1),
+     dict(HAS_RESIDUAL=True, PARTIAL=True, HAS_BIAS=True, BLOCK=4096, PDL=True, EARLY_W=True), 8, 1),
     (_silu_and_mul_kernel, {"x_ptr": "*fp32", "out_ptr": "*bf16", "bias_ptr": "*bf16", "stride_xt": "i32",
                             "stride_ot": "i32", "inter": "i32"},
      dict(BLOCK=1024, INTERLEAVE=0, PARTIAL=True, HAS_BIAS=True, PDL=True), 4, 2),
@@ -204,7 +204,7 @@ for name in lazy_jit(_rope_store_kernel).arg_names:
     if name not in rope:
         rope[name] = "i32"
 rope_const = dict(BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=0, QMAX=127, PARTIAL=True,
-                  HAS_BIAS=True, PDL=True)
+                  HAS_BIAS=True, PDL=True, EARLY=True)
 for c in rope_const:
     rope.pop(c)
 # k's program zeroes k and v (4 stores), q's program q (2): both after their own barrier, the last 2 after the last

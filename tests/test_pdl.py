@@ -64,23 +64,29 @@ def _kernels():
                        BLOCK_M=1, BLOCK_N=128, BLOCK_K=64)
     gemv_ptrs = {"qw_ptr": "*i32", "qz_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     plain = dict(PARTIAL=False, HAS_BIAS=False)
-    yield "rms_norm", rmsnorm._rms_norm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK=1024, **plain), ("eps",)
+    yield "rms_norm", rmsnorm._rms_norm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK=1024, EARLY_W=False, **plain), \
+        ("eps",)
     # finishing a GEMV's split-K sum (nvllm.kernels.partial_sum): reads, then re-zeroes, its fp32 accumulator
     yield "rms_norm partial sum", rmsnorm._rms_norm_kernel, {"x_ptr": "*fp32"}, dict(
-        HAS_RESIDUAL=True, BLOCK=1024, PARTIAL=True, HAS_BIAS=True), ("eps",)
+        HAS_RESIDUAL=True, BLOCK=1024, PARTIAL=True, HAS_BIAS=True, EARLY_W=False), ("eps",)
+    # the norm's weight (a parameter) read before the wait; the row and the residual after it
+    yield "rms_norm partial sum early W", rmsnorm._rms_norm_kernel, {"x_ptr": "*fp32"}, dict(
+        HAS_RESIDUAL=True, BLOCK=1024, PARTIAL=True, HAS_BIAS=True, EARLY_W=True), ("eps",)
     yield "silu_and_mul", activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, INTERLEAVE=0, **plain), ()
     yield "silu_and_mul interleaved", activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, INTERLEAVE=4,
                                                                                 **plain), ()
     yield "silu_and_mul partial sum", activation._silu_and_mul_kernel, {"x_ptr": "*fp32"}, dict(
         BLOCK=1024, INTERLEAVE=0, PARTIAL=True, HAS_BIAS=True), ()
-    yield "rope_store", rope_store._rope_store_kernel, {
-        "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "k_scale_ptr": "*fp32",
-        "v_scale_ptr": "*fp32"}, dict(BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=0, QMAX=127,
-                                      **plain), ()
-    yield "rope_store partial sum", rope_store._rope_store_kernel, {
-        "q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "pos_ptr": "*i64", "cos_ptr": "*fp32",
-        "sin_ptr": "*fp32", "slot_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}, dict(
-        BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=0, QMAX=127, PARTIAL=True, HAS_BIAS=True), ()
+    rope_ptrs = {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64",
+                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    rope = dict(BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=0, QMAX=127)
+    yield "rope_store", rope_store._rope_store_kernel, rope_ptrs, dict(EARLY=False, **rope, **plain), ()
+    partial_ptrs = dict(rope_ptrs, q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32")
+    yield "rope_store partial sum", rope_store._rope_store_kernel, partial_ptrs, dict(
+        EARLY=False, PARTIAL=True, HAS_BIAS=True, **rope), ()
+    # positions, cos/sin rows and cache slots (staged or built launches earlier) before the wait; q, k, v after it
+    yield "rope_store partial sum early W", rope_store._rope_store_kernel, partial_ptrs, dict(
+        EARLY=True, PARTIAL=True, HAS_BIAS=True, **rope), ()
     skinny = dict(HAS_BIAS=False, SPLIT=True, USE_DOT=False, ACC_K=1, EVEN_K=True, UPCAST=False,
                   DOT_PRECISION="tf32", FMA_STAGES=1, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128)
     skinny_ptrs = {"ws_ptr": "*fp32", "lock_ptr": "*i32"}

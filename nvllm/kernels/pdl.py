@@ -16,10 +16,14 @@ Every kernel here that takes ``PDL`` does, first thing when it is set::
 so nothing is read or written before the predecessor is done (the correctness of a plain launch), and the
 next kernel's launch overlaps this one's run. The exceptions read, before the wait, only what the kernel just
 before them cannot be writing: the skinny GEMM's weights (``EARLY_W``), the decode GEMVs' first weights (asked of
-L2, ``prefetch``; a one-step split's words, scales and zeros into registers, ``quant_gemv_half2`` ``EARLY``) and
-decode attention's keys and values of earlier steps (``fresh_tokens``). A kernel launched
+L2, ``prefetch``; a one-step split's words, scales and zeros into registers, ``quant_gemv_half2`` ``EARLY``),
+decode attention's keys and values of earlier steps (``fresh_tokens``), RMSNorm's weight and rope_store's positions,
+cos/sin rows and cache slots (``early_params``). A kernel launched
 without the attribute (torch's own, cuBLAS) waits as usual; one launched with it but not waiting would race, so
 ``launch_args`` ties the two together.
+
+Reading before the wait what the kernel two or more launches back wrote is safe: the kernel just before has passed
+its own wait (every kernel here waits before it lets the next one start), so those writes are complete and visible.
 
 ``NVLLM_PDL``: ``0`` off; otherwise on where supported (compute capability 9.0+, a Triton with ``launch_pdl``).
 It is read at each launch: engines built while it is ``0`` capture their graphs without PDL (the GPU benchmark
@@ -60,3 +64,9 @@ def launch_args(t: torch.Tensor) -> dict:
     """Keyword arguments for a launch of a kernel that takes ``PDL``: the constexpr and the launch attribute,
     always together."""
     return {"PDL": True, "launch_pdl": True} if enabled(t) else {"PDL": False}
+
+
+def early_params() -> bool:
+    """Whether RMSNorm and rope_store read, before the PDL wait, what no kernel of the step writes just before them
+    (``NVLLM_PDL_EARLY_PARAMS=0``: after it, as every other read). Read at each launch, like ``NVLLM_PDL``."""
+    return os.environ.get("NVLLM_PDL_EARLY_PARAMS", "1").lower() not in ("0", "off")

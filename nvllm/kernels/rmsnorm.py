@@ -62,18 +62,21 @@ def _rms_norm_kernel(
     HAS_BIAS: tl.constexpr,                   # its bias (bias_ptr)
     BLOCK: tl.constexpr,                      # next power of two >= n_cols
     PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
+    EARLY_W: tl.constexpr,                    # PDL: the weight (a parameter) loaded before the wait
 ):
     """One program per row: (optionally) adds the residual row in the input dtype and stores it, then
     normalises in fp32 and stores ``weight * normed.to(input dtype)`` in the output dtype. ``PARTIAL``: x is
     first finished (its bias added, rounded to the residual's dtype) and its accumulator row zeroed."""
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    if EARLY_W:   # no kernel writes a norm's weight: read while the previous kernel finishes
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     o = row // n_inner
     i = row % n_inner
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
 
     # Products and sums of two 16-bit values are formed in fp32 and rounded once to the 16-bit type: the same
     # bits as a native 16-bit op (fp32 holds the exact product, and has >= 2p+2 bits for the sum).
@@ -94,7 +97,8 @@ def _rms_norm_kernel(
 
     var = tl.sum(xf * xf, axis=0) / n_cols
     normed = (xf * tl.rsqrt(var + eps)).to(in_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if not EARLY_W:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + o * stride_oo + i * stride_oi + cols, (w * normed).to(out_ptr.dtype.element_ty),
              mask=mask)
     if PARTIAL:   # the accumulator re-zeroed once every thread has read it (layouts differ between the reads)
@@ -150,13 +154,14 @@ def _launch(x: torch.Tensor | PartialSum, residual: torch.Tensor | None, weight:
     # Triton layer-norm tutorial heuristic: about 256 bytes of a row per warp, 1 to 8 warps
     num_warps = min(max(block * dtype.itemsize // 256, 1), 8)
     bias = partial.bias if partial is not None else None
+    pdl_args = pdl.launch_args(x)
     _jit(_rms_norm_kernel)[(n_rows,)](
         x3, r3, weight, o3, s3, bias if bias is not None else weight,
         x3.shape[1], n_cols, eps,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         o3.stride(0), o3.stride(1), s3.stride(0), s3.stride(1),
         HAS_RESIDUAL=residual is not None, PARTIAL=partial is not None, HAS_BIAS=bias is not None,
-        BLOCK=block, num_warps=num_warps, **pdl.launch_args(x),
+        BLOCK=block, num_warps=num_warps, **pdl_args, EARLY_W=pdl_args["PDL"] and pdl.early_params(),
     )
     if partial is not None:
         partial.release()

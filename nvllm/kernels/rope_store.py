@@ -75,6 +75,7 @@ def _rope_store_kernel(
     PARTIAL: tl.constexpr,                    # q, k, v: a GEMV's fp32 split-K accumulator (module doc)
     HAS_BIAS: tl.constexpr,                   # PARTIAL: its bias (qb_ptr, kb_ptr, vb_ptr)
     PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
+    EARLY: tl.constexpr,                      # PDL: position, cos/sin row and cache slot read before the wait
 ):
     """Two programs per token (grid [T, 2]), both with that position's cos/sin row: program 0 rotates the
     token's k heads in place and stores k and v into its cache slot (quantizing per head with QUANT), program
@@ -83,9 +84,11 @@ def _rope_store_kernel(
     programs touch the same one. The arithmetic is ``_rotary_kernel``'s, then ``_store_kv_kernel``'s on the
     rotated k rounded to k's dtype, so the results are the same bits. ``PARTIAL``: q, k and v are first finished
     (bias added, rounded to q_out's dtype), rotated q goes to q_out, and each program zeroes what it read."""
-    if PDL:
+    if PDL and not EARLY:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    # EARLY: the step's positions and slots were staged, and the cos/sin tables built, launches before the q/k/v
+    # projection that precedes this kernel (pdl.py: safe to read before the wait); q, k, v only after it
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -93,6 +96,10 @@ def _rope_store_kernel(
     c = tl.load(cos_ptr + pos * stride_cosp + d * stride_cosd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * stride_sinp + d * stride_sind, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     d = d[None, :]
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if PDL and EARLY:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     if tl.program_id(1) == 0:
         h = tl.arange(0, BLOCK_HKV)[:, None]
@@ -106,7 +113,6 @@ def _rope_store_kernel(
         else:
             k1, k2 = _rotate_halves(p1, p1 + half * stride_kd, mask, c, s, k_ptr.dtype.element_ty)
 
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             blk = slot // BLOCK_SIZE
             off = slot % BLOCK_SIZE
@@ -226,6 +232,7 @@ def rope_store_triton(q: torch.Tensor | PartialSum, k: torch.Tensor | PartialSum
     tile = max(block_h, 2 * block_hkv) * block_half
     has_bias = partial is not None and biases[0] is not None
     extra = (q_out, *biases) if has_bias else (q_out if partial is not None else q,) * 4
+    pdl_args = pdl.launch_args(q)
     _jit(_rope_store_kernel)[(num_tokens, 2)](
         q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale, *extra,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
@@ -233,7 +240,8 @@ def rope_store_triton(q: torch.Tensor | PartialSum, k: torch.Tensor | PartialSum
         num_heads, num_kv_heads, head_dim // 2,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half,
         QUANT=quant, QMAX=qmax, PARTIAL=partial is not None, HAS_BIAS=has_bias,
-        num_warps=4 if tile >= 1024 else (2 if tile >= 256 else 1), **pdl.launch_args(q),
+        num_warps=4 if tile >= 1024 else (2 if tile >= 256 else 1), **pdl_args,
+        EARLY=pdl_args["PDL"] and pdl.early_params(),
     )
     if partial is not None:
         partial.release()
