@@ -27,15 +27,33 @@ sys.path.insert(0, str(REPO / "scripts"))
 import torch  # noqa: E402
 
 
-def parse_settings(text: str) -> dict[str, dict[tuple[str, int, int], dict]]:
-    """``{"name": {"fmt,bits,rows": {config…}}}`` → ``{"name": {(fmt, bits, rows): {config…}}}``."""
+def parse_settings(text: str) -> dict[str, dict]:
+    """``{"name": {"fmt,bits,rows": {config…}, "env": {VAR: value}}}`` → ``{"name": {(fmt, bits, rows): {config…},
+    "env": {…}}}`` (``env``: environment variables set while the setting runs, e.g. ``NVLLM_PDL_EARLY_PARAMS``)."""
     out = {}
     for name, entries in json.loads(text).items():
         out[name] = {}
         for key, cfg in entries.items():
+            if key == "env":
+                out[name]["env"] = {k: str(v) for k, v in cfg.items()}
+                continue
             fmt, bits, rows = key.split(",")
             out[name][(fmt, int(bits), int(rows))] = cfg
     return out
+
+
+def with_env(env: dict[str, str], fn):
+    """Run ``fn`` with ``env`` set, then restore the variables as they were; returns what ``fn`` returns."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def watch_registers() -> dict[str, str]:
@@ -103,12 +121,14 @@ def main() -> None:
     rows = []
     for name, setting in settings.items():
         row = {}
+        env = setting.pop("env", {})
         if not args.skip_shapes:
-            res[f"{name}_shapes_us"] = row_shapes = GB.with_tuned(setting, shape_times, merge=True)
+            res[f"{name}_shapes_us"] = row_shapes = with_env(env, lambda: GB.with_tuned(setting, shape_times,
+                                                                                        merge=True))
             row.update(row_shapes)
         if model_dir is not None:
-            GB.with_tuned(setting, lambda: GB.quant_runs(model_dir, res, ["gptq"], save, suffix="_" + name,
-                                                         batches=batches), merge=True)
+            with_env(env, lambda: GB.with_tuned(setting, lambda: GB.quant_runs(
+                model_dir, res, ["gptq"], save, suffix="_" + name, batches=batches), merge=True))
             row["tpot ms"] = res[f"nvllm_gptq_w4_{name}_tpot_ms"]
             for b in batches:
                 row[f"b{b} step ms"] = res[f"nvllm_gptq_w4_{name}_b{b}_step_ms"]
