@@ -58,7 +58,7 @@ def _ptx(kernel, pointers: dict[str, str], constexprs: dict, floats=(), **option
 
 
 def _kernels():
-    from nvllm.kernels import activation, decode_attention, gemm, quant_gemv, rmsnorm, rope_store
+    from nvllm.kernels import activation, decode_attention, gemm, quant_gemv_tile, rmsnorm, rope_store
 
     gemv_common = dict(BITS=4, GROUP=128, HAS_BIAS=False, ATOMIC=False, SERIAL=True, STAGES=1,
                        BLOCK_M=1, BLOCK_N=128, BLOCK_K=64)
@@ -98,9 +98,9 @@ def _kernels():
         EARLY_W=False, SILU_B=4, **dict(skinny, USE_DOT=True, SPLIT=False, BLOCK_M=16, BLOCK_N=64)), ()
     # EARLY_W: the first W tile is loaded before the wait (weights are read-only); no store may precede it
     yield "skinny_gemm early W", gemm._skinny_gemm_kernel, skinny_ptrs, dict(EARLY_W=True, SILU_B=0, **skinny), ()
-    yield "quant_gemv tile", quant_gemv._quant_gemv_kernel, gemv_ptrs, dict(AWQ=False, MAGIC=True,
+    yield "quant_gemv tile", quant_gemv_tile._quant_gemv_kernel, gemv_ptrs, dict(AWQ=False, MAGIC=True,
                                                                            **gemv_common), ()
-    yield "quant_gemv row", quant_gemv._quant_gemv_field_kernel, gemv_ptrs, dict(AWQ=True, ROWS=True,
+    yield "quant_gemv row", quant_gemv_tile._quant_gemv_field_kernel, gemv_ptrs, dict(AWQ=True, ROWS=True,
                                                                                 **gemv_common), ()
     attn_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_o_ptr": "*fp32",
                  "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}

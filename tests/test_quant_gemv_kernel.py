@@ -18,14 +18,15 @@ pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from nvllm.kernels import quant_gemv as QV  # noqa: E402
+from nvllm.kernels import quant_gemv_tile as QT  # noqa: E402
 from nvllm.kernels.quant_gemm import quant_gemm_reference  # noqa: E402
 from tests.test_quant_gemm_kernel import CASES, LOOSE, TIGHT, check, make_weight, semantic_ref  # noqa: E402
 
-if not isinstance(QV._quant_gemv_kernel, InterpretedFunction):
-    importlib.reload(QV)
-from nvllm.kernels import quant_gemv_half2 as QH  # noqa: E402  (after QV: it takes QV's jitted helpers)
+if not isinstance(QT._quant_gemv_kernel, InterpretedFunction):
+    importlib.reload(QT)   # quant_gemv reaches the kernels through the module, reloaded in place
+from nvllm.kernels import quant_gemv_half2 as QH  # noqa: E402  (after QT: it takes QT's jitted helpers)
 
-if not isinstance(QH.quant_gemv_half2_kernel, InterpretedFunction) or QH.epilogue is not QV._epilogue:
+if not isinstance(QH.quant_gemv_half2_kernel, InterpretedFunction) or QH.epilogue is not QT._epilogue:
     importlib.reload(QH)
 from nvllm.kernels import quant_gemv_half2_rows as QR  # noqa: E402  (after QH: it takes QH's jitted helpers)
 

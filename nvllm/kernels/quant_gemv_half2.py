@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from nvllm.kernels.backend import eager_triton
 from nvllm.kernels.prefetch import start_split
-from nvllm.kernels.quant_gemv import _epilogue as epilogue, _words as words_of  # shared with the other variants
+from nvllm.kernels.quant_gemv_tile import _epilogue as epilogue, _words as words_of  # shared by the variants
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from nvllm.kernels.backend import eager_triton
 from nvllm.kernels.prefetch import start_split
-from nvllm.kernels.quant_gemv import _epilogue as epilogue, _words as words_of  # shared with the other variants
+from nvllm.kernels.quant_gemv_tile import _epilogue as epilogue, _words as words_of  # shared by the variants
 from nvllm.kernels.quant_gemv_half2 import (  # the one-row kernel's pieces
     _PAIRS, _pair, _pow2_scale, _word_dot_ops, _zero_consts)
 

@@ -246,7 +246,7 @@ def quant_gemv_mma_kernel(
     _finish(a5, b5, unscale, n_c, 5, g, row_ok, out_ptr, stride_om, bias_ptr, ws_ptr, N, HAS_BIAS, ATOMIC, SERIAL)
     _finish(a6, b6, unscale, n_c, 6, g, row_ok, out_ptr, stride_om, bias_ptr, ws_ptr, N, HAS_BIAS, ATOMIC, SERIAL)
     _finish(a7, b7, unscale, n_c, 7, g, row_ok, out_ptr, stride_om, bias_ptr, ws_ptr, N, HAS_BIAS, ATOMIC, SERIAL)
-    if SERIAL:    # as quant_gemv._epilogue: every split added into the zeroed workspace; the last one finishes
+    if SERIAL:    # as quant_gemv_tile._epilogue: every split added into the zeroed workspace; the last one finishes
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if ticket == tl.num_programs(1) - 1:
