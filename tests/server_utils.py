@@ -20,9 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: list[str], log_path: Path, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+PORT_TAKEN = "Address already in use"
+"""What uvicorn logs when another process bound the port between ``free_port`` and the server's own bind (tests
+run in parallel): the start is then retried on another port."""
+
+
+def start_server(args: list[str], log_path: Path, timeout: float = 120, attempts: int = 3
+                 ) -> tuple[subprocess.Popen, str]:
     """`nvllm serve ARGS` on a free port (demo model unless ARGS say otherwise); waits for /health.
-    Returns the process and the base URL; a server that exits or never becomes healthy fails the test."""
+    Returns the process and the base URL; a server that exits or never becomes healthy fails the test (one whose
+    port was taken meanwhile is started again on another, up to ``attempts`` times)."""
     port = free_port()
     cmd = [sys.executable, "-m", "nvllm.cli", "serve", "--port", str(port), *args]
     with open(log_path, "w") as log:
@@ -31,6 +38,8 @@ def start_server(args: list[str], log_path: Path, timeout: float = 120) -> tuple
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
+            if attempts > 1 and PORT_TAKEN in log_path.read_text():
+                return start_server(args, log_path, timeout, attempts - 1)
             pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
