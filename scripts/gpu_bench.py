@@ -300,17 +300,23 @@ def nvllm_runs(model_dir: Path, res: dict, throughput_prompts: int, enforce_eage
     torch.cuda.empty_cache()
 
 
-def with_env(name: str, value: str, fn) -> None:
+def with_env(name: str, value: str, fn):
     """Run ``fn`` with environment variable ``name`` set to ``value`` (engines read it when they are built)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
+    return with_envs({name: value}, fn)
+
+
+def with_envs(env: dict[str, str], fn):
+    """Run ``fn`` with the variables of ``env`` set, then restore them as they were; returns what ``fn`` returns."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        fn()
+        return fn()
     finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def with_tuned(entries: dict, fn, merge: bool = False):

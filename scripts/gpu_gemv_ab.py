@@ -42,20 +42,6 @@ def parse_settings(text: str) -> dict[str, dict]:
     return out
 
 
-def with_env(env: dict[str, str], fn):
-    """Run ``fn`` with ``env`` set, then restore the variables as they were; returns what ``fn`` returns."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return fn()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def watch_registers() -> dict[str, str]:
     """Registers and spilled bytes of every one-row ``half2`` kernel launched from now on, by its K-loop
     constexprs (the launch returns the compiled kernel)."""
@@ -123,11 +109,11 @@ def main() -> None:
         row = {}
         env = setting.pop("env", {})
         if not args.skip_shapes:
-            res[f"{name}_shapes_us"] = row_shapes = with_env(env, lambda: GB.with_tuned(setting, shape_times,
-                                                                                        merge=True))
+            row_shapes = GB.with_envs(env, lambda: GB.with_tuned(setting, shape_times, merge=True))
+            res[f"{name}_shapes_us"] = row_shapes
             row.update(row_shapes)
         if model_dir is not None:
-            with_env(env, lambda: GB.with_tuned(setting, lambda: GB.quant_runs(
+            GB.with_envs(env, lambda: GB.with_tuned(setting, lambda: GB.quant_runs(
                 model_dir, res, ["gptq"], save, suffix="_" + name, batches=batches), merge=True))
             row["tpot ms"] = res[f"nvllm_gptq_w4_{name}_tpot_ms"]
             for b in batches:
