@@ -104,20 +104,13 @@ def _kernels():
                                                                                 **gemv_common), ()
     attn_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_o_ptr": "*fp32",
                  "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
-    attn = dict(GROUP=7, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, IEEE_DOT=False,
-                HAS_BIAS=False)
+    attn = dict(GROUP=7, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, IEEE_DOT=False)
     yield "decode attention", decode_attention._decode_stage1_kernel, attn_ptrs, dict(
-        KV_QUANT=False, FRESH=0, ROPE=False, **attn), ("sm_scale_log2",)
+        KV_QUANT=False, FRESH=0, **attn), ("sm_scale_log2",)
     # earlier steps' keys and values read before the wait (int8 cache: and their scales); every write after it
     yield "decode attention early W", decode_attention._decode_stage1_kernel, dict(
         attn_ptrs, k_cache_ptr="*i8", v_cache_ptr="*i8"), dict(
-        KV_QUANT=True, FRESH=1, ROPE=False, **attn), ("sm_scale_log2",)
-    # rotary and the KV store inside (attention_rope): position, cos/sin row, slot and the first tile's earlier
-    # tokens before the wait; the qkv sums, the cache store, the ticket and the zeroing after it
-    rope_attn_ptrs = dict(attn_ptrs, q_ptr="*fp32", k_new_ptr="*fp32", v_new_ptr="*fp32", pos_ptr="*i64",
-                          cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64", ticket_ptr="*i32")
-    yield "decode attention rope early W", decode_attention._decode_stage1_kernel, rope_attn_ptrs, dict(
-        KV_QUANT=False, FRESH=1, ROPE=True, **dict(attn, HAS_BIAS=True)), ("sm_scale_log2",)
+        KV_QUANT=True, FRESH=1, **attn), ("sm_scale_log2",)
     yield "decode attention merge", decode_attention._decode_stage2_kernel, attn_ptrs, dict(BLOCK_S=16,
                                                                                          BLOCK_D=128), ()
 

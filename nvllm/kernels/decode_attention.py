@@ -51,8 +51,6 @@ import torch
 
 from nvllm.kernels import pdl, report
 from nvllm.kernels.attention_partials import AttentionPartials
-from nvllm.kernels.attention_rope import (DecodeRope, _finished_rows, _rope_inputs,  # noqa: F401  (kernel helpers)
-                                          _rotated_rows, _zero_sums)
 from nvllm.kernels.jit import lazy_jit
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
@@ -140,8 +138,6 @@ def _tile_update(q, k, v, k_s, v_s, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE_D
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_o_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
-    qb_ptr, kb_ptr, vb_ptr, k_new_ptr, v_new_ptr,    # ROPE (attention_rope): biases [H, D] / [H_kv, D]; k, v sums
-    pos_ptr, cos_ptr, sin_ptr, slot_ptr, ticket_ptr,  # ROPE: positions [B]; cos/sin [P, D/2]; slots [B]; tickets
     sm_scale_log2,                                   # softmax scale · log2(e): scores are kept in base 2
     stride_qb, stride_qh, stride_qd,                 # q [B, H, D]
     stride_kb, stride_ko, stride_kh, stride_kd,      # k_cache [num_blocks, block_size, H_kv, D]
@@ -150,8 +146,6 @@ def _decode_stage1_kernel(
     stride_ob, stride_oh, stride_od,                 # out [B, H, D]
     stride_pb, stride_ph, stride_ps,                 # partials: lse [B, H, S]; o [B, H, S, BLOCK_D] contiguous
     stride_sb, stride_so, stride_sh,                 # k_scale / v_scale [num_blocks, block_size, H_kv]
-    stride_nb, stride_nh, stride_nd,                 # ROPE: k and v sums [B, H_kv, D]
-    stride_cosp, stride_cosd,                        # ROPE: cos and sin [P, D/2]
     head_dim, partition_size,
     GROUP: tl.constexpr,                             # H / H_kv
     BLOCK_SIZE: tl.constexpr,                        # tokens per cache block
@@ -165,9 +159,6 @@ def _decode_stage1_kernel(
                                                      # sequence's last FRESH tokens; the first tile's others are
                                                      # read before the PDL wait
     PDL: tl.constexpr,                               # programmatic dependent launch (nvllm.kernels.pdl)
-    ROPE: tl.constexpr,                              # q (at q_ptr), k, v: the qkv GEMV's pending sums, rotated
-                                                     # and stored here (attention_rope; FRESH must be 1)
-    HAS_BIAS: tl.constexpr,                          # ROPE: the projection's bias
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -185,11 +176,6 @@ def _decode_stage1_kernel(
     v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
     ks_head = k_scale_ptr + kvh.to(tl.int64) * stride_sh
     vs_head = v_scale_ptr + kvh.to(tl.int64) * stride_sh
-    if ROPE:    # position, cos/sin and slot were staged before the step (pdl.py: safe before the wait)
-        dd = d[None, :]
-        d_mask2 = d_mask[None, :]
-        c, s, partner, slot = _rope_inputs(pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_cosp, stride_cosd, b, dd,
-                                           d_mask2, head_dim)
     if FRESH:   # the first tile's tokens from earlier steps, read while the previous kernel stores this step's
         ctx = tl.load(context_lens_ptr + b)          # (the caller's promise: it wrote nothing else this reads)
         end = tl.minimum(start + partition_size, ctx)
@@ -206,32 +192,8 @@ def _decode_stage1_kernel(
         ctx = tl.load(context_lens_ptr + b)
         end = tl.minimum(start + partition_size, ctx)
 
-    if ROPE:    # finish and rotate q; the partition with the newest token (ctx − 1) finishes k, v and stores them
-        ty = out_ptr.dtype.element_ty
-        q_rows = q_ptr + b.to(tl.int64) * stride_qb
-        q_mask = g_mask[:, None] & d_mask2
-        q = _rotated_rows(q_rows, qb_ptr, heads[:, None], dd, partner, c, s, stride_qh, stride_qd, head_dim, q_mask,
-                          HAS_BIAS, ty)
-        kv_row = kvh + tl.zeros([1, 1], tl.int32)
-        k_rows = k_new_ptr + b.to(tl.int64) * stride_nb
-        v_rows = v_new_ptr + b.to(tl.int64) * stride_nb
-        newest = ctx - 1 + tl.zeros([1, BLOCK_D], tl.int32)   # (blocks: the interpreter's scalar & block is int32)
-        kv_mask = d_mask2 & (newest >= start) & (newest >= 0) & (newest < start + partition_size)
-        store_mask = kv_mask & (slot + tl.zeros([1, BLOCK_D], tl.int64) >= 0)
-        k_new = _rotated_rows(k_rows, kb_ptr, kv_row, dd, partner, c, s, stride_nh, stride_nd, head_dim, kv_mask,
-                              HAS_BIAS, ty).to(k_cache_ptr.dtype.element_ty)
-        v_new = _finished_rows(v_rows, vb_ptr, kv_row, dd, stride_nh, stride_nd, head_dim, kv_mask, HAS_BIAS,
-                               ty).to(v_cache_ptr.dtype.element_ty)
-        dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ko + dd * stride_kd
-        tl.store(k_head + dst, k_new, mask=store_mask)
-        dst = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vo + dd * stride_vd
-        tl.store(v_head + dst, v_new, mask=store_mask)
-        tl.debug_barrier()   # reads of the sums done before the ticket says so; the stores seen by later tiles
-        if SPLIT:
-            ticket = tl.atomic_add(ticket_ptr + b * tl.num_programs(1) + kvh, 1, sem="release")
-    else:
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -239,15 +201,9 @@ def _decode_stage1_kernel(
     first = start
     if FRESH:
         if start < end:   # the newest tokens over the ones read before the wait
-            if ROPE:      # the newest token's rows from registers (later tiles read it after the barrier)
-                k = tl.where((n == ctx - 1)[:, None], k_new, k_old)
-                v = tl.where((n == ctx - 1)[:, None], v_new, v_old)
-                k_s = 1.0
-                v_s = 1.0
-            else:
-                k, v, k_s, v_s = _kv_tile(k_head, v_head, ks_head, vs_head, bt_row, n, n_mask & ~old, d, d_mask,
-                                          stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
-                                          stride_sb, stride_so, BLOCK_SIZE, KV_QUANT, k_old, v_old, ks_old, vs_old)
+            k, v, k_s, v_s = _kv_tile(k_head, v_head, ks_head, vs_head, bt_row, n, n_mask & ~old, d, d_mask,
+                                      stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
+                                      stride_sb, stride_so, BLOCK_SIZE, KV_QUANT, k_old, v_old, ks_old, vs_old)
             m_i, l_i, acc = _tile_update(q, k, v, k_s, v_s, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE_DOT,
                                          KV_QUANT)
         first = start + BLOCK_N
@@ -269,15 +225,6 @@ def _decode_stage1_kernel(
     else:
         dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    if ROPE:   # the group's last reader leaves the sums zeroed (and its ticket at 0)
-        if SPLIT:
-            if ticket == tl.num_programs(2) - 1:
-                _zero_sums(q_ptr, k_new_ptr, v_new_ptr, b, kvh, stride_qb, stride_qh, stride_qd, stride_nb,
-                           stride_nh, stride_nd, head_dim, GROUP, BLOCK_G, BLOCK_D)
-                tl.store(ticket_ptr + b * tl.num_programs(1) + kvh, 0)
-        else:
-            _zero_sums(q_ptr, k_new_ptr, v_new_ptr, b, kvh, stride_qb, stride_qh, stride_qd, stride_nb, stride_nh,
-                       stride_nd, head_dim, GROUP, BLOCK_G, BLOCK_D)
 
 
 # a Triton kernel: launched as _jit(_decode_stage2_kernel)[grid](...)
@@ -316,8 +263,7 @@ def _decode_stage2_kernel(
 
 # arguments that vary with the batch (block-table width, split count): not specialized (see nvllm.kernels.jit)
 _decode_stage1_kernel.do_not_specialize = ("stride_bt", "stride_pb", "stride_ph", "partition_size")
-_decode_stage1_kernel.helpers = ("_kv_tile", "_tile_update", "_rope_inputs", "_finished_rows", "_rotated_rows",
-                                 "_zero_sums")
+_decode_stage1_kernel.helpers = ("_kv_tile", "_tile_update")
 _decode_stage2_kernel.do_not_specialize = ("stride_pb", "stride_ph", "num_splits")
 
 
@@ -357,8 +303,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
                      max_context_len: int | None = None, partition_size: int | None = None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     fresh_tokens: int = 0, defer_merge: bool = False,
-                     rope: DecodeRope | None = None) -> torch.Tensor | AttentionPartials:
+                     fresh_tokens: int = 0, defer_merge: bool = False) -> torch.Tensor | AttentionPartials:
     """Triton paged decode attention (flash-decoding). Same result as ``decode_attention_reference``.
     ``k_scale``/``v_scale``: the per-(token, head) scales of an int8 / fp8 cache (None: unquantized).
 
@@ -368,16 +313,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (the reference leaves rows that no sequence owns untouched too). ``fresh_tokens`` > 0: the launch just before
     this one stored at most each sequence's last ``fresh_tokens`` tokens in the cache (a decode step: 1), so under
     PDL the first tile's other tokens are read before the wait; 0: nothing is read before it. ``defer_merge``: a
-    split launch returns its ``AttentionPartials`` unmerged, for its consumer to merge (``attention_partials``).
-    ``rope``: q is the qkv projection's pending sum of q heads and ``rope`` holds k's and v's; the kernel finishes
-    and rotates them and stores this step's k and v, as ``rope_store`` would (``attention_rope.prepare``)."""
+    split launch returns its ``AttentionPartials`` unmerged, for its consumer to merge (``attention_partials``)."""
     import triton
 
     num_rows, num_heads, head_dim = q.shape
-    partial = q if rope is not None else None
-    if partial is not None:
-        q = partial.acc
-        fresh_tokens = 1   # the launch before (the projection) writes no cache row; this one writes the newest
     batch = min(num_rows, context_lens.shape[0])     # rows past the last sequence are left as they are
     _, block_size, num_kv_heads, kd = k_cache.shape
     assert kd == head_dim and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape, v_cache.shape)
@@ -385,12 +324,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert block_size >= 8 and block_size & (block_size - 1) == 0, "block_size must be a power of two >= 8"
     assert head_dim <= 256, "head_dim above 256 is not supported"
     if out is None:
-        out = torch.empty(q.shape, dtype=partial.dtype if partial is not None else q.dtype, device=q.device)
+        out = torch.empty_like(q)
     if batch == 0:
-        if partial is not None:
-            partial.release()
         return out
-    assert partial is None or (batch == num_rows and k_scale is None), "rope: one row per sequence, a plain cache"
 
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on the GPU
@@ -413,26 +349,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_o = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
 
-    ieee = out.dtype == torch.float32 or k_cache.dtype == torch.float32
+    ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32
     kv_quant = k_scale is not None
     k_scale, v_scale, scale_strides = kv_scale_args(k_cache, v_cache, k_scale, v_scale)
-    rope_args = rope.kernel_args(partial) if rope is not None else (q,) * 10 + (0,) * 5   # (unused without ROPE)
     _jit(_decode_stage1_kernel)[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_o, part_lse, k_scale, v_scale,
-        *rope_args[:10],
         scale * 1.4426950408889634,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         *part_lse.stride(), *scale_strides,
-        *rope_args[10:],
         head_dim, partition,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         SPLIT=split, IEEE_DOT=ieee, KV_QUANT=kv_quant, FRESH=max(0, int(fresh_tokens)),
         num_warps=4, num_stages=2, **pdl.launch_args(q),
-        ROPE=partial is not None, HAS_BIAS=partial is not None and partial.bias is not None,
     )
-    if partial is not None:
-        partial.release()
     if split and defer_merge and batch == num_rows:
         return AttentionPartials(out, part_o, part_lse, context_lens, partition)
     if split:

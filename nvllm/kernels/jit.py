@@ -21,18 +21,8 @@ def lazy_jit(kernel):
     import triton.language
 
     kernel.__globals__["tl"] = triton.language
-    _jit_helpers(kernel)
+    for name in getattr(kernel, "helpers", ()):  # functions the kernel calls: jitted in place, from the Python
+        helper = getattr(kernel.__globals__[name], "fn", kernel.__globals__[name])  # function (again after
+        helper.__globals__["tl"] = triton.language                                   # cache_clear), in any module
+        kernel.__globals__[name] = triton.jit(helper)
     return triton.jit(kernel, do_not_specialize=list(getattr(kernel, "do_not_specialize", ())))
-
-
-def _jit_helpers(fn) -> None:
-    """The functions ``fn`` names in its ``helpers`` (and theirs, in their own modules) jitted in place, from the
-    Python function (again after cache_clear), in any module."""
-    import triton
-    import triton.language
-
-    for name in getattr(fn, "helpers", ()):
-        helper = getattr(fn.__globals__[name], "fn", fn.__globals__[name])
-        helper.__globals__["tl"] = triton.language
-        _jit_helpers(helper)
-        fn.__globals__[name] = triton.jit(helper)

@@ -65,23 +65,21 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_
                     max_query_len: int, out: torch.Tensor | None = None,
                     max_context_len: int | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, fresh_tokens: int = 0,
-                    defer_merge: bool = False, rope=None):
+                    defer_merge: bool = False):
     """Dispatch: the Triton decode kernel when every sequence has one query token, the Triton prefill/extend
     kernel otherwise; the torch reference on CPU. ``max_context_len`` (None: unknown on the host, as under
     CUDA graphs) sizes the decode kernel's split grid. ``k_scale``/``v_scale``: a quantized cache's scales
     (the kernels dequantize as they read). ``fresh_tokens``, ``defer_merge`` (the decode kernel may then return
-    its ``AttentionPartials``), ``rope`` (a ``DecodeRope``: q is a pending sum the decode kernel rotates, storing k
-    and v): see ``decode_attention``."""
+    its ``AttentionPartials``): see ``decode_attention``."""
     quant = "" if k_scale is None else f" ({str(k_cache.dtype).removeprefix('torch.')} KV)"
-    assert rope is None or max_query_len == 1, "only the decode kernel rotates and stores"
-    if use_triton(q if rope is None else q.acc):
+    if use_triton(q):
         if max_query_len == 1:
             from nvllm.kernels.decode_attention import decode_attention
 
             report.record("attention.decode", "triton paged decode" + quant)
             return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,
                                     max_context_len=max_context_len, k_scale=k_scale, v_scale=v_scale,
-                                    fresh_tokens=fresh_tokens, defer_merge=defer_merge, rope=rope)
+                                    fresh_tokens=fresh_tokens, defer_merge=defer_merge)
         from nvllm.kernels.prefill_attention import prefill_attention
 
         report.record("attention.prefill", "triton paged prefill" + quant)

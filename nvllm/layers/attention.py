@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from nvllm.kernels import attention_partials, attention_rope, report
+from nvllm.kernels import attention_partials
 from nvllm.kernels.attention_partials import AttentionPartials
 from nvllm.kernels.kv_store import store_kv
 from nvllm.kernels.paged_attention import paged_attention
@@ -101,14 +101,8 @@ class Attention(nn.Module):
             (k_cache, v_cache), k_scale, v_scale = kv_cache, None, None
         else:
             k_cache, v_cache, k_scale, v_scale = kv_cache
-        rope = None
         if rotary is None:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        elif (rope := attention_rope.prepare(q, k, v, positions, rotary.cos, rotary.sin, meta.slot_mapping,
-                                             k_scale is not None, meta.max_query_len,
-                                             meta.context_lens.shape[0])) is not None:
-            report.record("rotary", "in triton decode attention (finishes split-K sums)")
-            report.record("kv_store", "in triton decode attention")
         else:
             assert positions is not None, "the fused rotary + KV store needs the positions"
             q, _ = rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
@@ -116,8 +110,7 @@ class Attention(nn.Module):
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
                               self.scale, meta.max_query_len, out=out, max_context_len=meta.max_context_len,
                               k_scale=k_scale, v_scale=v_scale, fresh_tokens=meta.fresh_tokens,
-                              defer_merge=defer_merge and out is None and attention_partials.enabled(),
-                              rope=rope)
+                              defer_merge=defer_merge and out is None and attention_partials.enabled())
         if isinstance(out, AttentionPartials):
             return out
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
