@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_utils import assert_keeps_idle_connection, free_port, start_server
+from tests.server_utils import PORT_TAKEN, assert_keeps_idle_connection, free_port, start_server
 from tests.test_serve import BAD_REQUESTS, PROMPTS
 
 KEY = "sk-disagg"
@@ -37,61 +37,103 @@ def _spawn(args: list[str], log_path) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, log_path, timeout: float = 120) -> None:
+class _PortTaken(Exception):
+    """A process of the deployment lost its port (or the rendezvous its) to another test between ``free_port`` and
+    its bind."""
+
+
+def _wait_healthy(procs: dict[str, subprocess.Popen], urls: dict[str, str], logs: dict, names: list[str],
+                  timeout: float = 120) -> None:
+    """Until every process of ``names`` answers /health; one that exits fails the test, or raises ``_PortTaken``
+    when it (or any other of them) lost its port (workers of a group may wait for each other, so all are watched)."""
     deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"{url} exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"{url} did not become healthy:\n{log_path.read_text()}")
+    waiting = list(names)
+    while waiting:
+        for name in list(waiting):
+            if procs[name].poll() is not None:
+                if any(PORT_TAKEN.lower() in logs[n].read_text().lower() for n in names):   # uvicorn's message,
+                    raise _PortTaken(name)                                                # torch.distributed's store's
+                pytest.fail(f"{name} exited with {procs[name].returncode}:\n{logs[name].read_text()}")
+            try:
+                if httpx.get(f"{urls[name]}/health", timeout=2).status_code == 200:
+                    waiting.remove(name)
+            except httpx.HTTPError:
+                pass
+        if waiting and time.monotonic() > deadline:
+            for name in waiting:
+                procs[name].kill()
+            pytest.fail("did not become healthy: " + "\n".join(f"{n}:\n{logs[n].read_text()}" for n in waiting))
         time.sleep(0.2)
+
+
+def _spawn_healthy(args: list[str], log_path, attempts: int = 3) -> tuple[subprocess.Popen, str]:
+    """``_spawn`` and wait for /health; started again on another port when it lost its own."""
+    proc, url = _spawn(args, log_path)
+    try:
+        _wait_healthy({"p": proc}, {"p": url}, {"p": log_path}, ["p"])
+    except _PortTaken:
+        if attempts == 1:
+            raise
+        return _spawn_healthy(args, log_path, attempts - 1)
+    return proc, url
+
+
+def _stop(procs: dict[str, subprocess.Popen]) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs.values():
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _start_disaggregated(d, procs: dict, urls: dict, logs: dict) -> None:
+    """The prefill worker, two decode workers (one KV group, on a fresh rendezvous port) and the router, healthy."""
+    group = ["--kv-world-size", "3", "--kv-master", f"127.0.0.1:{free_port()}"]
+    for name, role, rank, extra in (("prefill", "prefill", 0, ["--max-prefill-length", str(MAX_PREFILL)]),
+                                    ("decode0", "decode", 1, []), ("decode1", "decode", 2, [])):
+        logs[name] = d / f"{name}.log"
+        procs[name], urls[name] = _spawn(["serve", *COMMON, "--role", role, "--kv-rank", str(rank), *group, *extra],
+                                         logs[name])
+    _wait_healthy(procs, urls, logs, ["prefill", "decode0", "decode1"])
+    logs["router"] = d / "router.log"
+    procs["router"], urls["router"] = _spawn(
+        ["router", "--prefill", urls["prefill"], "--decode", f"{urls['decode0']},{urls['decode1']}",
+         "--api-key", KEY, "--max-request-bytes", "65536", "--poll-interval", "30",
+         "--uvicorn-log-level", "warning"], logs["router"])
+    _wait_healthy(procs, urls, logs, ["router"])
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     """{"urls": {"mixed", "router", "prefill", "decode0", "decode1"}, "procs": {...}, "logs": {...}}; every process
-    started is stopped at the end, also when the set-up fails halfway."""
+    started is stopped at the end, also when the set-up fails halfway. A worker that lost its port (or the group its
+    rendezvous port) to another test between ``free_port`` and its bind makes the whole group start again on new
+    ports, up to three times."""
     d = tmp_path_factory.mktemp("disagg")
-    master = f"127.0.0.1:{free_port()}"
-    group = ["--kv-world-size", "3", "--kv-master", master]
     procs, urls, logs = {}, {}, {}
     pool = ThreadPoolExecutor(1)
     mixed = pool.submit(start_server, COMMON, d / "mixed.log")
     try:
-        for name, role, rank, extra in (("prefill", "prefill", 0, ["--max-prefill-length", str(MAX_PREFILL)]),
-                                        ("decode0", "decode", 1, []), ("decode1", "decode", 2, [])):
-            logs[name] = d / f"{name}.log"
-            procs[name], urls[name] = _spawn(["serve", *COMMON, "--role", role, "--kv-rank", str(rank), *group,
-                                              *extra], logs[name])
-        for name in list(procs):
-            _wait_healthy(procs[name], urls[name], logs[name])
-        logs["router"] = d / "router.log"
-        procs["router"], urls["router"] = _spawn(
-            ["router", "--prefill", urls["prefill"], "--decode", f"{urls['decode0']},{urls['decode1']}",
-             "--api-key", KEY, "--max-request-bytes", "65536", "--poll-interval", "30",
-             "--uvicorn-log-level", "warning"], logs["router"])
-        _wait_healthy(procs["router"], urls["router"], logs["router"])
+        for attempt in range(3):
+            try:
+                _start_disaggregated(d, procs, urls, logs)
+                break
+            except _PortTaken:
+                _stop(procs)
+                if attempt == 2:
+                    raise
+                procs.clear()
         procs["mixed"], urls["mixed"] = mixed.result()
         yield {"urls": urls, "procs": procs, "logs": logs}
     finally:
         pool.shutdown(wait=True)
         if "mixed" not in procs and mixed.exception() is None:
             procs["mixed"] = mixed.result()[0]
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop(procs)
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -282,10 +324,9 @@ def test_router_and_workers_keep_idle_connections(deployment):
 
 def test_router_in_front_of_mixed_replicas(deployment, tmp_path):
     log = tmp_path / "router_mixed.log"
-    proc, url = _spawn(["router", "--mixed", deployment["urls"]["mixed"], "--api-key", KEY,
-                        "--uvicorn-log-level", "warning"], log)
+    proc, url = _spawn_healthy(["router", "--mixed", deployment["urls"]["mixed"], "--api-key", KEY,
+                                "--uvicorn-log-level", "warning"], log)
     try:
-        _wait_healthy(proc, url, log)
         c, direct = _client(url), _client(deployment["urls"]["mixed"])
         kw = dict(model=MODEL, prompt=PROMPTS[20], max_tokens=10, temperature=0)
         assert c.completions.create(**kw).choices[0].text == direct.completions.create(**kw).choices[0].text
@@ -349,8 +390,7 @@ def _demo() -> str:
 # ---- one command: --disaggregate ------------------------------------------------------------------------------
 def test_disaggregate_1p1d_launches_and_stops_as_one(tmp_path):
     log = tmp_path / "launcher.log"
-    proc, url = _spawn(["serve", "--disaggregate", "1P1D", "--prefill-max-num-seqs", "4", *COMMON], log)
-    _wait_healthy(proc, url, log)
+    proc, url = _spawn_healthy(["serve", "--disaggregate", "1P1D", "--prefill-max-num-seqs", "4", *COMMON], log)
     c = _client(url)
     r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens == 8
