@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nvllm.quant import formats as F
+from nvllm.quant import quant_config as QC
 from tests.conftest import REPO, TOKENIZER_FILES
 
 PROJ = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
@@ -47,9 +48,9 @@ def write_by_hand(src: Path, dst: Path, fmt: str, bits: int = 4, group: int = 32
     save_file(out, dst / "model.safetensors")
     cfg = json.loads((src / "config.json").read_text())
     if fmt == "awq":
-        cfg["quantization_config"] = F.awq_quantization_config(group, modules_to_not_convert=list(skip) or None)
+        cfg["quantization_config"] = QC.awq_quantization_config(group, modules_to_not_convert=list(skip) or None)
     else:
-        cfg["quantization_config"] = F.gptq_quantization_config(bits, group, desc_act=act_order, sym=sym)
+        cfg["quantization_config"] = QC.gptq_quantization_config(bits, group, desc_act=act_order, sym=sym)
     (dst / "config.json").write_text(json.dumps(cfg))
     for f in TOKENIZER_FILES:
         shutil.copy(src / f, dst / f)

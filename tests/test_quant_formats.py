@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nvllm.quant import formats as F
+from nvllm.quant import quant_config as QC
 
 ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # written out again here, independent of the module's constant
 
@@ -250,9 +251,9 @@ def test_group_size_minus_one_is_per_channel():
 
 
 def test_config_dicts_as_written_by_the_tools():
-    assert F.awq_quantization_config() == {"quant_method": "awq", "zero_point": True, "group_size": 128,
+    assert QC.awq_quantization_config() == {"quant_method": "awq", "zero_point": True, "group_size": 128,
                                            "bits": 4, "version": "gemm", "modules_to_not_convert": None}
-    g = F.gptq_quantization_config(bits=8, group_size=64, desc_act=True, sym=False)
+    g = QC.gptq_quantization_config(bits=8, group_size=64, desc_act=True, sym=False)
     assert list(g) == ["bits", "group_size", "damp_percent", "desc_act", "static_groups", "sym",
                        "true_sequential", "model_name_or_path", "model_file_base_name", "quant_method",
                        "checkpoint_format"]
@@ -262,15 +263,15 @@ def test_config_dicts_as_written_by_the_tools():
 
 
 def test_parse_configs():
-    a = F.parse_quantization_config({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+    a = QC.parse_quantization_config({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
                                      "version": "gemm"})
-    assert a == F.QuantConfig("awq", 4, 128, desc_act=False, sym=False, packing="awq_gemm")
-    assert F.parse_quantization_config({"quant_method": "AWQ", "w_bit": 4, "q_group_size": 64,
+    assert a == QC.QuantConfig("awq", 4, 128, desc_act=False, sym=False, packing="awq_gemm")
+    assert QC.parse_quantization_config({"quant_method": "AWQ", "w_bit": 4, "q_group_size": 64,
                                         "zero_point": True, "version": "GEMM"}).group_size == 64
-    gp = F.parse_quantization_config(F.gptq_quantization_config(bits=8, group_size=-1, desc_act=True))
-    assert gp == F.QuantConfig("gptq", 8, -1, desc_act=True, sym=True, packing="gptq_v1")
+    gp = QC.parse_quantization_config(QC.gptq_quantization_config(bits=8, group_size=-1, desc_act=True))
+    assert gp == QC.QuantConfig("gptq", 8, -1, desc_act=True, sym=True, packing="gptq_v1")
     # older AutoGPTQ configs carry neither quant_method nor checkpoint_format
-    assert F.parse_quantization_config({"bits": 4, "group_size": 128, "desc_act": False}).method == "gptq"
+    assert QC.parse_quantization_config({"bits": 4, "group_size": 128, "desc_act": False}).method == "gptq"
 
 
 @pytest.mark.parametrize("cfg,match", [
@@ -288,7 +289,7 @@ def test_parse_configs():
 ])
 def test_parse_rejects_unsupported(cfg, match):
     with pytest.raises(ValueError, match=match):
-        F.parse_quantization_config(cfg)
+        QC.parse_quantization_config(cfg)
 
 
 @pytest.mark.parametrize("chunk", [8, 24, 8192])

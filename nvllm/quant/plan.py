@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from nvllm.quant.formats import QuantConfig, parse_quantization_config
+from nvllm.quant.quant_config import QuantConfig, parse_quantization_config
 
 # our fused module → (HF parent module, HF modules it stands for)
 FUSED_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {

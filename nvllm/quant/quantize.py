@@ -28,7 +28,7 @@ import torch
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.quant.awq import AWQOptions
 from nvllm.quant.calibration import calibration_windows, load_texts
-from nvllm.quant.formats import awq_quantization_config, gptq_quantization_config
+from nvllm.quant.quant_config import awq_quantization_config, gptq_quantization_config
 from nvllm.quant.methods import AWQMethod, GPTQMethod, RTNMethod
 from nvllm.quant.plan import (FUSED_MODULES, LINEARS, LM_HEAD, QuantScheme, head_problem, head_sizes, output_sizes,
                               read_quantization_config)
