@@ -1,7 +1,8 @@
 """Short multi-token chunks through the decode-graph path (one row per token, context ending at the row's own
 position): on the CPU a stand-in for DecodeGraphs runs exactly what a replay runs — the model with one query
-token per row — and greedy outputs must equal the normal path's, for plain decoding with short prompts and for
-speculative decoding (verification of k + 1 tokens, the draft's catch-up)."""
+token per row — and greedy outputs must equal the normal path's, for short prompts (graphs without a
+``fresh_tokens`` promise) and for speculative decoding (verification of k + 1 tokens, the draft's catch-up); under
+the runner's one-token promise, short prompts stay out of the graphs."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20)
 class RowGraphs:
     """DecodeGraphs' interface on the CPU: every row one query token, as the captured graphs compute."""
 
-    def __init__(self, model, kv_caches, max_batch: int = 64):
+    def __init__(self, model, kv_caches, max_batch: int = 64, fresh_tokens: int = 0):
         self.model, self.kv_caches, self.max_batch = model, kv_caches, max_batch
+        self.fresh_tokens = fresh_tokens   # the attention's promise (DecodeGraphs); 0: none
         self.rows_seen: list[int] = []
 
     def run(self, input_ids, positions, slots, block_tables, context_lens):
@@ -39,11 +41,11 @@ class RowGraphs:
         return self.model(ids, torch.tensor(positions), self.kv_caches, meta)
 
 
-def with_row_graphs(llm) -> RowGraphs:
+def with_row_graphs(llm, fresh_tokens: int = 0) -> RowGraphs:
     runners = [llm.engine.runner]
     if llm.engine.spec is not None and llm.engine.spec.draft_runner is not None:
         runners.append(llm.engine.spec.draft_runner)
-    fakes = [RowGraphs(r.model, r.kv_caches) for r in runners]
+    fakes = [RowGraphs(r.model, r.kv_caches, fresh_tokens=fresh_tokens) for r in runners]
     for r, f in zip(runners, fakes):
         r.graphs = f
     return fakes[0]
@@ -56,6 +58,20 @@ def test_short_prompts_through_graph_rows(demo_dir):
     fake = with_row_graphs(llm)
     assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == want
     assert any(n > 2 for n in fake.rows_seen)  # steps that carried several tokens of a sequence
+
+
+def test_a_one_token_promise_keeps_short_prompts_out_of_the_graphs(demo_dir):
+    """Graphs whose attention reads earlier steps' keys before the PDL wait (``fresh_tokens`` 1, the runner's promise
+    without speculation) replay only one token a sequence: a short prompt's rows would read its earlier tokens
+    before they are stored. The prompts run piecewise, the decodes in the graphs, with the same tokens."""
+    ps = prompts(10)
+    want = [o.outputs[0].token_ids for o in make_llm(demo_dir).generate(ps, GREEDY, use_tqdm=False)]
+    llm = make_llm(demo_dir, block_size=8, max_num_seqs=1)
+    fake = with_row_graphs(llm, fresh_tokens=1)
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == want
+    assert set(fake.rows_seen) == {1}   # one sequence at a time: a second row would be a second token of it
+    assert MR.graph_query_len(1) == 1 and MR.graph_query_len(5) == 5
+    assert MR.graph_query_len(0) == MR.graph_query_len(99) == MR.GRAPH_MAX_QUERY_LEN
 
 
 def test_speculative_verification_through_graph_rows(demo_dir, drafts):  # noqa: F811

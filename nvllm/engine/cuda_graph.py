@@ -48,13 +48,30 @@ def staging_views(buf: torch.Tensor, n: int, max_blocks: int) -> tuple[torch.Ten
     return meta, ctx, tables
 
 
+GRAPH_MAX_QUERY_LEN = 16
+"""Steps whose chunks are all this short replay the decode CUDA graphs with one row per token: each row's
+context ends at its own position, and every row's K/V is stored before any row attends, so a chunk of n
+tokens is exactly its causal attention. Speculative verification (k + 1 tokens a sequence) and the draft's
+catch-up then run without hundreds of eager launches (``graph_query_len``: without speculation the graphs read
+earlier steps' keys before the PDL wait, and chunks of several tokens, such as short prompts, run piecewise)."""
+
+
+def graph_query_len(fresh_tokens: int) -> int:
+    """The longest chunk (tokens of one sequence in one step) the decode graphs may replay. Graphs whose attention
+    was promised that a row's context holds at most ``fresh_tokens`` tokens stored in the same step read the others
+    before the PDL wait, while the rotary + KV store kernel may still be writing (decode attention's
+    ``fresh_tokens``); a chunk's last row reads every token of its chunk, so no chunk may be longer than the promise.
+    Without one (0): ``GRAPH_MAX_QUERY_LEN``."""
+    return min(GRAPH_MAX_QUERY_LEN, fresh_tokens) if fresh_tokens > 0 else GRAPH_MAX_QUERY_LEN
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_batch: int, max_blocks_per_seq: int, device: torch.device,
                  extra_sizes: tuple[int, ...] = (), fresh_tokens: int = 0):
         """``extra_sizes``: batch sizes captured besides the ladder (speculative verification: k + 1 rows; padded to
         the next rung, 5 rows of the 7B ran 1.4% slower, PERF run AH). ``fresh_tokens``: the graphs' attention
-        metadata's (1 when every row is a sequence's one new token; 0 under speculative decoding, whose verify
-        rows store several tokens of one sequence)."""
+        metadata's (1: every row is a sequence's one new token, and the runner replays no longer chunk,
+        ``graph_query_len``; 0 under speculative decoding, whose verify rows store several tokens of one sequence)."""
         self.model = model
         self.fresh_tokens = fresh_tokens
         self.kv_caches = kv_caches

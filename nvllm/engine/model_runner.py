@@ -23,7 +23,7 @@ import torch
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import check_tensor_parallel
-from nvllm.engine.cuda_graph import DecodeGraphs
+from nvllm.engine.cuda_graph import GRAPH_MAX_QUERY_LEN, DecodeGraphs, graph_query_len  # noqa: F401 (tests)
 from nvllm.engine.inflight import PendingTokens, resolve_placeholders
 from nvllm.engine.piecewise_graphs import PiecewiseGraphs
 from nvllm.engine.sequence import Sequence
@@ -43,13 +43,6 @@ _PROMPT_LOGPROB_ROWS = 512  # prompt positions scored per log_softmax
 PIECEWISE_MAX_TOKENS = 2048
 """Largest step (in tokens) replayed as piecewise CUDA graphs (nvllm.engine.piecewise_graphs); above it a step's
 GPU work hides its launches and it runs eagerly."""
-GRAPH_MAX_QUERY_LEN = 16
-"""Steps whose chunks are all this short replay the decode CUDA graphs with one row per token: each row's
-context ends at its own position, and every row's K/V is stored before any row attends, so a chunk of n
-tokens is exactly its causal attention. Speculative verification (k + 1 tokens a sequence), the draft's
-catch-up and short prompts then run without hundreds of eager launches."""
-
-
 @dataclass
 class StepResult:
     """Per scheduled sequence: the sampled token (or None mid-prompt), its logprob info, and prompt
@@ -368,8 +361,8 @@ class ModelRunner:
         rows to sample) — on rank 0; None, None elsewhere. Prompt-logprob rows go through the LM head in chunks
         of bounded size, each handed to ``on_prompt_logits(first row index, logits)`` on rank 0."""
         dev = self.device
-        if (self.graphs is not None and step.max_query_len <= GRAPH_MAX_QUERY_LEN and not step.prompt_rows
-                and len(step.input_ids) <= self.graphs.max_batch):
+        if (self.graphs is not None and step.max_query_len <= graph_query_len(self.graphs.fresh_tokens)
+                and not step.prompt_rows and len(step.input_ids) <= self.graphs.max_batch):
             tables, ctx = step.block_tables, step.context_lens
             if step.max_query_len > 1:  # one graph row per token, attending to the positions up to its own
                 qsl = step.query_start_loc
