@@ -93,6 +93,15 @@ def _kv_tile(k_head, v_head, ks_head, vs_head, bt_row, n, mask, d, d_mask, strid
     ``mask``, ``*_other`` elsewhere."""
     blk = tl.load(bt_row + n // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
     off = (n % BLOCK_SIZE).to(tl.int64)
+    return _kv_rows(k_head, v_head, ks_head, vs_head, blk, off, mask, d, d_mask, stride_kb, stride_ko, stride_kd,
+                    stride_vb, stride_vo, stride_vd, stride_sb, stride_so, KV_QUANT, k_other, v_other, ks_other,
+                    vs_other)
+
+
+def _kv_rows(k_head, v_head, ks_head, vs_head, blk, off, mask, d, d_mask, stride_kb, stride_ko, stride_kd,
+             stride_vb, stride_vo, stride_vd, stride_sb, stride_so, KV_QUANT: tl.constexpr, k_other, v_other,
+             ks_other, vs_other):
+    """``_kv_tile`` with each token's cache block ``blk`` and offset ``off`` already known."""
     kv_mask = mask[:, None] & d_mask[None, :]
     k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko + d[None, :] * stride_kd,
                 mask=kv_mask, other=k_other)
@@ -182,9 +191,13 @@ def _decode_stage1_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < end
         old = n_mask & (n < ctx - FRESH)
-        k_old, v_old, ks_old, vs_old = _kv_tile(k_head, v_head, ks_head, vs_head, bt_row, n, old, d, d_mask,
+        # every token's block id too (block tables are staged before the step): the newest rows' loads after the
+        # wait then need no trip to the block table first
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        off = (n % BLOCK_SIZE).to(tl.int64)
+        k_old, v_old, ks_old, vs_old = _kv_rows(k_head, v_head, ks_head, vs_head, blk, off, old, d, d_mask,
                                                 stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
-                                                stride_sb, stride_so, BLOCK_SIZE, KV_QUANT, 0.0, 0.0, 0.0, 0.0)
+                                                stride_sb, stride_so, KV_QUANT, 0.0, 0.0, 0.0, 0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -201,9 +214,9 @@ def _decode_stage1_kernel(
     first = start
     if FRESH:
         if start < end:   # the newest tokens over the ones read before the wait
-            k, v, k_s, v_s = _kv_tile(k_head, v_head, ks_head, vs_head, bt_row, n, n_mask & ~old, d, d_mask,
+            k, v, k_s, v_s = _kv_rows(k_head, v_head, ks_head, vs_head, blk, off, n_mask & ~old, d, d_mask,
                                       stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
-                                      stride_sb, stride_so, BLOCK_SIZE, KV_QUANT, k_old, v_old, ks_old, vs_old)
+                                      stride_sb, stride_so, KV_QUANT, k_old, v_old, ks_old, vs_old)
             m_i, l_i, acc = _tile_update(q, k, v, k_s, v_s, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE_DOT,
                                          KV_QUANT)
         first = start + BLOCK_N
@@ -263,7 +276,7 @@ def _decode_stage2_kernel(
 
 # arguments that vary with the batch (block-table width, split count): not specialized (see nvllm.kernels.jit)
 _decode_stage1_kernel.do_not_specialize = ("stride_bt", "stride_pb", "stride_ph", "partition_size")
-_decode_stage1_kernel.helpers = ("_kv_tile", "_tile_update")
+_decode_stage1_kernel.helpers = ("_kv_tile", "_kv_rows", "_tile_update")
 _decode_stage2_kernel.do_not_specialize = ("stride_pb", "stride_ph", "num_splits")
 
 
