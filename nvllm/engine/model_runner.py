@@ -55,11 +55,13 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TPGroup | None = None):
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None, draft: bool = False):
         """``tp``: a tensor-parallel worker's group. Rank 0 passes None and, when ``tensor_parallel_size`` > 1,
         starts the workers itself (stopped by ``shutdown()``, or when the runner is collected or the
-        interpreter exits)."""
+        interpreter exits). ``draft``: a speculative draft's runner, whose decode graphs replay its catch-up chunks
+        of several tokens too (so they make no ``fresh_tokens`` promise)."""
         self.config = config
+        self.draft = draft
         self.device = torch.device(config.device)
         self.hf_config = load_hf_config(config.model)
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
@@ -114,7 +116,7 @@ class ModelRunner:
             verify_rows = (spec.num_speculative_tokens + 1,) if spec is not None and not spec.auto else ()
             self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
                                        -(-self.max_model_len // self.block_size), self.device, verify_rows,
-                                       fresh_tokens=1 if spec is None else 0)
+                                       fresh_tokens=1 if spec is None and not self.draft else 0)
             self.graphs.capture()
             self.piecewise = PiecewiseGraphs(self.model, self.kv_caches,
                                              min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS), self.device,

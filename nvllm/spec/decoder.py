@@ -66,7 +66,7 @@ def load_draft_runner(config: EngineConfig, target, tokenizer):
         kv_cache_memory=None, max_model_len=min(target.max_model_len, limit), speculative=None, hf_overrides={},
         tensor_parallel_size=1)
     try:
-        return ModelRunner(draft_config)
+        return ModelRunner(draft_config, draft=True)
     except torch.cuda.OutOfMemoryError:
         per_token_t = target.kv_bytes_per_token
         per_token_d = 2 * hf.num_hidden_layers * (getattr(hf, "num_key_value_heads", None) or
