@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nvllm import SamplingParams
-from nvllm.engine import model_runner as MR
+from nvllm.engine import cuda_graph as CG
 from nvllm.layers.attention import AttentionMetadata
 from tests.conftest import make_llm
 from tests.test_spec_decode import drafts, prompts, spec_of  # noqa: F401  (drafts: a module fixture)
@@ -70,8 +70,8 @@ def test_a_one_token_promise_keeps_short_prompts_out_of_the_graphs(demo_dir):
     fake = with_row_graphs(llm, fresh_tokens=1)
     assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == want
     assert set(fake.rows_seen) == {1}   # one sequence at a time: a second row would be a second token of it
-    assert MR.graph_query_len(1) == 1 and MR.graph_query_len(5) == 5
-    assert MR.graph_query_len(0) == MR.graph_query_len(99) == MR.GRAPH_MAX_QUERY_LEN
+    assert CG.graph_query_len(1) == 1 and CG.graph_query_len(5) == 5
+    assert CG.graph_query_len(0) == CG.graph_query_len(99) == CG.GRAPH_MAX_QUERY_LEN
 
 
 def test_speculative_verification_through_graph_rows(demo_dir, drafts):  # noqa: F811
@@ -92,7 +92,7 @@ def test_long_chunks_stay_eager(demo_dir):
     llm = make_llm(demo_dir)
     fake = with_row_graphs(llm)
     long_prompt = " ".join(["Once upon a time"] * 8)            # > GRAPH_MAX_QUERY_LEN tokens
-    assert len(llm.get_tokenizer().encode(long_prompt)) > MR.GRAPH_MAX_QUERY_LEN
+    assert len(llm.get_tokenizer().encode(long_prompt)) > CG.GRAPH_MAX_QUERY_LEN
     llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert fake.rows_seen == [1, 1]                             # the prompt ran eagerly, the decodes in rows
 

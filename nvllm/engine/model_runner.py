@@ -23,7 +23,7 @@ import torch
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import check_tensor_parallel
-from nvllm.engine.cuda_graph import GRAPH_MAX_QUERY_LEN, DecodeGraphs, graph_query_len  # noqa: F401 (tests)
+from nvllm.engine.cuda_graph import DecodeGraphs, graph_query_len
 from nvllm.engine.inflight import PendingTokens, resolve_placeholders
 from nvllm.engine.piecewise_graphs import PiecewiseGraphs
 from nvllm.engine.sequence import Sequence
@@ -43,6 +43,8 @@ _PROMPT_LOGPROB_ROWS = 512  # prompt positions scored per log_softmax
 PIECEWISE_MAX_TOKENS = 2048
 """Largest step (in tokens) replayed as piecewise CUDA graphs (nvllm.engine.piecewise_graphs); above it a step's
 GPU work hides its launches and it runs eagerly."""
+
+
 @dataclass
 class StepResult:
     """Per scheduled sequence: the sampled token (or None mid-prompt), its logprob info, and prompt
