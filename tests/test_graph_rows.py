@@ -63,7 +63,8 @@ def test_short_prompts_through_graph_rows(demo_dir):
 def test_a_one_token_promise_keeps_short_prompts_out_of_the_graphs(demo_dir):
     """Graphs whose attention reads earlier steps' keys before the PDL wait (``fresh_tokens`` 1, the runner's promise
     without speculation) replay only one token a sequence: a short prompt's rows would read its earlier tokens
-    before they are stored. The prompts run piecewise, the decodes in the graphs, with the same tokens."""
+    before they are stored. The prompts run outside them (piecewise on a GPU), the decodes in them, with the same
+    tokens."""
     ps = prompts(10)
     want = [o.outputs[0].token_ids for o in make_llm(demo_dir).generate(ps, GREEDY, use_tqdm=False)]
     llm = make_llm(demo_dir, block_size=8, max_num_seqs=1)
