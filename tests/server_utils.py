@@ -25,13 +25,13 @@ PORT_TAKEN = "Address already in use"
 run in parallel): the start is then retried on another port."""
 
 
-def start_server(args: list[str], log_path: Path, timeout: float = 120, attempts: int = 3
+def start_server(args: list[str], log_path: Path, timeout: float = 120, attempts: int = 3, command: str = "serve"
                  ) -> tuple[subprocess.Popen, str]:
-    """`nvllm serve ARGS` on a free port (demo model unless ARGS say otherwise); waits for /health.
-    Returns the process and the base URL; a server that exits or never becomes healthy fails the test (one whose
-    port was taken meanwhile is started again on another, up to ``attempts`` times)."""
+    """`nvllm COMMAND ARGS` (``serve``: the demo model unless ARGS say otherwise; or ``router``) on a free port;
+    waits for /health. Returns the process and the base URL; a server that exits or never becomes healthy fails the
+    test (one whose port was taken meanwhile is started again on another, up to ``attempts`` times)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "nvllm.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "nvllm.cli", command, "--port", str(port), *args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
     base = f"http://127.0.0.1:{port}"
@@ -39,7 +39,7 @@ def start_server(args: list[str], log_path: Path, timeout: float = 120, attempts
     while True:
         if proc.poll() is not None:
             if attempts > 1 and PORT_TAKEN in log_path.read_text():
-                return start_server(args, log_path, timeout, attempts - 1)
+                return start_server(args, log_path, timeout, attempts - 1, command)
             pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:

@@ -66,18 +66,6 @@ def _wait_healthy(procs: dict[str, subprocess.Popen], urls: dict[str, str], logs
         time.sleep(0.2)
 
 
-def _spawn_healthy(args: list[str], log_path, attempts: int = 3) -> tuple[subprocess.Popen, str]:
-    """``_spawn`` and wait for /health; started again on another port when it lost its own."""
-    proc, url = _spawn(args, log_path)
-    try:
-        _wait_healthy({"p": proc}, {"p": url}, {"p": log_path}, ["p"])
-    except _PortTaken:
-        if attempts == 1:
-            raise
-        return _spawn_healthy(args, log_path, attempts - 1)
-    return proc, url
-
-
 def _stop(procs: dict[str, subprocess.Popen]) -> None:
     for p in procs.values():
         if p.poll() is None:
@@ -324,8 +312,8 @@ def test_router_and_workers_keep_idle_connections(deployment):
 
 def test_router_in_front_of_mixed_replicas(deployment, tmp_path):
     log = tmp_path / "router_mixed.log"
-    proc, url = _spawn_healthy(["router", "--mixed", deployment["urls"]["mixed"], "--api-key", KEY,
-                                "--uvicorn-log-level", "warning"], log)
+    proc, url = start_server(["--mixed", deployment["urls"]["mixed"], "--api-key", KEY,
+                              "--uvicorn-log-level", "warning"], log, command="router")
     try:
         c, direct = _client(url), _client(deployment["urls"]["mixed"])
         kw = dict(model=MODEL, prompt=PROMPTS[20], max_tokens=10, temperature=0)
@@ -390,7 +378,7 @@ def _demo() -> str:
 # ---- one command: --disaggregate ------------------------------------------------------------------------------
 def test_disaggregate_1p1d_launches_and_stops_as_one(tmp_path):
     log = tmp_path / "launcher.log"
-    proc, url = _spawn_healthy(["serve", "--disaggregate", "1P1D", "--prefill-max-num-seqs", "4", *COMMON], log)
+    proc, url = start_server(["--disaggregate", "1P1D", "--prefill-max-num-seqs", "4", *COMMON], log)
     c = _client(url)
     r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens == 8
