@@ -79,6 +79,8 @@ def serve(
     max_request_bytes: Annotated[int, typer.Option(help="larger request bodies get 413")] = 16 * 1024 * 1024,
     shutdown_timeout: Annotated[int, typer.Option(help="seconds in-flight requests get on SIGINT/SIGTERM")] = 30,
     uvicorn_log_level: Annotated[str, typer.Option(help="uvicorn's log level (access lines at info)")] = "info",
+    fd: Annotated[Optional[int], typer.Option(help="serve on the bound socket behind this inherited file descriptor "
+                                              "instead of --host/--port (as uvicorn --fd)")] = None,
     *, engine_config: EngineConfig, disagg_config: DisaggConfig,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, models, metrics); as a prefill or
@@ -88,7 +90,7 @@ def serve(
     try:
         config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                               chat_template=chat_template, max_request_bytes=max_request_bytes,
-                              shutdown_timeout=shutdown_timeout, log_level=uvicorn_log_level)
+                              shutdown_timeout=shutdown_timeout, log_level=uvicorn_log_level, fd=fd)
         if disagg_config.disaggregate:
             from nvllm.disagg.launcher import launch
 

@@ -159,9 +159,12 @@ def _wait_pool_empty(url: str, timeout: float = 20) -> dict:
     (["serve", "--role", "prefill", "--kv-rank", "2", "--kv-world-size", "2", "--kv-master", "h:1"], "--kv-rank"),
     (["serve", "--role", "prefill", "--kv-rank", "0", "--kv-world-size", "2", "--kv-master", "nohost"], "HOST:PORT"),
     (["serve", "--kv-rank", "0"], "need --role prefill or decode"),
+    (["serve", "--kv-store-external"], "need --role prefill or decode"),
+    (["serve", "--fd", "-1"], "--fd must be a file descriptor"),
     (["serve", "--max-prefill-length", "10"], "--max-prefill-length needs --role prefill"),
     (["serve", "--disaggregate", "1X1D"], "xPyD"),
     (["serve", "--disaggregate", "1P1D", "--role", "prefill"], "launches the workers itself"),
+    (["serve", "--disaggregate", "1P1D", "--kv-store-external"], "launches the workers itself"),
     (["serve", "--prefill-max-num-seqs", "4"], "goes with --disaggregate"),
     (["router"], "--prefill and --decode"),
     (["router", "--prefill", "http://a:1", "--decode", "b:2"], "not an http(s):// URL"),
@@ -392,6 +395,8 @@ def test_disaggregate_1p1d_launches_and_stops_as_one(tmp_path):
             os.kill(pid, 0)
     text = log.read_text()
     assert "[prefill-0]" in text and "--max-num-seqs 4" in text, text
+    # the workers got their sockets bound and the group's store served by the launcher: no port picked, then bound
+    assert text.count("serve --fd ") == 2 and text.count("--kv-store-external") == 2, text
 
 
 # ---- a worker dies (last: it takes the deployment's decode workers down) --------------------------------------

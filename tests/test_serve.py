@@ -432,3 +432,35 @@ def test_async_engine_survives_an_add_cancelled_before_it_lands():
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_fd_serves_an_inherited_socket_and_refuses_anything_else(tmp_path):
+    """--fd: the server takes over a socket its launcher bound (no bind of its own, so its port cannot be taken in
+    between); a file, a UDP socket or an unbound socket is one clear error, exit 2."""
+    import os
+    import socket
+
+    from typer.testing import CliRunner
+
+    from nvllm.cli import app
+    from nvllm.config import ConfigError
+    from nvllm.serve.api_server import ServerConfig, adopt_socket, bind_socket, listen_socket
+
+    held = bind_socket("127.0.0.1", 0)
+    held.listen()  # now no other socket can bind its port: a bind of --host/--port would fail
+    port = held.getsockname()[1]
+    with listen_socket(ServerConfig(port=port, fd=os.dup(held.fileno()))) as sock:
+        assert sock.getsockname()[:2] == ("127.0.0.1", port)
+    held.close()
+
+    udp, unbound = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket()
+    udp.bind(("127.0.0.1", 0))
+    with udp, unbound:
+        for s, message in ((udp, "not a TCP socket"), (unbound, "not bound to a port")):
+            with pytest.raises(ConfigError, match=message):
+                adopt_socket(s.fileno())
+            assert s.fileno() >= 0  # refused, and still the caller's
+    with open(tmp_path / "not-a-socket", "w") as f:
+        fd = f.fileno()
+        res = CliRunner().invoke(app, ["serve", "--fd", str(fd)], env={"COLUMNS": "200"})
+    assert res.exit_code == 2 and f"--fd {fd} is not an open socket" in res.output, res.output

@@ -34,6 +34,7 @@ class DisaggConfig:
     kv_rank: int | None = None  # this worker's rank in the KV transfer group
     kv_world_size: int | None = None  # every prefill and decode worker of the deployment
     kv_master: str | None = None  # HOST:PORT of the group's rendezvous store (rank 0 listens there)
+    kv_store_external: bool = False  # another process serves the store at kv_master (--disaggregate's launcher)
     kv_backend: str = "auto"  # auto: NCCL between GPUs, gloo on CPU
     max_prefill_length: int | None = None  # prompts longer are refused (400) by a prefill worker
     prefill_max_num_seqs: int | None = None  # --disaggregate: the prefill workers' batch (default: max_num_seqs)
@@ -54,16 +55,17 @@ class DisaggConfig:
         group = (self.kv_rank, self.kv_world_size, self.kv_master)
         if self.disaggregate is not None:
             parse_xpyd(self.disaggregate)
-            if self.role != "mixed" or any(v is not None for v in group):
+            if self.role != "mixed" or any(v is not None for v in group) or self.kv_store_external:
                 raise ConfigError("--disaggregate launches the workers itself: it takes no --role, --kv-rank, "
-                                  "--kv-world-size or --kv-master")
+                                  "--kv-world-size, --kv-master or --kv-store-external")
             return
         if self.prefill_max_num_seqs is not None:
             raise ConfigError("--prefill-max-num-seqs goes with --disaggregate (a prefill worker takes "
                               "--max-num-seqs)")
         if self.role == "mixed":
-            if any(v is not None for v in group):
-                raise ConfigError("--kv-rank, --kv-world-size and --kv-master need --role prefill or decode")
+            if any(v is not None for v in group) or self.kv_store_external:
+                raise ConfigError("--kv-rank, --kv-world-size, --kv-master and --kv-store-external need --role "
+                                  "prefill or decode")
             if self.max_prefill_length is not None:
                 raise ConfigError("--max-prefill-length needs --role prefill (or --disaggregate)")
             return

@@ -1,8 +1,10 @@
 """`nvllm serve --disaggregate xPyD`: x prefill and y decode workers and the router, in one command.
 
-Each worker is an `nvllm serve --role prefill|decode` subprocess on a free local port with the same engine
-options (the prefill workers' batch from --prefill-max-num-seqs), all in one KV transfer group whose store
-listens on a free local port (prefill workers take ranks 0..x-1, decode workers x..x+y-1). With CUDA each
+Each worker is an `nvllm serve --role prefill|decode` subprocess with the same engine options (the prefill
+workers' batch from --prefill-max-num-seqs), all in one KV transfer group (prefill workers take ranks 0..x-1,
+decode workers x..x+y-1). This process binds each worker's HTTP socket on a free local port and hands it over
+(`--fd`), and serves the group's store itself (`--kv-store-external`): no port is chosen here and bound later
+elsewhere, so no other process can take one in between. With CUDA each
 worker gets its own GPU (CUDA_VISIBLE_DEVICES), so x + y GPUs are needed; on the CPU they all run on the CPU.
 The router runs in this process on --host/--port. Its log lines and the workers' (prefixed with their name)
 share this terminal. SIGINT/SIGTERM stop the router, then the workers; when every worker of one role has
@@ -12,30 +14,25 @@ exited, the deployment cannot serve and stops with exit status 1.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import typing
 
 import torch
+import torch.distributed as dist
 
 from nvllm.cli_options import ENGINE_OPTIONS
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.disagg.config import DisaggConfig, parse_xpyd
 from nvllm.disagg.router import RouterConfig, run_router
-from nvllm.serve.api_server import ServerConfig, bind_socket
+from nvllm.serve.api_server import ServerConfig, bind_socket, listen_socket
 
 logger = logging.getLogger("nvllm")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def engine_cli_args(config: EngineConfig, **overrides) -> list[str]:
@@ -83,10 +80,12 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 
 class _Worker:
-    def __init__(self, name: str, role: str, cmd: list[str], env: dict):
+    def __init__(self, name: str, role: str, cmd: list[str], env: dict, fd: int):
+        """``fd``: the worker's bound HTTP socket, inherited under the same number (its ``--fd``)."""
         self.name, self.role = name, role
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
+                                     bufsize=1, start_new_session=True, preexec_fn=_die_with_parent,
+                                     pass_fds=(fd,))
         self._pump = threading.Thread(target=self._lines, name=f"nvllm-{name}-log", daemon=True)
         self._pump.start()
 
@@ -119,15 +118,23 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
         raise ConfigError("--disaggregate runs every worker on one GPU (tensor_parallel_size 1)")
     n = num_prefill + num_decode
     gpus = _gpus(engine_config, n)
-    sock = bind_socket(server.host, server.port)  # the router's: a taken port fails before anything starts
-    master = f"127.0.0.1:{free_port()}"
+    sock = listen_socket(server)  # the router's: a taken port fails before anything starts
+    try:
+        # the group's store, served by this process (a local, alive until the workers have stopped)
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=900),
+                              wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001 - one line, whatever the store raised
+        sock.close()
+        raise ConfigError(f"cannot start the KV transfer group's store: {str(e).splitlines()[0][:200]}") from None
+    master = f"127.0.0.1:{store.port}"
     serve_args = []
     for key in ("served_model_name", "chat_template"):
         if getattr(server, key):
             serve_args += [f"--{key.replace('_', '-')}", str(getattr(server, key))]
     serve_args += ["--max-request-bytes", str(server.max_request_bytes), "--shutdown-timeout",
                    str(server.shutdown_timeout), "--uvicorn-log-level", server.log_level,
-                   "--kv-world-size", str(n), "--kv-master", master, "--kv-backend", disagg.kv_backend,
+                   "--kv-world-size", str(n), "--kv-master", master, "--kv-store-external",
+                   "--kv-backend", disagg.kv_backend,
                    "--kv-handle-timeout", str(disagg.kv_handle_timeout),
                    "--kv-transfer-timeout", str(disagg.kv_transfer_timeout)]
     env = {**os.environ, "COLUMNS": os.environ.get("COLUMNS", "200"), "PYTHONUNBUFFERED": "1"}
@@ -139,20 +146,23 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
     try:
         for rank in range(n):
             role = "prefill" if rank < num_prefill else "decode"
-            port = free_port()
             overrides = {"device": "cuda" if gpus else "cpu"}
             if role == "prefill" and disagg.prefill_max_num_seqs is not None:
                 overrides["max_num_seqs"] = disagg.prefill_max_num_seqs
-            cmd = [sys.executable, "-m", "nvllm.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                   "--role", role, "--kv-rank", str(rank), *serve_args,
-                   *engine_cli_args(engine_config, **overrides)]
+            wsock = bind_socket("127.0.0.1", 0)
+            port = wsock.getsockname()[1]
+            cmd = [sys.executable, "-m", "nvllm.cli", "serve", "--fd", str(wsock.fileno()), "--role", role,
+                   "--kv-rank", str(rank), *serve_args, *engine_cli_args(engine_config, **overrides)]
             if role == "prefill" and disagg.max_prefill_length is not None:
                 cmd += ["--max-prefill-length", str(disagg.max_prefill_length)]
             worker_env = dict(env, **({"CUDA_VISIBLE_DEVICES": gpus[rank]} if gpus else {}))
             name = f"{role}-{len(urls[role])}"
-            logger.info("starting %s on %s: %s", name, f"GPU {gpus[rank]}" if gpus else "the CPU",
+            logger.info("starting %s on %s, port %d: %s", name, f"GPU {gpus[rank]}" if gpus else "the CPU", port,
                         " ".join(cmd[2:]))
-            workers.append(_Worker(name, role, cmd, worker_env))
+            try:
+                workers.append(_Worker(name, role, cmd, worker_env, wsock.fileno()))
+            finally:
+                wsock.close()  # the worker holds its own copy
             urls[role].append(f"http://127.0.0.1:{port}")
         watch.start()
         run_router(RouterConfig(prefill=urls["prefill"], decode=urls["decode"], host=server.host, port=server.port,

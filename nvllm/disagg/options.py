@@ -24,6 +24,8 @@ DISAGG_OPTIONS: dict[str, tuple[Any, Any]] = {
     "kv_rank": _opt(None, Optional[int], "this worker's rank in the KV transfer group"),
     "kv_world_size": _opt(None, Optional[int], "prefill + decode workers in the KV transfer group"),
     "kv_master": _opt(None, Optional[str], "HOST:PORT of the KV transfer group's store (rank 0 listens there)"),
+    "kv_store_external": _opt(False, bool, "another process already serves the store at --kv-master (as "
+                              "--disaggregate does): rank 0 connects to it instead of listening"),
     "kv_backend": _opt("auto", str, "auto | gloo | nccl (auto: NCCL between GPUs, gloo on the CPU)"),
     "max_prefill_length": _opt(None, Optional[int], "prefill workers refuse longer prompts (400, saying so)"),
     "prefill_max_num_seqs": _opt(None, Optional[int], "with --disaggregate: the prefill workers' batch "

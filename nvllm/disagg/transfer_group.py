@@ -40,15 +40,17 @@ class TransferError(RuntimeError):
 
 class TransferGroup:
     def __init__(self, rank: int, world_size: int, master: tuple[str, int], backend: str, device: torch.device,
-                 info: dict, transfer_timeout: float, join_timeout: float = 900.0):
+                 info: dict, transfer_timeout: float, join_timeout: float = 900.0, store_external: bool = False):
         """Join the group (blocks until every worker has joined, at most join_timeout seconds). info: what
-        this worker tells the others (role, layout signature, url, …); peers[r] is rank r's."""
+        this worker tells the others (role, layout signature, url, …); peers[r] is rank r's. The store at
+        ``master`` is rank 0's, unless ``store_external`` (another process serves it; every rank connects)."""
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = device if backend == "nccl" else torch.device("cpu")
         self.timeout = datetime.timedelta(seconds=transfer_timeout)
         host, port = master
+        serves = rank == 0 and not store_external
         try:
-            store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
+            store = dist.TCPStore(host, port, world_size, is_master=serves,
                                   timeout=datetime.timedelta(seconds=join_timeout), wait_for_workers=False)
         except Exception as e:  # noqa: BLE001 - a taken port, an unreachable master: one line
             raise ConfigError(f"cannot join the KV transfer group at {host}:{port} as rank {rank}: {e}") from None
@@ -57,7 +59,7 @@ class TransferGroup:
             self._store.set(f"info/{rank}", json.dumps(info))
             self.peers = {r: json.loads(self._store.get(f"info/{r}")) for r in range(world_size)}
             self._store.set(f"read/{rank}", "1")
-            if rank == 0:  # the store lives in this process: keep it up until everyone has read what it needs
+            if serves:  # the store lives in this process: keep it up until everyone has read what it needs
                 self._store.wait([f"read/{r}" for r in range(world_size)], datetime.timedelta(seconds=60))
         except Exception as e:  # noqa: BLE001 - a rank that died or never came: one line
             raise ConfigError(f"KV transfer group at {host}:{port}: the rendezvous failed for rank {rank} "
@@ -77,7 +79,7 @@ class TransferGroup:
             self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self._store), rank, world_size, opts)
         else:
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self._store), rank, world_size, self.timeout)
-        self._store_ref = store  # rank 0 serves the store: keep it alive with the group
+        self._store_ref = store  # the store (rank 0's, or the connection to it) lives as long as the group
         logger.info("joined the KV transfer group: rank %d of %d (%s), %s", rank, world_size, backend,
                     ", ".join(f"{r}={p['role']}" for r, p in sorted(self.peers.items())))
 

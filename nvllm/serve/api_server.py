@@ -48,10 +48,13 @@ class ServerConfig:
     max_request_bytes: int = 16 * 1024 * 1024
     shutdown_timeout: int = 30
     log_level: str = "info"
+    fd: int | None = None  # an inherited, bound socket to serve on instead of host:port (uvicorn's --fd)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.fd is not None and self.fd < 0:
+            raise ConfigError(f"--fd must be a file descriptor (>= 0), got {self.fd}")
         if self.max_request_bytes < 1:
             raise ConfigError("max_request_bytes must be at least 1")
         if self.api_key is not None and not self.api_key:
@@ -217,6 +220,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def adopt_socket(fd: int) -> socket.socket:
+    """The bound TCP socket behind an inherited file descriptor (``--fd``: bound by whoever started this process,
+    so no other process can take its port in between)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        raise ConfigError(f"--fd {fd} is not an open socket: {e.strerror or e}") from None
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+        sock.detach()
+        raise ConfigError(f"--fd {fd} is not a TCP socket")
+    if sock.getsockname()[1] == 0:
+        sock.detach()
+        raise ConfigError(f"--fd {fd}: the socket is not bound to a port")
+    return sock
+
+
+def listen_socket(config: ServerConfig) -> socket.socket:
+    """The socket to serve on: the inherited one (``--fd``), else ``--host``:``--port`` bound here."""
+    return adopt_socket(config.fd) if config.fd is not None else bind_socket(config.host, config.port)
+
+
 def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "DisaggConfig | None" = None) -> None:
     """Build the engine (and, for a prefill or decode worker, join the KV transfer group), then serve until
     SIGINT/SIGTERM (uvicorn handles both)."""
@@ -224,7 +248,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
     from nvllm.logger import setup_logging
 
     setup_logging()
-    sock = bind_socket(config.host, config.port)  # before the slow part, so a taken port fails at once
+    sock = listen_socket(config)  # before the slow part, so a taken port fails at once
     try:
         model_name = config.served_model_name or default_model_name(engine_config)
         if disagg is not None and disagg.role == "prefill" and engine_config.async_scheduling:
@@ -239,7 +263,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
             from nvllm.disagg.worker import DisaggWorker
 
             host, port = sock.getsockname()[:2]
-            worker = DisaggWorker(engine, disagg, config, f"http://{_url_host(config.host, host)}:{port}")
+            url_host = _url_host(config.host if config.fd is None else host, host)
+            worker = DisaggWorker(engine, disagg, config, f"http://{url_host}:{port}")
         app = build_app(engine, config, model_name, worker)
         host, port = sock.getsockname()[:2]
         logger.info("serving %s at http://%s:%d/v1 (API key %s)", model_name, host, port,
