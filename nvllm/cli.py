@@ -66,6 +66,10 @@ def generate(
 app.add_typer(bench_app, name="bench")
 
 
+_FD = Annotated[Optional[int], typer.Option(help="serve on the bound socket behind this inherited file descriptor "
+                                          "instead of --host/--port (as uvicorn --fd)")]
+
+
 @app.command()
 @engine_options
 @disagg_options
@@ -79,8 +83,7 @@ def serve(
     max_request_bytes: Annotated[int, typer.Option(help="larger request bodies get 413")] = 16 * 1024 * 1024,
     shutdown_timeout: Annotated[int, typer.Option(help="seconds in-flight requests get on SIGINT/SIGTERM")] = 30,
     uvicorn_log_level: Annotated[str, typer.Option(help="uvicorn's log level (access lines at info)")] = "info",
-    fd: Annotated[Optional[int], typer.Option(help="serve on the bound socket behind this inherited file descriptor "
-                                              "instead of --host/--port (as uvicorn --fd)")] = None,
+    fd: _FD = None,
     *, engine_config: EngineConfig, disagg_config: DisaggConfig,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, models, metrics); as a prefill or
@@ -116,6 +119,7 @@ def router(
     poll_interval: Annotated[float, typer.Option(help="seconds between worker health/load polls")] = 1.0,
     log_interval: Annotated[float, typer.Option(help="seconds between router log lines (0: off)")] = 10.0,
     uvicorn_log_level: Annotated[str, typer.Option(help="uvicorn's log level")] = "info",
+    fd: _FD = None,
 ) -> None:
     """One OpenAI endpoint in front of prefill and decode workers (`nvllm serve --role …`) or mixed replicas."""
     from nvllm.disagg.router import RouterConfig, parse_urls, run_router
@@ -123,7 +127,7 @@ def router(
     try:
         run_router(RouterConfig(parse_urls(prefill, "--prefill"), parse_urls(decode, "--decode"),
                                 parse_urls(mixed, "--mixed"), host, port, api_key, max_request_bytes, poll_interval,
-                                log_interval, uvicorn_log_level))
+                                log_interval, uvicorn_log_level, fd))
     except USER_ERRORS as e:
         fail(str(e))
 

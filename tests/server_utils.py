@@ -15,31 +15,33 @@ import pytest
 
 
 def free_port() -> int:
+    """A port free a moment ago, for what must not be listening (a dead URL) or binds it at once itself. A server
+    the test starts gets its socket bound instead (``spawn``), as tests run in parallel."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-PORT_TAKEN = "Address already in use"
-"""What uvicorn logs when another process bound the port between ``free_port`` and the server's own bind (tests
-run in parallel): the start is then retried on another port."""
+def spawn(command: str, args: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+    """`nvllm COMMAND ARGS` on a socket bound here on a free port and handed over (``--fd``): no other process can
+    take the port between its choice and the server's start. Returns the process and the base URL."""
+    with socket.socket() as sock, open(log_path, "w") as log:
+        sock.bind(("127.0.0.1", 0))
+        cmd = [sys.executable, "-m", "nvllm.cli", command, "--fd", str(sock.fileno()), *args]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"},
+                                pass_fds=(sock.fileno(),))
+        return proc, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-def start_server(args: list[str], log_path: Path, timeout: float = 120, attempts: int = 3, command: str = "serve"
+def start_server(args: list[str], log_path: Path, timeout: float = 120, command: str = "serve"
                  ) -> tuple[subprocess.Popen, str]:
-    """`nvllm COMMAND ARGS` (``serve``: the demo model unless ARGS say otherwise; or ``router``) on a free port;
+    """`nvllm COMMAND ARGS` (``serve``: the demo model unless ARGS say otherwise; or ``router``), ``spawn``ed;
     waits for /health. Returns the process and the base URL; a server that exits or never becomes healthy fails the
-    test (one whose port was taken meanwhile is started again on another, up to ``attempts`` times)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "nvllm.cli", command, "--port", str(port), *args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
-    base = f"http://127.0.0.1:{port}"
+    test."""
+    proc, base = spawn(command, args, log_path)
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            if attempts > 1 and PORT_TAKEN in log_path.read_text():
-                return start_server(args, log_path, timeout, attempts - 1, command)
             pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -254,9 +255,11 @@ def fake_server():
     import uvicorn
 
     state = FakeState()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(_fake_app(state), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound here, served by uvicorn: no other test can take the port in between
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(_fake_app(state), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 20
     while not server.started and time.time() < deadline:
@@ -265,6 +268,7 @@ def fake_server():
     yield f"http://127.0.0.1:{port}", state
     server.should_exit = True
     thread.join(timeout=10)
+    sock.close()
 
 
 def _bench(url, tmp_path, *extra, name="out.json"):

@@ -5,19 +5,20 @@ client on both; then a worker's death; and `nvllm serve --disaggregate 1P1D` sta
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
+import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_utils import PORT_TAKEN, assert_keeps_idle_connection, free_port, start_server
+from tests.server_utils import assert_keeps_idle_connection, spawn, start_server
 from tests.test_serve import BAD_REQUESTS, PROMPTS
 
 KEY = "sk-disagg"
@@ -29,30 +30,15 @@ MAX_PREFILL = 200
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _spawn(args: list[str], log_path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "nvllm.cli", *args, "--port", str(port)], stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
-    return proc, f"http://127.0.0.1:{port}"
-
-
-class _PortTaken(Exception):
-    """A process of the deployment lost its port (or the rendezvous its) to another test between ``free_port`` and
-    its bind."""
-
-
 def _wait_healthy(procs: dict[str, subprocess.Popen], urls: dict[str, str], logs: dict, names: list[str],
                   timeout: float = 120) -> None:
-    """Until every process of ``names`` answers /health; one that exits fails the test, or raises ``_PortTaken``
-    when it (or any other of them) lost its port (workers of a group may wait for each other, so all are watched)."""
+    """Until every process of ``names`` answers /health (workers of a group wait for each other, so all are
+    watched); one that exits, or never answers, fails the test."""
     deadline = time.monotonic() + timeout
     waiting = list(names)
     while waiting:
         for name in list(waiting):
             if procs[name].poll() is not None:
-                if any(PORT_TAKEN.lower() in logs[n].read_text().lower() for n in names):   # uvicorn's message,
-                    raise _PortTaken(name)                                                # torch.distributed's store's
                 pytest.fail(f"{name} exited with {procs[name].returncode}:\n{logs[name].read_text()}")
             try:
                 if httpx.get(f"{urls[name]}/health", timeout=2).status_code == 200:
@@ -78,43 +64,32 @@ def _stop(procs: dict[str, subprocess.Popen]) -> None:
             p.wait()
 
 
-def _start_disaggregated(d, procs: dict, urls: dict, logs: dict) -> None:
-    """The prefill worker, two decode workers (one KV group, on a fresh rendezvous port) and the router, healthy."""
-    group = ["--kv-world-size", "3", "--kv-master", f"127.0.0.1:{free_port()}"]
-    for name, role, rank, extra in (("prefill", "prefill", 0, ["--max-prefill-length", str(MAX_PREFILL)]),
-                                    ("decode0", "decode", 1, []), ("decode1", "decode", 2, [])):
-        logs[name] = d / f"{name}.log"
-        procs[name], urls[name] = _spawn(["serve", *COMMON, "--role", role, "--kv-rank", str(rank), *group, *extra],
-                                         logs[name])
-    _wait_healthy(procs, urls, logs, ["prefill", "decode0", "decode1"])
-    logs["router"] = d / "router.log"
-    procs["router"], urls["router"] = _spawn(
-        ["router", "--prefill", urls["prefill"], "--decode", f"{urls['decode0']},{urls['decode1']}",
-         "--api-key", KEY, "--max-request-bytes", "65536", "--poll-interval", "30",
-         "--uvicorn-log-level", "warning"], logs["router"])
-    _wait_healthy(procs, urls, logs, ["router"])
-
-
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    """{"urls": {"mixed", "router", "prefill", "decode0", "decode1"}, "procs": {...}, "logs": {...}}; every process
-    started is stopped at the end, also when the set-up fails halfway. A worker that lost its port (or the group its
-    rendezvous port) to another test between ``free_port`` and its bind makes the whole group start again on new
-    ports, up to three times."""
+    """{"urls": {"mixed", "router", "prefill", "decode0", "decode1"}, "procs": {...}, "logs": {...}}: the prefill
+    worker and two decode workers in one KV group, whose store this process serves (as `--disaggregate` does),
+    the router, and a mixed server. Every process started is stopped at the end, also when the set-up fails
+    halfway."""
     d = tmp_path_factory.mktemp("disagg")
     procs, urls, logs = {}, {}, {}
     pool = ThreadPoolExecutor(1)
     mixed = pool.submit(start_server, COMMON, d / "mixed.log")
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=120),
+                          wait_for_workers=False)
+    group = ["--kv-world-size", "3", "--kv-master", f"127.0.0.1:{store.port}", "--kv-store-external"]
     try:
-        for attempt in range(3):
-            try:
-                _start_disaggregated(d, procs, urls, logs)
-                break
-            except _PortTaken:
-                _stop(procs)
-                if attempt == 2:
-                    raise
-                procs.clear()
+        for name, role, rank, extra in (("prefill", "prefill", 0, ["--max-prefill-length", str(MAX_PREFILL)]),
+                                        ("decode0", "decode", 1, []), ("decode1", "decode", 2, [])):
+            logs[name] = d / f"{name}.log"
+            procs[name], urls[name] = spawn("serve", [*COMMON, "--role", role, "--kv-rank", str(rank), *group,
+                                                      *extra], logs[name])
+        _wait_healthy(procs, urls, logs, ["prefill", "decode0", "decode1"])
+        logs["router"] = d / "router.log"
+        procs["router"], urls["router"] = spawn(
+            "router", ["--prefill", urls["prefill"], "--decode", f"{urls['decode0']},{urls['decode1']}",
+                       "--api-key", KEY, "--max-request-bytes", "65536", "--poll-interval", "30",
+                       "--uvicorn-log-level", "warning"], logs["router"])
+        _wait_healthy(procs, urls, logs, ["router"])
         procs["mixed"], urls["mixed"] = mixed.result()
         yield {"urls": urls, "procs": procs, "logs": logs}
     finally:
@@ -122,6 +97,7 @@ def deployment(tmp_path_factory):
         if "mixed" not in procs and mixed.exception() is None:
             procs["mixed"] = mixed.result()[0]
         _stop(procs)
+        del store  # after the workers: the group's store outlives them
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -169,6 +145,7 @@ def _wait_pool_empty(url: str, timeout: float = 20) -> dict:
     (["router"], "--prefill and --decode"),
     (["router", "--prefill", "http://a:1", "--decode", "b:2"], "not an http(s):// URL"),
     (["router", "--mixed", "http://a:1", "--prefill", "http://b:1", "--decode", "http://c:1"], "not both"),
+    (["router", "--mixed", "http://a:1", "--fd", "-1"], "--fd must be a file descriptor"),
 ])
 def test_cli_mistakes(args, message):
     from typer.testing import CliRunner

@@ -59,8 +59,11 @@ class RouterConfig:
     poll_interval: float = 1.0
     log_interval: float = 10.0
     log_level: str = "info"
+    fd: int | None = None  # an inherited, bound socket to serve on instead of host:port (as `nvllm serve --fd`)
 
     def __post_init__(self) -> None:
+        if self.fd is not None and self.fd < 0:
+            raise ConfigError(f"--fd must be a file descriptor (>= 0), got {self.fd}")
         if self.mixed and (self.prefill or self.decode):
             raise ConfigError("give either --mixed replicas or --prefill and --decode workers, not both")
         if not self.mixed and not (self.prefill and self.decode):
@@ -353,10 +356,10 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
 def run_router(cfg: RouterConfig, sock=None) -> None:
     """Serve until SIGINT/SIGTERM; sock: the listening socket when the caller bound it already."""
     from nvllm.logger import setup_logging
-    from nvllm.serve.api_server import KEEP_ALIVE_S, _exit_quietly_after_signals, bind_socket
+    from nvllm.serve.api_server import KEEP_ALIVE_S, _exit_quietly_after_signals, adopt_socket, bind_socket
 
     setup_logging()
-    sock = sock or bind_socket(cfg.host, cfg.port)
+    sock = sock or (adopt_socket(cfg.fd) if cfg.fd is not None else bind_socket(cfg.host, cfg.port))
     try:
         app = build_router_app(cfg)
         host, port = sock.getsockname()[:2]
