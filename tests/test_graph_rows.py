@@ -135,8 +135,10 @@ def test_staging_copy_kernel_matches_its_reference():
 
     g = torch.Generator().manual_seed(0)
     src = torch.randint(0, 256, (5000,), generator=g, dtype=torch.uint8)
+    drafted = torch.tensor([[11, 12, 13, 14], [21, 22, 23, 24]])   # one sequence's column: one element, stride 4
     for nbytes, ids in ((4096, torch.tensor([7, 2**40 + 3, 151643])), (2052, None), (24, torch.tensor([5])),
-                        (0, None), (4096, torch.tensor([], dtype=torch.int64))):
+                        (0, None), (4096, torch.tensor([], dtype=torch.int64)), (64, drafted[:1, 2]),
+                        (64, drafted[:, 1])):
         got = torch.randint(0, 256, (5000,), generator=g, dtype=torch.uint8)
         want = got.clone()
         staging_copy(src, got, nbytes, ids)

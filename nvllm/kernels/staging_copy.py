@@ -42,7 +42,9 @@ def staging_copy(src: torch.Tensor, dst: torch.Tensor, nbytes: int, ids: torch.T
     assert src.dtype == dst.dtype == torch.uint8 and nbytes % 4 == 0 and nbytes <= min(src.numel(), dst.numel())
     n_words = nbytes // 4
     if ids is not None:
-        ids = ids.to(torch.int64).contiguous()
+        ids = ids.to(torch.int64).reshape(-1)
+        if ids.stride(0) != 1:   # (a one-element column keeps its parent's stride: contiguous() would return it)
+            ids = ids.clone(memory_format=torch.contiguous_format)
         assert 8 * ids.numel() <= nbytes
     id_words = 0 if ids is None else 2 * ids.numel()
     if n_words == 0:
