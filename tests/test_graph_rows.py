@@ -41,11 +41,14 @@ class RowGraphs:
         return self.model(ids, torch.tensor(positions), self.kv_caches, meta)
 
 
-def with_row_graphs(llm, fresh_tokens: int = 0) -> RowGraphs:
+def with_row_graphs(llm, fresh_tokens: int | None = 0) -> RowGraphs:
+    """The stand-in graphs on the target's runner (returned) and the draft's; ``fresh_tokens`` None: each with its
+    runner's own promise, as on a GPU."""
     runners = [llm.engine.runner]
     if llm.engine.spec is not None and llm.engine.spec.draft_runner is not None:
         runners.append(llm.engine.spec.draft_runner)
-    fakes = [RowGraphs(r.model, r.kv_caches, fresh_tokens=fresh_tokens) for r in runners]
+    fakes = [RowGraphs(r.model, r.kv_caches, fresh_tokens=r.fresh_tokens if fresh_tokens is None else fresh_tokens)
+             for r in runners]
     for r, f in zip(runners, fakes):
         r.graphs = f
     return fakes[0]
@@ -87,6 +90,23 @@ def test_speculative_verification_through_graph_rows(demo_dir, drafts):  # noqa:
         assert [o.outputs[0].token_ids for o in outs] == want, name
         assert llm.engine.stats.spec.num_drafts > 0
         assert max(fake.rows_seen) > 1
+
+
+def test_a_speculative_target_promises_its_verification_chunk(demo_dir, drafts):  # noqa: F811
+    """A speculative target's graphs promise k + 1 fresh tokens (a verification chunk: the last token and k drafts),
+    k=auto's ceiling under auto; they replay the verification, and a longer chunk (a prompt) runs outside them, with
+    the same tokens. The draft's runner promises nothing; without speculation the promise is one token."""
+    from nvllm.spec.config import MAX_K, parse_speculative
+
+    ps = prompts(8)
+    want = [o.outputs[0].token_ids for o in make_llm(demo_dir).generate(ps, GREEDY, use_tqdm=False)]
+    llm = make_llm(demo_dir, block_size=8, max_num_seqs=1, speculative=spec_of("truncated", drafts, 4))
+    assert llm.engine.runner.fresh_tokens == 5 and llm.engine.spec.draft_runner.fresh_tokens == 0
+    fake = with_row_graphs(llm, fresh_tokens=None)
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == want
+    assert max(fake.rows_seen) == 5   # one sequence at a time: its verification chunks, never a prompt's
+    assert CG.fresh_tokens_promise(parse_speculative("k=auto,method=ngram"), False) == MAX_K + 1
+    assert CG.fresh_tokens_promise(None, False) == 1 and CG.fresh_tokens_promise(None, True) == 0
 
 
 def test_long_chunks_stay_eager(demo_dir):

@@ -52,8 +52,9 @@ GRAPH_MAX_QUERY_LEN = 16
 """Steps whose chunks are all this short replay the decode CUDA graphs with one row per token: each row's
 context ends at its own position, and every row's K/V is stored before any row attends, so a chunk of n
 tokens is exactly its causal attention. Speculative verification (k + 1 tokens a sequence) and the draft's
-catch-up then run without hundreds of eager launches (``graph_query_len``: without speculation the graphs read
-earlier steps' keys before the PDL wait, and chunks of several tokens, such as short prompts, run piecewise)."""
+catch-up then run without hundreds of eager launches (``graph_query_len``: the graphs read earlier steps' keys
+before the PDL wait, so a chunk longer than their promise, ``fresh_tokens_promise``, such as a short prompt's, runs
+piecewise)."""
 
 
 def graph_query_len(fresh_tokens: int) -> int:
@@ -65,13 +66,21 @@ def graph_query_len(fresh_tokens: int) -> int:
     return min(GRAPH_MAX_QUERY_LEN, fresh_tokens) if fresh_tokens > 0 else GRAPH_MAX_QUERY_LEN
 
 
+def fresh_tokens_promise(speculative, draft: bool) -> int:
+    """The ``fresh_tokens`` a runner's decode graphs promise their attention: without speculation one token a
+    sequence; a speculative target's verification stores at most k + 1 (k drafted tokens after the last one, k=auto:
+    its ceiling); a draft's runner none, so that its catch-up chunks, which can be longer, still replay in graphs."""
+    if draft:
+        return 0
+    return 1 if speculative is None else speculative.max_k + 1
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_batch: int, max_blocks_per_seq: int, device: torch.device,
                  extra_sizes: tuple[int, ...] = (), fresh_tokens: int = 0):
         """``extra_sizes``: batch sizes captured besides the ladder (speculative verification: k + 1 rows; padded to
         the next rung, 5 rows of the 7B ran 1.4% slower, PERF run AH). ``fresh_tokens``: the graphs' attention
-        metadata's (1: every row is a sequence's one new token, and the runner replays no longer chunk,
-        ``graph_query_len``; 0 under speculative decoding, whose verify rows store several tokens of one sequence)."""
+        metadata's (``fresh_tokens_promise``; the runner replays no chunk longer than it, ``graph_query_len``)."""
         self.model = model
         self.fresh_tokens = fresh_tokens
         self.kv_caches = kv_caches

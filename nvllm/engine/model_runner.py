@@ -23,7 +23,7 @@ import torch
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import check_tensor_parallel
-from nvllm.engine.cuda_graph import DecodeGraphs, graph_query_len
+from nvllm.engine.cuda_graph import DecodeGraphs, fresh_tokens_promise, graph_query_len
 from nvllm.engine.inflight import PendingTokens, resolve_placeholders
 from nvllm.engine.piecewise_graphs import PiecewiseGraphs
 from nvllm.engine.sequence import Sequence
@@ -64,6 +64,7 @@ class ModelRunner:
         of several tokens too (so they make no ``fresh_tokens`` promise)."""
         self.config = config
         self.draft = draft
+        self.fresh_tokens = fresh_tokens_promise(config.speculative, draft)  # what its decode graphs promise
         self.device = torch.device(config.device)
         self.hf_config = load_hf_config(config.model)
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
@@ -118,7 +119,7 @@ class ModelRunner:
             verify_rows = (spec.num_speculative_tokens + 1,) if spec is not None and not spec.auto else ()
             self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
                                        -(-self.max_model_len // self.block_size), self.device, verify_rows,
-                                       fresh_tokens=1 if spec is None and not self.draft else 0)
+                                       fresh_tokens=self.fresh_tokens)
             self.graphs.capture()
             self.piecewise = PiecewiseGraphs(self.model, self.kv_caches,
                                              min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS), self.device,

@@ -62,6 +62,11 @@ class SpeculativeConfig:
             raise ConfigError("ngram sizes need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
 
+    @property
+    def max_k(self) -> int:
+        """The most tokens one step may draft for a sequence: k, or k=auto's ceiling."""
+        return MAX_K if self.auto else self.num_speculative_tokens
+
     def describe(self) -> str:
         k = f"auto (from {self.num_speculative_tokens}, 1..{MAX_K})" if self.auto else str(self.num_speculative_tokens)
         src = (f"draft model {self.draft_model}" if self.method == "draft"
