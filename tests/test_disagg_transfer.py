@@ -114,7 +114,8 @@ def _transfer_proc(rank: int, port: int, results) -> None:
             layouts[(dtype, kv_dtype)] = (caches, KVLayout(caches))
         sig = ",".join(layout.signature for _, layout in layouts.values())
         group = TransferGroup(rank, 2, ("127.0.0.1", port), "gloo", torch.device("cpu"),
-                              {"role": "prefill" if rank == 0 else "decode", "layout": sig, "url": ""}, 30.0, 60.0)
+                              {"role": "prefill" if rank == 0 else "decode", "layout": sig, "url": ""}, 30.0, 60.0,
+                              store_external=True)
         buffer = MessageBuffer(torch.device("cpu"))  # one reused buffer for every transfer, as a transfer thread
         for tag, (caches, layout) in enumerate(layouts.values(), start=1):
             message = buffer.get(layout.nbytes(len(SRC_BLOCKS)))
@@ -138,10 +139,16 @@ def _transfer_proc(rank: int, port: int, results) -> None:
 
 
 def test_two_process_gloo_transfer_is_bit_exact():
+    """Two worker processes in one group; the store is this process's (as `--disaggregate` serves it), bound before
+    they start, and both only connect (a rank 0 that listened on its port would fail)."""
+    import datetime
+
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_transfer_proc, args=(r, port, results)) for r in (0, 1)]
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    procs = [ctx.Process(target=_transfer_proc, args=(r, store.port, results)) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
@@ -264,38 +271,3 @@ def test_decode_side_recomputes_and_aborts_cleanly():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         decode.add_prefilled_request("d", prompt, p, 0.0, [PrefilledSample(10**6)])
     assert "d" not in decode.requests
-
-
-def test_ranks_join_a_store_served_elsewhere():
-    """--kv-store-external (what --disaggregate's workers get): the store is the launcher's, every rank only connects
-    (a rank 0 that listened on its port would fail), and the group then carries a message."""
-    import datetime
-    import threading
-
-    import torch.distributed as dist
-
-    from nvllm.disagg.transfer_group import HEADER_BYTES, MessageBuffer, TransferGroup
-
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
-    got, errors = {}, []
-
-    def rank(r: int) -> None:
-        try:
-            group = TransferGroup(r, 2, ("127.0.0.1", store.port), "gloo", torch.device("cpu"),
-                                  {"role": ("prefill", "decode")[r], "layout": "same", "url": ""}, 30.0, 30.0,
-                                  store_external=True)
-            message = MessageBuffer(torch.device("cpu")).get(8)
-            if r == 0:
-                message[HEADER_BYTES:].copy_(torch.arange(8, dtype=torch.uint8))
-                group.send(1, 5, message)
-            else:
-                got["payload"] = group.recv(0, 5, message).tolist()
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors and got["payload"] == list(range(8)), (errors, got)
