@@ -4,11 +4,11 @@ Each worker is an `nvllm serve --role prefill|decode` subprocess with the same e
 workers' batch from --prefill-max-num-seqs), all in one KV transfer group (prefill workers take ranks 0..x-1,
 decode workers x..x+y-1). This process binds each worker's HTTP socket on a free local port and hands it over
 (`--fd`), and serves the group's store itself (`--kv-store-external`): no port is chosen here and bound later
-elsewhere, so no other process can take one in between. With CUDA each
-worker gets its own GPU (CUDA_VISIBLE_DEVICES), so x + y GPUs are needed; on the CPU they all run on the CPU.
-The router runs in this process on --host/--port. Its log lines and the workers' (prefixed with their name)
-share this terminal. SIGINT/SIGTERM stop the router, then the workers; when every worker of one role has
-exited, the deployment cannot serve and stops with exit status 1.
+elsewhere, so no other process can take one in between. With CUDA each worker gets its own GPU
+(CUDA_VISIBLE_DEVICES), so x + y GPUs are needed; on the CPU they all run on the CPU. The router runs in this
+process on --host/--port. Its log lines and the workers' (prefixed with their name) share this terminal.
+SIGINT/SIGTERM stop the router, then the workers; when every worker of one role has exited, the deployment
+cannot serve and stops with exit status 1.
 """
 
 from __future__ import annotations
