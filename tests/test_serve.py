@@ -444,12 +444,12 @@ def test_fd_serves_an_inherited_socket_and_refuses_anything_else(tmp_path):
 
     from nvllm.cli import app
     from nvllm.config import ConfigError
-    from nvllm.serve.api_server import ServerConfig, adopt_socket, bind_socket, listen_socket
+    from nvllm.serve.api_server import adopt_socket, bind_socket, listen_socket
 
     held = bind_socket("127.0.0.1", 0)
     held.listen()  # now no other socket can bind its port: a bind of --host/--port would fail
     port = held.getsockname()[1]
-    with listen_socket(ServerConfig(port=port, fd=os.dup(held.fileno()))) as sock:
+    with listen_socket("127.0.0.1", port, os.dup(held.fileno())) as sock:
         assert sock.getsockname()[:2] == ("127.0.0.1", port)
     held.close()
 

@@ -118,7 +118,7 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
         raise ConfigError("--disaggregate runs every worker on one GPU (tensor_parallel_size 1)")
     n = num_prefill + num_decode
     gpus = _gpus(engine_config, n)
-    sock = listen_socket(server)  # the router's: a taken port fails before anything starts
+    sock = listen_socket(server.host, server.port, server.fd)  # the router's: a taken port fails before anything starts
     try:
         # the group's store, served by this process (a local, alive until the workers have stopped)
         store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=900),

@@ -62,8 +62,6 @@ class RouterConfig:
     fd: int | None = None  # an inherited, bound socket to serve on instead of host:port (as `nvllm serve --fd`)
 
     def __post_init__(self) -> None:
-        if self.fd is not None and self.fd < 0:
-            raise ConfigError(f"--fd must be a file descriptor (>= 0), got {self.fd}")
         if self.mixed and (self.prefill or self.decode):
             raise ConfigError("give either --mixed replicas or --prefill and --decode workers, not both")
         if not self.mixed and not (self.prefill and self.decode):
@@ -356,10 +354,10 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
 def run_router(cfg: RouterConfig, sock=None) -> None:
     """Serve until SIGINT/SIGTERM; sock: the listening socket when the caller bound it already."""
     from nvllm.logger import setup_logging
-    from nvllm.serve.api_server import KEEP_ALIVE_S, _exit_quietly_after_signals, adopt_socket, bind_socket
+    from nvllm.serve.api_server import KEEP_ALIVE_S, _exit_quietly_after_signals, listen_socket
 
     setup_logging()
-    sock = sock or (adopt_socket(cfg.fd) if cfg.fd is not None else bind_socket(cfg.host, cfg.port))
+    sock = sock or listen_socket(cfg.host, cfg.port, cfg.fd)
     try:
         app = build_router_app(cfg)
         host, port = sock.getsockname()[:2]

@@ -53,8 +53,6 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        if self.fd is not None and self.fd < 0:
-            raise ConfigError(f"--fd must be a file descriptor (>= 0), got {self.fd}")
         if self.max_request_bytes < 1:
             raise ConfigError("max_request_bytes must be at least 1")
         if self.api_key is not None and not self.api_key:
@@ -223,6 +221,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def adopt_socket(fd: int) -> socket.socket:
     """The bound TCP socket behind an inherited file descriptor (``--fd``: bound by whoever started this process,
     so no other process can take its port in between)."""
+    if fd < 0:   # (socket.socket(fileno=-1) would open a new socket)
+        raise ConfigError(f"--fd must be a file descriptor (>= 0), got {fd}")
     try:
         sock = socket.socket(fileno=fd)
     except OSError as e:
@@ -236,9 +236,9 @@ def adopt_socket(fd: int) -> socket.socket:
     return sock
 
 
-def listen_socket(config: ServerConfig) -> socket.socket:
+def listen_socket(host: str, port: int, fd: int | None) -> socket.socket:
     """The socket to serve on: the inherited one (``--fd``), else ``--host``:``--port`` bound here."""
-    return adopt_socket(config.fd) if config.fd is not None else bind_socket(config.host, config.port)
+    return adopt_socket(fd) if fd is not None else bind_socket(host, port)
 
 
 def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "DisaggConfig | None" = None) -> None:
@@ -248,7 +248,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
     from nvllm.logger import setup_logging
 
     setup_logging()
-    sock = listen_socket(config)  # before the slow part, so a taken port fails at once
+    sock = listen_socket(config.host, config.port, config.fd)  # before the slow part, so a taken port fails at once
     try:
         model_name = config.served_model_name or default_model_name(engine_config)
         if disagg is not None and disagg.role == "prefill" and engine_config.async_scheduling:
