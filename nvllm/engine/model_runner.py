@@ -63,7 +63,6 @@ class ModelRunner:
         interpreter exits). ``draft``: a speculative draft's runner, whose decode graphs replay its catch-up chunks
         of several tokens too (so they make no ``fresh_tokens`` promise)."""
         self.config = config
-        self.draft = draft
         self.fresh_tokens = fresh_tokens_promise(config.speculative, draft)  # what its decode graphs promise
         self.device = torch.device(config.device)
         self.hf_config = load_hf_config(config.model)
