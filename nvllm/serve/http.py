@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -18,6 +19,8 @@ from nvllm.serve.errors import APIError, bad_request, validation_message
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the JSON escape of a UTF-16 surrogate, D800-DFFF
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:
@@ -55,12 +58,22 @@ def parse_json(body: bytes, schema: type[M]) -> M:
 
 
 def json_object(body: bytes) -> dict:
+    """The body as a JSON object, or 400: not JSON, nested past Python's recursion limit, not an object, or text
+    that is not Unicode (a lone surrogate escape such as \\ud800, which no tokenizer or reply can encode)."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(body):  # only an escape makes a surrogate; a pair of them is one valid character
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise bad_request("the request body holds an unpaired UTF-16 surrogate (\\uD800-\\uDFFF): not valid "
+                              "Unicode text", code="invalid_json") from None
     return data
 
 
