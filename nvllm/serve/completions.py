@@ -104,7 +104,7 @@ class CompletionHandler:
             for c in out.outputs:
                 lps = None
                 if req.logprobs is not None:
-                    lps = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, len(echo_text),
+                    lps = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, _end(echo_lps, echo_text),
                                               self.prompts.token_text)
                     if echo_lps is not None:
                         lps = _join(echo_lps, lps)
@@ -121,17 +121,28 @@ class CompletionHandler:
         want_lps = req.logprobs is not None
         progress = [[ChoiceProgress() for _ in range(req.n)] for _ in prompt_ids]
         offsets = [[0] * req.n for _ in prompt_ids]
+        echoed = [not req.echo] * len(prompt_ids)
         latest: list[RequestOutput | None] = [None] * len(prompt_ids)
         prompt_lens = [len(p) for p in prompt_ids]
+
+        def echo(i: int, out: RequestOutput | None) -> list[str]:
+            """The prompt as its own chunk per choice, with its logprobs when asked; later offsets follow on."""
+            echoed[i] = True
+            text, lps = self._echo(req, i, prompt_ids[i], out)
+            offsets[i] = [_end(lps, text)] * req.n
+            return [sse(self._chunk(request_id, [CompletionChoice(index=i * req.n + j, text=text, logprobs=lps)]))
+                    for j in range(req.n)]
+
         try:
-            if req.echo:  # the prompt goes out first, as its own chunk per choice
-                for i, ids in enumerate(prompt_ids):
-                    text, _ = self._echo(req, i, ids, None)
-                    for j in range(req.n):
-                        offsets[i][j] = len(text)
-                        yield sse(self._chunk(request_id, [CompletionChoice(index=i * req.n + j, text=text)]))
+            if req.echo and not want_lps:  # the prompt goes out first
+                for i in range(len(prompt_ids)):
+                    for chunk in echo(i, None):
+                        yield chunk
             async for out in stream:
                 p = self._prompt_index(out)
+                if not echoed[p] and (out.finished or len(out.prompt_logprobs or []) >= len(prompt_ids[p])):
+                    for chunk in echo(p, out):  # once all its logprobs are known (a long prompt: several steps)
+                        yield chunk
                 latest[p] = out
                 for c in out.outputs:
                     d = progress[p][c.index].advance(c, want_lps)
@@ -155,6 +166,14 @@ class CompletionHandler:
 
     def _chunk(self, request_id: str, choices: list[CompletionChoice], usage_info=None) -> CompletionResponse:
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_info)
+
+
+def _end(lps: CompletionLogProbs | None, text: str) -> int:
+    """Where the text offsets after an echoed prompt start: past its last token (the offsets run on through the
+    prompt's tokens and the completion's, as vLLM counts them), or past its text when it has no logprobs."""
+    if lps is None:
+        return len(text)
+    return lps.text_offset[-1] + len(lps.tokens[-1]) if lps.tokens else 0
 
 
 def _join(a: CompletionLogProbs, b: CompletionLogProbs) -> CompletionLogProbs:
