@@ -52,9 +52,9 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         # every stop string is searched after every token, and the longest one holds back streamed text
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in self.stop):
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters")
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LEN} characters")
         if len(self.stop_token_ids) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop token ids")
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_STRINGS} ids")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and v < 0:

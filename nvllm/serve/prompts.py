@@ -143,8 +143,10 @@ def _text_of(message: ChatMessage, index: int) -> str:
         return content
     texts = []
     for part in content:
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise bad_request(f"messages[{index}]: only text content parts are supported, got {part.type!r}",
                               "messages")
+        if part.text is None:
+            raise bad_request(f"messages[{index}]: a text content part needs its text", "messages")
         texts.append(part.text)
     return "\n".join(texts)
