@@ -221,6 +221,24 @@ def test_logprobs(client):
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob for t in content)
 
 
+def test_echo_with_logprobs_whole_and_streamed(client):
+    """The prompt's tokens then the completion's, their text offsets running on without a step back, and the
+    same logprobs streamed (the echo chunk carries the prompt's) as answered whole."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, echo=True,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 6 and r.choices[0].text.startswith(PROMPT)
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert chunks[0].text == PROMPT and len(chunks[0].logprobs.tokens) == n_prompt
+    streamed = [(t, v, o) for c in chunks for t, v, o in zip(c.logprobs.tokens, c.logprobs.token_logprobs,
+                                                             c.logprobs.text_offset)]
+    assert streamed == list(zip(lp.tokens, lp.token_logprobs, lp.text_offset))
+
+
 # ---- concurrency and disconnects -----------------------------------------------------------------------------
 PROMPTS = [f"{start} {who}" for start in ("Once upon a time there was", "One day", "The little", "Lily saw a",
                                           "Tom and his mom went to the", "In the park,", "It was a sunny day and",
@@ -286,6 +304,12 @@ BAD_REQUESTS = [
     # (what, path, body (dict, or raw bytes), headers override, status)
     ("malformed JSON", "/v1/completions", b'{"prompt": "hi", ', None, 400),
     ("body not an object", "/v1/completions", b"[1, 2]", None, 400),
+    ("JSON nested too deeply", "/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     None, 400),
+    ("a lone surrogate", "/v1/completions", b'{"prompt": "hi \\ud800"}', None, 400),
+    ("a lone surrogate (chat)", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+     None, 400),
+    ("a lone surrogate (tokenize)", "/tokenize", b'{"prompt": "\\uD83D x"}', None, 400),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, None, 404),
     ("unknown model (chat)", "/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
      None, 404),
@@ -313,6 +337,8 @@ BAD_REQUESTS = [
     ("logprobs too many", "/v1/completions", {"prompt": "hi", "logprobs": 50}, None, 400),
     ("top_logprobs without logprobs", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None, 400),
+    ("a text part without text", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, None, 400),
     ("unsupported penalty", "/v1/completions", {"prompt": "hi", "presence_penalty": 1.0}, None, 400),
     ("seed out of range", "/v1/completions", {"prompt": "hi", "seed": 2**70}, None, 400),
     ("oversized body", "/v1/completions", {"prompt": "x" * (MAX_REQUEST_BYTES + 10)}, None, 413),
@@ -338,10 +364,19 @@ def test_bad_input_answers_4xx(http, what, path, body, headers, status):
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
 
 
+def test_a_surrogate_pair_is_one_character(http):
+    r = http.post("/v1/completions", content=b'{"prompt": "hi \\ud83d\\ude00", "max_tokens": 2, "echo": true}',
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hi \U0001F600")
+
+
 def test_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stop=["x"] * 65)
+    assert e.value.body["param"] == "stop"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
