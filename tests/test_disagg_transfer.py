@@ -161,7 +161,8 @@ def test_two_process_gloo_transfer_is_bit_exact():
 
 def test_layout_mismatch_is_refused():
     """Workers whose pools differ stop at the rendezvous with one clear error (here: both in one process,
-    rank 1 on a thread; the store's keys are all a rank needs to see the mismatch)."""
+    rank 1 on a thread; the store's keys are all a rank needs to see the mismatch). Rank 0 serves the store here,
+    as in a deployment started by hand (`--kv-rank 0 --kv-master HOST:PORT`): the one test of that path."""
     import threading
 
     from nvllm.config import ConfigError
