@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,24 @@ def test_already_quantized_and_existing_output(tmp_path, quantized_dir):
     assert code == 2 and "already exists (pass --overwrite to replace it)" in out
     code, out = run("--method", "rtn", "--group-size", "32", "--out", str(quantized_dir), "--overwrite", *FAST)
     assert code == 0, out
+
+
+def test_output_never_replaces_the_model(tmp_path):
+    """--out that is the model through a link, or a folder holding it, is refused before anything is written, even
+    with --overwrite; so is an output no one can create."""
+    src = tmp_path / "par" / "m"
+    shutil.copytree(demo_model_path(), src)
+    (tmp_path / "par" / "notes.txt").write_text("x")
+    (tmp_path / "link").symlink_to(src)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out in (tmp_path / "link", tmp_path / "par", src):
+        code, text = run("--method", "rtn", "--group-size", "32", "--model", str(src), "--out", str(out),
+                         "--overwrite", *FAST)
+        assert code == 2 and "is the model directory or holds it" in text and "Traceback" not in text, text
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    (tmp_path / "file").write_text("x")
+    code, text = run("--method", "rtn", "--group-size", "32", "--out", str(tmp_path / "file" / "q"), *FAST)
+    assert code == 2 and f"{tmp_path / 'file'} is not a writable directory" in text, text
 
 
 def test_calibration_sources(tmp_path, monkeypatch):

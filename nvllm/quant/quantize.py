@@ -158,11 +158,9 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     from nvllm.models.loader import checkpoint_dtype, load_model
 
     t0 = time.perf_counter()
-    check_out_dir(out_dir, overwrite)
     if not os.path.isdir(model_dir):
         raise QuantizeError(f"model directory not found: {model_dir}")
-    if os.path.abspath(model_dir) == os.path.abspath(out_dir):
-        raise QuantizeError("--out must differ from --model")
+    check_out_dir(out_dir, overwrite, model_dir)
     hf_config, arch, shape = _check_model(model_dir)
     device = resolve_device(cfg.device)
     scheme = QuantScheme(cfg.format, cfg.bits, cfg.group_size)

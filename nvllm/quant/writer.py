@@ -31,13 +31,23 @@ class OutputExistsError(ValueError):
     pass
 
 
-def check_out_dir(out_dir: str, overwrite: bool) -> None:
-    """Refuse an existing output (unless ``overwrite``) before any work is done."""
+def check_out_dir(out_dir: str, overwrite: bool, src_dir: str) -> None:
+    """Before any work is done: refuse an existing output (unless ``overwrite``), an output that is the source
+    model or holds it (replacing it would delete the model; compared through links), and an output that cannot be
+    created (its nearest existing parent is not a writable directory)."""
+    out, src = Path(out_dir).resolve(), Path(src_dir).resolve()
+    if out == src or out in src.parents:
+        raise OutputExistsError(f"--out {out_dir} is the model directory or holds it: writing there would replace "
+                                "the model being quantized")
     if os.path.exists(out_dir):
         if not os.path.isdir(out_dir):
             raise OutputExistsError(f"output path {out_dir} exists and is not a directory")
         if not overwrite:
             raise OutputExistsError(f"output directory {out_dir} already exists (pass --overwrite to replace it)")
+    parent = next(p for p in out.parents if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputExistsError(f"cannot create the output directory {out_dir}: {parent} is not a writable "
+                                "directory")
 
 
 def _shard_rows(gq: GroupQuant, rows: slice) -> GroupQuant:
@@ -82,7 +92,7 @@ def write_checkpoint(src_dir: str, out_dir: str, tensors: dict[str, torch.Tensor
     of the weights file in bytes."""
     from safetensors.torch import save_file
 
-    check_out_dir(out_dir, overwrite)
+    check_out_dir(out_dir, overwrite, src_dir)
     out = Path(out_dir).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
