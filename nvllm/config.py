@@ -20,6 +20,24 @@ class ConfigError(ValueError):
     """A user mistake in the engine options or the model directory (one clear line)."""
 
 
+def resolve_device(name: str) -> str:
+    """``auto``: cuda when available, else cpu. Otherwise cpu, cuda or cuda:N, checked against this machine."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name} requested but {torch.cuda.device_count()} GPU(s) are visible")
+    return name
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded demo model
@@ -56,8 +74,7 @@ class EngineConfig:
         self.model = os.path.expanduser(str(self.model))
         if self.tokenizer is None:
             self.tokenizer = self.model
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = resolve_device(self.device)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
         if self.load_format not in ("auto", "safetensors", "pt", "dummy"):

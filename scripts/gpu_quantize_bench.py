@@ -478,7 +478,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
-    from nvllm.quant.quantize import quantize_model, resolve_device
+    from nvllm.config import resolve_device
+    from nvllm.quant.quantize import quantize_model
     from nvllm.quant.recipe import build_config
 
     args = parse_args(argv)

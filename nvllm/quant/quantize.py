@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nvllm.config import ConfigError, EngineConfig
+from nvllm.config import ConfigError, EngineConfig, resolve_device
 from nvllm.quant.awq import AWQOptions
 from nvllm.quant.calibration import calibration_windows, load_texts
 from nvllm.quant.quant_config import awq_quantization_config, gptq_quantization_config
@@ -57,18 +57,6 @@ class QuantizeSummary:
     head_error: float | None = None     # the LM head's relative output error when it was quantized (else None)
     head_size_before: int = 0           # its bytes in the source checkpoint's dtype
     head_size_after: int = 0            # its packed tensors' bytes
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise QuantizeError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise QuantizeError(f"device {name} requested but CUDA is not available")
-    return dev
 
 
 def _check_model(model_dir: str):
@@ -162,7 +150,7 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
         raise QuantizeError(f"model directory not found: {model_dir}")
     check_out_dir(out_dir, overwrite, model_dir)
     hf_config, arch, shape = _check_model(model_dir)
-    device = resolve_device(cfg.device)
+    device = torch.device(resolve_device(cfg.device))
     scheme = QuantScheme(cfg.format, cfg.bits, cfg.group_size)
     quantize, kept = plan_linears(shape, scheme)
     if cfg.quantize_lm_head:
