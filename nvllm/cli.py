@@ -58,8 +58,12 @@ def generate(
             out.print(f"[dim]({len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "
                       f"ttft {1000 * (o.metrics.ttft or 0):.1f} ms)[/]", highlight=False)
             if c.logprobs:
-                for tok, lp in zip(c.token_ids, c.logprobs):
-                    out.print(f"  {llm.get_tokenizer().decode([tok])!r}: {lp[tok].logprob:.4f}", highlight=False)
+                text = llm.get_tokenizer().decode
+                for tok, lp in zip(c.token_ids, c.logprobs):   # the chosen token, then the top `logprobs`
+                    top = sorted((x.rank, t, x.logprob) for t, x in lp.items() if x.rank <= logprobs)
+                    alts = ", ".join(f"{text([t])!r} {v:.4f}" for _, t, v in top)
+                    out.print(f"  {text([tok])!r}: {lp[tok].logprob:.4f}" + (f"  top: {alts}" if alts else ""),
+                              highlight=False)
 
 
 # ---- nvllm bench (the commands: nvllm/bench/cli.py) ----------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,12 +39,28 @@ def test_generate_demo_model_default():
     (["--max-tokens", "0"], "max_tokens must be at least 1"),
     (["--dtype", "int3"], "unknown dtype"),
     (["--max-model-len", "8", "Once upon a time there was a big dog"], "max_model_len is 8"),
+    (["--device", "tpu"], "unknown device 'tpu'; use auto, cpu, cuda or cuda:N"),
+    (["--device", "cuda:99"], "device cuda:99 requested but"),
+    (["--logprobs", "513"], "logprobs must be at most the vocabulary size 512, got 513"),
 ])
 def test_generate_bad_input(args, message):
     r = nvllm("generate", *args)
     assert r.returncode == 2
     assert message in " ".join(r.stderr.split())
     assert "Traceback" not in r.stderr
+
+
+def test_generate_prints_the_top_logprobs():
+    """--logprobs N: each token's logprob, then the N most likely tokens; --log-stats-interval 0: no stats lines."""
+    r = nvllm("generate", "--max-tokens", "3", "--logprobs", "2", "--log-stats-interval", "0")
+    assert r.returncode == 0, r.stderr
+    lines = [line.split("top: ") for line in r.stderr.splitlines() if "top: " in line]
+    assert len(lines) == 3, r.stderr
+    for chosen, top in lines:
+        values = re.findall(r"-?\d+\.\d{4}", top)
+        assert len(values) == 2 and float(values[0]) >= float(values[1])
+        assert chosen.rstrip().endswith(values[0])  # greedy: the chosen token is the most likely
+    assert "running: " not in r.stderr
 
 
 def test_bad_input_is_one_line_on_a_narrow_console():

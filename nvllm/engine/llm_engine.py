@@ -140,6 +140,10 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, got "
+                                 f"{getattr(params, name)}")
         return ids
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,

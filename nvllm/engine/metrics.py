@@ -41,7 +41,7 @@ class StatLogger:
     def maybe_log(self, s: EngineStats, force: bool = False) -> None:
         now = time.monotonic()
         dt = now - self._last_time
-        if not force and (self.interval <= 0 or dt < self.interval):
+        if self.interval <= 0 or (not force and dt < self.interval):  # 0: no stats lines at all
             return
         q, h = s.prefix_queries - self._last_queries, s.prefix_hits - self._last_hits
         hit_rate = f"{100 * h / q:.1f}%" if q else "n/a"
