@@ -133,6 +133,8 @@ def test_random_dataset_lengths_and_seed(tok):
     assert [r.prompt for r in again] == [r.prompt for r in reqs]
     with pytest.raises(datasets.DatasetError):
         datasets.load_requests("random", tok, 5, range_ratio=1.0)
+    with pytest.raises(datasets.DatasetError, match="--input-len 0 leaves no room"):  # not the default 128
+        datasets.load_requests("random", tok, 5, input_len=0)
 
 
 def test_file_datasets(tok, tmp_path):
@@ -446,3 +448,6 @@ def test_compare(tmp_path):
     assert "ttfts" not in said(res)  # lists are not compared
     missing = runner.invoke(app, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "nope.json")])
     assert missing.exit_code == 2 and "does not exist" in said(missing)
+    (tmp_path / "other.json").write_text("{}")
+    other = runner.invoke(app, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "other.json")])
+    assert other.exit_code == 2 and "other.json is not a benchmark result" in said(other)

@@ -47,7 +47,8 @@ def load_requests(name: str, tokenizer, num_prompts: int, path: str | None = Non
     if name == "random":
         if path:
             raise DatasetError("the random dataset takes no --dataset-path")
-        return random_requests(tokenizer, num_prompts, input_len or 128, output_len or 128, range_ratio, seed)
+        return random_requests(tokenizer, num_prompts, 128 if input_len is None else input_len,
+                               128 if output_len is None else output_len, range_ratio, seed)
     if name not in DATASETS:
         raise DatasetError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     if not path:

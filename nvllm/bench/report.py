@@ -160,6 +160,9 @@ def load_result(path: str) -> dict[str, Any]:
         raise ValueError(f"{path} is not a benchmark result (not valid JSON: {e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a benchmark result (expected a JSON object)")
+    if data.get("mode") not in ("serve", "throughput", "latency", "advise"):
+        raise ValueError(f"{path} is not a benchmark result (no 'mode' of serve, throughput, latency or advise, "
+                         "as `nvllm bench ... --save-result` writes)")
     return data
 
 
