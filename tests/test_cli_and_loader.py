@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nvllm import LLM
+from nvllm.assets import demo_model_path
 from nvllm.config import ConfigError
 from tests.conftest import build_tiny_model
 
@@ -68,6 +69,16 @@ def test_bad_input_is_one_line_on_a_narrow_console():
     r = nvllm("generate", "--top-p", "1.5", columns=30)
     assert r.returncode == 2
     assert [line for line in r.stderr.splitlines() if line.strip()] == ["error: top_p must be in (0, 1], got 1.5"], r.stderr
+
+
+def test_a_model_without_a_tokenizer_is_one_line(tmp_path):
+    src = tmp_path / "m"
+    shutil.copytree(demo_model_path(), src)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (src / name).unlink()
+    r = nvllm("generate", "--model", str(src))
+    assert r.returncode == 2 and r.stderr.strip() == f"error: no tokenizer in {src} (no tokenizer.json, " \
+        "tokenizer_config.json, vocab or .model file)", r.stderr
 
 
 def test_empty_prompt_cli():

@@ -240,6 +240,8 @@ def test_gate_refuses_different_tokenizers(tmp_path):
     (["--tasks", "mmlu", "--limit", "0", "--data-dir", str(DATA)], {}, "--limit must be at least 1"),
     (["--tasks", "mmlu", "--limit", "-3", "--data-dir", str(DATA)], {}, "--limit must be at least 1"),
     (["--tasks", "mmlu", "--max-drop", "1"], {}, "need --baseline"),
+    (["--tasks", "wikitext", "--baseline", "/no/such/model", "--data-dir", str(DATA)], {},
+     "model directory not found: /no/such/model"),
     (["--tasks", "/no/such/file.txt"], {}, "perplexity file /no/such/file.txt does not exist"),
 ])
 def test_eval_bad_input(args, env, message):

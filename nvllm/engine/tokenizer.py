@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 from nvllm.config import ConfigError
+
+_TOKENIZER_FILE = re.compile(r"(tokenizer.*|vocab.*|.*\.model|.*\.tiktoken)$")
 
 
 def load_tokenizer(path: str):
@@ -11,7 +16,11 @@ def load_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:
-        raise ConfigError(f"cannot load a tokenizer from {path}: {e}") from e
+        if os.path.isdir(path) and not any(_TOKENIZER_FILE.match(f) for f in os.listdir(path)):
+            raise ConfigError(f"no tokenizer in {path} (no tokenizer.json, tokenizer_config.json, vocab or "
+                              ".model file)") from e
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(f"cannot load a tokenizer from {path}: {first}") from e
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> set[int]:

@@ -160,10 +160,13 @@ def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "
 
 
 def baseline_config(candidate: EngineConfig, baseline: str) -> EngineConfig:
-    """The candidate's engine settings, the baseline's weights and tokenizer."""
+    """The candidate's engine settings, the baseline's weights and tokenizer (a directory, or a Hub id fetched as
+    --model's is)."""
     import dataclasses
 
-    return dataclasses.replace(candidate, model=baseline, tokenizer=None)
+    from nvllm.models.hub import resolve_model_path
+
+    return dataclasses.replace(candidate, model=resolve_model_path(baseline), tokenizer=None)
 
 
 def run_eval(engine_config: EngineConfig, spec: EvalSpec, baseline: str | None = None,
