@@ -58,7 +58,9 @@ def error_table(summary: QuantizeSummary):
     table.add_column("layer", justify="right")
     for name in ORDER:
         table.add_column(name.removesuffix("_proj"), justify="right")
-    table.add_column(f"layer output (first {ERROR_WINDOWS} windows)", justify="right")
+    windows = min(ERROR_WINDOWS, summary.config.calib_samples)
+    table.add_column("layer output" + (f" (first {windows} windows)" if windows < summary.config.calib_samples
+                                       else f" ({windows} windows)"), justify="right")
     table.add_column("time", justify="right")
     for rep in summary.layers:
         cells = ["fp" if rep.errors.get(n) is None else f"{rep.errors[n]:.2e}" for n in ORDER]
