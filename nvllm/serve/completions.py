@@ -104,8 +104,8 @@ class CompletionHandler:
             for c in out.outputs:
                 lps = None
                 if req.logprobs is not None:
-                    lps = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, _end(echo_lps, echo_text),
-                                              self.prompts.token_text)
+                    lps = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs,
+                                              _end(echo_lps, echo_text), self.prompts.token_text)
                     if echo_lps is not None:
                         lps = _join(echo_lps, lps)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=echo_text + c.text, logprobs=lps,
