@@ -485,7 +485,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out or os.environ.get("OUT") or "out")
     out.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(args.device)
+    device = torch.device(resolve_device(args.device))
     if args.tf32:
         torch.set_float32_matmul_precision("high")
     commit = os.environ.get("NVLLM_COMMIT")    # the device machine gets the tree without .git

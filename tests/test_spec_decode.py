@@ -393,7 +393,7 @@ def test_metrics_exact_on_a_self_draft(demo_dir, drafts, caplog):
     from nvllm.bench.serve import spec_decode_stats
     from nvllm.serve.metrics import ServerMetrics
 
-    llm = make_llm(demo_dir, speculative=spec_of("self", drafts, 4))
+    llm = make_llm(demo_dir, speculative=spec_of("self", drafts, 4), log_stats_interval=3600)
     m = 3  # the prefill emits one token, then each step 4 accepted drafts + the bonus
     log = logging.getLogger("nvllm")  # it does not propagate: listen on it directly
     log.addHandler(caplog.handler)
