@@ -5,6 +5,7 @@ A script that builds one must guard its top level with `if __name__ == "__main__
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -50,11 +51,16 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts: a string, a list of strings, a list of token-id lists, or {"prompt_token_ids": [...]} dicts.
-        Every prompt is validated before any runs: one bad prompt raises ValueError and nothing is queued."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        """Prompts: a string, a list of strings, a list of token-id lists, or {"prompt": "..."} /
+        {"prompt_token_ids": [...]} dicts. Every prompt is validated before any runs: one bad prompt raises
+        ValueError and nothing is queued."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                 and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
-        prompts = [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts: a string, a list of token ids, a dict, or a list of those; got "
+                             f"{type(prompts).__name__}")
+        prompts = [_prompt_of(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -80,3 +86,12 @@ class LLM:
                         bar.advance(task)
         self.engine.stat_logger.maybe_log(self.engine.stats, force=True)
         return [done[r] for r in request_ids]
+
+
+def _prompt_of(p):
+    """A dict prompt's text or token ids (as vLLM's TextPrompt and TokensPrompt); anything else as it is."""
+    if not isinstance(p, dict):
+        return p
+    if ("prompt" in p) == ("prompt_token_ids" in p):
+        raise ValueError(f"a dict prompt holds exactly one of 'prompt' and 'prompt_token_ids', got {sorted(p)}")
+    return p["prompt"] if "prompt" in p else p["prompt_token_ids"]

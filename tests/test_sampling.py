@@ -195,6 +195,15 @@ def test_eos_min_tokens_and_ignore_eos(demo_dir):
     forced = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0]
     assert forced.token_ids == base[:30] and forced.finish_reason == "length"
+    # stop strings too wait for min_tokens (vLLM's order): the first ',' comes early and is kept, the next one ends
+    text = llm.get_tokenizer().decode(base)
+    first = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40, stop=[","]),
+                         use_tqdm=False)[0].outputs[0]
+    assert first.text == text[:text.index(",")] and len(first.token_ids) < 5
+    late = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40, stop=[","], min_tokens=5),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) >= 5 and late.text.count(",") >= 1 and late.finish_reason in ("stop", "length")
+    assert text.startswith(late.text)
 
 
 def test_n_samples_and_logprobs(llm):
@@ -223,6 +232,13 @@ def test_bad_requests_rejected(llm):
     assert not llm.engine.has_unfinished_requests()  # nothing of the rejected batch was queued
     with pytest.raises(ValueError, match="vocabulary"):
         llm.generate([[1, 99999]], use_tqdm=False)
+    for bad, message in ((torch.tensor([1, 2]), "got Tensor"), ([[1.7, 2]], "integers, got 1.7"),
+                         ([["1", "2"]], "integers, got '1'"), ({"text": "x"}, "exactly one of"), (5, "got int")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(bad, use_tqdm=False)
+    same = llm.generate([{"prompt": "Once upon"}, {"prompt_token_ids": llm.get_tokenizer().encode("Once upon")}],
+                        SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert same[0].outputs[0].token_ids == same[1].outputs[0].token_ids
 
 
 def test_detokenizer_never_splits_multibyte(llm):

@@ -4,6 +4,7 @@ the block manager and the model runner; everything above it (LLM, the server, be
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections.abc import Sequence as Seq
 
@@ -123,6 +124,11 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt is empty")
             return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        odd = next((t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+        if odd is not None:
+            raise ValueError(f"prompt token ids must be integers, got {odd!r}")
         ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt is empty")
@@ -369,7 +375,8 @@ class LLMEngine:
         else:
             new_text = seq.detokenizer.step([tok])
             seq.text += new_text
-            hit = find_stop(seq.text, len(new_text), p.stop) if p.stop and new_text else None
+            checked = p.stop and new_text and length - seq.num_prompt_tokens >= p.min_tokens  # none before min
+            hit = find_stop(seq.text, len(new_text), p.stop) if checked else None
             if hit is not None:
                 i, s = hit
                 seq.text = seq.text[:i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
