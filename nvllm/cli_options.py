@@ -57,6 +57,8 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
                              "--async-scheduling/--no-async-scheduling"),
     "tensor_parallel_size": _opt(1, int, "split the model over N GPUs (N processes; gloo ranks on CPU)",
                                  "--tensor-parallel-size"),
+    "hf_overrides": _opt(None, Optional[str], "JSON object of config.json fields to replace, e.g. "
+                         "'{\"max_position_embeddings\": 4096}'"),
     "log_stats_interval": _opt(5.0, float, "seconds between engine log lines (0: off)"),
     "speculative": _opt(None, Optional[str], "speculative decoding: k=4,draft=DIR | k=3,method=ngram | "
                         "k=auto,draft=DIR | JSON {\"draft_model\": DIR, \"num_speculative_tokens\": 4}"),

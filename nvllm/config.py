@@ -62,7 +62,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1  # ranks (GPUs) the model is split over; one worker process per extra rank
     log_stats_interval: float = 5.0  # seconds between periodic log lines; 0 turns them off
-    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    hf_overrides: dict[str, Any] = field(default_factory=dict)  # config.json fields to replace (or JSON text)
     # speculative decoding: "k=4,draft=DIR" | "k=3,method=ngram" | "k=auto,draft=DIR" | JSON | dict | None
     speculative: Any = None  # parsed into nvllm.spec.config.SpeculativeConfig
 
@@ -91,6 +91,7 @@ class EngineConfig:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be at least 1")
+        self._check_hf_overrides()
         self._check_tensor_parallel_size()
         self._check_kv_cache_dtype()
         if self.speculative is not None:
@@ -108,6 +109,20 @@ class EngineConfig:
         if self.async_scheduling is None:
             self.async_scheduling = (self.device.startswith("cuda") and self.speculative is None
                                      and self.tensor_parallel_size == 1)
+
+    def _check_hf_overrides(self) -> None:
+        """A dict of config.json fields, or its JSON text (the CLI's --hf-overrides)."""
+        value = self.hf_overrides
+        if value is None:
+            value = {}
+        elif isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"hf_overrides is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"hf_overrides must be a JSON object of config.json fields, got {value!r}")
+        self.hf_overrides = value
 
     def _check_tensor_parallel_size(self) -> None:
         n = self.tensor_parallel_size

@@ -81,6 +81,22 @@ def test_a_model_without_a_tokenizer_is_one_line(tmp_path):
         "tokenizer_config.json, vocab or .model file)", r.stderr
 
 
+def test_hf_overrides_reach_the_model(model_copy):
+    """--hf-overrides replaces config.json fields (here the context length) in the API and the CLI; bad values,
+    and a config.json that is not JSON, end in one line naming them."""
+    assert load(model_copy, hf_overrides={"max_position_embeddings": 48}).engine.max_model_len == 48
+    r = nvllm("generate", "--model", str(model_copy), "--hf-overrides", '{"max_position_embeddings": 40}',
+              "--max-tokens", "100", "--log-stats-interval", "0")
+    assert r.returncode == 0 and "max_model_len 40" in " ".join(r.stderr.split()), r.stderr
+    for value, message in (("[1]", "must be a JSON object"), ("{bad", "hf_overrides is not valid JSON")):
+        r = nvllm("generate", "--model", str(model_copy), "--hf-overrides", value)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    (model_copy / "config.json").write_text("{bad")
+    r = nvllm("generate", "--model", str(model_copy))
+    assert r.returncode == 2 and f"cannot read {model_copy}/config.json" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_empty_prompt_cli():
     r = nvllm("generate", "")
     assert r.returncode == 2 and "prompt is empty" in r.stderr

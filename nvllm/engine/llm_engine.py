@@ -24,6 +24,7 @@ from nvllm.engine.step_profile import StepProfile, step_kind
 from nvllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nvllm.kernels import report
 from nvllm.models.hub import resolve_model_path
+from nvllm.models.loader import load_hf_config
 from nvllm.layers.sampler import SampleRow
 from nvllm.outputs import LogprobsDict, RequestMetrics, RequestOutput
 from nvllm.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ class LLMEngine:
         config.model = resolve_model_path(config.model)
         config.tokenizer = config.model if same else resolve_model_path(config.tokenizer)
         self.config = config
+        load_hf_config(config.model)  # a bad config.json is named as such, not as the tokenizer's failure
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len

@@ -65,7 +65,7 @@ class ModelRunner:
         self.config = config
         self.fresh_tokens = fresh_tokens_promise(config.speculative, draft)  # what its decode graphs promise
         self.device = torch.device(config.device)
-        self.hf_config = load_hf_config(config.model)
+        self.hf_config = load_hf_config(config.model, config.hf_overrides)
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
         self.tp = tp or TPGroup.single()
         self.workers = None

@@ -17,7 +17,8 @@ from nvllm.models.registry import resolve_architecture
 logger = logging.getLogger("nvllm")
 
 
-def load_hf_config(model_dir: str):
+def load_hf_config(model_dir: str, overrides: dict | None = None):
+    """The directory's config.json as a transformers config, with ``overrides`` (``--hf-overrides``) set on it."""
     from transformers import AutoConfig
 
     if not os.path.isdir(model_dir):
@@ -25,9 +26,14 @@ def load_hf_config(model_dir: str):
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ConfigError(f"no config.json in {model_dir}")
     try:
-        return AutoConfig.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
     except Exception as e:  # transformers raises many kinds for a bad config
-        raise ConfigError(f"cannot read {model_dir}/config.json: {e}") from e
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(f"cannot read {model_dir}/config.json: {first}") from e
+    if overrides:
+        logger.info("config.json overridden: %s", ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
+        config.update(overrides)
+    return config
 
 
 def checkpoint_dtype(hf_config) -> torch.dtype | None:
