@@ -156,6 +156,21 @@ def test_cli_mistakes(args, message):
     assert res.exit_code == 2 and message in res.output, res.output
 
 
+def test_worker_flags_rebuild_the_engine_config():
+    """The launcher's worker flags: nothing for the defaults (an empty --hf-overrides included), and flags that the
+    CLI parses back into the same config."""
+    from nvllm.config import EngineConfig
+    from nvllm.disagg.launcher import engine_cli_args
+
+    assert "--hf-overrides" not in engine_cli_args(EngineConfig(device="cpu"))
+    config = EngineConfig(device="cpu", max_model_len=128, enable_prefix_caching=False,
+                          hf_overrides={"max_position_embeddings": 200})
+    args = engine_cli_args(config)
+    assert "--no-enable-prefix-caching" in args and args[args.index("--max-model-len") + 1] == "128", args
+    again = EngineConfig(device="cpu", hf_overrides=args[args.index("--hf-overrides") + 1])
+    assert again.hf_overrides == {"max_position_embeddings": 200}
+
+
 # ---- the same answers as one mixed server --------------------------------------------------------------------
 async def _all(url: str, stream: bool) -> list[tuple]:
     async def one(ac: openai.AsyncOpenAI, prompt: str) -> tuple:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import json
 import logging
 import os
 import signal
@@ -42,7 +43,7 @@ def engine_cli_args(config: EngineConfig, **overrides) -> list[str]:
         value = overrides.get(name, getattr(config, name))
         if name == "tokenizer" and value == config.model:
             continue
-        if value is None or value == default:
+        if value is None or value == default or value == {}:
             continue
         info = typing.get_args(annotation)[1]
         decl = info.default if isinstance(info.default, str) and info.default.startswith("--") else None
@@ -52,6 +53,8 @@ def engine_cli_args(config: EngineConfig, **overrides) -> list[str]:
             args.append(on if value else off)
         elif isinstance(value, (str, int, float)):
             args += [(decl or flag).split("/")[0], str(value)]
+        elif isinstance(value, dict):  # --hf-overrides: its JSON text
+            args += [flag, json.dumps(value)]
         else:
             raise ConfigError(f"--{name.replace('_', '-')} cannot be passed on to disaggregated workers")
     return args
