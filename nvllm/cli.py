@@ -124,6 +124,7 @@ def router(
     log_interval: Annotated[float, typer.Option(help="seconds between router log lines (0: off)")] = 10.0,
     uvicorn_log_level: Annotated[str, typer.Option(help="uvicorn's log level")] = "info",
     fd: _FD = None,
+    shutdown_timeout: Annotated[int, typer.Option(help="seconds in-flight requests get on SIGINT/SIGTERM")] = 30,
 ) -> None:
     """One OpenAI endpoint in front of prefill and decode workers (`nvllm serve --role …`) or mixed replicas."""
     from nvllm.disagg.router import RouterConfig, parse_urls, run_router
@@ -131,7 +132,7 @@ def router(
     try:
         run_router(RouterConfig(parse_urls(prefill, "--prefill"), parse_urls(decode, "--decode"),
                                 parse_urls(mixed, "--mixed"), host, port, api_key, max_request_bytes, poll_interval,
-                                log_interval, uvicorn_log_level, fd))
+                                log_interval, uvicorn_log_level, fd, shutdown_timeout))
     except USER_ERRORS as e:
         fail(str(e))
 

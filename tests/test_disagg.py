@@ -146,6 +146,7 @@ def _wait_pool_empty(url: str, timeout: float = 20) -> dict:
     (["router", "--prefill", "http://a:1", "--decode", "b:2"], "not an http(s):// URL"),
     (["router", "--mixed", "http://a:1", "--prefill", "http://b:1", "--decode", "http://c:1"], "not both"),
     (["router", "--mixed", "http://a:1", "--fd", "-1"], "--fd must be a file descriptor"),
+    (["router", "--mixed", "http://a:1", "--shutdown-timeout", "-1"], "--shutdown-timeout must be non-negative"),
 ])
 def test_cli_mistakes(args, message):
     from typer.testing import CliRunner
@@ -373,14 +374,22 @@ def _demo() -> str:
 # ---- one command: --disaggregate ------------------------------------------------------------------------------
 def test_disaggregate_1p1d_launches_and_stops_as_one(tmp_path):
     log = tmp_path / "launcher.log"
-    proc, url = start_server(["--disaggregate", "1P1D", "--prefill-max-num-seqs", "4", *COMMON], log)
+    proc, url = start_server(["--disaggregate", "1P1D", "--prefill-max-num-seqs", "4", "--shutdown-timeout", "120",
+                              *COMMON], log)
     c = _client(url)
     r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens == 8
     workers = httpx.get(f"{url}/router/workers", headers=AUTH).json()["workers"]
     assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
     pids = [w["info"]["pid"] for w in workers]
+    # SIGTERM with a stream in flight (7 s here when idle): it runs to its end within --shutdown-timeout, past the
+    # 5 s the router once gave it
+    stream = iter(c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=240, n=16, temperature=1.0,
+                                       stream=True, extra_body={"ignore_eos": True}))
+    next(stream)
     proc.send_signal(signal.SIGTERM)
+    finishes = [ch.choices[0].finish_reason for ch in stream if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == ["length"] * 16, finishes
     assert proc.wait(60) == 0, log.read_text()
     for pid in pids:
         with pytest.raises(ProcessLookupError):

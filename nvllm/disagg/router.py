@@ -60,6 +60,7 @@ class RouterConfig:
     log_interval: float = 10.0
     log_level: str = "info"
     fd: int | None = None  # an inherited, bound socket to serve on instead of host:port (as `nvllm serve --fd`)
+    shutdown_timeout: int = 30  # seconds in-flight requests get on SIGINT/SIGTERM (as `nvllm serve`'s)
 
     def __post_init__(self) -> None:
         if self.mixed and (self.prefill or self.decode):
@@ -72,6 +73,8 @@ class RouterConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.poll_interval <= 0:
             raise ConfigError("--poll-interval must be positive")
+        if self.shutdown_timeout < 0:
+            raise ConfigError("--shutdown-timeout must be non-negative")
 
 
 class Router:
@@ -365,7 +368,7 @@ def run_router(cfg: RouterConfig, sock=None) -> None:
                     f"mixed {', '.join(cfg.mixed)}" if cfg.mixed else
                     f"prefill {', '.join(cfg.prefill)}; decode {', '.join(cfg.decode)}")
         server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, timeout_keep_alive=KEEP_ALIVE_S,
-                                               timeout_graceful_shutdown=5))
+                                               timeout_graceful_shutdown=cfg.shutdown_timeout))
         with _exit_quietly_after_signals():
             server.run(sockets=[sock])
     finally:
