@@ -268,6 +268,31 @@ def test_killed_worker_ends_the_engine_within_seconds(demo_dir):
     assert_workers_gone(llm)
 
 
+def test_killed_worker_stops_the_serving_loop(demo_dir):
+    """Under the server's loop a dead rank fails the requests in flight and stops the loop (so /health answers
+    503), instead of leaving a loop whose every request fails."""
+    import asyncio
+
+    from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+
+    llm = make_llm(demo_dir, tensor_parallel_size=2)
+    engine = AsyncLLMEngine(llm.engine)
+    os.kill(llm.engine.runner.workers.procs[0].pid, signal.SIGKILL)
+
+    async def run() -> None:
+        with pytest.raises(EngineDeadError, match="rank 1 .* was killed by SIGKILL"):
+            async for _ in engine.generate("Once upon a time", SamplingParams(max_tokens=8, ignore_eos=True)):
+                pass
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while engine.is_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.is_running and isinstance(engine.error, WorkerFailure)
+    llm.close()
+    assert_workers_gone(llm)
+
+
 def test_worker_startup_error_reaches_rank0_as_itself(models, tmp_path, monkeypatch):
     """A checkpoint missing a tensor: the worker's ConfigError is what rank 0 raises (its own is the cause).
     Both ranks fail to load; rank 0 loads only once the worker has ended, so that the worker's error is there to

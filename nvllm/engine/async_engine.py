@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence as Seq
 from typing import Any
 
+from nvllm.distributed.worker_pool import WorkerFailure
 from nvllm.engine.llm_engine import LLMEngine
 from nvllm.engine.kv_handoff import KVTarget
 from nvllm.engine.sequence import PrefilledSample
@@ -245,6 +246,8 @@ class AsyncLLMEngine:
             for request_id, stream in list(self._streams.items()):
                 stream._put(EngineDeadError(f"engine step failed: {e}"))
                 self._abort(request_id)
+            if isinstance(e, WorkerFailure):  # a tensor-parallel rank is gone: no step can run again, so the loop
+                raise                         # stops (is_running turns False; /health says 503)
             return
         for out in outputs:
             stream = self._streams.get(out.request_id)
