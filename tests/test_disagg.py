@@ -263,6 +263,10 @@ def test_metrics_split_and_pools_drain(deployment):
     assert all(m[f"nvllm:kv_transfer_phase_seconds_total[phase={p}]"] > 0 for p in SENT)
     assert m["nvllm:router_prefill_seconds_count"] > 0 and m["nvllm:router_handoff_seconds_count"] > 0
     assert m["nvllm:router_requests_total[outcome=client_error]"] > 0
+    bad = httpx.post(f"{urls['router']}/v1/completions", content=b'{"prompt": ', headers=AUTH)  # refused by the router
+    assert bad.status_code == 400
+    assert _metrics(urls["router"])["nvllm:router_requests_total[outcome=client_error]"] == \
+        m["nvllm:router_requests_total[outcome=client_error]"] + 1
     assert m[f"nvllm:router_worker_up[role=prefill,worker={urls['prefill']}]"] == 1
     assert any(k.startswith("nvllm:router_worker_requests_waiting[role=decode") for k in m)
     sent = _metrics(urls["prefill"])

@@ -88,8 +88,12 @@ class Router:
 
     # ---- a request ---------------------------------------------------------------------------------------
     async def route(self, endpoint: str, request: Request) -> Response:
-        check_api_key(request, self.cfg.api_key)
-        data = json_object(await read_body(request, self.cfg.max_request_bytes))
+        try:
+            check_api_key(request, self.cfg.api_key)
+            data = json_object(await read_body(request, self.cfg.max_request_bytes))
+        except APIError:  # refused here, before any worker: the client's mistake all the same
+            self.metrics.outcome("client_error")
+            raise
         headers = _forwarded(request)
         t0 = time.perf_counter()
         if not self.pool.disaggregated:
@@ -111,6 +115,7 @@ class Router:
             return Response(status_code=499)
         except httpx.HTTPError as e:
             self._failed(prefill, "prefill", e)
+            self.metrics.outcome("failed")
             raise APIError(503, f"the prefill worker failed: {_describe(e)}", code="worker_failed") from None
         if resp.status_code != 200:
             return self._relay_error(resp, prefill, "prefill")
@@ -154,6 +159,7 @@ class Router:
             except httpx.HTTPError as e:
                 worker.in_flight -= 1
                 self._failed(worker, role, e)
+                self.metrics.outcome("failed")
                 raise APIError(503, f"the {role} worker failed: {_describe(e)}", code="worker_failed") from None
         self.metrics.outcome("failed")
         raise APIError(503, f"no {role} worker is up", code="no_worker_available")
