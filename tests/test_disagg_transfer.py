@@ -5,6 +5,7 @@ engine to another (its continuation must equal an engine that did everything its
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import pytest
 import torch
@@ -183,6 +184,41 @@ def test_layout_mismatch_is_refused():
     for t in threads:
         t.join(60)
     assert len(errors) == 2 and all("layout differs" in e for e in errors), errors
+
+
+def test_a_rank_that_joined_before_is_refused_at_once():
+    """A worker restarted after its death would wait at a rendezvous the others finished long ago: it is refused
+    with one clear error instead."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from nvllm.config import ConfigError
+    from nvllm.disagg.transfer_group import TransferGroup
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    groups, errors = {}, []
+
+    def join(rank: int) -> None:
+        try:
+            groups[rank] = TransferGroup(rank, 2, ("127.0.0.1", store.port), "gloo", torch.device("cpu"),
+                                         {"role": ("prefill", "decode")[rank], "layout": "x", "url": ""}, 10.0, 30.0,
+                                         store_external=True)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(groups) == [0, 1] and not errors, errors
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="rank 1 joined it before"):
+        TransferGroup(1, 2, ("127.0.0.1", store.port), "gloo", torch.device("cpu"),
+                      {"role": "decode", "layout": "x", "url": ""}, 10.0, 30.0, store_external=True)
+    assert time.monotonic() - start < 5
 
 
 # ---- the engine hooks, two engines in one process ---------------------------------------------------------------

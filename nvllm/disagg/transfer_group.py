@@ -55,6 +55,10 @@ class TransferGroup:
         except Exception as e:  # noqa: BLE001 - a taken port, an unreachable master: one line
             raise ConfigError(f"cannot join the KV transfer group at {host}:{port} as rank {rank}: {e}") from None
         self._store = dist.PrefixStore("nvllm-kv", store)
+        if self._store.check([f"info/{rank}"]):  # the group formed with another process as this rank
+            raise ConfigError(f"KV transfer group at {host}:{port}: rank {rank} joined it before; a worker that "
+                              "died cannot take its place in the group it formed with the others: restart the "
+                              "deployment")
         try:
             self._store.set(f"info/{rank}", json.dumps(info))
             self.peers = {r: json.loads(self._store.get(f"info/{r}")) for r in range(world_size)}
