@@ -20,6 +20,11 @@ class ConfigError(ValueError):
     """A user mistake in the engine options or the model directory (one clear line)."""
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's first non-blank line (libraries' messages often run over several), or its type's name."""
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
 def resolve_device(name: str) -> str:
     """``auto``: cuda when available, else cpu. Otherwise cpu, cuda or cuda:N, checked against this machine."""
     if name == "auto":

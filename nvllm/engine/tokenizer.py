@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from nvllm.config import ConfigError
+from nvllm.config import ConfigError, first_line
 
 _TOKENIZER_FILE = re.compile(r"(tokenizer.*|vocab.*|.*\.model|.*\.tiktoken)$")
 
@@ -19,8 +19,7 @@ def load_tokenizer(path: str):
         if os.path.isdir(path) and not any(_TOKENIZER_FILE.match(f) for f in os.listdir(path)):
             raise ConfigError(f"no tokenizer in {path} (no tokenizer.json, tokenizer_config.json, vocab or "
                               ".model file)") from e
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ConfigError(f"cannot load a tokenizer from {path}: {first}") from e
+        raise ConfigError(f"cannot load a tokenizer from {path}: {first_line(e)}") from e
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> set[int]:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from nvllm.config import ConfigError, EngineConfig
+from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.models.registry import resolve_architecture
 
 logger = logging.getLogger("nvllm")
@@ -28,8 +28,7 @@ def load_hf_config(model_dir: str, overrides: dict | None = None):
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except Exception as e:  # transformers raises many kinds for a bad config
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ConfigError(f"cannot read {model_dir}/config.json: {first}") from e
+        raise ConfigError(f"cannot read {model_dir}/config.json: {first_line(e)}") from e
     if overrides:
         logger.info("config.json overridden: %s", ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
         config.update(overrides)
