@@ -377,6 +377,8 @@ def test_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stop=["x"] * 65)
     assert e.value.body["param"] == "stop"
+    with pytest.raises(openai.BadRequestError, match="a text content part needs its text"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [{"type": "text"}]}])
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
