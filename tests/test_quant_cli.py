@@ -66,6 +66,17 @@ def test_bad_recipes(tmp_path, body, message):
         build_config(str(p))
 
 
+def test_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
+    with pytest.raises(RecipeError, match=r"^cannot read recipe .*: \[Errno 21\] Is a directory"):
+        build_config(str(tmp_path))
+    # an error without a message is named by its type, not an IndexError from its empty text
+    def fail(*a, **k):
+        raise PermissionError()
+    monkeypatch.setattr("builtins.open", fail)
+    with pytest.raises(RecipeError, match=r"cannot read recipe r\.yaml: PermissionError$"):
+        build_config("r.yaml")
+
+
 @pytest.fixture(scope="module")
 def quantized_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("qd") / "q"

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nvllm.cli_options import ENGINE_OPTIONS
-from nvllm.config import ConfigError, EngineConfig
+from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.disagg.config import DisaggConfig, parse_xpyd
 from nvllm.disagg.router import RouterConfig, run_router
 from nvllm.serve.api_server import ServerConfig, bind_socket, listen_socket
@@ -128,7 +128,7 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
                               wait_for_workers=False)
     except Exception as e:  # noqa: BLE001 - one line, whatever the store raised
         sock.close()
-        raise ConfigError(f"cannot start the KV transfer group's store: {str(e).splitlines()[0][:200]}") from None
+        raise ConfigError(f"cannot start the KV transfer group's store: {first_line(e)[:200]}") from None
     master = f"127.0.0.1:{store.port}"
     serve_args = []
     for key in ("served_model_name", "chat_template"):

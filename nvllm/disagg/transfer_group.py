@@ -26,7 +26,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from nvllm.config import ConfigError
+from nvllm.config import ConfigError, first_line
 
 logger = logging.getLogger("nvllm")
 
@@ -67,7 +67,7 @@ class TransferGroup:
                 self._store.wait([f"read/{r}" for r in range(world_size)], datetime.timedelta(seconds=60))
         except Exception as e:  # noqa: BLE001 - a rank that died or never came: one line
             raise ConfigError(f"KV transfer group at {host}:{port}: the rendezvous failed for rank {rank} "
-                              f"({str(e).splitlines()[0][:200]})") from None
+                              f"({first_line(e)[:200]})") from None
         mine = info["layout"]
         other = next((r for r, p in self.peers.items() if p["layout"] != mine), None)
         if other is not None:
@@ -94,7 +94,7 @@ class TransferGroup:
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses of many kinds
-            raise TransferError(f"{what} rank {peer} failed: {str(e).splitlines()[0][:200]}") from None
+            raise TransferError(f"{what} rank {peer} failed: {first_line(e)[:200]}") from None
 
     def send(self, dst: int, tag: int, message: torch.Tensor, ok: bool = True) -> None:
         """Send one message (from ``MessageBuffer.get``, its payload in place; ``ok`` False: the sender could not

@@ -21,6 +21,7 @@ import threading
 
 import torch
 
+from nvllm.config import first_line
 from nvllm.kernels import report
 
 CONTROL_TIMEOUT = datetime.timedelta(days=365)  # workers wait here between steps, for as long as the engine idles
@@ -83,7 +84,7 @@ class TPGroup:
             one = OneShotAllReduce(f"nvllm_tp_{self.store.port}", self.rank, self.size,
                                    dist.PrefixStore("one_shot", self.store), self.compute, dtype, device)
         except Exception as e:  # noqa: BLE001 - no symmetric memory here: NCCL does it all
-            logger.warning("one-shot all-reduce unavailable (%s); all-reduces stay on NCCL", str(e).splitlines()[0][:200])
+            logger.warning("one-shot all-reduce unavailable (%s); all-reduces stay on NCCL", first_line(e)[:200])
             one = None
         if min(self.all_gather_int(int(one is not None))) == 1:
             self.one_shot = one

@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from nvllm.config import first_line
 from nvllm.kernels.backend import use_triton
 from nvllm.kernels.gemm import _geometry, skinny_gemm
 from nvllm.kernels.gemm_table import (CUBLAS, FMA_MAX_M, SkinnyConfig, _cdiv, _dtype_name, _next_pow2, gemm_bucket,
@@ -207,7 +208,7 @@ class GemmTuner:
                     if t < best_t:
                         best, best_t = cfg, t
             except Exception as e:  # a config this device cannot run (shared memory, registers, ...)
-                cand["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                cand["error"] = f"{type(e).__name__}: {first_line(e)[:200]}"
             rec["candidates"].append(cand)
         choose_triton = best is not None and best_t < rec["cublas_s"] * (1 - self.margin)
         choice = best if choose_triton else CUBLAS

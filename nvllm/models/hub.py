@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from nvllm.config import ConfigError
+from nvllm.config import ConfigError, first_line
 
 _PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
@@ -21,4 +21,4 @@ def resolve_model_path(name: str) -> str:
         return snapshot_download(repo_id=name, allow_patterns=_PATTERNS)
     except Exception as e:
         raise ConfigError(f"model directory not found, and {name!r} could not be fetched from the "
-                          f"Hugging Face Hub: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+                          f"Hugging Face Hub: {type(e).__name__}: {first_line(e)}") from e

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from nvllm.config import first_line
+
 CALIB_DIR = Path(__file__).resolve().parents[2] / "calib"
 SHIPPED_SAMPLE = CALIB_DIR / "c4-sample.jsonl"
 C4_REPO = "allenai/c4"
@@ -107,7 +109,7 @@ def _c4_texts() -> tuple[list[str] | None, str]:
     try:
         ds = datasets.load_dataset(C4_REPO, data_files={"validation": C4_FILE}, split="validation")
     except Exception as e:  # network, auth, disk: all mean "use the shipped sample"
-        return None, f"loading {C4_REPO} failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        return None, f"loading {C4_REPO} failed ({type(e).__name__}: {first_line(e)[:120]})"
     return list(ds["text"]), ""
 
 

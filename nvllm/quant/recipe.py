@@ -23,6 +23,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from nvllm.config import first_line
+
 METHODS = ("awq", "gptq", "rtn")
 
 
@@ -150,7 +152,7 @@ def load_recipe(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise RecipeError(f"recipe not found: {path}") from None
     except (OSError, yaml.YAMLError) as e:
-        raise RecipeError(f"cannot read recipe {path}: {str(e).splitlines()[0]}") from e
+        raise RecipeError(f"cannot read recipe {path}: {first_line(e)}") from e
     return parse_recipe(data, path)
 
 
