@@ -1,26 +1,37 @@
 """How fast one persistent kernel could stream a decode step's packed weights while its layers wait on each other
-(GPU only, Hopper; a Gluon kernel).
+(GPU only, Hopper; Gluon kernels).
 
 Issue 4 asks for a batch-1 W4A16 Qwen2.5-7B step in 1.25 ms. The engine runs about nine dependent kernels a layer;
-each boundary stops the weight stream for its ramp and drain (docs/PERF.md, runs CP, DJ). A persistent kernel
-whose programs copy their next weight tiles into a ring of shared memory with ``cp.async`` keeps the stream going
-while a program waits for the stage before its own: only the consumer waits, the copies of the tiles after it are
-already in flight. This probe measures that floor without the arithmetic:
+each boundary stops the weight stream for its ramp and drain (docs/PERF.md, runs CP, DJ). A persistent kernel keeps
+copying its next weight tiles into a ring of shared memory while a stage waits for the one before it. This probe
+measures that floor without the arithmetic:
 
-- Every program owns an equal, contiguous share of each projection's bytes (q/k/v, o, gate_up, down at
-  Qwen2.5-7B's 4-bit g128 sizes, ``--layers`` layers), cut in tiles of ``rows`` × 512 bytes.
-- It walks its tiles in order with ``depth`` of them in flight, XORs each into an accumulator, and at the end of
-  each stage stores its partial and increments the stage's counter (release).
-- A wait makes a stage's first tile spin (acquire) until every program has finished the stage before it, and then
-  read those partials, as a GEMV reads its input. Five waits a layer at most, each a bit of ``--masks``: q/k/v
-  after the previous layer's down (1), a zero-byte attention stage after q/k/v (2), o after attention (4), gate_up
-  after o (8), down after gate_up (16). Mask 0, always run first, is the bare stream: nothing waits.
+- Every program streams its share of each projection's bytes (q/k/v, o, gate_up, down at Qwen2.5-7B's 4-bit g128
+  sizes, ``--layers`` layers) in tiles, XORs each into an accumulator, and at the end of each stage stores its
+  partial and adds to the stage's counter (release).
+- A wait makes a stage's first tile spin (acquire) until the stage before it is done everywhere, and then read
+  those partials, as a GEMV reads its input.
 
-All programs must be resident at once (the waits would otherwise never end): the grid is at most what the
-shared memory lets the SMs hold. Each setting runs ``--reps`` times; the partials must be the same every time
-(a wait that let a stage read too early would show as a difference), and every counter must end at its target.
+Three ways to keep the copies going (``--settings``, comma-separated):
 
-    python3 scripts/gpu_persistent_stream.py --layers 28 --settings 32x8x1x4,64x6x1x8 --masks 31,29,24
+- ``ROWSxDEPTHxPER_SMxWARPS``: the consumers issue ``cp.async`` for the tile DEPTH − 1 ahead before waiting for
+  the current one; tiles of ROWS × 512 bytes, each program a fixed contiguous share of each stage. Five waits a
+  layer at most, each a bit of ``--masks``: q/k/v after the previous layer's down (1), a zero-byte attention stage
+  after q/k/v (2), o after attention (4), gate_up after o (8), down after gate_up (16). Mask 0, always run first,
+  is the bare stream: nothing waits.
+- ``ws:ROWSxDEPTHxWARPS``: the same shares and masks, copied by one producer warp with TMA into every slot the
+  consumers free (``gl.warp_specialize``, mbarriers), so copies continue while the consumers wait; tiles of
+  ROWS × 128 bytes.
+- ``dyn:ROWSxDEPTHxWARPSxGRAB``: as ``ws``, but the producer takes each stage's tiles GRAB at a time from a counter
+  all programs share, so faster SMs do more of a stage; four waits a layer (q/k/v, o, gate_up, down each after the
+  stage before) or none.
+
+All programs must be resident at once (a wait would otherwise never end): one or two an SM, as the ring allows.
+Each setting runs ``--reps`` times, the first (compile) left out of the median. Checked: every counter ends at its
+target; fixed shares give the same partials every time (a wait that let a stage start early would differ); with
+``dyn`` each stage's partials XOR to the XOR of its tiles (every tile done once).
+
+    python3 scripts/gpu_persistent_stream.py --layers 28 --settings 64x6x1x8,ws:256x6x4,dyn:128x12x4x4 --masks 31,29
 """
 
 from __future__ import annotations
