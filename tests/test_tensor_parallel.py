@@ -4,7 +4,7 @@ Two ranks give what one rank gives — greedy tokens, seeded samples, logprobs a
 model (with chunked prefill, prefix caching and an int8 KV cache), tiny Llama / Qwen2 (one KV head, so it is
 replicated) / Qwen3 models, and AWQ and act-order GPTQ copies; speculative decoding keeps a split target's greedy
 output. The shards of every weight put back together are the full weights. A worker killed mid-run ends the
-engine with an error within seconds, a worker's start-up error reaches rank 0 as itself, a model that does not
+engine with an error within seconds (a server then exits 1), a worker's start-up error reaches rank 0 as itself, a model that does not
 split is one ConfigError before any process starts, and `nvllm generate --tensor-parallel-size 2` works.
 """
 
@@ -291,6 +291,50 @@ def test_killed_worker_stops_the_serving_loop(demo_dir):
     assert not engine.is_running and isinstance(engine.error, WorkerFailure)
     llm.close()
     assert_workers_gone(llm)
+
+
+def test_server_exits_when_a_worker_dies(tmp_path):
+    """`nvllm serve --tensor-parallel-size 2` whose worker is killed: the request that finds it gone fails, and
+    the server shuts down with exit status 1 (a supervisor restarts it) instead of answering 503 for ever."""
+    import httpx
+
+    from tests.server_utils import start_server
+
+    log_path = tmp_path / "server.log"
+    proc, base = start_server(["--tensor-parallel-size", "2", "--device", "cpu", "--log-stats-interval", "0",
+                               "--uvicorn-log-level", "warning", "--max-model-len", "128"], log_path)
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        assert children, "the server started no worker process"
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        r = httpx.post(f"{base}/v1/completions", json={"model": "stories260K", "prompt": "Once upon a time",
+                                                       "max_tokens": 8}, timeout=60)
+        assert r.status_code >= 500 and "rank 1" in r.text, r.text
+        assert proc.wait(timeout=60) == 1
+        assert "the engine stopped" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_keep_alive_on_engine_death_keeps_the_server_up(monkeypatch):
+    """NVLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1: the server notices the dead engine but stays up (answering 503)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from nvllm.serve.api_server import _GracefulServer
+
+    engine = SimpleNamespace(error=WorkerFailure("rank 1 was killed by SIGKILL"))
+    for value, exits in (("1", False), ("0", True)):
+        monkeypatch.setenv("NVLLM_KEEP_ALIVE_ON_ENGINE_DEATH", value)
+        server = _GracefulServer(uvicorn.Config(app=None), engine, grace=1)
+        asyncio.run(server.on_tick(1))
+        assert server.should_exit is exits and server.engine_died is exits
 
 
 def test_worker_startup_error_reaches_rank0_as_itself(models, tmp_path, monkeypatch):

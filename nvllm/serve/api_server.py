@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
@@ -20,7 +21,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from nvllm.config import ConfigError, EngineConfig
+from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nvllm.serve.chat import ChatHandler
 from nvllm.serve.completions import CompletionHandler
@@ -241,9 +242,10 @@ def listen_socket(host: str, port: int, fd: int | None) -> socket.socket:
     return adopt_socket(fd) if fd is not None else bind_socket(host, port)
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "DisaggConfig | None" = None) -> None:
+def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "DisaggConfig | None" = None) -> int:
     """Build the engine (and, for a prefill or decode worker, join the KV transfer group), then serve until
-    SIGINT/SIGTERM (uvicorn handles both)."""
+    SIGINT/SIGTERM (uvicorn handles both), or until the engine's loop dies. Returns the exit status: 0, or 1 when
+    the server stopped because the engine died."""
     from nvllm.engine.llm_engine import LLMEngine
     from nvllm.logger import setup_logging
 
@@ -276,10 +278,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
             server.run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C while the model loads: nothing is serving yet
         logger.info("interrupted before serving")
-        return
+        return 0
     finally:
         sock.close()
     logger.info("server stopped")
+    return 1 if server.engine_died else 0
 
 
 # An idle connection stays open this long. httpx (so the openai client) drops its idle connections after 5 s, the
@@ -292,11 +295,26 @@ _FLUSH_S = 5  # after the abort, time for the final chunks to reach the clients 
 class _GracefulServer(uvicorn.Server):
     """uvicorn's shutdown (stop accepting, wait for in-flight requests) with one step added: after `grace`
     seconds the engine aborts what is still running, so every stream still ends properly (a last chunk with
-    finish_reason "abort", then [DONE]) instead of being cut off."""
+    finish_reason "abort", then [DONE]) instead of being cut off.
+
+    A server whose engine loop died (a tensor-parallel rank gone) cannot answer again: it shuts down and the
+    process exits 1, for a supervisor to restart it, as vLLM's does. ``NVLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`` keeps
+    it up instead, answering 503 (/health too)."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float):
         super().__init__(config)
         self.engine, self.grace = engine, grace
+        self.keep_alive = os.environ.get("NVLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") not in ("", "0")
+        self.engine_died = False
+
+    async def on_tick(self, counter: int) -> bool:
+        error = self.engine.error
+        if error is not None and not self.engine_died and not self.keep_alive:
+            self.engine_died = True
+            logger.error("the engine stopped (%s): shutting the server down (NVLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 "
+                         "keeps it up, answering 503)", first_line(error))
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None) -> None:
         timer = asyncio.get_running_loop().call_later(self.grace, self._abort_in_flight)
