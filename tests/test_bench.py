@@ -176,9 +176,10 @@ class FakeState:
     def __init__(self):
         self.reset()
 
-    def reset(self, fail_every=0, fail_mode="http", fail_after=None, usage=True):
+    def reset(self, fail_every=0, fail_mode="http", fail_after=None, usage=True, eos=False):
         self.count, self.served, self.fail_every, self.fail_mode, self.fail_after = 0, 0, fail_every, fail_mode, fail_after
         self.usage = usage
+        self.eos = eos  # the last token is EOS: a step later, a chunk with no text and finish_reason "stop"
 
 
 def _fake_app(state: FakeState):
@@ -232,8 +233,12 @@ def _fake_app(state: FakeState):
                 if fail and i == 1:
                     yield f"data: {json.dumps({'error': {'message': 'injected stream error', 'code': 500}})}\n\n"
                     return
-                yield chunk(f" t{i}")
-            yield chunk("", "length")
+                if i < n - 1:
+                    yield chunk(f" t{i}")
+                elif state.eos:
+                    yield chunk("", "stop")
+                else:
+                    yield chunk(f" t{i}", "length")
             state.served += 1
             if state.usage:
                 yield f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': 7, 'completion_tokens': n, 'total_tokens': 7 + n}})}\n\n"
@@ -279,6 +284,21 @@ def _bench(url, tmp_path, *extra, name="out.json"):
                               "--output-len", "5", "--request-rate", "200", "--max-concurrency", "4",
                               "--no-progress", "--save-result", str(out), *extra])
     return res, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_a_request_ending_on_eos_counts_its_last_step(fake_server, tmp_path):
+    """A stream that ends on EOS ends with a chunk carrying only finish_reason: that chunk is the last token's
+    step (as vLLM's benchmark counts it), so E2EL reaches it, ITL has a gap per token after the first, and TPOT
+    equals the mean ITL."""
+    url, state = fake_server
+    state.reset(eos=True)
+    res, r = _bench(url, tmp_path)
+    assert res.exit_code == 0, res.output
+    assert r["output_lens"] == [5] * 12 and r["generated_texts"][0] == " t0 t1 t2 t3"
+    assert all(len(itl) == 4 for itl in r["itls"])
+    assert r["mean_tpot_ms"] == pytest.approx(r["mean_itl_ms"], rel=1e-6)
+    assert r["mean_tpot_ms"] >= 5.0  # four 5 ms steps after the first token, none lost
+    state.reset()
 
 
 def test_serve_against_fake_server(fake_server, tmp_path):

@@ -91,8 +91,10 @@ def build_payload(req: SampleRequest, model: str, opts: ServeOptions) -> dict[st
 
 async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, Any], prompt_len: int,
                        chat: bool, tokenizer=None) -> RequestResult:
-    """Stream one request; a content chunk is a choice carrying text (an empty text counts too, unless
-    the chunk only closes the stream with a finish_reason or only announces the chat role)."""
+    """Stream one request. As in vLLM's benchmark, every chunk with a choice is a step of output, its text empty
+    or not: a request that ends on EOS or a stop token ends with a chunk that carries only the finish_reason, and
+    the step that produced that token counts in E2EL, TPOT and ITL. Only the chat role chunk, which this server
+    sends before any token, is skipped."""
     out = RequestResult(prompt_len=prompt_len)
     text: list[str] = []
     out.start_time = last = time.perf_counter()
@@ -120,7 +122,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
                 for choice in chunk.get("choices") or []:
                     delta = (choice.get("delta") or {}) if chat else choice
                     piece = delta.get("content" if chat else "text")
-                    if not piece and (choice.get("finish_reason") or (chat and "role" in delta)):
+                    if not piece and chat and "role" in delta:
                         continue
                     if out.ttft is None:
                         out.ttft = now - out.start_time
