@@ -1,5 +1,6 @@
 """presence_penalty, frequency_penalty, repetition_penalty and logit_bias: the sampler's math against HF
-transformers' RepetitionPenaltyLogitsProcessor and OpenAI's documented formula, and their validation."""
+transformers' RepetitionPenaltyLogitsProcessor and OpenAI's documented formula, then end to end on the demo model
+(greedy outputs change as they must, batch invariance, validation, speculative decoding refusing them)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from nvllm import SamplingParams
 from nvllm.layers import sampler as sampler_module
 from nvllm.layers.penalties import token_counts
 from nvllm.layers.sampler import Sampler, SampleRow
+from tests.conftest import make_llm
 
 VOCAB = 50
 PROMPT = "Once upon a time"
@@ -137,3 +139,75 @@ def test_neutral_values_and_clamping():
     assert SamplingParams(logit_bias={}).logit_bias is None
     assert SamplingParams(logit_bias={3: 250, 4: -1e9, 5: 0.5}).logit_bias == {3: 100.0, 4: -100.0, 5: 0.5}
     assert SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01).penalized
+
+
+# ---- end to end on the demo model ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm(demo_dir):
+    return make_llm(demo_dir)
+
+
+def _tokens(llm, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _repeats(ids: list[int]) -> int:
+    return len(ids) - len(set(ids))
+
+
+@pytest.mark.parametrize("kw", [dict(repetition_penalty=1.5), dict(frequency_penalty=1.0),
+                                dict(presence_penalty=1.5)])
+def test_penalties_reduce_repeated_tokens(llm, kw):
+    plain = _tokens(llm, [PROMPT], _greedy(max_tokens=60, ignore_eos=True))[0]
+    penalized = _tokens(llm, [PROMPT], _greedy(max_tokens=60, ignore_eos=True, **kw))[0]
+    assert penalized != plain and len(penalized) == 60
+    assert _repeats(penalized) < _repeats(plain)
+
+
+def test_logit_bias_bans_and_forces_tokens(llm):
+    plain = _tokens(llm, [PROMPT], _greedy(max_tokens=30))[0]
+    first = plain[0]
+    banned = _tokens(llm, [PROMPT], _greedy(max_tokens=30, logit_bias={first: -100}))[0]
+    assert first not in banned and banned
+    forced_id = llm.get_tokenizer().encode(" dog", add_special_tokens=False)[-1]
+    out = llm.generate([PROMPT], _greedy(max_tokens=8, ignore_eos=True, logit_bias={forced_id: 100}, logprobs=1),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [forced_id] * 8
+    # logprobs stay the raw distribution's (vLLM's raw_logprobs): the forced token was not the model's choice
+    assert out.logprobs[0][forced_id].rank > 1 and out.logprobs[0][forced_id].logprob < -1.0
+
+
+def test_batch_invariance(llm):
+    """A penalized request batched with plain ones changes nothing for them, and is itself as when alone."""
+    plain = _greedy(max_tokens=30, ignore_eos=True)
+    pen = _greedy(max_tokens=30, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5,
+                  presence_penalty=0.3, logit_bias={13: -5.0})
+    prompts = ["Tim had a big red ball", PROMPT, "She was very happy"]
+    alone = [_tokens(llm, [p], q)[0] for p, q in zip(prompts, (plain, pen, plain))]
+    assert _tokens(llm, prompts, [plain, pen, plain]) == alone
+    sampled = SamplingParams(temperature=0.9, seed=4, max_tokens=20, frequency_penalty=1.0)
+    alone_sampled = _tokens(llm, ["The dog"], sampled)
+    assert _tokens(llm, ["The dog", PROMPT], [sampled, plain])[:1] == alone_sampled
+
+
+def test_out_of_vocabulary_bias_refused(llm):
+    vocab = llm.engine.vocab_size
+    with pytest.raises(ValueError, match=rf"^logit_bias token id {vocab} is outside the vocabulary"):
+        llm.generate([PROMPT], _greedy(logit_bias={vocab: 1.0}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kw", [dict(presence_penalty=0.5), dict(frequency_penalty=-0.5),
+                                dict(repetition_penalty=1.2), dict(logit_bias={5: 2.0})])
+def test_speculative_decoding_refuses_them(demo_dir, kw, spec_llm):
+    """Verification compares the draft's and the target's distributions as the model gives them; penalties would
+    change the target's per position, so a penalized request is refused instead of silently not penalized."""
+    with pytest.raises(ValueError, match=rf"^{next(iter(kw))} is not supported with speculative decoding$"):
+        spec_llm.generate([PROMPT], _greedy(**kw), use_tqdm=False)
+    assert not spec_llm.engine.has_unfinished_requests()
+    assert spec_llm.generate([PROMPT], _greedy(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def spec_llm(demo_dir):
+    return make_llm(demo_dir, speculative="k=2,method=ngram")
