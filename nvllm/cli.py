@@ -31,6 +31,12 @@ def generate(
     top_p: Annotated[float, typer.Option()] = 1.0,
     top_k: Annotated[int, typer.Option(help="-1 = off")] = -1,
     min_p: Annotated[float, typer.Option()] = 0.0,
+    presence_penalty: Annotated[float, typer.Option(help="[-2, 2]: minus this for every token already generated")
+                                ] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option(help="[-2, 2]: minus this times a token's count in the "
+                                                          "output")] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option(help="> 0, 1 = off: tokens of the prompt or the output "
+                                                           "weighed down by this factor")] = 1.0,
     sample_seed: Annotated[Optional[int], typer.Option("--sample-seed", help="per-request sampling seed")] = None,
     n: Annotated[int, typer.Option("-n", help="samples per prompt")] = 1,
     stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
@@ -46,7 +52,8 @@ def generate(
     try:
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 seed=sample_seed, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos,
-                                logprobs=logprobs)
+                                logprobs=logprobs, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)
         llm = LLM.from_config(engine_config)
         outputs = llm.generate(prompts or ["Once upon a time"], params)
     except USER_ERRORS as e:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 1024
+MAX_LOGIT_BIAS = 100.0  # a bias is clamped to [-100, 100], as vLLM and OpenAI do
 
 
 @dataclass
@@ -26,6 +29,12 @@ class SamplingParams:
     logprobs: int | None = None  # top-N log-probabilities of each generated token (plus the chosen one)
     prompt_logprobs: int | None = None  # same for every prompt token after the first
     skip_special_tokens: bool = True
+    # vLLM's semantics (nvllm.layers.penalties): presence and frequency count the generated tokens only,
+    # repetition_penalty every token of the prompt and the output; logit_bias (token id -> bias) comes first
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,7 +68,44 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be non-negative, got {v}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number greater than 0, got "
+                             f"{self.repetition_penalty}")
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def penalized(self) -> bool:
+        """Presence, frequency or repetition penalty asked for: sampling needs the sequence's tokens."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def unsupported_with_speculation(self) -> str | None:
+        """The first field that speculative decoding's verification does not honour, or None."""
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(self, name) != neutral:
+                return name
+        return "logit_bias" if self.logit_bias else None
+
+
+def _checked_logit_bias(bias) -> dict[int, float] | None:
+    """Integer token ids (non-negative; the engine checks them against the vocabulary) to finite biases, each
+    clamped to [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]; None when empty."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {type(bias).__name__}")
+    out = {}
+    for tok, b in bias.items():
+        if not isinstance(tok, numbers.Integral) or isinstance(tok, bool) or tok < 0:
+            raise ValueError(f"logit_bias keys must be non-negative integer token ids, got {tok!r}")
+        if not isinstance(b, numbers.Real) or isinstance(b, bool) or math.isnan(b):
+            raise ValueError(f"logit_bias values must be numbers, got {b!r} for token {tok}")
+        out[int(tok)] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(b)))
+    return out

@@ -159,3 +159,31 @@ def test_placeholders_resolve_on_the_device():
     assert resolve_placeholders([-2, -1], prev, prev.device).tolist() == [22, 11]             # rows reordered
     assert resolve_placeholders([-1, 7, -3], prev, prev.device).tolist() == [11, 7, 33]       # a host id among them
     assert resolve_placeholders([-1, -2, -3, -4], prev, prev.device).tolist() == [11, 22, 33, 44]
+
+
+def test_penalties_count_the_token_still_in_flight(engines, monkeypatch):
+    """A penalized sequence is sampled while its newest token is still on the device (the step before has not been
+    read): the sampler takes it from there, so every output is the synchronous engine's. The first request shows it
+    plainly: a token forced by logit_bias +100 comes first, then a repetition penalty of 1000 keeps it out — a
+    penalty that missed the newest token would let it come straight back."""
+    sync, asyn = engines
+    forced = 13
+    greedy = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(**greedy, logit_bias={forced: 100.0}, repetition_penalty=1000.0),
+              SamplingParams(**greedy, frequency_penalty=2.0),
+              SamplingParams(**greedy, presence_penalty=2.0, repetition_penalty=1.5),
+              SamplingParams(**greedy)]
+    prompts = PROMPTS[2:6]
+    want = [o.outputs[0].token_ids for o in sync.generate(prompts, params, use_tqdm=False)]
+    assert want[0][0] == forced and want[0].count(forced) == 1
+    sampler = asyn.engine.runner.sampler
+    real, in_flight = sampler.sample, []
+
+    def spy(logits, rows, pending=None):
+        in_flight.append(pending is not None and any(r.token_ids is not None and min(r.token_ids) < 0 for r in rows))
+        return real(logits, rows, pending)
+
+    monkeypatch.setattr(sampler, "sample", spy)
+    got = [o.outputs[0].token_ids for o in asyn.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert sum(in_flight) >= 20  # the penalized rows really were sampled with their newest token unread

@@ -43,12 +43,28 @@ def test_generate_demo_model_default():
     (["--device", "tpu"], "unknown device 'tpu'; use auto, cpu, cuda or cuda:N"),
     (["--device", "cuda:99"], "device cuda:99 requested but"),
     (["--logprobs", "513"], "logprobs must be at most the vocabulary size 512, got 513"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be a finite number greater than 0, got 0.0"),
+    (["--presence-penalty", "3"], "presence_penalty must be in [-2, 2], got 3.0"),
 ])
 def test_generate_bad_input(args, message):
     r = nvllm("generate", *args)
     assert r.returncode == 2
     assert message in " ".join(r.stderr.split())
     assert "Traceback" not in r.stderr
+
+
+def test_generate_penalties():
+    """--presence-penalty, --frequency-penalty, --repetition-penalty: what the LLM API gives for the same values."""
+    from nvllm import SamplingParams
+
+    kw = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3)
+    r = nvllm("generate", "--max-tokens", "30", "--log-stats-interval", "0",
+              *[a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))])
+    assert r.returncode == 0, r.stderr
+    want = LLM(log_stats_interval=0, device="cpu").generate(["Once upon a time"], SamplingParams(
+        max_tokens=30, temperature=0, **kw), use_tqdm=False)[0].outputs[0].text
+    assert r.stdout == f"Once upon a time{want}\n" and not r.stdout.startswith(
+        "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day")
 
 
 def test_generate_prints_the_top_logprobs():

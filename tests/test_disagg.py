@@ -213,6 +213,11 @@ def test_chat_stop_strings_logprobs_and_seeds_match(deployment):
         ("completions", dict(prompt=PROMPTS[5], max_tokens=6, temperature=0, logprobs=3, echo=True)),
         ("completions", dict(prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=10, temperature=0.8, seed=11, n=2)),
         ("completions", dict(prompt=PROMPTS[7], max_tokens=1, temperature=0)),  # done at the prefill worker
+        # penalties: the first token's at the prefill worker, the rest's (counting that token) at the decode worker
+        ("completions", dict(prompt=PROMPTS[4], max_tokens=24, temperature=0, frequency_penalty=1.5,
+                             presence_penalty=0.5, logit_bias={"13": -3}, extra_body={"repetition_penalty": 1.3})),
+        ("chat", dict(messages=messages, max_tokens=16, temperature=0, presence_penalty=2.0,
+                      extra_body={"repetition_penalty": 1.2})),
     ]
     for kind, kw in calls:
         api = (lambda c: c.chat.completions) if kind == "chat" else (lambda c: c.completions)

@@ -152,6 +152,12 @@ class LLMEngine:
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, got "
                                  f"{getattr(params, name)}")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        unsupported = params.unsupported_with_speculation() if self.spec is not None else None
+        if unsupported is not None:  # verification compares the draft's and the target's unpenalized distributions
+            raise ValueError(f"{unsupported} is not supported with speculative decoding")
         return ids
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -229,8 +235,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         scheduled = sched.scheduled
         prompt_chunks = [n for seq, n in scheduled if seq.num_computed_tokens < seq.num_prompt_tokens]
-        rows = [SampleRow(seq.params, seq.generator, self._banned(seq))
-                for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
+        rows = [self._sample_row(seq) for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
         defer = self.async_scheduling and not any(
             seq.params.logprobs is not None or seq.wants_prompt_logprobs or seq.prefill_only for seq, _ in scheduled)
         result = self.runner.execute(scheduled, rows, prev_tokens=prev.tokens if prev is not None else None,
@@ -301,8 +306,7 @@ class LLMEngine:
         A draft model's tokens reach the target's inputs on the device; the host reads them once the target's
         forward is queued."""
         scheduled, drafts = self.spec.propose(scheduled)
-        rows = [SampleRow(seq.params, seq.generator, self._banned(seq))
-                for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
+        rows = [self._sample_row(seq) for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
         result = self.runner.execute(scheduled, rows, drafts.ids(), prev_tokens=drafts.tokens)
         proposals = drafts.proposals
         verified = {}
@@ -347,6 +351,13 @@ class LLMEngine:
         s.prefix_queries, s.prefix_hits = self.block_manager.prefix_queries, self.block_manager.prefix_hits
         self.stat_logger.maybe_log(s)
         return outputs
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        """What the sampler needs of the sequence; a penalized one's tokens as they are now, the newest maybe still
+        a placeholder of the step in flight (the sampler takes it from that step's tokens on the device)."""
+        p = seq.params
+        return SampleRow(p, seq.generator, self._banned(seq), seq.token_ids if p.penalized else None,
+                         seq.num_prompt_tokens)
 
     def _banned(self, seq: Sequence) -> list[int]:
         if seq.num_output_tokens >= seq.params.min_tokens:

@@ -286,8 +286,8 @@ class ModelRunner:
         ``prev_tokens``: tokens on the device that placeholders −1 − r among the step's ids stand for (row r) —
         the previous step's samples among the sequences' tokens (asynchronous scheduling, one rank), or a draft
         model's tokens among the drafts; they are taken on the device, unread (with tensor parallelism read here:
-        the workers get host ids). ``defer`` leaves this step's samples on the device (``result.pending``)
-        instead of reading them back (no logprobs then)."""
+        the workers get host ids), and the sampler counts the previous step's for penalized rows. ``defer`` leaves
+        this step's samples on the device (``result.pending``) instead of reading them back (no logprobs then)."""
         step, sample_owner, plp = self._build_step(scheduled, drafts)
         if prev_tokens is not None and step.has_placeholders:
             ids = resolve_placeholders(step.input_ids, prev_tokens, self.device)
@@ -308,10 +308,11 @@ class ModelRunner:
             with self.workers.guard():
                 self.tp.broadcast_message(step.pack())
                 result.verify_logits, logits = self.run_model(step, record_prompt_logprobs)
+        pending = prev_tokens if drafts is None else None  # what penalized rows' placeholders stand for
         if logits is not None and defer:
-            result.pending = PendingTokens(sample_owner, self.sampler.sample(logits, sample_rows))
+            result.pending = PendingTokens(sample_owner, self.sampler.sample(logits, sample_rows, pending))
         elif logits is not None:
-            out = self.sampler(logits, sample_rows)
+            out = self.sampler(logits, sample_rows, pending)
             for seq, tok, lp in zip(sample_owner, out.token_ids, out.logprobs):
                 result.sampled[id(seq)] = (tok, lp)
         if self.workers is not None:

@@ -1,5 +1,6 @@
-"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds, and the
-log-probabilities users ask for (computed on the raw distribution, as vLLM reports them)."""
+"""Turn logits into tokens: logit_bias and the presence / frequency / repetition penalties (nvllm.layers.penalties),
+greedy, temperature, top-k, top-p, min-p, per-request seeds, and the log-probabilities users ask for (computed on
+the raw distribution, as vLLM reports them: before any bias, penalty, temperature or filter)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from nvllm.kernels import report
 from nvllm.kernels.argmax import argmax_kernel_fits, greedy_argmax, gumbel_argmax
+from nvllm.layers.penalties import apply_logit_bias, apply_penalties, needs_processing
 from nvllm.sampling_params import SamplingParams
 
 
@@ -17,6 +19,10 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None
     banned: list[int]  # token ids masked for this row (EOS/stop ids before min_tokens)
+    # penalized rows only (params.penalized; None otherwise): the sequence's tokens, prompt then output, read during
+    # the sampler's call; −1 − r stands for row r of the ``pending`` tokens still on the device
+    token_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -53,13 +59,14 @@ class Sampler:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], pending: torch.Tensor | None = None
+                 ) -> SamplerOutput:
         """logits: [N, V] float32, one row per sequence that samples this step. The tokens are read back (a wait
         for the device); ``sample`` leaves them on the device."""
         raw_logprobs = None
-        if any(r.params.logprobs is not None for r in rows):
+        if any(r.params.logprobs is not None for r in rows):  # before ``sample`` biases and penalizes logits
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        token_ids = self.sample(logits, rows).tolist()
+        token_ids = self.sample(logits, rows, pending).tolist()
         logprobs: list = [None] * len(rows)
         if raw_logprobs is not None:
             want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -69,14 +76,19 @@ class Sampler:
                 logprobs[i] = info
         return SamplerOutput(token_ids, logprobs)
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], pending: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """The chosen token of every row, as an int64 device tensor; nothing waits for the device (logits is
-        modified in place: banned tokens are masked)."""
+        modified in place: banned tokens are masked, then logit_bias added and the penalties applied, vLLM's
+        order). ``pending``: the tokens of the step still in flight, for penalized rows' placeholders."""
         device = logits.device
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned]
         if banned:
             bi, bt = zip(*banned)
             logits[host_tensor(list(bi), torch.long, device), host_tensor(list(bt), torch.long, device)] = float("-inf")
+        if needs_processing(rows):
+            apply_logit_bias(logits, rows)
+            apply_penalties(logits, rows, pending)
 
         greedy = [r.params.greedy for r in rows]
         if argmax_kernel_fits(logits):

@@ -10,7 +10,7 @@ from nvllm.outputs import RequestOutput
 from nvllm.sampling_params import SamplingParams
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (ChoiceProgress, check_logprobs, check_supported, resolve_max_tokens, submit,
+from nvllm.serve.params import (ChoiceProgress, check_logprobs, resolve_max_tokens, submit,
                                 sampling_params, usage)
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -49,7 +49,6 @@ class ChatHandler:
 
     def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[tuple[str, list[int], SamplingParams]], list[int]]:
         """Validate everything: the response id, the one engine request (id, prompt ids, params), the prompt."""
-        check_supported(req)
         if req.tools:
             raise bad_request("tools are not supported by this server", "tools")
         if req.response_format and req.response_format.get("type", "text") != "text":

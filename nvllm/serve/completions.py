@@ -10,7 +10,7 @@ from nvllm.outputs import RequestOutput
 from nvllm.sampling_params import SamplingParams
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (ChoiceProgress, check_logprobs, check_supported, resolve_max_tokens, submit,
+from nvllm.serve.params import (ChoiceProgress, check_logprobs, resolve_max_tokens, submit,
                                 sampling_params, usage)
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse,
@@ -56,7 +56,6 @@ class CompletionHandler:
     def prepare(self, req: CompletionRequest) -> tuple[str, list[tuple[str, list[int], SamplingParams]],
                                                        list[list[int]]]:
         """Validate everything: the response id, the engine requests (id, prompt ids, params), the prompts."""
-        check_supported(req)
         if req.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
         if req.best_of is not None and req.best_of != req.n:

@@ -11,7 +11,6 @@ from nvllm.serve.errors import bad_request, from_value_error
 from nvllm.serve.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 
 MAX_LOGPROBS = 20
-_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 async def submit(engine, requests: list[tuple[str, list[int], SamplingParams]]):
@@ -28,15 +27,6 @@ async def submit(engine, requests: list[tuple[str, list[int], SamplingParams]]):
         stream.close()
         raise
     return stream
-
-
-def check_supported(req: SamplingRequest) -> None:
-    for name, neutral in _NEUTRAL.items():
-        value = getattr(req, name)
-        if value is not None and value != neutral:
-            raise bad_request(f"{name} is not supported by this server", name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias")
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
@@ -59,9 +49,22 @@ def check_logprobs(value: int | None, param: str) -> None:
         raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param)
 
 
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings: up to 10 decimal digits ("-1", "1.0", " 1" are
+    refused); the bias itself is checked and clamped by SamplingParams, the ids against the vocabulary by the
+    engine."""
+    if not bias:
+        return None
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit() and len(k) <= 10)), None)
+    if bad is not None:
+        raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {bad!r}", "logit_bias")
+    return {int(k): v for k, v in bias.items()}
+
+
 def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    bias = logit_bias(req.logit_bias)
     try:
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -69,7 +72,10 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
             min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=stop, stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+            presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias)
     except ValueError as e:
         raise from_value_error(e) from None
 

@@ -59,7 +59,7 @@ class SamplingRequest(OpenAIModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # accepted so clients that always send them work; anything but the neutral value is refused
+    # vLLM's semantics (nvllm.sampling_params); logit_bias: token id (a decimal string) → bias, clamped to ±100
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0

@@ -1,0 +1,95 @@
+"""logit_bias and the presence / frequency / repetition penalties, as vLLM applies them, on a batch's logits in place.
+
+The order is vLLM's sampler's: the bias is added first (one of its logits processors), then the penalties
+(``apply_penalties``), both on the raw logits, before temperature, top-k, top-p and min-p:
+
+- repetition_penalty r, on every token seen in the prompt or the output: a positive logit is divided by r, a
+  negative one multiplied by it;
+- frequency_penalty f and presence_penalty p, on the output only (c: the token's count there):
+  logit -= f * c + p * (c > 0), OpenAI's documented formula.
+
+Only the rows that ask for them are touched; every step counts the tokens anew, vectorised over the rows (one
+scatter for the counts, one for the prompt's seen mask), no loop over the vocabulary. A row's tokens may end with
+placeholders −1 − r of tokens sampled by the step still in flight (asynchronous scheduling): they are taken from
+``pending`` on the device, so the newest token counts without waiting for it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from nvllm.layers.sampler import SampleRow
+
+
+def needs_processing(rows: list[SampleRow]) -> bool:
+    """Whether any row asks for a bias or a penalty (otherwise the sampler builds nothing for them)."""
+    return any(r.token_ids is not None or r.params.logit_bias for r in rows)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    entries = [(i, t, b) for i, r in enumerate(rows) if r.params.logit_bias for t, b in r.params.logit_bias.items()]
+    if not entries:
+        return
+    ri, ti, bi = (list(x) for x in zip(*entries))
+    dev = logits.device
+    logits.index_put_((_tensor(ri, torch.long, dev), _tensor(ti, torch.long, dev)), _tensor(bi, logits.dtype, dev),
+                      accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow], pending: torch.Tensor | None = None) -> None:
+    """The penalties of every row whose ``token_ids`` are given (prompt + output, the first ``num_prompt_tokens``
+    the prompt's). ``pending``: the device tensor the placeholders among them stand for."""
+    want = [i for i, r in enumerate(rows) if r.token_ids is not None and r.params.penalized]
+    if not want:
+        return
+    dev, vocab = logits.device, logits.shape[-1]
+    output: list[int] = []
+    for i in want:
+        output += rows[i].token_ids[rows[i].num_prompt_tokens:]
+    out_ids = _tensor(output, torch.long, dev)
+    if output and min(output) < 0:
+        if pending is None:
+            raise RuntimeError("penalized rows hold placeholders of tokens still on the device, but no pending tokens "
+                               "were given")
+        out_ids = torch.where(out_ids < 0, pending[(-1 - out_ids).clamp(min=0)], out_ids)
+    counts = token_counts(out_ids, [len(rows[i].token_ids) - rows[i].num_prompt_tokens for i in want], vocab)
+    ps = [rows[i].params for i in want]
+    whole = len(want) == logits.shape[0]
+    idx = None if whole else _tensor(want, torch.long, dev)
+    x = logits if whole else logits[idx]
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        prompt: list[int] = []
+        for i in want:
+            prompt += rows[i].token_ids[:rows[i].num_prompt_tokens]
+        in_prompt = token_counts(_tensor(prompt, torch.long, dev), [rows[i].num_prompt_tokens for i in want], vocab)
+        seen = (counts > 0) | (in_prompt > 0)
+        rep = torch.where(seen, _tensor([p.repetition_penalty for p in ps], x.dtype, dev)[:, None], 1.0)
+        x = torch.where(x > 0, x / rep, x * rep)
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in ps):
+        freq = _tensor([p.frequency_penalty for p in ps], x.dtype, dev)[:, None]
+        pres = _tensor([p.presence_penalty for p in ps], x.dtype, dev)[:, None]
+        x = x - freq * counts - pres * (counts > 0)
+    if whole:
+        logits.copy_(x)
+    else:
+        logits[idx] = x
+
+
+def token_counts(ids: torch.Tensor, lens: list[int], vocab: int) -> torch.Tensor:
+    """[len(lens), vocab] int32: how many times each token occurs in each row's run of ``ids`` (the rows' runs one
+    after another, ``lens`` long)."""
+    counts = torch.zeros(len(lens), vocab, dtype=torch.int32, device=ids.device)
+    total = ids.shape[0]
+    if total:
+        row = torch.repeat_interleave(torch.arange(len(lens), device=ids.device), _tensor(lens, torch.long, ids.device),
+                                      output_size=total)
+        counts.view(-1).scatter_add_(0, row * vocab + ids, torch.ones(total, dtype=torch.int32, device=ids.device))
+    return counts
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """As nvllm.layers.sampler.host_tensor (which imports this module): pinned memory and an async copy on GPU."""
+    t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True)
