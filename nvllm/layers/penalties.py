@@ -90,6 +90,6 @@ def token_counts(ids: torch.Tensor, lens: list[int], vocab: int) -> torch.Tensor
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """As nvllm.layers.sampler.host_tensor (which imports this module): pinned memory and an async copy on GPU."""
-    t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return t.to(device, non_blocking=True)
+    from nvllm.layers.sampler import host_tensor  # here: the sampler imports this module
+
+    return host_tensor(values, dtype, device)
