@@ -175,6 +175,20 @@ def test_stop_strings_tokens_and_lengths(llm):
     out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[stop_tok]),
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids == base.outputs[0].token_ids[:6] and out.stop_reason == stop_tok
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(base.outputs[0].token_ids[:5])  # the stop token's text left out
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[stop_tok],
+                                                            include_stop_str_in_output=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == tok.decode(base.outputs[0].token_ids[:6])  # ... or kept, as vLLM does
+    # vLLM's boundary: with min_tokens = k, the text of the first k tokens is never searched, so a ',' that the
+    # k-th token brings is kept even though the k-th token is the last one min_tokens asks for
+    ids = base.outputs[0].token_ids
+    k = next(i for i in range(1, len(ids) + 1) if "," in tok_text(llm, ids[:i]))
+    floor = len(tok_text(llm, ids[:k]))
+    at_k = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=60, stop=[","], min_tokens=k),
+                        use_tqdm=False)[0].outputs[0]
+    assert "," in full[floor:] and at_k.text == full[:full.index(",", floor)] and len(at_k.token_ids) > k
     out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=7), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
 
@@ -204,6 +218,10 @@ def test_eos_min_tokens_and_ignore_eos(demo_dir):
                         use_tqdm=False)[0].outputs[0]
     assert len(late.token_ids) >= 5 and late.text.count(",") >= 1 and late.finish_reason in ("stop", "length")
     assert text.startswith(late.text)
+
+
+def tok_text(llm, ids: list[int]) -> str:
+    return llm.get_tokenizer().decode(ids)
 
 
 def test_n_samples_and_logprobs(llm):

@@ -40,11 +40,12 @@ class IncrementalDetokenizer:
         return full[len(prefix):]
 
 
-def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:
-    """Earliest stop string that ends inside the last new_len characters: (start index, the string)."""
+def find_stop(text: str, new_len: int, stops: list[str], floor: int = 0) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the last new_len characters and starts at ``floor`` or later:
+    (start index, the string)."""
     best = None
     for s in stops:
-        start = max(0, len(text) - new_len - len(s) + 1)
+        start = max(floor, len(text) - new_len - len(s) + 1)
         i = text.find(s, start)
         if i != -1 and (best is None or i < best[0]):
             best = (i, s)

@@ -381,15 +381,20 @@ class LLMEngine:
             d = lp_info if isinstance(lp_info, dict) else self.outputs.logprob_dict(tok, *lp_info)
             seq.cumulative_logprob += d[tok].logprob
             seq.logprobs.append(d)
-        if tok in self.eos_token_ids and not p.ignore_eos:
-            seq.finish_reason = "stop"
-        elif tok in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", tok
+        eos = tok in self.eos_token_ids and not p.ignore_eos
+        if eos or tok in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", None if eos else tok
+            if p.include_stop_str_in_output:  # the stop token's text too, as vLLM gives it (EOS's is special)
+                seq.text += seq.detokenizer.step([tok])
         else:
             new_text = seq.detokenizer.step([tok])
             seq.text += new_text
-            checked = p.stop and new_text and length - seq.num_prompt_tokens >= p.min_tokens  # none before min
-            hit = find_stop(seq.text, len(new_text), p.stop) if checked else None
+            n_out = length - seq.num_prompt_tokens
+            if n_out == p.min_tokens:
+                seq.stop_floor = len(seq.text)
+            # as vLLM: none before min_tokens, and none inside the first min_tokens tokens' text
+            checked = p.stop and new_text and n_out > p.min_tokens
+            hit = find_stop(seq.text, len(new_text), p.stop, seq.stop_floor) if checked else None
             if hit is not None:
                 i, s = hit
                 seq.text = seq.text[:i + len(s)] if p.include_stop_str_in_output else seq.text[:i]

@@ -36,6 +36,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks in block_table
     # outputs
     text: str = ""
+    stop_floor: int = 0  # stop strings are looked for from here: the text of the first min_tokens tokens is not
     logprobs: list[LogprobsDict] | None = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[LogprobsDict | None] | None = None
