@@ -280,3 +280,10 @@ def test_partial_outputs_do_not_change_after_they_are_handed_out(llm):
         eng.step()
     assert len(first.outputs[0].token_ids) == n_tokens == n_lps == len(first.outputs[0].logprobs)
     assert first.metrics.last_token_time == t_last and first.metrics.finished_time is None
+
+
+def test_request_times_in_order(llm):
+    """Arrival, first scheduling, first token: the queue time ends when the step is scheduled, before its prefill
+    runs (as vLLM stamps it), so a one-chunk prompt's first token comes strictly after its scheduling."""
+    m = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time < m.first_token_time <= m.last_token_time

@@ -235,6 +235,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         scheduled = sched.scheduled
         prompt_chunks = [n for seq, n in scheduled if seq.num_computed_tokens < seq.num_prompt_tokens]
+        self._mark_scheduled(scheduled)
         rows = [self._sample_row(seq) for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
         defer = self.async_scheduling and not any(
             seq.params.logprobs is not None or seq.wants_prompt_logprobs or seq.prefill_only for seq, _ in scheduled)
@@ -242,8 +243,6 @@ class LLMEngine:
                                      defer=defer)
         now = time.time()
         for seq, n in scheduled:
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = now
             self._computed(seq, n)
         # this step's placeholders go in before the previous step's tokens are read: a sequence those finish drops
         # both at once
@@ -305,6 +304,7 @@ class LLMEngine:
         ends it there) and roll back what was not kept: the computed count, the draft's count, the blocks.
         A draft model's tokens reach the target's inputs on the device; the host reads them once the target's
         forward is queued."""
+        self._mark_scheduled(scheduled)
         scheduled, drafts = self.spec.propose(scheduled)
         rows = [self._sample_row(seq) for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
         result = self.runner.execute(scheduled, rows, drafts.ids(), prev_tokens=drafts.tokens)
@@ -319,8 +319,6 @@ class LLMEngine:
         touched: dict[str, None] = {}
         bm = self.block_manager
         for seq, n in scheduled:
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = now
             touched[seq.request_id] = None
             v = verified.get(id(seq))
             if v is None:
@@ -351,6 +349,15 @@ class LLMEngine:
         s.prefix_queries, s.prefix_hits = self.block_manager.prefix_queries, self.block_manager.prefix_hits
         self.stat_logger.maybe_log(s)
         return outputs
+
+    @staticmethod
+    def _mark_scheduled(scheduled: list[tuple[Sequence, int]]) -> None:
+        """A sequence's first scheduling time, taken before its step runs: its queue time ends there (as vLLM
+        stamps it), and its prefill's compute counts after it."""
+        now = time.time()
+        for seq, _ in scheduled:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         """What the sampler needs of the sequence; a penalized one's tokens as they are now, the newest maybe still
