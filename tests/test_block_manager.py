@@ -60,6 +60,21 @@ def test_hash_collision_is_verified(monkeypatch):
     assert bm.allocate_cached_prefix(other) == 0
 
 
+def test_chain_hash_is_sha256_of_the_chain():
+    """The documented formula (checked with hashlib and struct, not the module's own packing): a block's hash
+    covers every token before it, so equal later blocks after different first blocks are not shared."""
+    import hashlib
+    import struct
+
+    first = hashlib.sha256(struct.pack("=4q", 1, 2, 3, 4)).digest()
+    assert bm_mod.chain_hash(None, (1, 2, 3, 4)) == first
+    assert bm_mod.chain_hash(first, (5, 6, 7, 8)) == hashlib.sha256(first + struct.pack("=4q", 5, 6, 7, 8)).digest()
+    bm = BlockManager(16, 4)
+    run_prompt(bm, seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert bm.allocate_cached_prefix(seq([0, 2, 3, 4, 5, 6, 7, 8, 9])) == 0
+    assert bm.allocate_cached_prefix(seq([1, 2, 3, 4, 5, 6, 7, 8, 0])) == 8
+
+
 def test_freed_cached_blocks_evicted_lru():
     bm = BlockManager(4, 2)
     a = seq([1, 2, 3, 4, 5])  # 3 blocks, 2 full

@@ -63,6 +63,10 @@ def test_prefix_cache_hit_same_output_and_pool_refills(demo_dir):
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert bm.prefix_hits == second.num_cached_tokens
+    # a request for prompt logprobs computes its whole prompt: it is not a lookup, so not a miss either (vLLM)
+    queries = bm.prefix_queries
+    logprobs = llm.generate([b], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1), use_tqdm=False)[0]
+    assert logprobs.num_cached_tokens == 0 and bm.prefix_queries == queries
 
 
 def test_same_prompt_twice_in_one_batch(demo_dir, alone):

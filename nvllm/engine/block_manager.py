@@ -2,13 +2,15 @@
 and prefix caching.
 
 Prefix caching: a block that is full of computed tokens gets a hash chained from the previous block's hash
-and its own token ids; a new sequence whose leading blocks hash the same (and whose token ids match the
-stored ones) shares those blocks instead of recomputing them. Freed blocks keep their contents and hash in
+and its own token ids (SHA-256); a new sequence whose leading blocks hash the same (and whose token ids match
+the stored ones) shares those blocks instead of recomputing them. Freed blocks keep their contents and hash in
 the free list until they are reused, least recently freed first.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from nvllm.engine.sequence import Sequence
@@ -20,13 +22,18 @@ class Block:
     def __init__(self, block_id: int):
         self.id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
 
 
-def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
-    # hash() of a tuple of ints is deterministic across processes (no string salting involved)
-    return hash((prev, token_ids))
+def chain_hash(prev: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """SHA-256 of the previous block's hash and this block's token ids (int64, native order). Python's hash() of
+    ints can be made to collide on purpose: a prompt built so that its first block's hash equals another
+    request's would then be handed the KV of that request's later blocks, computed on its text (vLLM moved to
+    SHA-256 for the same reason). Token ids are compared on a hit; the context before them is only hashed."""
+    h = hashlib.sha256(prev or b"")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class BlockManager:
@@ -36,7 +43,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # hash → block id
+        self.cached: dict[bytes, int] = {}  # hash → block id
         self.prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -59,11 +66,15 @@ class BlockManager:
         return (len(seq.block_table) + len(self.free)) * self.block_size - seq.num_computed_tokens
 
     # ---- allocation -----------------------------------------------------------------------------------
+    def looks_up(self, seq: Sequence) -> bool:
+        """Whether seq's admission consults the prefix cache (a request for prompt logprobs computes every token)."""
+        return self.enable_prefix_caching and seq.params.prompt_logprobs is None
+
     def allocate_cached_prefix(self, seq: Sequence) -> int:
         """On admission: share the longest run of cached full blocks of seq's tokens. At least one token is
         always left to compute (its logits give the next token). Returns the tokens found."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if not self.looks_up(seq):
             return 0
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs

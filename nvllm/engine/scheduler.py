@@ -94,7 +94,7 @@ class Scheduler:
                 self.bm.free_sequence(seq)  # don't pin cached blocks while waiting
                 break
             self.waiting.popleft()
-            if self.bm.enable_prefix_caching:  # every lookup counts, re-admissions after preemption too
+            if self.bm.looks_up(seq):  # every lookup counts, re-admissions after preemption too
                 self.bm.prefix_queries += seq.num_tokens
                 self.bm.prefix_hits += hit
             if not seq.admitted:  # what usage reports: the prompt tokens the first admission found cached

@@ -33,7 +33,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at the first admission
     admitted: bool = False  # scheduled at least once (a preempted sequence coming back is not new)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks in block_table
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full blocks in block_table
     # outputs
     text: str = ""
     stop_floor: int = 0  # stop strings are looked for from here: the text of the first min_tokens tokens is not
