@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import signal
 import socket
 import subprocess
@@ -461,6 +462,12 @@ def test_compare(tmp_path):
          "kernel_report": {"gemm": {"torch": 4}, "quant_gemm": {"triton w4a16": 6}}}
     save_result(a, str(tmp_path / "a.json"))
     save_result(b, str(tmp_path / "b.json"))
+    umask = os.umask(0o022)
+    try:  # written atomically, yet with the mode a plain open() gives, not the temporary file's 0600
+        save_result(a, str(tmp_path / "shared.json"))
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "shared.json").stat().st_mode & 0o777 == 0o644
     res = runner.invoke(app, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")],
                         env={"COLUMNS": "160"})
     assert res.exit_code == 0, res.output

@@ -137,11 +137,15 @@ def print_result(result: dict[str, Any], console=None) -> None:
 
 
 def save_result(result: dict[str, Any], path: str) -> None:
-    """Write the JSON atomically: a complete file or none."""
+    """Write the JSON atomically: a complete file or none, with the mode a plain open() would give it (mkstemp's
+    0600 would outlive the rename)."""
     target = Path(path).expanduser()
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2, allow_nan=False)
         os.replace(tmp, target)
