@@ -88,23 +88,22 @@ def summarize(values: list[float], percentiles: list[float], name: str) -> dict[
 
 
 def _peaks(ok: list[RequestResult]) -> tuple[float | None, int | None]:
-    """Peak output tokens in any one-second bucket, and peak in-flight requests (vLLM's two peak figures)."""
+    """vLLM's two peak figures, over one-second buckets from the first request's start: the most output tokens
+    in a bucket, and the most requests active in a bucket (a request counts in every bucket from its start's to
+    its end's, so the figure can exceed the requests in flight at any one instant)."""
     if not ok:
         return None, None
     t0 = min(r.start_time for r in ok)
-    buckets: dict[int, int] = {}
-    events: list[tuple[float, int]] = []
+    tokens: dict[int, int] = {}
+    active: dict[int, int] = {}
     for r in ok:
         t = r.start_time + r.ttft
         for gap in [0.0] + r.itl:
             t += gap
-            buckets[int(t - t0)] = buckets.get(int(t - t0), 0) + 1
-        events += [(r.start_time, 1), (r.start_time + r.latency, -1)]
-    peak = cur = 0
-    for _, d in sorted(events):  # at equal times a departure (-1) sorts before an arrival
-        cur += d
-        peak = max(peak, cur)
-    return float(max(buckets.values())), peak
+            tokens[int(t - t0)] = tokens.get(int(t - t0), 0) + 1
+        for second in range(int(r.start_time - t0), int(r.start_time + r.latency - t0) + 1):
+            active[second] = active.get(second, 0) + 1
+    return float(max(tokens.values())), max(active.values())
 
 
 def request_tpot(latency: float, ttft: float, output_tokens: int) -> float:
