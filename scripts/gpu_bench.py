@@ -223,14 +223,20 @@ def skinny_demo_gemms(dtype) -> None:
 def check_greedy(res: dict) -> None:
     """Correctness on the GPU before speed: the demo model's greedy outputs through the Triton kernels and
     CUDA graphs (its small-batch GEMMs on the skinny kernel) equal those of the torch references run eagerly,
-    for a batch of 16 mixed-length prompts."""
+    for a batch of 16 mixed-length prompts; the last configuration gives half of them a logit_bias and the
+    repetition / presence / frequency penalties (counted on the device under asynchronous scheduling)."""
     from nvllm import LLM, SamplingParams
     from nvllm.kernels import gemm as G
 
     words = "Once upon a time there was a little girl named Lily who loved to play in the park".split()
     prompts = [" ".join(words[: 2 + (3 * i) % 15]) for i in range(16)]
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8")):
+    plain = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    penalized = [plain if i % 2 else SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
+                                                    repetition_penalty=1.3, presence_penalty=0.4,
+                                                    frequency_penalty=0.3, logit_bias={13: -5.0, 29: 2.0})
+                 for i in range(len(prompts))]
+    for dtype, kv, params in (("float32", "auto", plain), ("bfloat16", "auto", plain), ("float32", "int8", plain),
+                              ("float32", "auto", penalized)):
         got = {}
         for kernels in ("torch", "auto"):
             os.environ["NVLLM_KERNELS"] = kernels
@@ -246,9 +252,10 @@ def check_greedy(res: dict) -> None:
         os.environ.pop("NVLLM_KERNELS")
         G.clear_gemm_table()
         same = sum(a == b for a, b in zip(got["torch"], got["auto"]))
-        res[f"greedy_check_{dtype}_kv_{kv}"] = f"{same}/{len(prompts)}"
-        print(f"[check] demo model {dtype}, kv cache {kv}: triton+graphs greedy == torch eager for "
-              f"{same}/{len(prompts)} prompts", flush=True)
+        tag = "" if params is plain else "_penalties"
+        res[f"greedy_check_{dtype}_kv_{kv}{tag}"] = f"{same}/{len(prompts)}"
+        print(f"[check] demo model {dtype}, kv cache {kv}{tag.replace('_', ', ')}: triton+graphs greedy == torch "
+              f"eager for {same}/{len(prompts)} prompts", flush=True)
 
 
 def nvllm_runs(model_dir: Path, res: dict, throughput_prompts: int, enforce_eager: bool, save,
