@@ -11,6 +11,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from nvllm.config import ConfigError, EngineConfig
+from nvllm.engine import generation_defaults
 from nvllm.engine.block_manager import BlockManager
 from nvllm.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvllm.engine.kv_handoff import KVHandoff, KVTarget
@@ -40,6 +41,10 @@ class LLMEngine:
         config.tokenizer = config.model if same else resolve_model_path(config.tokenizer)
         self.config = config
         load_hf_config(config.model)  # a bad config.json is named as such, not as the tokenizer's failure
+        # sampling defaults for requests that leave fields unset (LLM.generate without params, the server); read
+        # before the weights, so a bad generation_config.json fails at once
+        self.generation_defaults = generation_defaults.load(config.generation_config, config.model,
+                                                            speculative=config.speculative is not None)
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
