@@ -10,6 +10,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from nvllm.config import EngineConfig
+from nvllm.engine.generation_defaults import default_sampling_params
 from nvllm.engine.llm_engine import LLMEngine
 from nvllm.logger import console, setup_logging
 from nvllm.outputs import RequestOutput
@@ -39,6 +40,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no sampling params: SamplingParams() with the model's recommended
+        temperature, top_p, top_k, min_p, repetition_penalty and max_tokens (generation_config.json, see
+        EngineConfig.generation_config) in place."""
+        return default_sampling_params(self.engine.generation_defaults)
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent); a split engine cannot generate afterwards."""
         self.engine.runner.shutdown()
@@ -52,8 +59,9 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Prompts: a string, a list of strings, a list of token-id lists, or {"prompt": "..."} /
-        {"prompt_token_ids": [...]} dicts. Every prompt is validated before any runs: one bad prompt raises
-        ValueError and nothing is queued."""
+        {"prompt_token_ids": [...]} dicts. Without sampling_params, `get_default_sampling_params()` (the model's
+        recommended settings). Every prompt is validated before any runs: one bad prompt raises ValueError and
+        nothing is queued."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
@@ -62,7 +70,7 @@ class LLM:
                              f"{type(prompts).__name__}")
         prompts = [_prompt_of(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
