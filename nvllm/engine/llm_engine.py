@@ -166,17 +166,19 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, prefill_only: bool = False) -> str:
+                    arrival_time: float | None = None, prefill_only: bool = False,
+                    prompt_text: str | None = None) -> str:
         """Validate and queue a request (n sequences); raises ValueError on bad input, changing nothing.
         prefill_only (disaggregated prefill): each sequence stops after its first token and, unless that token
-        finished it, keeps its blocks under a KV handle (`handoff`) for a decode worker to fetch."""
+        finished it, keeps its blocks under a KV handle (`handoff`) for a decode worker to fetch. prompt_text:
+        the outputs' prompt for token ids encoded elsewhere (a rendered chat prompt)."""
         params = params or SamplingParams()
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.validate(prompt, params)
         seqs = self._new_request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time or time.time()))
-        self.prompts[request_id] = prompt if isinstance(prompt, str) else None
+        self.prompts[request_id] = prompt if isinstance(prompt, str) else prompt_text
         for seq in seqs:
             seq.prefill_only = prefill_only
             self.scheduler.add(seq)
