@@ -52,11 +52,17 @@ def load(setting: str, model_dir: str, speculative: bool = False) -> dict[str, A
     if not os.path.isfile(path):
         return {}
     from transformers import GenerationConfig
+    from transformers.utils import logging as hf_logging
 
+    # with do_sample false transformers warns that the sampling fields "may be ignored": here they are not
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         config = GenerationConfig.from_pretrained(folder)
     except Exception as e:
         raise ConfigError(f"cannot read {path}: {first_line(e)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     written = config.to_diff_dict()  # the fields the file sets, not transformers' own defaults
     found = {k: written[k] for k in _FIELDS if written.get(k) is not None}
     for k, v in found.items():
