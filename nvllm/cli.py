@@ -22,21 +22,28 @@ def main_callback() -> None:
     """nvllm: fast, checked LLM inference — quantize, serve, bench and eval on one engine."""
 
 
+# `nvllm generate`'s own sampling defaults, where neither the flags nor the model's generation_config.json set one
+_GENERATE_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                      "max_tokens": 128}
+
+
 @app.command()
 @engine_options
 def generate(
     prompts: Annotated[Optional[list[str]], typer.Argument(help="prompt(s); default: 'Once upon a time'")] = None,
-    max_tokens: Annotated[int, typer.Option(help="tokens to generate per prompt")] = 128,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
-    top_k: Annotated[int, typer.Option(help="-1 = off")] = -1,
-    min_p: Annotated[float, typer.Option()] = 0.0,
+    max_tokens: Annotated[Optional[int], typer.Option(help="tokens to generate per prompt (default: the model's "
+                                                      "max_new_tokens, else 128)")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (default: the model's, else 0)")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="(default: the model's, else 1)")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="-1 = off (default: the model's, else -1)")] = None,
+    min_p: Annotated[Optional[float], typer.Option(help="(default: the model's, else 0)")] = None,
     presence_penalty: Annotated[float, typer.Option(help="[-2, 2]: minus this for every token already generated")
                                 ] = 0.0,
     frequency_penalty: Annotated[float, typer.Option(help="[-2, 2]: minus this times a token's count in the "
                                                           "output")] = 0.0,
-    repetition_penalty: Annotated[float, typer.Option(help="> 0, 1 = off: tokens of the prompt or the output "
-                                                           "weighed down by this factor")] = 1.0,
+    repetition_penalty: Annotated[Optional[float], typer.Option(help="> 0, 1 = off: tokens of the prompt or the "
+                                                                     "output weighed down by this factor (default: "
+                                                                     "the model's, else 1)")] = None,
     sample_seed: Annotated[Optional[int], typer.Option("--sample-seed", help="per-request sampling seed")] = None,
     n: Annotated[int, typer.Option("-n", help="samples per prompt")] = 1,
     stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
@@ -44,18 +51,27 @@ def generate(
     logprobs: Annotated[Optional[int], typer.Option(help="print top-N log-probabilities per token")] = None,
     *, engine_config: EngineConfig,
 ) -> None:
-    """Generate continuations of prompts and print them."""
+    """Generate continuations of prompts and print them. Sampling flags left out take the model's recommended
+    values (its generation_config.json; --generation-config vllm: none), else greedy decoding of 128 tokens."""
+    from nvllm.engine.generation_defaults import announce, with_defaults
     from nvllm.llm import LLM
     from nvllm.logger import console
     from nvllm.sampling_params import SamplingParams
 
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                 repetition_penalty=repetition_penalty, max_tokens=max_tokens)
+
+    def params(defaults: dict) -> SamplingParams:
+        return SamplingParams(n=n, seed=sample_seed, stop=stop or [], ignore_eos=ignore_eos, logprobs=logprobs,
+                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                              **with_defaults(given, defaults, _GENERATE_DEFAULTS))
+
     try:
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                seed=sample_seed, max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos,
-                                logprobs=logprobs, presence_penalty=presence_penalty,
-                                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)
+        params({})  # a bad flag fails before the model loads
         llm = LLM.from_config(engine_config)
-        outputs = llm.generate(prompts or ["Once upon a time"], params)
+        defaults = {k: v for k, v in llm.engine.generation_defaults.items() if given[k] is None}
+        announce(defaults)
+        outputs = llm.generate(prompts or ["Once upon a time"], params(defaults))
     except USER_ERRORS as e:
         fail(str(e))
     out = console()

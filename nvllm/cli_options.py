@@ -60,6 +60,9 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "hf_overrides": _opt(None, Optional[str], "JSON object of config.json fields to replace, e.g. "
                          "'{\"max_position_embeddings\": 4096}'"),
     "log_stats_interval": _opt(5.0, float, "seconds between engine log lines (0: off)"),
+    "generation_config": _opt("auto", str, "sampling defaults for requests that leave them unset: auto (the "
+                              "model's generation_config.json: temperature, top_p, top_k, min_p, "
+                              "repetition_penalty, max_new_tokens) | vllm (ignore it) | a folder holding one"),
     "speculative": _opt(None, Optional[str], "speculative decoding: k=4,draft=DIR | k=3,method=ngram | "
                         "k=auto,draft=DIR | JSON {\"draft_model\": DIR, \"num_speculative_tokens\": 4}"),
 }

@@ -70,6 +70,9 @@ class EngineConfig:
     hf_overrides: dict[str, Any] = field(default_factory=dict)  # config.json fields to replace (or JSON text)
     # speculative decoding: "k=4,draft=DIR" | "k=3,method=ngram" | "k=auto,draft=DIR" | JSON | dict | None
     speculative: Any = None  # parsed into nvllm.spec.config.SpeculativeConfig
+    # sampling defaults (vLLM's --generation-config): auto (the model's generation_config.json) | vllm (ignore it)
+    # | a folder holding one; nvllm.engine.generation_defaults
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -99,6 +102,9 @@ class EngineConfig:
         self._check_hf_overrides()
         self._check_tensor_parallel_size()
         self._check_kv_cache_dtype()
+        from nvllm.engine.generation_defaults import check_setting
+
+        self.generation_config = check_setting(self.generation_config)
         if self.speculative is not None:
             from nvllm.spec.config import parse_speculative
 

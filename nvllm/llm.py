@@ -1,6 +1,7 @@
 """LLM: the offline entry point. `LLM(model=DIR, **engine_options).generate(prompts, SamplingParams(...))`
-returns one RequestOutput per prompt, in order. With `tensor_parallel_size=N` the engine runs N − 1 worker
-processes: `close()` (or a `with` block) stops them; otherwise garbage collection or interpreter exit does.
+returns one RequestOutput per prompt, in order; `chat(messages)` one per conversation, through the chat
+template. With `tensor_parallel_size=N` the engine runs N − 1 worker processes: `close()` (or a `with` block)
+stops them; otherwise garbage collection or interpreter exit does.
 A script that builds one must guard its top level with `if __name__ == "__main__":` (workers are spawned)."""
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from nvllm.config import EngineConfig
+from nvllm.engine.generation_defaults import default_sampling_params
 from nvllm.engine.llm_engine import LLMEngine
 from nvllm.logger import console, setup_logging
 from nvllm.outputs import RequestOutput
 from nvllm.sampling_params import SamplingParams
 
 Prompt = str | Seq[int] | dict[str, Any]
+Conversation = Seq[dict[str, Any]]
 
 
 class LLM:
@@ -28,16 +31,23 @@ class LLM:
             engine_options["speculative"] = engine_options.pop("speculative_config")
         self.config = EngineConfig(model=model, **engine_options)
         self.engine = LLMEngine(self.config)
+        self._chat_template: tuple[str, bool] | None = None  # (template, is_fallback), loaded by the first chat
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
         setup_logging()
         llm = cls.__new__(cls)
-        llm.config, llm.engine = config, LLMEngine(config)
+        llm.config, llm.engine, llm._chat_template = config, LLMEngine(config), None
         return llm
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no sampling params: SamplingParams() with the model's recommended
+        temperature, top_p, top_k, min_p, repetition_penalty and max_tokens (generation_config.json, see
+        EngineConfig.generation_config) in place."""
+        return default_sampling_params(self.engine.generation_defaults)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent); a split engine cannot generate afterwards."""
@@ -52,24 +62,57 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Prompts: a string, a list of strings, a list of token-id lists, or {"prompt": "..."} /
-        {"prompt_token_ids": [...]} dicts. Every prompt is validated before any runs: one bad prompt raises
-        ValueError and nothing is queued."""
+        {"prompt_token_ids": [...]} dicts. Without sampling_params, `get_default_sampling_params()` (the model's
+        recommended settings). Every prompt is validated before any runs: one bad prompt raises ValueError and
+        nothing is queued."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts: a string, a list of token ids, a dict, or a list of those; got "
                              f"{type(prompts).__name__}")
-        prompts = [_prompt_of(p) for p in prompts]
+        return self._generate([_prompt_of(p) for p in prompts], sampling_params, use_tqdm)
+
+    def chat(self, messages: Conversation | Seq[Conversation],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
+             ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role": ..., "content": ...} messages; content a string
+        or a list of {"type": "text", "text": ...} parts) or a list of them, each rendered through the chat
+        template and tokenized as the server's /v1/chat/completions does, then generated as `generate` does
+        (one RequestOutput per conversation; its prompt is the rendered text). chat_template: Jinja template
+        text; default: the tokenizer's, else the server's plain 'User: … / Assistant:' fallback. Bad messages
+        raise ValueError and nothing is queued."""
+        from nvllm import chat_template as ct
+
+        many = isinstance(messages, (list, tuple)) and bool(messages) and all(
+            isinstance(m, (list, tuple)) for m in messages)
+        conversations = list(messages) if many else [messages]
+        if chat_template is not None:
+            template, fallback = chat_template, False
+        else:
+            if self._chat_template is None:
+                self._chat_template = ct.load_chat_template(self.engine.tokenizer, None)
+            template, fallback = self._chat_template
+        tok = self.engine.tokenizer
+        texts = [ct.render_chat(tok, template, list(c), add_generation_prompt, continue_final_message,
+                                chat_template_kwargs) for c in conversations]
+        ids = [ct.encode_chat(tok, text, fallback) for text in texts]
+        return self._generate(ids, sampling_params, use_tqdm, texts)
+
+    def _generate(self, prompts: list, sampling_params, use_tqdm: bool, texts: list[str] | None = None
+                  ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         for p, sp in zip(prompts, params):  # all-or-nothing: every request is checked before any is queued
             self.engine.validate(p, sp)
-        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        texts = texts or [None] * len(prompts)
+        ids = [self.engine.add_request(None, p, sp, prompt_text=t) for p, sp, t in zip(prompts, params, texts)]
         return self._run(ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

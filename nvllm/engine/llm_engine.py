@@ -11,6 +11,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from nvllm.config import ConfigError, EngineConfig
+from nvllm.engine import generation_defaults
 from nvllm.engine.block_manager import BlockManager
 from nvllm.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvllm.engine.kv_handoff import KVHandoff, KVTarget
@@ -40,6 +41,10 @@ class LLMEngine:
         config.tokenizer = config.model if same else resolve_model_path(config.tokenizer)
         self.config = config
         load_hf_config(config.model)  # a bad config.json is named as such, not as the tokenizer's failure
+        # sampling defaults for requests that leave fields unset (LLM.generate without params, the server); read
+        # before the weights, so a bad generation_config.json fails at once
+        self.generation_defaults = generation_defaults.load(config.generation_config, config.model,
+                                                            speculative=config.speculative is not None)
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
@@ -161,17 +166,19 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, prefill_only: bool = False) -> str:
+                    arrival_time: float | None = None, prefill_only: bool = False,
+                    prompt_text: str | None = None) -> str:
         """Validate and queue a request (n sequences); raises ValueError on bad input, changing nothing.
         prefill_only (disaggregated prefill): each sequence stops after its first token and, unless that token
-        finished it, keeps its blocks under a KV handle (`handoff`) for a decode worker to fetch."""
+        finished it, keeps its blocks under a KV handle (`handoff`) for a decode worker to fetch. prompt_text:
+        the outputs' prompt for token ids encoded elsewhere (a rendered chat prompt)."""
         params = params or SamplingParams()
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.validate(prompt, params)
         seqs = self._new_request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time or time.time()))
-        self.prompts[request_id] = prompt if isinstance(prompt, str) else None
+        self.prompts[request_id] = prompt if isinstance(prompt, str) else prompt_text
         for seq in seqs:
             seq.prefill_only = prefill_only
             self.scheduler.add(seq)

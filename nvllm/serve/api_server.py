@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from nvllm.engine.generation_defaults import announce
 from nvllm.serve.chat import ChatHandler
 from nvllm.serve.completions import CompletionHandler
 from nvllm.serve.errors import APIError, install_error_handlers
@@ -96,8 +97,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
                               config.chat_template)
     metrics = ServerMetrics(core, model_name)
     engine.output_hooks.append(metrics.observe)
-    completions = CompletionHandler(engine, prompts, model_name)
-    chat = ChatHandler(engine, prompts, model_name)
+    defaults = core.generation_defaults  # the model's sampling defaults, for request fields left unset
+    announce(defaults)
+    completions = CompletionHandler(engine, prompts, model_name, defaults)
+    chat = ChatHandler(engine, prompts, model_name, defaults)
     limit = config.max_request_bytes
 
     @contextlib.asynccontextmanager

@@ -31,8 +31,9 @@ def chat_logprobs(token_ids: list[int], dicts: list, num_top: int, token_text) -
 
 
 class ChatHandler:
-    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, model_name: str):
+    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, model_name: str, defaults: dict):
         self.engine, self.prompts, self.model_name = engine, prompts, model_name
+        self.defaults = defaults  # the model's sampling defaults (nvllm.engine.generation_defaults)
 
     def _num_top(self, req: ChatCompletionRequest) -> int | None:
         """The engine's logprobs count: None unless logprobs is true; then top_logprobs (default 0)."""
@@ -59,8 +60,9 @@ class ChatHandler:
                                        req.chat_template_kwargs)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params(req, resolve_max_tokens(requested, len(ids), self.prompts.max_model_len, param),
-                                 num_top)
+        max_tokens = resolve_max_tokens(requested, len(ids), self.prompts.max_model_len, param,
+                                        self.defaults.get("max_tokens"))
+        params = sampling_params(req, max_tokens, num_top, defaults=self.defaults)
         request_id = random_id("chatcmpl")
         return request_id, [(request_id, ids, params)], ids
 

@@ -43,8 +43,9 @@ def completion_logprobs(token_ids: list[int], dicts: list, num_top: int, offset:
 
 
 class CompletionHandler:
-    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, model_name: str):
+    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, model_name: str, defaults: dict):
         self.engine, self.prompts, self.model_name = engine, prompts, model_name
+        self.defaults = defaults  # the model's sampling defaults (nvllm.engine.generation_defaults)
 
     schema = CompletionRequest
 
@@ -65,8 +66,10 @@ class CompletionHandler:
         prompt_ids = self.prompts.completion_prompts(req.prompt)
         max_len = self.prompts.max_model_len
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-        params = [sampling_params(req, resolve_max_tokens(req.max_tokens, len(ids), max_len, "max_tokens"),
-                                  req.logprobs, prompt_logprobs) for ids in prompt_ids]
+        default_max = self.defaults.get("max_tokens")
+        params = [sampling_params(req, resolve_max_tokens(req.max_tokens, len(ids), max_len, "max_tokens",
+                                                          default_max), req.logprobs, prompt_logprobs, self.defaults)
+                  for ids in prompt_ids]
         request_id = random_id("cmpl")
         return request_id, [(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompt_ids, params))], \
             prompt_ids

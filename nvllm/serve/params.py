@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nvllm.engine.generation_defaults import NEUTRAL, with_defaults
 from nvllm.outputs import CompletionOutput, RequestOutput
 from nvllm.sampling_params import SamplingParams
 from nvllm.serve.errors import bad_request, from_value_error
@@ -29,11 +30,13 @@ async def submit(engine, requests: list[tuple[str, list[int], SamplingParams]]):
     return stream
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
-    """OpenAI's rule: the prompt plus the completion must fit max_model_len; None takes all that is left."""
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str,
+                       default: int | None = None) -> int:
+    """OpenAI's rule: the prompt plus the completion must fit max_model_len; None takes the model's default
+    (generation_config.json's max_new_tokens) where it fits, else all that is left."""
     room = max_model_len - prompt_len
     if requested is None:
-        return room
+        return room if default is None else min(room, default)
     if requested < 1:
         raise bad_request(f"{param} must be at least 1, got {requested}", param)
     if requested > room:
@@ -62,20 +65,21 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
+    """A field the request leaves null (or out) takes the model's default (``defaults``: the engine's
+    generation_defaults), else the neutral value; a value the request sets wins."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     bias = logit_bias(req.logit_bias)
+    sampling = with_defaults({name: getattr(req, name) for name in NEUTRAL}, defaults or {})
     try:
         return SamplingParams(
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, max_tokens=max_tokens,
+            n=req.n, seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=stop, stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias)
+            logit_bias=bias, **sampling)
     except ValueError as e:
         raise from_value_error(e) from None
 

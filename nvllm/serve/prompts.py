@@ -4,42 +4,9 @@ max_model_len. Uses the server's own tokenizer instance: the engine thread's is 
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-
+from nvllm.chat_template import ChatTemplateError, encode_chat, load_chat_template, render_chat
 from nvllm.serve.errors import bad_request
 from nvllm.serve.protocol import ChatMessage
-
-logger = logging.getLogger("nvllm")
-
-# For tokenizers without a chat template (the demo model's): plain "Role: text" turns. BOS comes from
-# encoding with special tokens, not from the template text.
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] in ('system', 'developer') %}{{ message['content'] }}\n\n"
-    "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
-    "{% elif message['role'] == 'assistant' %}Assistant: {{ message['content'] }}"
-    "{% if not loop.last %}\n{% endif %}"
-    "{% else %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
-
-
-def load_chat_template(tokenizer, path: str | None) -> tuple[str, bool]:
-    """(template, is_fallback): --chat-template FILE, else the tokenizer's, else the plain fallback."""
-    if path is not None:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise FileNotFoundError(f"chat template file {path} does not exist")
-        logger.info("chat template: %s", p)
-        return p.read_text(), False
-    if getattr(tokenizer, "chat_template", None):
-        logger.info("chat template: the tokenizer's")
-        return tokenizer.chat_template, False
-    logger.warning("the tokenizer has no chat template; /v1/chat/completions uses a plain 'User: … / Assistant:' "
-                   "template (pass --chat-template FILE to choose one)")
-    return FALLBACK_CHAT_TEMPLATE, True
 
 
 class PromptProcessor:
@@ -91,29 +58,20 @@ class PromptProcessor:
     # ---- chat ----------------------------------------------------------------------------------------
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
-        if not messages:
-            raise bad_request("messages must not be empty", "messages")
-        if continue_final_message and add_generation_prompt:
-            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
-                              "continue_final_message")
-        conversation = [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(messages)]
         try:
-            return self.tokenizer.apply_chat_template(
-                conversation, chat_template=self.chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                **(template_kwargs or {}))
-        except Exception as e:  # jinja's TemplateError (e.g. roles must alternate) and friends
-            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+            return render_chat(self.tokenizer, self.chat_template, [m.model_dump() for m in messages],
+                               add_generation_prompt, continue_final_message, template_kwargs)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), e.param) from None
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None,
                     add_special_tokens: bool | None = None) -> list[int]:
         text = self.render_chat(messages, add_generation_prompt, continue_final_message, template_kwargs)
-        if add_special_tokens is None:  # real templates write BOS themselves; the fallback leaves it to us
-            add_special_tokens = self.fallback_template
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        if not ids:
-            raise bad_request("the rendered chat prompt is empty", "messages")
+        try:
+            ids = encode_chat(self.tokenizer, text, self.fallback_template, add_special_tokens)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), e.param) from None
         self.check_length(ids, "messages")
         return ids
 
@@ -134,19 +92,3 @@ class PromptProcessor:
             self._token_texts[tok] = text
         return text
 
-
-def _text_of(message: ChatMessage, index: int) -> str:
-    content = message.content
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for part in content:
-        if part.type != "text":
-            raise bad_request(f"messages[{index}]: only text content parts are supported, got {part.type!r}",
-                              "messages")
-        if part.text is None:
-            raise bad_request(f"messages[{index}]: a text content part needs its text", "messages")
-        texts.append(part.text)
-    return "\n".join(texts)

@@ -62,7 +62,7 @@ class SamplingRequest(OpenAIModel):
     # vLLM's semantics (nvllm.sampling_params); logit_bias: token id (a decimal string) → bias, clamped to ±100
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
+    repetition_penalty: float | None = None  # None: the model's default (generation_config.json), else 1
     logit_bias: dict[str, float] | None = None
 
 

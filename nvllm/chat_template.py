@@ -1,0 +1,101 @@
+"""Chat messages → prompt text → token ids through a chat template: one implementation for the server's
+/v1/chat/completions (nvllm.serve.prompts) and the offline LLM.chat."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("nvllm")
+
+# For tokenizers without a chat template (the demo model's): plain "Role: text" turns. BOS comes from
+# encoding with special tokens, not from the template text.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] in ('system', 'developer') %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}Assistant: {{ message['content'] }}"
+    "{% if not loop.last %}\n{% endif %}"
+    "{% else %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """Messages the template cannot make a prompt of; ``param`` names the request field at fault."""
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
+
+
+def load_chat_template(tokenizer, path: str | None) -> tuple[str, bool]:
+    """(template, is_fallback): the template file at ``path``, else the tokenizer's, else the plain fallback."""
+    if path is not None:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"chat template file {path} does not exist")
+        logger.info("chat template: %s", p)
+        return p.read_text(), False
+    if getattr(tokenizer, "chat_template", None):
+        logger.info("chat template: the tokenizer's")
+        return tokenizer.chat_template, False
+    logger.warning("the tokenizer has no chat template; chat prompts use a plain 'User: … / Assistant:' template "
+                   "(pass --chat-template FILE, or LLM.chat(chat_template=...), to choose one)")
+    return FALLBACK_CHAT_TEMPLATE, True
+
+
+def render_chat(tokenizer, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+    """The prompt text of OpenAI-style messages ({"role", "content"}: a string, None, or a list of text parts)."""
+    if not messages:
+        raise ChatTemplateError("messages must not be empty")
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true",
+                                "continue_final_message")
+    conversation = [{"role": _role_of(m, i), "content": _text_of(m, i)} for i, m in enumerate(messages)]
+    try:
+        return tokenizer.apply_chat_template(
+            conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(template_kwargs or {}))
+    except Exception as e:  # jinja's TemplateError (e.g. roles must alternate) and friends
+        raise ChatTemplateError(f"cannot apply the chat template: {e}") from None
+
+
+def encode_chat(tokenizer, text: str, is_fallback: bool, add_special_tokens: bool | None = None) -> list[int]:
+    """A rendered chat prompt's token ids. Real templates write BOS themselves; the fallback leaves it to the
+    tokenizer (add_special_tokens None: chosen so)."""
+    if add_special_tokens is None:
+        add_special_tokens = is_fallback
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not ids:
+        raise ChatTemplateError("the rendered chat prompt is empty")
+    return ids
+
+
+def _role_of(message: Any, index: int) -> str:
+    role = message.get("role") if isinstance(message, dict) else None
+    if not isinstance(role, str):
+        raise ChatTemplateError(f"messages[{index}] must be a dict with a string 'role', got {message!r}")
+    return role
+
+
+def _text_of(message: dict[str, Any], index: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatTemplateError(f"messages[{index}]: content must be a string or a list of content parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ChatTemplateError(f"messages[{index}]: only text content parts are supported, got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise ChatTemplateError(f"messages[{index}]: a text content part needs its text")
+        texts.append(part["text"])
+    return "\n".join(texts)

@@ -1,0 +1,88 @@
+"""LLM.chat (vLLM's offline chat): conversations through the tokenizer's chat template give exactly the ids
+`tokenizer.apply_chat_template` gives, and a tokenizer without one gets the server's fallback rendering."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from nvllm import SamplingParams
+from nvllm.assets import demo_model_path
+from nvllm.engine.tokenizer import load_tokenizer
+from nvllm.serve.prompts import PromptProcessor
+from nvllm.serve.protocol import ChatMessage
+from tests.conftest import SHARED_DATA, build_tiny_model, make_llm
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """A tiny random model with the Qwen tokenizer (Qwen2.5's BPE, Qwen3's tokenizer_config.json and chat
+    template) and a vocabulary to match."""
+    if SHARED_DATA is None or not (SHARED_DATA / "tokenizers/qwen3/tokenizer_config.json").is_file():
+        pytest.skip("shared tokenizers not present")
+    path = build_tiny_model("qwen3", tmp_path_factory.mktemp("chat") / "qwen", vocab_size=151680)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink()
+    for name in ("qwen2.5/vocab.json", "qwen2.5/merges.txt", "qwen3/tokenizer_config.json"):
+        shutil.copy(SHARED_DATA / "tokenizers" / name, path)
+    return make_llm(str(path))
+
+
+def template_ids(tok, messages, **kw) -> list[int]:
+    return tok.apply_chat_template(messages, tokenize=True, return_dict=False, **kw)
+
+
+def test_chat_is_the_tokenizers_template(qwen):
+    tok = qwen.get_tokenizer()
+    out = qwen.chat(CHAT, GREEDY, use_tqdm=False)
+    assert len(out) == 1 and out[0].prompt_token_ids == template_ids(tok, CHAT, add_generation_prompt=True)
+    assert out[0].prompt == tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert out[0].prompt.endswith("<|im_start|>assistant\n")
+    # then generation exactly as for those token ids
+    same = qwen.generate([out[0].prompt_token_ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert out[0].outputs[0].token_ids == same
+
+
+def test_chat_takes_a_list_of_conversations_and_the_templates_options(qwen):
+    tok = qwen.get_tokenizer()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    outs = qwen.chat([CHAT, parts], GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [
+        template_ids(tok, CHAT, add_generation_prompt=True),
+        template_ids(tok, [{"role": "user", "content": "Hi\nthere"}], add_generation_prompt=True)]
+    cont = CHAT + [{"role": "assistant", "content": "Hello,"}]
+    out = qwen.chat(cont, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt_token_ids == template_ids(tok, cont, continue_final_message=True)
+    out = qwen.chat(CHAT, GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})[0]
+    assert out.prompt_token_ids == template_ids(tok, CHAT, add_generation_prompt=True, enable_thinking=False)
+    assert "<think>" in out.prompt
+    mine = "{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}"
+    out = qwen.chat(CHAT, GREEDY, use_tqdm=False, chat_template=mine)[0]
+    assert out.prompt == "<|im_start|>Be brief.<|im_start|>Hi there"
+
+
+@pytest.mark.parametrize("messages, kw, message", [
+    ([], {}, "messages must not be empty"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], {}, "only text content parts are supported"),
+    ([{"content": "no role"}], {}, "must be a dict with a string 'role'"),
+    (CHAT, {"continue_final_message": True}, "cannot both be true"),
+])
+def test_bad_conversations_raise_and_queue_nothing(qwen, messages, kw, message):
+    with pytest.raises(ValueError, match=message):
+        qwen.chat([CHAT, messages] if messages else messages, GREEDY, use_tqdm=False, **kw)
+    assert not qwen.engine.has_unfinished_requests()
+
+
+def test_a_tokenizer_without_a_template_renders_as_the_server_does():
+    llm = make_llm(demo_model_path())
+    tok = llm.get_tokenizer()
+    assert not getattr(tok, "chat_template", None)
+    server = PromptProcessor(load_tokenizer(llm.config.tokenizer), llm.engine.vocab_size, llm.engine.max_model_len)
+    out = llm.chat(CHAT, use_tqdm=False)[0]
+    assert out.prompt_token_ids == server.chat_prompt([ChatMessage(**m) for m in CHAT])
+    assert out.prompt == "Be brief.\n\nUser: Hi there\nAssistant:" and out.prompt_token_ids[0] == tok.bos_token_id
+    assert len(out.outputs[0].token_ids) <= 16  # no params: the model's defaults (SamplingParams' own here)
