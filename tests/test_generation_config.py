@@ -82,8 +82,10 @@ def test_bad_settings_and_files_are_config_errors(tmp_path):
                           ('{"temperature": true}', f"{path}: temperature must be a number")):
         path.write_text(text)
         with pytest.raises(ConfigError) as e:
-            generation_defaults.load("auto", str(tmp_path))
+            generation_defaults.load(str(tmp_path), "/the/model")  # a folder given: its file must be right
         assert str(e.value).startswith(message)
+        # the model's own file under auto: a warning and no defaults, as vLLM ignores what it cannot read
+        assert generation_defaults.load("auto", str(tmp_path)) == {}
 
 
 def test_cli_bad_setting_and_malformed_file_are_one_line(tmp_path):
@@ -98,11 +100,13 @@ def test_cli_bad_setting_and_malformed_file_are_one_line(tmp_path):
                                                       "auto (the model's generation_config.json), vllm (ignore it) "
                                                       "or a folder holding one"), r.stderr
     model = model_with(tmp_path / "m", "{not json")
-    r = nvllm("--model", model)
+    r = nvllm("--model", model, "--generation-config", model, "--max-tokens", "4")
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(
         f"error: cannot read {model}/generation_config.json"), r.stderr
     assert "Traceback" not in r.stderr
+    r = nvllm("--model", model, "--max-tokens", "4")  # auto: the model still runs, and says what it ignored
+    assert r.returncode == 0 and "cannot read" in r.stdout + r.stderr and "not used" in r.stdout + r.stderr, r.stderr
 
 
 # ---- offline -------------------------------------------------------------------------------------------

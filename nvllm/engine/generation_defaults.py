@@ -43,14 +43,30 @@ def check_setting(value: str) -> str:
 def load(setting: str, model_dir: str, speculative: bool = False) -> dict[str, Any]:
     """The sampling defaults the setting names, as SamplingParams keywords ({} for ``vllm``, or for ``auto``
     when the model has no generation_config.json). A file that cannot be read or holds a bad value is a
-    ConfigError naming it. With speculative decoding a repetition_penalty is left out (verification does not
-    honour it: every request would be refused)."""
+    ConfigError naming it when a folder was given; under ``auto`` it is a warning and no defaults, as vLLM
+    ignores a generation config it cannot read (the model still serves). With speculative decoding a
+    repetition_penalty is left out (verification does not honour it: every request would be refused)."""
     if setting == "vllm":
         return {}
     folder = model_dir if setting == "auto" else setting
     path = os.path.join(folder, FILE)
     if not os.path.isfile(path):
         return {}
+    try:
+        found = _read(folder, path)
+    except ConfigError as e:
+        if setting != "auto":
+            raise
+        logger.warning("%s; the model's sampling defaults are not used", e)
+        return {}
+    if speculative and found.get("repetition_penalty", 1.0) != 1.0:
+        logger.warning("%s recommends repetition_penalty %s, which speculative decoding does not support: not "
+                       "applied", path, found.pop("repetition_penalty"))
+    return found
+
+
+def _read(folder: str, path: str) -> dict[str, Any]:
+    """The file's sampling fields, checked as SamplingParams checks them (ConfigError naming the file)."""
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -75,9 +91,6 @@ def load(setting: str, model_dir: str, speculative: bool = False) -> dict[str, A
         SamplingParams(**found)
     except ValueError as e:
         raise ConfigError(f"{path}: {e}") from None
-    if speculative and found.get("repetition_penalty", 1.0) != 1.0:
-        logger.warning("%s recommends repetition_penalty %s, which speculative decoding does not support: not "
-                       "applied", path, found.pop("repetition_penalty"))
     return found
 
 
