@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from nvllm import SamplingParams
 from nvllm.config import ConfigError
 from nvllm.kernels import report
 from nvllm.layers.quant_linear import QuantLinear
@@ -100,8 +101,6 @@ def test_engine_generates_with_quant_gemm(tmp_path, qwen2_dir):
 
 
 def _greedy(n):
-    from nvllm import SamplingParams
-
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
@@ -189,3 +188,23 @@ def test_awq_layer_with_inputs_off_whole_words_keeps_its_layout():
     assert qw.fmt == "awq" and not qw.extra
     x = torch.randn(2, 36)
     torch.testing.assert_close(lin(x), x @ qw.dequantize().t())
+
+
+def test_autogptq_zero_biases_on_bias_less_layers_are_skipped(tmp_path, qwen2_dir):
+    """AutoGPTQ and optimum write a zero ``.bias`` for every quantized linear, also where the model has none
+    (published Llama GPTQ repositories carry them): such a checkpoint loads and generates as without them, as in
+    vLLM; a bias that is not zero, where the model has none, is still refused."""
+    dst = tmp_path / "quant"
+    write_by_hand(qwen2_dir, dst, "gptq", 4, 32)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = make_llm(str(dst)).generate([[1, 5, 9, 13]], params, use_tqdm=False)[0].outputs[0].token_ids
+    state = load_file(dst / "model.safetensors")
+    for k in [k for k in state if k.endswith(("self_attn.o_proj.qweight", "mlp.down_proj.qweight"))]:
+        state[k.replace(".qweight", ".bias")] = torch.zeros(state[k].shape[1], dtype=torch.float16)
+    save_file(state, dst / "model.safetensors")
+    got = make_llm(str(dst)).generate([[1, 5, 9, 13]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    state["model.layers.0.mlp.down_proj.bias"][0] = 1.0
+    save_file(state, dst / "model.safetensors")
+    with pytest.raises(ConfigError, match="unexpected tensor 'model.layers.0.mlp.down_proj.bias'"):
+        load_nvllm_model(dst)
