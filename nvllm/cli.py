@@ -202,6 +202,7 @@ def eval_command(
         fail("--max-drop / --max-drop-rel need --baseline")
     if baseline is not None and max_drop is None and max_drop_rel is None:
         max_drop = 1.0
+    _check_thresholds(max_drop, max_drop_rel)
     runner.quiet_libraries()
     try:
         spec = runner.EvalSpec(tasks.split(","), num_fewshot, limit, data_dir, max_gen_toks, max_length)
@@ -330,6 +331,7 @@ def pipeline(
     runner.require_lm_eval()
     if max_drop is None and max_drop_rel is None:
         max_drop = 1.0
+    _check_thresholds(max_drop, max_drop_rel)
     runner.quiet_libraries()
     try:
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
@@ -346,6 +348,15 @@ def pipeline(
     console().print(f"report written to {' and '.join(result['report_files'])}", highlight=False)
     if not result["gate"]["passed"]:
         fail(f"regression gate failed: {', '.join(result['gate']['failed'])}", code=1)
+
+
+def _check_thresholds(max_drop: float | None, max_drop_rel: float | None) -> None:
+    from nvllm.eval.regression import check_thresholds
+
+    try:
+        check_thresholds(max_drop, max_drop_rel)
+    except ValueError as e:
+        fail(str(e))
 
 
 def main() -> None:  # pragma: no cover - console entry

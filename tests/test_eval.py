@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -182,7 +183,6 @@ def cli(*args: str, env: dict | None = None):
 @pytest.fixture(scope="module")
 def rtn2_model(tmp_path_factory) -> str:
     """The demo model with every projection rounded to 2 bits (per row) and stored back in float32."""
-    from safetensors.torch import load_file, save_file
 
     from nvllm.quant.formats import quantize_rtn
 
@@ -220,6 +220,23 @@ def test_gate_fails_on_a_2bit_copy(rtn2_model, tmp_path):
     assert "FAIL" in r.output and "regression gate failed: wikitext (token_perplexity)" in " ".join(r.output.split())
 
 
+def test_gate_fails_on_a_nan_model_and_writes_valid_json(tmp_path):
+    """A candidate whose scores are not numbers (a NaN in its weights) fails the gate instead of passing as
+    "ok" (NaN > limit is false), and its results file is still valid JSON (null for the NaN)."""
+    broken = tmp_path / "nan"
+    shutil.copytree(demo_model_path(), broken)
+    sd = load_file(broken / "model.safetensors")
+    sd["model.norm.weight"] = torch.full_like(sd["model.norm.weight"], float("nan"))
+    save_file(sd, broken / "model.safetensors")
+    report = tmp_path / "eval.json"
+    r = cli("--model", str(broken), "--baseline", demo_model_path(), "--tasks", "wikitext", "--limit", "1",
+            "--data-dir", str(DATA), "--output-json", str(report), "--no-progress")
+    assert r.exit_code == 1, r.output
+    assert "regression gate failed: wikitext" in " ".join(r.output.split())
+    data = json.loads(report.read_text())
+    assert not data["gate"]["passed"] and data["models"][1]["tasks"]["wikitext"]["metrics"]["token_perplexity"] is None
+
+
 def test_gate_refuses_different_tokenizers(tmp_path):
     other = tmp_path / "other"
     shutil.copytree(demo_model_path(), other)
@@ -240,6 +257,10 @@ def test_gate_refuses_different_tokenizers(tmp_path):
     (["--tasks", "mmlu", "--limit", "0", "--data-dir", str(DATA)], {}, "--limit must be at least 1"),
     (["--tasks", "mmlu", "--limit", "-3", "--data-dir", str(DATA)], {}, "--limit must be at least 1"),
     (["--tasks", "mmlu", "--max-drop", "1"], {}, "need --baseline"),
+    (["--tasks", "wikitext", "--baseline", demo_model_path(), "--max-drop", "nan"], {},
+     "--max-drop must be a finite number of at least 0, got nan"),
+    (["--tasks", "wikitext", "--baseline", demo_model_path(), "--max-drop-rel", "-1"], {},
+     "--max-drop-rel must be a finite number of at least 0, got -1.0"),
     (["--tasks", "wikitext", "--baseline", "/no/such/model", "--data-dir", str(DATA)], {},
      "model directory not found: /no/such/model"),
     (["--tasks", "/no/such/file.txt"], {}, "perplexity file /no/such/file.txt does not exist"),
@@ -298,6 +319,8 @@ def test_pipeline_quantizes_gates_benches_and_reports(tmp_path):
     (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--num-iters", "0"],
      "--num-iters must be at least 1"),
     (["--method", "rtn", "--tasks", "gsm8k", "--data-dir", str(DATA / "mmlu")], "GSM8K not found"),
+    (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--max-drop", "inf"],
+     "--max-drop must be a finite number of at least 0, got inf"),
     (["--method", "awq", "--quantize-lm-head", "--tasks", "wikitext", "--data-dir", str(DATA)],
      "--quantize-lm-head applies to GPTQ and RTN only"),
     (["--method", "rtn", "--group-size", "32", "--quantize-lm-head", "--tasks", "wikitext", "--data-dir", str(DATA)],

@@ -80,8 +80,16 @@ def check_same_samples(base: dict, cand: dict) -> None:
             raise ConfigError(f"{name}: baseline and candidate were not evaluated on the same samples")
 
 
+def check_thresholds(max_drop: float | None, max_drop_rel: float | None) -> None:
+    """The gate's limits must be finite and not negative (NaN would pass everything, a negative one nothing)."""
+    for flag, value in (("--max-drop", max_drop), ("--max-drop-rel", max_drop_rel)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag} must be a finite number of at least 0, got {value}")
+
+
 def compare(base: dict, cand: dict, max_drop: float | None, max_drop_rel: float | None) -> list[Row]:
-    """One row per gated metric of every task both results hold."""
+    """One row per gated metric of every task both results hold. A drop that is not a number (a NaN or infinite
+    score) fails the gate: a broken model must not pass as unchanged."""
     check_same_samples(base, cand)
     rows = []
     for name, bt in base["tasks"].items():
@@ -100,7 +108,7 @@ def compare(base: dict, cand: dict, max_drop: float | None, max_drop_rel: float 
                 dse = math.hypot(bse, cse)
             drop = (b - c) * s if hib else (c - b) * s
             rel = 100.0 * drop / abs(b * s) if b else (math.inf if drop > 0 else 0.0)
-            failed = ((max_drop is not None and drop > max_drop) or
+            failed = (not math.isfinite(drop) or (max_drop is not None and drop > max_drop) or
                       (max_drop_rel is not None and rel > max_drop_rel))
             rows.append(Row(name, key, bt.get("n_samples", 0), b * s, c * s,
                             None if bse is None else bse * s, None if cse is None else cse * s,

@@ -7,6 +7,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -313,12 +314,23 @@ def progress_bar(enabled: bool = True):
 
 
 def write_json(path: str, data: dict) -> None:
-    """Write through a temporary file and a rename: never a half-written result."""
+    """Write through a temporary file and a rename: never a half-written result. A score that is not a number
+    (a NaN perplexity) is written as null, so the file stays valid JSON."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str, allow_nan=False) + "\n")
+    tmp.write_text(json.dumps(_finite(data), indent=2, default=str, allow_nan=False) + "\n")
     os.replace(tmp, target)
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def quiet_libraries() -> None:
