@@ -208,3 +208,32 @@ def test_autogptq_zero_biases_on_bias_less_layers_are_skipped(tmp_path, qwen2_di
     save_file(state, dst / "model.safetensors")
     with pytest.raises(ConfigError, match="unexpected tensor 'model.layers.0.mlp.down_proj.bias'"):
         load_nvllm_model(dst)
+
+
+def test_autoawq_quant_config_json_and_gptqmodel_dynamic_overrides(tmp_path, qwen2_dir):
+    """Older AutoAWQ checkpoints keep their settings in quant_config.json (w_bit, q_group_size, no quant_method):
+    read as AWQ, the same tokens as with config.json's quantization_config. A GPTQModel ``dynamic`` entry that
+    gives some modules other bits is refused by name instead of failing as a shape mismatch."""
+    dst = tmp_path / "awq"
+    write_by_hand(qwen2_dir, dst, "awq", 4, 32)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = make_llm(str(dst)).generate([[1, 5, 9, 13]], params, use_tqdm=False)[0].outputs[0].token_ids
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 32, "w_bit": 4,
+                                                       "version": "GEMM"}))
+    llm = make_llm(str(dst))
+    assert llm.generate([[1, 5, 9, 13]], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert any(isinstance(m, QuantLinear) for m in llm.engine.runner.model.modules())
+
+    gptq = tmp_path / "gptq"
+    write_by_hand(qwen2_dir, gptq, "gptq", 4, 32)
+    cfg = json.loads((gptq / "config.json").read_text())
+    cfg["quantization_config"]["dynamic"] = {r"+:.*\.mlp\..*": {"bits": 8}, r"-:.*lm_head": {}}
+    (gptq / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="'dynamic' gives .*mlp.* its own bits: nvllm serves one setting"):
+        load_nvllm_model(gptq)
+    cfg["quantization_config"]["dynamic"] = {r"+:.*\.mlp\..*": {"bits": 4, "group_size": 32}}  # the same: served
+    (gptq / "config.json").write_text(json.dumps(cfg))
+    load_nvllm_model(gptq)

@@ -70,7 +70,8 @@ def hf_module_names(layer: int, fused: str) -> list[str]:
 
 def read_quantization_config(model_dir: str, hf_config=None) -> dict[str, Any] | None:
     """The raw ``quantization_config`` of a model directory: config.json's, else quantize_config.json's (older
-    AutoGPTQ checkpoints); None for a full-precision model."""
+    AutoGPTQ checkpoints), else quant_config.json's (older AutoAWQ checkpoints: ``w_bit``, ``q_group_size``,
+    ``zero_point``, ``version``, no ``quant_method``); None for a full-precision model."""
     raw = None
     path = os.path.join(model_dir, "config.json")
     if os.path.isfile(path):
@@ -84,6 +85,12 @@ def read_quantization_config(model_dir: str, hf_config=None) -> dict[str, Any] |
     if raw is None and os.path.isfile(legacy):
         with open(legacy) as f:
             raw = json.load(f)
+    awq = os.path.join(model_dir, "quant_config.json")
+    if raw is None and os.path.isfile(awq):
+        with open(awq) as f:
+            raw = json.load(f)
+        if isinstance(raw, dict) and "quant_method" not in raw:
+            raw = {"quant_method": "awq", **raw}
     return raw
 
 
@@ -102,6 +109,21 @@ def excluded_by_config(raw: dict[str, Any], hf_names: list[str]) -> bool:
         raise ValueError(f"quantization_config excludes only some of {', '.join(hf_names)}: nvllm fuses them "
                          f"into one linear, which is quantized as a whole or not at all")
     return flags.pop()
+
+
+def check_dynamic_overrides(raw: dict[str, Any]) -> None:
+    """GPTQModel's ``dynamic`` may give matching modules their own bits, group size, sym or desc_act (a ``+:``
+    or unprefixed key). nvllm serves one setting for every quantized module: an override that changes one is
+    refused by name (its tensors would otherwise fail as a shape mismatch); ``-:`` exclusions are served."""
+    base = {"bits": raw.get("bits"), "group_size": raw.get("group_size"), "sym": raw.get("sym"),
+            "desc_act": raw.get("desc_act")}
+    for key, values in (raw.get("dynamic") or {}).items():
+        if str(key).startswith("-:") or not isinstance(values, dict):
+            continue
+        changed = sorted(k for k, v in values.items() if k in base and v != base[k])
+        if changed:
+            raise ValueError(f"quantization_config 'dynamic' gives {key!r} its own {', '.join(changed)}: nvllm "
+                             f"serves one setting for every quantized module (only '-:' exclusions)")
 
 
 def output_sizes(shape, fused: str) -> tuple[int, list[int]]:
@@ -140,6 +162,7 @@ def serving_plan(model_dir: str, hf_config, shape, checkpoint_keys: set[str] | N
     if raw is None:
         return None
     cfg = parse_quantization_config(raw)
+    check_dynamic_overrides(raw)
     scheme = scheme_of(cfg)
     plan: dict[str, QuantScheme] = {}
     for i in range(shape.num_layers):

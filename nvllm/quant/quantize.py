@@ -193,8 +193,8 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     summary.head_size_after = sum(t.numel() * t.element_size() for k, t in tensors.items()
                                   if k.startswith(LM_HEAD + ".") and cfg.quantize_lm_head)
     qc = quantization_config(cfg, out_dir, kept_modules(quantize))
-    extra = {"quantize_config.json": {k: v for k, v in qc.items() if k != "dynamic"}} if cfg.format == "gptq" \
-        else None
+    # GPTQModel reads quantize_config.json, its ``dynamic`` exclusions included (they name what stays dense)
+    extra = {"quantize_config.json": dict(qc)} if cfg.format == "gptq" else None
     summary.size_after = write_checkpoint(model_dir, out_dir, tensors, qc, overwrite, extra)
     summary.size_before = sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
     summary.seconds = time.perf_counter() - t0
