@@ -43,7 +43,7 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "block_size": _opt(16, int, "tokens per KV-cache block"),
     "num_kv_blocks": _opt(None, Optional[int], "KV-cache blocks (overrides the memory-based sizing)"),
     "kv_cache_memory": _opt(None, Optional[float], "KV-cache size in GiB (the CPU's way to size the pool)"),
-    "kv_cache_dtype": _opt("auto", str, "auto | int8 | fp8_e4m3: KV-cache elements (auto: the model dtype; "
+    "kv_cache_dtype": _opt("auto", str, "auto | int8 | fp8_e4m3 (or fp8): KV-cache elements (auto: the model dtype; "
                            "int8/fp8_e4m3: 8 bits with a scale per token and head, about twice the tokens; "
                            "fp8_e4m3 on GPUs of compute capability >= 8.9 and on CPU)"),
     "gpu_memory_utilization": _opt(0.9, float, "fraction of GPU memory for weights, activations and KV cache"),

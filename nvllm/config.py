@@ -146,6 +146,8 @@ class EngineConfig:
                                   f"{count} GPU(s) are visible")
 
     def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype == "fp8":  # vLLM's name for it
+            self.kv_cache_dtype = "fp8_e4m3"
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto, int8 or fp8_e4m3")
         if self.kv_cache_dtype == "fp8_e4m3" and self.device.startswith("cuda") and torch.cuda.is_available():

@@ -403,6 +403,7 @@ def test_pool_holds_twice_the_tokens(tmp_path, demo_dir):
 def test_bad_kv_cache_dtype_is_one_clear_error(monkeypatch):
     with pytest.raises(ConfigError, match="unknown kv_cache_dtype 'int4'; choose auto, int8 or fp8_e4m3"):
         EngineConfig(kv_cache_dtype="int4", device="cpu")
+    assert EngineConfig(kv_cache_dtype="fp8", device="cpu").kv_cache_dtype == "fp8_e4m3"  # vLLM's name
     r = subprocess.run([sys.executable, "-m", "nvllm.cli", "generate", "--kv-cache-dtype", "int4"],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
     assert r.returncode == 2 and "Traceback" not in r.stderr

@@ -87,6 +87,8 @@ def test_parser_forms():
     assert parse_speculative(None) is None and parse_speculative("") is None
     assert parse_speculative(c) is c
     assert isinstance(EngineConfig(speculative="k=2,method=ngram").speculative, SpeculativeConfig)
+    vllm_style = parse_speculative({"method": "draft_model", "model": "/d", "num_speculative_tokens": 3})
+    assert (vllm_style.method, vllm_style.draft_model, vllm_style.num_speculative_tokens) == ("draft", "/d", 3)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -45,6 +45,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None  # no drafting in a step that starts with this many running sequences
 
     def __post_init__(self) -> None:
+        if self.method == "draft_model":  # vLLM's name for it
+            self.method = "draft"
         if self.method not in METHODS:
             raise ConfigError(f"speculative method {self.method!r} is unknown; choose draft or ngram")
         if self.method == "draft" and not self.draft_model:
