@@ -205,6 +205,7 @@ def test_gate_passes_on_the_same_model_and_writes_the_report(tmp_path):
     assert "regression gate" in r.output and "FAIL" not in r.output
     data = json.loads(report.read_text())
     assert data["gate"]["passed"] and [m["label"] for m in data["models"]] == ["baseline", "candidate"]
+    assert data["max_gen_toks"] is None and data["limit"] == 1  # the run's settings
     cand = data["models"][1]
     assert cand["model"] == demo_model_path() and "quantization_config" in cand
     assert cand["kernel_report"] and cand["tasks"]["mmlu"]["n_samples"] == 4

@@ -296,7 +296,9 @@ def results_table(result: dict, title: str):
 def report_json(results: list[dict], spec: EvalSpec, engine: EngineConfig, notes: dict, gate: dict | None) -> dict:
     """The JSON `--output-json` writes: per-model task results (no per-sample values), the run's settings."""
     models = [{k: v for k, v in r.items() if k not in ("samples", "hashes")} for r in results]
+    # max_gen_toks: the run's --max-gen-toks (None: each task's own), which changes generative scores
     return {"tasks": spec.tasks, "num_fewshot": spec.num_fewshot, "limit": spec.limit, "data_dir": spec.data_dir,
+            "max_gen_toks": spec.max_gen_toks,
             "data": notes, "engine": {k: v for k, v in engine.to_dict().items() if k not in ("model", "tokenizer")},
             "models": models, "gate": gate, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
