@@ -373,8 +373,11 @@ def test_sampled_tokens_follow_the_target_distribution(draft, drafts, demo_dir):
 
 
 def test_seeded_requests_reproducible(drafts, demo_dir):
-    """A seeded request's output is the same alone or batched, and through the draft chain or step by step (the
-    chain draws its noise per step from the request's generator, as the loop does)."""
+    """A seeded request's output is the same alone or batched while every step drafts k for it, and through the
+    draft chain or step by step (the chain draws its noise per step from the request's generator, as the loop
+    does). Where the batch cuts a step's k (token budget, free blocks, disable_by_batch_size) the request draws
+    from its generator a different number of times: its tokens still follow the target's distribution but are
+    not the same; README says so."""
     a = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7)
     b = SamplingParams(temperature=1.0, max_tokens=20, seed=3)
     outs = []
