@@ -1,4 +1,4 @@
-"""Incremental detokenization that never splits a multi-byte character, and stop-string handling.
+"""Incremental detokenization that never splits a multi-byte character.
 
 Each step decodes a short window of tokens twice — up to the last emitted token and up to the newest — and
 emits the difference. A window that decodes to a trailing U+FFFD (an incomplete UTF-8 sequence from byte
@@ -38,15 +38,3 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         return full[len(prefix):]
-
-
-def find_stop(text: str, new_len: int, stops: list[str], floor: int = 0) -> tuple[int, str] | None:
-    """Earliest stop string that ends inside the last new_len characters and starts at ``floor`` or later:
-    (start index, the string)."""
-    best = None
-    for s in stops:
-        start = max(floor, len(text) - new_len - len(s) + 1)
-        i = text.find(s, start)
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, s)
-    return best

@@ -13,7 +13,7 @@ import torch
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.engine import generation_defaults
 from nvllm.engine.block_manager import BlockManager
-from nvllm.engine.detokenizer import IncrementalDetokenizer, find_stop
+from nvllm.engine.detokenizer import IncrementalDetokenizer
 from nvllm.engine.kv_handoff import KVHandoff, KVTarget
 from nvllm.engine.metrics import EngineStats, StatLogger
 from nvllm.engine.inflight import InflightStep
@@ -22,6 +22,7 @@ from nvllm.engine.output_builder import OutputBuilder
 from nvllm.engine.scheduler import Scheduler
 from nvllm.engine.sequence import PrefilledSample, Sequence
 from nvllm.engine.step_profile import StepProfile, step_kind
+from nvllm.engine.stop_checker import check_stop
 from nvllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nvllm.kernels import report
 from nvllm.models.hub import resolve_model_path
@@ -386,7 +387,6 @@ class LLMEngine:
     def _on_token(self, seq: Sequence, tok: int, lp_info, now: float, length: int) -> None:
         """A new token is known; ``length``: the sequence's tokens up to and including it. Metrics, logprobs,
         text, and the finish checks."""
-        p = seq.params
         self.stats.generation_tokens += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
@@ -395,28 +395,7 @@ class LLMEngine:
             d = lp_info if isinstance(lp_info, dict) else self.outputs.logprob_dict(tok, *lp_info)
             seq.cumulative_logprob += d[tok].logprob
             seq.logprobs.append(d)
-        eos = tok in self.eos_token_ids and not p.ignore_eos
-        if eos or tok in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", None if eos else tok
-            if p.include_stop_str_in_output:  # the stop token's text too, as vLLM gives it (EOS's is special)
-                seq.text += seq.detokenizer.step([tok])
-        else:
-            new_text = seq.detokenizer.step([tok])
-            seq.text += new_text
-            n_out = length - seq.num_prompt_tokens
-            if n_out == p.min_tokens:
-                seq.stop_floor = len(seq.text)
-            # as vLLM: none before min_tokens, and none inside the first min_tokens tokens' text
-            checked = p.stop and new_text and n_out > p.min_tokens
-            hit = find_stop(seq.text, len(new_text), p.stop, seq.stop_floor) if checked else None
-            if hit is not None:
-                i, s = hit
-                seq.text = seq.text[:i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
-                seq.finish_reason, seq.stop_reason = "stop", s
-            elif p.max_tokens is not None and length - seq.num_prompt_tokens >= p.max_tokens:
-                seq.finish_reason = "length"
-            elif length >= self.max_model_len:
-                seq.finish_reason = "length"
+        check_stop(seq, tok, length, self.eos_token_ids, self.max_model_len)
         if seq.finish_reason is not None:
             self._finish(seq)
         elif seq.prefill_only:  # disaggregated prefill: done here; a decode worker fetches the KV
