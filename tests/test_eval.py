@@ -331,3 +331,17 @@ def test_pipeline_bad_input_fails_before_quantizing(tmp_path, args, message):
     r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["pipeline", "--device", "cpu", "--out", str(tmp_path / "q"),
                                                        *args])
     assert r.exit_code == 2 and message in " ".join(r.output.split()) and not (tmp_path / "q").exists()
+
+
+def test_no_git_complaint_outside_a_repository(tmp_path, monkeypatch, capfd):
+    """lm-eval looks up the working directory's git commit; outside a repository that printed git's "fatal: not a
+    git repository" on every `nvllm eval`. The lookup stays (None there), the complaint goes."""
+    import lm_eval.evaluator
+
+    from nvllm.eval import runner
+
+    runner.quiet_libraries()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert lm_eval.evaluator.get_git_commit_hash() is None
+    assert "fatal" not in capfd.readouterr().err

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import socket
+import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
@@ -347,6 +348,18 @@ def quiet_libraries() -> None:
         transformers.logging.set_verbosity_error()
     except ImportError:  # pragma: no cover
         pass
+    import lm_eval.evaluator
+
+    # lm-eval records the working directory's git commit by running git with the terminal as its stderr: outside
+    # a repository every run printed "fatal: not a git repository". The same lookup, git's complaint discarded.
+    lm_eval.evaluator.get_git_commit_hash = _git_commit_quietly
+
+
+def _git_commit_quietly() -> str | None:
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return None
 
 
 __all__ = ["ConfigError", "EvalError", "EvalSpec", "evaluate_model", "report_json", "results_table", "task_manager"]
