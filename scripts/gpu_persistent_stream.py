@@ -77,10 +77,49 @@ def _wait(cnt_ptr, out_ptr, g, target, P, SYNC: gl.constexpr, VL: gl.constexpr):
 
 
 @gluon.jit
-def _publish(out_ptr, cnt_ptr, acc, g, pid, P):
+def _publish(out_ptr, cnt_ptr, acc, g, pid, P, BARRIER: gl.constexpr):
+    """Stage ``g``'s partial, then its counter (release). BARRIER: every warp's stores before the release (the
+    warp-specialized consumers skip it: the partial is a cross-warp reduction every thread holds, and the thread
+    that stores it also releases the counter)."""
     gl.store(out_ptr + g * P + pid, gl.xor_sum(gl.xor_sum(acc, axis=1), axis=0))
-    gl.thread_barrier()
+    if BARRIER:
+        gl.thread_barrier()
     gl.atomic_add(cnt_ptr + g * _LINE, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _stage_waits(acc, out_ptr, cnt_ptr, layer, r, pid, P, target, T_QKV: gl.constexpr, T_O: gl.constexpr,
+                 T_GU: gl.constexpr, SYNC: gl.constexpr, VL: gl.constexpr, BARRIER: gl.constexpr):
+    """Before a layer's tile ``r``: the waits of the stage that starts there (each a bit of SYNC), and the
+    zero-byte attention stage between q/k/v and o."""
+    g = layer * 5
+    if r == 0:          # q/k/v: after the previous layer's down
+        if layer > 0:
+            acc = acc ^ _wait(cnt_ptr, out_ptr, g - 1, target, P, SYNC & 1, VL)
+    if r == T_QKV:      # attention (no bytes of its own), then o after it
+        acc = acc ^ _wait(cnt_ptr, out_ptr, g, target, P, SYNC & 2, VL)
+        _publish(out_ptr, cnt_ptr, acc, g + 1, pid, P, BARRIER)
+        acc = acc ^ _wait(cnt_ptr, out_ptr, g + 1, target, P, SYNC & 4, VL)
+    if r == T_QKV + T_O:
+        acc = acc ^ _wait(cnt_ptr, out_ptr, g + 2, target, P, SYNC & 8, VL)
+    if r == T_QKV + T_O + T_GU:
+        acc = acc ^ _wait(cnt_ptr, out_ptr, g + 3, target, P, SYNC & 16, VL)
+    return acc
+
+
+@gluon.jit
+def _stage_publishes(acc, out_ptr, cnt_ptr, layer, r, pid, P, T_QKV: gl.constexpr, T_O: gl.constexpr,
+                     T_GU: gl.constexpr, T_DN: gl.constexpr, BARRIER: gl.constexpr):
+    """After a layer's tile ``r``: publish the stage it ends, if it ends one."""
+    g = layer * 5
+    if r == T_QKV - 1:
+        _publish(out_ptr, cnt_ptr, acc, g, pid, P, BARRIER)
+    if r == T_QKV + T_O - 1:
+        _publish(out_ptr, cnt_ptr, acc, g + 2, pid, P, BARRIER)
+    if r == T_QKV + T_O + T_GU - 1:
+        _publish(out_ptr, cnt_ptr, acc, g + 3, pid, P, BARRIER)
+    if r == T_QKV + T_O + T_GU + T_DN - 1:
+        _publish(out_ptr, cnt_ptr, acc, g + 4, pid, P, BARRIER)
 
 
 @gluon.jit
@@ -128,28 +167,10 @@ def _stream_kernel(w_ptr, out_ptr, cnt_ptr, n_layers, target, T_QKV: gl.constexp
         gl.thread_barrier()
         layer = i // T_LAYER
         r = i % T_LAYER
-        g = layer * 5
-        if r == 0:          # q/k/v: after the previous layer's down
-            if layer > 0:
-                acc = acc ^ _wait(cnt_ptr, out_ptr, g - 1, target, P, SYNC & 1, VL)
-        if r == T_QKV:      # attention (no bytes of its own), then o after it
-            acc = acc ^ _wait(cnt_ptr, out_ptr, g, target, P, SYNC & 2, VL)
-            _publish(out_ptr, cnt_ptr, acc, g + 1, pid, P)
-            acc = acc ^ _wait(cnt_ptr, out_ptr, g + 1, target, P, SYNC & 4, VL)
-        if r == T_QKV + T_O:
-            acc = acc ^ _wait(cnt_ptr, out_ptr, g + 2, target, P, SYNC & 8, VL)
-        if r == T_QKV + T_O + T_GU:
-            acc = acc ^ _wait(cnt_ptr, out_ptr, g + 3, target, P, SYNC & 16, VL)
+        acc = _stage_waits(acc, out_ptr, cnt_ptr, layer, r, pid, P, target, T_QKV, T_O, T_GU, SYNC, VL, True)
         acc = acc ^ ring.index(i % DEPTH).load(layout)
         gl.thread_barrier()  # every warp has read the slot before it is copied into again
-        if r == T_QKV - 1:
-            _publish(out_ptr, cnt_ptr, acc, g, pid, P)
-        if r == T_QKV + T_O - 1:
-            _publish(out_ptr, cnt_ptr, acc, g + 2, pid, P)
-        if r == T_QKV + T_O + T_GU - 1:
-            _publish(out_ptr, cnt_ptr, acc, g + 3, pid, P)
-        if r == T_LAYER - 1:
-            _publish(out_ptr, cnt_ptr, acc, g + 4, pid, P)
+        _stage_publishes(acc, out_ptr, cnt_ptr, layer, r, pid, P, T_QKV, T_O, T_GU, T_DN, True)
     async_copy.wait_group(0)
 
 
@@ -175,39 +196,13 @@ def _ws_consumer(out_ptr, cnt_ptr, ring, ready, empty, pid, P, total, target, T_
     for i in range(total):
         layer = i // T_LAYER
         r = i % T_LAYER
-        g = layer * 5
-        if r == 0:
-            if layer > 0:
-                acc = acc ^ _wait(cnt_ptr, out_ptr, g - 1, target, P, SYNC & 1, VL)
-        if r == T_QKV:
-            acc = acc ^ _wait(cnt_ptr, out_ptr, g, target, P, SYNC & 2, VL)
-            _publish_ws(out_ptr, cnt_ptr, acc, g + 1, pid, P)
-            acc = acc ^ _wait(cnt_ptr, out_ptr, g + 1, target, P, SYNC & 4, VL)
-        if r == T_QKV + T_O:
-            acc = acc ^ _wait(cnt_ptr, out_ptr, g + 2, target, P, SYNC & 8, VL)
-        if r == T_QKV + T_O + T_GU:
-            acc = acc ^ _wait(cnt_ptr, out_ptr, g + 3, target, P, SYNC & 16, VL)
+        acc = _stage_waits(acc, out_ptr, cnt_ptr, layer, r, pid, P, target, T_QKV, T_O, T_GU, SYNC, VL, False)
         slot = i % DEPTH
         mbarrier.wait(ready.index(slot), (i // DEPTH) & 1)
         acc = acc ^ ring.index(slot).load(layout)
         fence_async_shared()
         mbarrier.arrive(empty.index(slot), count=1)
-        if r == T_QKV - 1:
-            _publish_ws(out_ptr, cnt_ptr, acc, g, pid, P)
-        if r == T_QKV + T_O - 1:
-            _publish_ws(out_ptr, cnt_ptr, acc, g + 2, pid, P)
-        if r == T_QKV + T_O + T_GU - 1:
-            _publish_ws(out_ptr, cnt_ptr, acc, g + 3, pid, P)
-        if r == T_LAYER - 1:
-            _publish_ws(out_ptr, cnt_ptr, acc, g + 4, pid, P)
-
-
-@gluon.jit
-def _publish_ws(out_ptr, cnt_ptr, acc, g, pid, P):
-    """As ``_publish``; the partial is a cross-warp reduction every thread holds, and the thread that stores it
-    also releases the counter."""
-    gl.store(out_ptr + g * P + pid, gl.xor_sum(gl.xor_sum(acc, axis=1), axis=0))
-    gl.atomic_add(cnt_ptr + g * _LINE, 1, sem="release", scope="gpu")
+        _stage_publishes(acc, out_ptr, cnt_ptr, layer, r, pid, P, T_QKV, T_O, T_GU, T_DN, False)
 
 
 @gluon.jit
