@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -52,6 +53,15 @@ def start_server(args: list[str], log_path: Path, timeout: float = 120, command:
             proc.kill()
             pytest.fail(f"server did not become healthy:\n{log_path.read_text()}")
         time.sleep(0.25)
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM, and SIGKILL if the server has not exited within ``timeout`` seconds."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def assert_keeps_idle_connection(base: str) -> None:

@@ -8,9 +8,7 @@ import asyncio
 import json
 import math
 import os
-import signal
 import socket
-import subprocess
 import threading
 import time
 
@@ -25,7 +23,7 @@ from nvllm.bench.metrics import RequestResult
 from nvllm.bench.report import save_result
 from nvllm.cli import app
 from tests.conftest import SHARED_DATA
-from tests.server_utils import free_port, start_server
+from tests.server_utils import free_port, start_server, stop_server
 
 runner = CliRunner()
 
@@ -395,11 +393,7 @@ def real_server(tmp_path_factory):
     proc, base = start_server(["--api-key", key, "--device", "cpu", "--log-stats-interval", "0",
                                "--uvicorn-log-level", "warning", "--shutdown-timeout", "5"], log_path)
     yield base, key
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_server(proc)
 
 
 def test_serve_against_real_nvllm_server(real_server, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -21,7 +20,7 @@ from nvllm.engine import generation_defaults
 from nvllm.serve.params import resolve_max_tokens, sampling_params
 from nvllm.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tests.conftest import make_llm
-from tests.server_utils import start_server
+from tests.server_utils import start_server, stop_server
 
 PROMPT = "Once upon a time"
 # do_sample false as well: vLLM ignores it, and so must we. top_k 1 makes sampling greedy; a repetition penalty of 2
@@ -160,11 +159,7 @@ def client(recommending, tmp_path_factory):
                                "--device", "cpu", "--log-stats-interval", "0", "--uvicorn-log-level", "warning"],
                               log_path)
     yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120), log_path
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_server(proc)
 
 
 def test_server_requests_take_the_model_defaults_and_explicit_values_win(client, llm):

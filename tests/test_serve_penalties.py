@@ -4,8 +4,6 @@ bad values answered 400 naming the field."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
 
 import openai
 import pytest
@@ -13,7 +11,7 @@ import pytest
 from nvllm import SamplingParams
 from nvllm.assets import demo_model_path
 from tests.conftest import make_llm
-from tests.server_utils import start_server
+from tests.server_utils import start_server, stop_server
 
 MODEL = "stories260K"
 PROMPT = "Once upon a time"
@@ -25,11 +23,7 @@ def client(tmp_path_factory):
     proc, base = start_server(["--async-scheduling", "--max-model-len", "256", "--device", "cpu",
                                "--log-stats-interval", "0", "--uvicorn-log-level", "warning"], log_path)
     yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
