@@ -53,7 +53,7 @@ def load(setting: str, model_dir: str, speculative: bool = False) -> dict[str, A
     if not os.path.isfile(path):
         return {}
     try:
-        found = _read(folder, path)
+        found = _read(folder)
     except ConfigError as e:
         if setting != "auto":
             raise
@@ -65,8 +65,10 @@ def load(setting: str, model_dir: str, speculative: bool = False) -> dict[str, A
     return found
 
 
-def _read(folder: str, path: str) -> dict[str, Any]:
-    """The file's sampling fields, checked as SamplingParams checks them (ConfigError naming the file)."""
+def _read(folder: str) -> dict[str, Any]:
+    """The folder's generation_config.json sampling fields, checked as SamplingParams checks them (ConfigError
+    naming the file)."""
+    path = os.path.join(folder, FILE)
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
