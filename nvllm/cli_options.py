@@ -63,6 +63,9 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "generation_config": _opt("auto", str, "sampling defaults for requests that leave them unset: auto (the "
                               "model's generation_config.json: temperature, top_p, top_k, min_p, "
                               "repetition_penalty, max_new_tokens) | vllm (ignore it) | a folder holding one"),
+    "structured_outputs_config": _opt(None, Optional[str], "JSON settings of structured outputs (response_format, "
+                                      "guided_*): {\"backend\": \"xgrammar\", \"disable_any_whitespace\": true} "
+                                      "keeps JSON free of runs of whitespace a small model may loop in"),
     "speculative": _opt(None, Optional[str], "speculative decoding: k=4,draft=DIR | k=3,method=ngram | "
                         "k=auto,draft=DIR | JSON {\"draft_model\": DIR, \"num_speculative_tokens\": 4}"),
 }

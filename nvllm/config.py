@@ -43,6 +43,20 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def _json_object(value: Any, name: str, what: str) -> dict:
+    """A dict, its JSON text or None (an empty dict): the CLI's JSON-valued options."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a JSON object of {what}, got {value!r}")
+    return dict(value)
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded demo model
@@ -73,6 +87,9 @@ class EngineConfig:
     # sampling defaults (vLLM's --generation-config): auto (the model's generation_config.json) | vllm (ignore it)
     # | a folder holding one; nvllm.engine.generation_defaults
     generation_config: str = "auto"
+    # structured outputs for the whole engine (vLLM's --structured-outputs-config): {"backend": "auto" | "xgrammar",
+    # "disable_any_whitespace": bool} or its JSON text; requests' constraints use it
+    structured_outputs_config: Any = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -100,6 +117,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be at least 1")
         self._check_hf_overrides()
+        self._check_structured_outputs_config()
         self._check_tensor_parallel_size()
         self._check_kv_cache_dtype()
         from nvllm.engine.generation_defaults import check_setting
@@ -123,17 +141,20 @@ class EngineConfig:
 
     def _check_hf_overrides(self) -> None:
         """A dict of config.json fields, or its JSON text (the CLI's --hf-overrides)."""
-        value = self.hf_overrides
-        if value is None:
-            value = {}
-        elif isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"hf_overrides is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"hf_overrides must be a JSON object of config.json fields, got {value!r}")
-        self.hf_overrides = value
+        self.hf_overrides = _json_object(self.hf_overrides, "hf_overrides", "config.json fields")
+
+    def _check_structured_outputs_config(self) -> None:
+        value = _json_object(self.structured_outputs_config, "structured_outputs_config", "settings")
+        unknown = sorted(set(value) - {"backend", "disable_any_whitespace"})
+        if unknown:
+            raise ConfigError(f"unknown structured_outputs_config field {unknown[0]!r}; the fields are backend and "
+                              "disable_any_whitespace")
+        if value.setdefault("backend", "auto") not in ("auto", "xgrammar"):
+            raise ConfigError(f"structured outputs backend {value['backend']!r} is not available; nvllm uses xgrammar "
+                              "(auto)")
+        if not isinstance(value.setdefault("disable_any_whitespace", False), bool):
+            raise ConfigError("structured_outputs_config's disable_any_whitespace must be true or false")
+        self.structured_outputs_config = value
 
     def _check_tensor_parallel_size(self) -> None:
         n = self.tensor_parallel_size

@@ -13,6 +13,47 @@ MAX_LOGIT_BIAS = 100.0  # a bias is clamped to [-100, 100], as vLLM and OpenAI d
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the generated text (vLLM's StructuredOutputsParams): exactly one of a JSON schema (a dict or its
+    JSON text), any JSON object, a regular expression, one of fixed strings, or an EBNF grammar (xgrammar's
+    dialect, GBNF-like: ``root ::= ...``). The tokens that would break the constraint are masked before every draw
+    (nvllm.engine.structured_output); the sequence ends once the constraint is complete."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: no whitespace beyond one space after ':' and ','
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice or grammar"
+                             + (f"; got {', '.join(given)}" if given else ""))
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured outputs' json must be a JSON schema (an object or its text), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured outputs' {name} must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured outputs' choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, json_object, regex, choice or grammar."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -35,6 +76,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +118,14 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number greater than 0, got "
                              f"{self.repetition_penalty}")
         self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"unknown structured_outputs field {unknown[0]!r}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -91,7 +141,9 @@ class SamplingParams:
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             if getattr(self, name) != neutral:
                 return name
-        return "logit_bias" if self.logit_bias else None
+        if self.logit_bias:
+            return "logit_bias"
+        return "structured_outputs" if self.structured_outputs is not None else None
 
 
 def _checked_logit_bias(bias) -> dict[int, float] | None:

@@ -202,7 +202,7 @@ def test_32_concurrent_requests_match_a_mixed_server(deployment, stream):
     assert min(counts) > 0  # both decode workers took requests (least-loaded picking)
 
 
-def test_chat_stop_strings_logprobs_and_seeds_match(deployment):
+def test_chat_stop_strings_logprobs_seeds_and_constraints_match(deployment):
     router, mixed = _client(deployment["urls"]["router"]), _client(deployment["urls"]["mixed"])
     messages = [{"role": "system", "content": "A story."}, {"role": "user", "content": "Tell me about a cat."}]
     calls = [
@@ -218,6 +218,13 @@ def test_chat_stop_strings_logprobs_and_seeds_match(deployment):
                              presence_penalty=0.5, logit_bias={"13": -3}, extra_body={"repetition_penalty": 1.3})),
         ("chat", dict(messages=messages, max_tokens=16, temperature=0, presence_penalty=2.0,
                       extra_body={"repetition_penalty": 1.2})),
+        # structured outputs: the decode worker's matcher starts past the prefill worker's first token
+        ("completions", dict(prompt=PROMPTS[2], max_tokens=20, temperature=1.0, seed=3, n=3,
+                             extra_body={"guided_regex": r"[a-z]{2,6}-\d{1,3}"})),
+        ("chat", dict(messages=messages, max_tokens=40, temperature=0, response_format={
+            "type": "json_schema", "json_schema": {"name": "pet", "schema": {
+                "type": "object", "required": ["name", "age"], "additionalProperties": False, "properties": {
+                    "name": {"enum": ["Tom", "Lily"]}, "age": {"type": "integer", "maximum": 99}}}}})),
     ]
     for kind, kw in calls:
         api = (lambda c: c.chat.completions) if kind == "chat" else (lambda c: c.completions)

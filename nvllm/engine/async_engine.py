@@ -48,6 +48,7 @@ class OutputStream:
         """Queue a request on the engine; raises ValueError (bad input) with nothing changed. prefill_only: see
         LLMEngine.add_request (disaggregated prefill)."""
         request_id = request_id or uuid.uuid4().hex
+        await self._engine.precompile(params)
         await self._add(request_id, lambda e: e.add_request(request_id, prompt, params, arrival_time or time.time(),
                                                             prefill_only), emit=False)
         return request_id
@@ -58,6 +59,7 @@ class OutputStream:
         """Decode side of disaggregation: register a request a prefill worker started (LLMEngine.
         add_prefilled_request); its first output (the first tokens) is in the stream at once. Returns where
         the prompt KV of each sequence still decoding goes."""
+        await self._engine.precompile(params)
         return await self._add(request_id, lambda e: e.add_prefilled_request(
             request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs), emit=True)
 
@@ -130,6 +132,12 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join, timeout)
 
     # ---- requests ------------------------------------------------------------------------------------
+    async def precompile(self, params: SamplingParams) -> None:
+        """Compile a request's structured outputs constraint in a worker thread (ValueError when it is invalid):
+        the engine thread then finds it in the compiler's cache instead of stalling the batch on it."""
+        if params.structured_outputs is not None and self.engine.spec is None:  # else refused by name on adding
+            await asyncio.to_thread(self.engine.structured.compile, params.structured_outputs)
+
     def open_stream(self) -> OutputStream:
         self.start()
         return OutputStream(self)

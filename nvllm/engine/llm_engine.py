@@ -17,6 +17,8 @@ from nvllm.engine.detokenizer import IncrementalDetokenizer
 from nvllm.engine.kv_handoff import KVHandoff, KVTarget
 from nvllm.engine.metrics import EngineStats, StatLogger
 from nvllm.engine.inflight import InflightStep
+from nvllm.engine.structured_output import StructuredOutputs
+from nvllm.engine.structured_output import advance as advance_grammar
 from nvllm.engine.model_runner import ModelRunner
 from nvllm.engine.output_builder import OutputBuilder
 from nvllm.engine.scheduler import Scheduler
@@ -51,6 +53,8 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.model.shape.vocab_size
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                            config.structured_outputs_config["disable_any_whitespace"])
         self.spec = None  # speculative decoding (nvllm.spec.decoder.SpecDecoder) when config.speculative is set
         if config.speculative is not None:
             from nvllm.spec.decoder import SpecDecoder
@@ -164,6 +168,8 @@ class LLMEngine:
         unsupported = params.unsupported_with_speculation() if self.spec is not None else None
         if unsupported is not None:  # verification compares the draft's and the target's unpenalized distributions
             raise ValueError(f"{unsupported} is not supported with speculative decoding")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)
         return ids
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -245,8 +251,10 @@ class LLMEngine:
         prompt_chunks = [n for seq, n in scheduled if seq.num_computed_tokens < seq.num_prompt_tokens]
         self._mark_scheduled(scheduled)
         rows = [self._sample_row(seq) for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
+        # a constrained sequence's next mask needs this step's token on the host: such steps are read at once
         defer = self.async_scheduling and not any(
-            seq.params.logprobs is not None or seq.wants_prompt_logprobs or seq.prefill_only for seq, _ in scheduled)
+            seq.params.logprobs is not None or seq.wants_prompt_logprobs or seq.prefill_only
+            or seq.params.structured_outputs is not None for seq, _ in scheduled)
         result = self.runner.execute(scheduled, rows, prev_tokens=prev.tokens if prev is not None else None,
                                      defer=defer)
         now = time.time()
@@ -371,8 +379,10 @@ class LLMEngine:
         """What the sampler needs of the sequence; a penalized one's tokens as they are now, the newest maybe still
         a placeholder of the step in flight (the sampler takes it from that step's tokens on the device)."""
         p = seq.params
+        if p.structured_outputs is not None and seq.grammar is None:  # a decode worker's starts past the first token
+            seq.grammar = self.structured.matcher(p.structured_outputs, seq.output_token_ids)
         return SampleRow(p, seq.generator, self._banned(seq), seq.token_ids if p.penalized else None,
-                         seq.num_prompt_tokens)
+                         seq.num_prompt_tokens, seq.grammar)
 
     def _banned(self, seq: Sequence) -> list[int]:
         if seq.num_output_tokens >= seq.params.min_tokens:
@@ -395,7 +405,10 @@ class LLMEngine:
             d = lp_info if isinstance(lp_info, dict) else self.outputs.logprob_dict(tok, *lp_info)
             seq.cumulative_logprob += d[tok].logprob
             seq.logprobs.append(d)
+        fits = seq.grammar is None or advance_grammar(seq.grammar, tok)
         check_stop(seq, tok, length, self.eos_token_ids, self.max_model_len)
+        if seq.finish_reason is None and not fits:  # the constraint is complete (or broken): nothing may follow
+            seq.finish_reason = "stop"
         if seq.finish_reason is not None:
             self._finish(seq)
         elif seq.prefill_only:  # disaggregated prefill: done here; a decode worker fetches the KV

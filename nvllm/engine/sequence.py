@@ -43,6 +43,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detokenizer: object = None  # IncrementalDetokenizer, set by the engine
+    grammar: object = None  # structured outputs: the xgrammar matcher following the generated tokens
     last_reported: int = 0  # generated tokens already handed out in a RequestOutput
     # speculative decoding
     num_draft_computed: int = 0  # tokens whose K/V are in the draft model's cache (same block table)

@@ -1,4 +1,4 @@
-"""Turn logits into tokens: logit_bias and the presence / frequency / repetition penalties (nvllm.layers.penalties),
+"""Turn logits into tokens: structured outputs' grammar masks (nvllm.engine.structured_output), logit_bias and the presence / frequency / repetition penalties (nvllm.layers.penalties),
 greedy, temperature, top-k, top-p, min-p, per-request seeds, and the log-probabilities users ask for (computed on
 the raw distribution, as vLLM reports them: before any bias, penalty, temperature or filter)."""
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nvllm.engine.structured_output import apply_grammar_masks
 from nvllm.kernels import report
 from nvllm.kernels.argmax import argmax_kernel_fits, greedy_argmax, gumbel_argmax
 from nvllm.layers.penalties import apply_logit_bias, apply_penalties, needs_processing
@@ -23,6 +24,7 @@ class SampleRow:
     # the sampler's call; −1 − r stands for row r of the ``pending`` tokens still on the device
     token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
+    grammar: object = None  # structured outputs: the sequence's xgrammar matcher, which masks the row
 
 
 @dataclass
@@ -79,9 +81,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow], pending: torch.Tensor | None = None
                ) -> torch.Tensor:
         """The chosen token of every row, as an int64 device tensor; nothing waits for the device (logits is
-        modified in place: banned tokens are masked, then logit_bias added and the penalties applied, vLLM's
-        order). ``pending``: the tokens of the step still in flight, for penalized rows' placeholders."""
+        modified in place: the tokens a row's grammar refuses and its banned tokens are masked, then logit_bias
+        added and the penalties applied, vLLM's order). ``pending``: the tokens of the step still in flight, for
+        penalized rows' placeholders."""
         device = logits.device
+        apply_grammar_masks(logits, rows)
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned]
         if banned:
             bi, bt = zip(*banned)

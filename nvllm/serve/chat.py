@@ -52,8 +52,6 @@ class ChatHandler:
         """Validate everything: the response id, the one engine request (id, prompt ids, params), the prompt."""
         if req.tools:
             raise bad_request("tools are not supported by this server", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("only the 'text' response_format is supported by this server", "response_format")
         self.prompts.check_ids(req.stop_token_ids or [], "stop_token_ids")
         num_top = self._num_top(req)
         ids = self.prompts.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from nvllm.engine.generation_defaults import NEUTRAL, with_defaults
 from nvllm.outputs import CompletionOutput, RequestOutput
-from nvllm.sampling_params import SamplingParams
+from nvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nvllm.serve.errors import bad_request, from_value_error
 from nvllm.serve.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 
@@ -64,6 +64,46 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(k): v for k, v in bias.items()}
 
 
+def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever one of its fields gives it: OpenAI's ``response_format``
+    (json_object, json_schema), vLLM's ``structured_outputs`` object, or vLLM's older ``guided_json`` /
+    ``guided_regex`` / ``guided_choice`` / ``guided_grammar``. The constraint itself is compiled (and a bad one
+    refused) when the request is added."""
+    given: list[tuple[str, StructuredOutputsParams]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            given.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, str)):
+                raise bad_request("response_format of type json_schema needs json_schema.schema (a JSON schema)",
+                                  "response_format")
+            given.append(("response_format", StructuredOutputsParams(json=schema)))
+        elif kind != "text":
+            raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                              "response_format")
+    if req.structured_outputs is not None:
+        try:
+            given.append(("structured_outputs", SamplingParams(structured_outputs=req.structured_outputs)
+                          .structured_outputs))
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e), "structured_outputs") from None
+    for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                        ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            try:
+                given.append((name, StructuredOutputsParams(**{field: value})))
+            except ValueError as e:
+                raise bad_request(str(e), name) from None
+    if len(given) > 1:
+        raise bad_request(f"give one output constraint, not {' and '.join(name for name, _ in given)}", given[1][0])
+    return given[0][1] if given else None
+
+
 def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
     """A field the request leaves null (or out) takes the model's default (``defaults``: the engine's
@@ -79,7 +119,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
-            logit_bias=bias, **sampling)
+            logit_bias=bias, structured_outputs=structured_outputs(req), **sampling)
     except ValueError as e:
         raise from_value_error(e) from None
 

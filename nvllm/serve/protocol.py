@@ -64,6 +64,14 @@ class SamplingRequest(OpenAIModel):
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None  # None: the model's default (generation_config.json), else 1
     logit_bias: dict[str, float] | None = None
+    # structured outputs (nvllm.serve.params.structured_outputs): OpenAI's response_format, vLLM's
+    # structured_outputs object, or its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -96,7 +104,6 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(OpenAIModel):

@@ -1,0 +1,130 @@
+"""Structured outputs through xgrammar, vLLM's default backend: JSON schemas, any JSON object, regular expressions,
+fixed choices and EBNF grammars (nvllm.sampling_params.StructuredOutputsParams).
+
+A request's constraint is compiled once against the tokenizer's vocabulary (xgrammar's compiler caches it; the
+server compiles it off the engine thread before the request is queued, so a bad schema is a 400 and a slow one does
+not stall the batch). Each sequence keeps a matcher that follows its tokens. Before every draw the tokens its matcher
+would refuse are set to −inf in that row's logits, after banned tokens and before bias, penalties, temperature and
+the filters; log-probabilities stay those of the raw distribution, as with vLLM. Once the constraint is complete the
+matcher allows only the end-of-sequence tokens; a sequence whose matcher has terminated, or refuses a token (every
+token of the row was masked: min_tokens banning the only way out), is finished."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from nvllm.kernels import report
+from nvllm.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from nvllm.layers.sampler import SampleRow
+
+logger = logging.getLogger("nvllm")
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+def _import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError("structured outputs need the xgrammar package (pip install xgrammar)") from e
+    return xgrammar
+
+
+class StructuredOutputs:
+    """The engine's grammar compiler (built at the first constrained request: reading a large vocabulary takes a
+    moment) and the masking of a step's constrained rows."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], disable_any_whitespace: bool = False):
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self.disable_any_whitespace = disable_any_whitespace  # the engine's setting, for every request
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                xgr = _import_xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled constraint (cached by xgrammar); ValueError naming what is wrong with it. Thread-safe."""
+        compiler = self._get_compiler()
+        kind = params.kind
+        try:
+            if kind in ("json", "json_object"):  # any JSON object: the schema {"type": "object"}, as vLLM has it
+                schema = params.json if kind == "json" else {"type": "object"}
+                return compiler.compile_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
+                                                    any_whitespace=not (params.disable_any_whitespace
+                                                                        or self.disable_any_whitespace))
+            if kind == "regex":
+                return compiler.compile_regex(params.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(params.choice))
+            return compiler.compile_grammar(params.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"invalid structured outputs {kind}: {_message(e)}") from None
+
+    def matcher(self, params: StructuredOutputsParams, tokens: list[int]):
+        """A new matcher for one sequence, advanced over ``tokens`` (generated elsewhere: a prefill worker's)."""
+        xgr = _import_xgrammar()
+        m = xgr.GrammarMatcher(self.compile(params))
+        for t in tokens:
+            if not m.accept_token(t):
+                raise ValueError(f"token {t} already generated breaks the structured outputs constraint")
+        return m
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF for exactly one of the strings: each a literal, escaped as a JSON string (xgrammar reads its escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Set to −inf, in place, every token the row's matcher would refuse (rows with a ``grammar``)."""
+    want = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not want:
+        return
+    xgr = _import_xgrammar()
+    vocab = logits.shape[-1]
+    bitmask = torch.full(tuple(xgr.get_bitmask_shape(len(want), vocab)), -1, dtype=xgr.bitmask_dtype,
+                         pin_memory=logits.is_cuda)
+    for j, i in enumerate(want):
+        rows[i].grammar.fill_next_token_bitmask(bitmask, j)
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    report.record("structured_output", "xgrammar token bitmask")
+    if len(want) == logits.shape[0]:
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
+        return
+    idx = torch.tensor(want, device=logits.device)
+    part = logits[idx]
+    xgr.apply_token_bitmask_inplace(part, bitmask, vocab_size=vocab)
+    logits[idx] = part
+
+
+def advance(matcher, token: int) -> bool:
+    """Feed a sampled token to the sequence's matcher; False when the sequence must end here: the constraint is
+    complete, or the token breaks it (logged)."""
+    if matcher.is_terminated():
+        return False
+    if not matcher.accept_token(token):
+        logger.warning("structured outputs: token %d does not fit the constraint; the "
+                       "sequence ends here", token)
+        return False
+    return not matcher.is_terminated()
+
+
+def _message(e: BaseException) -> str:
+    """xgrammar's error without its C++ log prefix, first line only."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return _LOG_PREFIX.sub("", text)

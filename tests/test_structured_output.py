@@ -1,0 +1,162 @@
+"""Structured outputs on the engine (xgrammar masks): every constrained output is checked by a parser no one here
+wrote (``json``, pydantic, Python's ``re``), the constraint beats a +100 logit bias, unconstrained rows of the same
+batch are untouched, asynchronous scheduling gives the same tokens, and bad constraints are one clear ValueError."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pydantic
+import pytest
+
+from nvllm import SamplingParams, StructuredOutputsParams as S
+from nvllm.assets import demo_model_path
+from nvllm.engine.structured_output import choice_grammar
+from nvllm.kernels import report
+from tests.conftest import make_llm
+
+PROMPT = "Once upon a time"
+CHOICES = ['a"b', "x\\y", "new\nline", "émoji ✓"]
+
+
+class Pet(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    kind: str = pydantic.Field(pattern="^(cat|dog)$")
+    age: int = pydantic.Field(ge=0, le=9)
+    happy: bool
+
+
+PET_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["kind", "age", "happy"],
+              "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 9},
+                             "happy": {"type": "boolean"}}}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm(demo_model_path())
+
+
+def gen(llm, constraint: S, n: int = 1, **kw) -> list:
+    kw.setdefault("temperature", 0)
+    params = SamplingParams(n=n, max_tokens=kw.pop("max_tokens", 80), structured_outputs=constraint, **kw)
+    return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+
+
+def test_json_schema_outputs_validate(llm):
+    outs = gen(llm, S(json=PET_SCHEMA, disable_any_whitespace=True))
+    outs += gen(llm, S(json=json.dumps(PET_SCHEMA), disable_any_whitespace=True), n=4, temperature=1.0, seed=7)
+    for c in outs:
+        assert c.finish_reason == "stop", c.text
+        pet = Pet.model_validate_json(c.text)
+        assert json.loads(c.text) == pet.model_dump()
+
+
+def test_regex_choice_and_grammar_outputs_match(llm):
+    report.reset()
+    for c in gen(llm, S(regex=r"[ab]{3}-\d{2}"), n=3, temperature=1.0, seed=1):
+        assert re.fullmatch(r"[ab]{3}-\d{2}", c.text) and c.finish_reason == "stop"
+    for c in gen(llm, S(choice=CHOICES), n=4, temperature=1.5, seed=2):
+        assert c.text in CHOICES and c.finish_reason == "stop"
+    for c in gen(llm, S(grammar='root ::= ("yes" | "no") ", " [0-9] [0-9]'), n=2, temperature=1.0, seed=3):
+        assert re.fullmatch(r"(yes|no), \d\d", c.text)
+    assert report.snapshot()["structured_output"]["xgrammar token bitmask"] > 0
+
+
+def test_choice_grammar_escapes_every_literal():
+    assert choice_grammar(['a"b', "x\\y"]) == 'root ::= "a\\"b" | "x\\\\y"'
+
+
+def test_json_object_is_an_object(llm):
+    tok = llm.get_tokenizer()
+    close = tok.encode("}", add_special_tokens=False)[-1]
+    # the story model would write a long string key; a bias towards "}" lets the object close where it may
+    c = gen(llm, S(json_object=True, disable_any_whitespace=True), logit_bias={close: 30.0})[0]
+    assert isinstance(json.loads(c.text), dict) and c.finish_reason == "stop"
+
+
+def test_the_mask_beats_the_bias_and_spares_other_rows(llm):
+    tok = llm.get_tokenizer()
+    dog = tok.encode(" dog", add_special_tokens=False)[-1]
+    plain = SamplingParams(max_tokens=12, temperature=0)
+    alone = llm.generate([PROMPT], plain, use_tqdm=False)[0].outputs[0]
+    boxed = SamplingParams(max_tokens=12, temperature=0, logit_bias={dog: 100.0},
+                           structured_outputs=S(regex="[0-9]{4}"))
+    outs = llm.generate([PROMPT, PROMPT, PROMPT], [plain, boxed, plain], use_tqdm=False)
+    assert re.fullmatch("[0-9]{4}", outs[1].outputs[0].text)
+    assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids == alone.token_ids
+
+
+def test_async_scheduling_gives_the_same_tokens(llm):
+    prompts = [PROMPT, "The cat", PROMPT, "Tom"]
+    params = [SamplingParams(max_tokens=30, temperature=0),
+              SamplingParams(max_tokens=40, temperature=0, structured_outputs=S(json=PET_SCHEMA)),
+              SamplingParams(max_tokens=30, temperature=0.9, seed=4, structured_outputs=S(choice=CHOICES)),
+              SamplingParams(max_tokens=30, temperature=0.9, seed=5)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    async_llm = make_llm(demo_model_path(), async_scheduling=True)
+    got = [o.outputs[0].token_ids for o in async_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_a_complete_constraint_ends_the_sequence_even_with_ignore_eos(llm):
+    c = gen(llm, S(choice=["yes", "no"]), ignore_eos=True, max_tokens=20)[0]
+    assert c.text in ("yes", "no") and c.finish_reason == "stop" and len(c.token_ids) < 20
+
+
+def test_a_cut_constraint_finishes_on_length(llm):
+    c = gen(llm, S(regex="[a-z]{40}"), max_tokens=5)[0]
+    assert c.finish_reason == "length" and re.fullmatch("[a-z]+", c.text)
+
+
+@pytest.mark.parametrize("constraint, message", [
+    (dict(regex="[a-"), "invalid structured outputs regex: Regex parsing error"),
+    (dict(json="{bad"), "invalid structured outputs json: Failed to parse JSON"),
+    (dict(json={"type": "nonsense"}), "invalid structured outputs json"),
+    (dict(grammar="root ::= foo"), 'invalid structured outputs grammar: EBNF parser error at line 1, column 10: '
+                                   'Rule "foo" is not defined'),
+])
+def test_bad_constraints_are_one_clear_error(llm, constraint, message):
+    with pytest.raises(ValueError) as e:
+        llm.generate([PROMPT], SamplingParams(structured_outputs=S(**constraint)), use_tqdm=False)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value) and "/project" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(), "exactly one of"),
+    (dict(regex="a", choice=["a"]), "got regex, choice"),
+    (dict(choice=[]), "non-empty list"),
+    (dict(choice="ab"), "non-empty list"),
+    (dict(regex=""), "non-empty string"),
+    (dict(json=3), "JSON schema"),
+])
+def test_bad_params_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        S(**kw)
+
+
+def test_params_take_a_dict_as_vllm_does():
+    assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == S(regex="a+")
+    with pytest.raises(ValueError, match="unknown structured_outputs field 'regexp'"):
+        SamplingParams(structured_outputs={"regexp": "a+"})
+
+
+def test_speculative_decoding_refuses_constraints_by_name():
+    spec = make_llm(demo_model_path(), speculative="k=2,method=ngram")
+    with pytest.raises(ValueError, match="^structured_outputs is not supported with speculative decoding"):
+        spec.generate([PROMPT], SamplingParams(structured_outputs=S(regex="a+")), use_tqdm=False)
+
+
+def test_engine_wide_whitespace_setting(llm):
+    from nvllm.config import ConfigError, EngineConfig
+
+    assert EngineConfig(structured_outputs_config='{"disable_any_whitespace": true}').structured_outputs_config == {
+        "backend": "auto", "disable_any_whitespace": True}
+    for bad, message in (('{"backend": "outlines"}', "backend 'outlines' is not available"),
+                         ('{"whitespace": 1}', "unknown structured_outputs_config field 'whitespace'"),
+                         ("[1]", "must be a JSON object"), ("{", "is not valid JSON")):
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig(structured_outputs_config=bad)
+    tight = make_llm(demo_model_path(), structured_outputs_config={"disable_any_whitespace": True})
+    want = gen(llm, S(json=PET_SCHEMA, disable_any_whitespace=True))[0].text
+    assert gen(tight, S(json=PET_SCHEMA))[0].text == want != gen(llm, S(json=PET_SCHEMA))[0].text
