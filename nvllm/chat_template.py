@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -48,18 +49,21 @@ def load_chat_template(tokenizer, path: str | None) -> tuple[str, bool]:
 
 
 def render_chat(tokenizer, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
-    """The prompt text of OpenAI-style messages ({"role", "content"}: a string, None, or a list of text parts)."""
+                continue_final_message: bool = False, template_kwargs: dict | None = None,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text of OpenAI-style messages ({"role", "content"}: a string, None, or a list of text parts; an
+    assistant turn's ``tool_calls``, a tool turn's ``tool_call_id``), with the ``tools`` (OpenAI's function
+    definitions) given to the template as HF templates take them."""
     if not messages:
         raise ChatTemplateError("messages must not be empty")
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true",
                                 "continue_final_message")
-    conversation = [{"role": _role_of(m, i), "content": _text_of(m, i)} for i, m in enumerate(messages)]
+    conversation = [_turn(m, i) for i, m in enumerate(messages)]
     try:
         return tokenizer.apply_chat_template(
             conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(template_kwargs or {}))
+            continue_final_message=continue_final_message, tools=tools or None, **(template_kwargs or {}))
     except Exception as e:  # jinja's TemplateError (e.g. roles must alternate) and friends
         raise ChatTemplateError(f"cannot apply the chat template: {e}") from None
 
@@ -73,6 +77,27 @@ def encode_chat(tokenizer, text: str, is_fallback: bool, add_special_tokens: boo
     if not ids:
         raise ChatTemplateError("the rendered chat prompt is empty")
     return ids
+
+
+def _turn(message: Any, index: int) -> dict[str, Any]:
+    """One message as templates read it. A tool call's arguments (JSON text in OpenAI's API) become the object
+    they encode: HF templates (Qwen's, Llama's) write them with ``tojson``, as vLLM hands them over."""
+    turn = {"role": _role_of(message, index), "content": _text_of(message, index)}
+    if message.get("tool_calls"):
+        calls = []
+        for call in message["tool_calls"]:
+            fn = dict(call.get("function") or {})
+            try:
+                fn["arguments"] = json.loads(fn.get("arguments") or "{}")
+            except (TypeError, json.JSONDecodeError):
+                raise ChatTemplateError(f"messages[{index}]: tool call arguments must be JSON text, got "
+                                        f"{fn.get('arguments')!r}") from None
+            calls.append({**call, "function": fn})
+        turn["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            turn[key] = message[key]
+    return turn
 
 
 def _role_of(message: Any, index: int) -> str:

@@ -111,6 +111,12 @@ def serve(
     shutdown_timeout: Annotated[int, typer.Option(help="seconds in-flight requests get on SIGINT/SIGTERM")] = 30,
     uvicorn_log_level: Annotated[str, typer.Option(help="uvicorn's log level (access lines at info)")] = "info",
     fd: _FD = None,
+    enable_auto_tool_choice: Annotated[bool, typer.Option(help="let the model call tools by itself (tool_choice "
+                                                          "\"auto\", the default with tools); needs "
+                                                          "--tool-call-parser")] = False,
+    tool_call_parser: Annotated[Optional[str], typer.Option(help="how the model writes tool calls: hermes "
+                                                            "(Qwen2.5, Qwen3, Hermes) | llama3_json (Llama 3.x)")
+                                ] = None,
     *, engine_config: EngineConfig, disagg_config: DisaggConfig,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, models, metrics); as a prefill or
@@ -120,7 +126,8 @@ def serve(
     try:
         config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                               chat_template=chat_template, max_request_bytes=max_request_bytes,
-                              shutdown_timeout=shutdown_timeout, log_level=uvicorn_log_level, fd=fd)
+                              shutdown_timeout=shutdown_timeout, log_level=uvicorn_log_level, fd=fd,
+                              enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
         if disagg_config.disaggregate:
             from nvllm.disagg.launcher import launch
 

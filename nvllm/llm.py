@@ -76,14 +76,15 @@ class LLM:
     def chat(self, messages: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
-             ) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role": ..., "content": ...} messages; content a string
         or a list of {"type": "text", "text": ...} parts) or a list of them, each rendered through the chat
         template and tokenized as the server's /v1/chat/completions does, then generated as `generate` does
         (one RequestOutput per conversation; its prompt is the rendered text). chat_template: Jinja template
-        text; default: the tokenizer's, else the server's plain 'User: … / Assistant:' fallback. Bad messages
-        raise ValueError and nothing is queued."""
+        text; default: the tokenizer's, else the server's plain 'User: … / Assistant:' fallback. tools: OpenAI
+        function definitions the template writes into the prompt (the reply is text; the server parses calls).
+        Bad messages raise ValueError and nothing is queued."""
         from nvllm import chat_template as ct
 
         many = isinstance(messages, (list, tuple)) and bool(messages) and all(
@@ -97,7 +98,7 @@ class LLM:
             template, fallback = self._chat_template
         tok = self.engine.tokenizer
         texts = [ct.render_chat(tok, template, list(c), add_generation_prompt, continue_final_message,
-                                chat_template_kwargs) for c in conversations]
+                                chat_template_kwargs, tools) for c in conversations]
         ids = [ct.encode_chat(tok, text, fallback) for text in texts]
         return self._generate(ids, sampling_params, use_tqdm, texts)
 

@@ -25,6 +25,7 @@ from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nvllm.engine.generation_defaults import announce
 from nvllm.serve.chat import ChatHandler
+from nvllm.serve.tool_parsers import TOOL_PARSERS, get_tool_parser
 from nvllm.serve.completions import CompletionHandler
 from nvllm.serve.errors import APIError, install_error_handlers
 from nvllm.serve.http import ClientGone, EventStreamResponse, check_api_key, parse_body, until_disconnect
@@ -51,6 +52,9 @@ class ServerConfig:
     shutdown_timeout: int = 30
     log_level: str = "info"
     fd: int | None = None  # an inherited, bound socket to serve on instead of host:port (uvicorn's --fd)
+    # tool_choice "auto": the model's calls taken out of its text by this parser (nvllm.serve.tool_parsers)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -61,6 +65,12 @@ class ServerConfig:
             raise ConfigError("api_key must not be empty")
         if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
             raise ConfigError(f"chat template file {self.chat_template} does not exist")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ConfigError(f"unknown tool call parser {self.tool_call_parser!r}; choose "
+                              f"{', '.join(sorted(TOOL_PARSERS))}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes for Qwen2.5/Qwen3, "
+                              "llama3_json for Llama 3.x)")
 
 
 @dataclass
@@ -100,7 +110,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
     defaults = core.generation_defaults  # the model's sampling defaults, for request fields left unset
     announce(defaults)
     completions = CompletionHandler(engine, prompts, model_name, defaults)
-    chat = ChatHandler(engine, prompts, model_name, defaults)
+    auto_tools = get_tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None
+    chat = ChatHandler(engine, prompts, model_name, defaults, auto_tools)
     limit = config.max_request_bytes
 
     @contextlib.asynccontextmanager
@@ -168,7 +179,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            text = prompts.render_chat(req.messages, req.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            text = prompts.render_chat(req.messages, req.add_generation_prompt, tools=tools)
             special = prompts.fallback_template if req.add_special_tokens is None else req.add_special_tokens
         else:
             text, special = req.prompt, True if req.add_special_tokens is None else req.add_special_tokens

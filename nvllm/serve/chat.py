@@ -13,6 +13,8 @@ from nvllm.serve.http import sse
 from nvllm.serve.params import (ChoiceProgress, check_logprobs, resolve_max_tokens, submit,
                                 sampling_params, usage)
 from nvllm.serve.prompts import PromptProcessor
+from nvllm.serve.tool_parsers import ToolParser
+from nvllm.serve.tools import ToolStream, plan_tools
 from nvllm.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                   ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
                                   DeltaMessage, TopLogprob, random_id)
@@ -31,9 +33,11 @@ def chat_logprobs(token_ids: list[int], dicts: list, num_top: int, token_text) -
 
 
 class ChatHandler:
-    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, model_name: str, defaults: dict):
+    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, model_name: str, defaults: dict,
+                 tool_parser: ToolParser | None = None):
         self.engine, self.prompts, self.model_name = engine, prompts, model_name
         self.defaults = defaults  # the model's sampling defaults (nvllm.engine.generation_defaults)
+        self.tool_parser = tool_parser  # --enable-auto-tool-choice's parser
 
     def _num_top(self, req: ChatCompletionRequest) -> int | None:
         """The engine's logprobs count: None unless logprobs is true; then top_logprobs (default 0)."""
@@ -50,17 +54,18 @@ class ChatHandler:
 
     def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[tuple[str, list[int], SamplingParams]], list[int]]:
         """Validate everything: the response id, the one engine request (id, prompt ids, params), the prompt."""
-        if req.tools:
-            raise bad_request("tools are not supported by this server", "tools")
+        plan = plan_tools(req, self.tool_parser)
         self.prompts.check_ids(req.stop_token_ids or [], "stop_token_ids")
         num_top = self._num_top(req)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         ids = self.prompts.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                       req.chat_template_kwargs)
+                                       req.chat_template_kwargs, tools=tools)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(ids), self.prompts.max_model_len, param,
                                         self.defaults.get("max_tokens"))
         params = sampling_params(req, max_tokens, num_top, defaults=self.defaults)
+        params.structured_outputs = plan.constraint() or params.structured_outputs
         request_id = random_id("chatcmpl")
         return request_id, [(request_id, ids, params)], ids
 
@@ -73,11 +78,15 @@ class ChatHandler:
         finally:
             stream.close()
         num_top = self._num_top(req)
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=None if num_top is None else chat_logprobs(
-                                  c.token_ids, c.logprobs or [], num_top, self.prompts.token_text),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in final.outputs]
+        plan = plan_tools(req, self.tool_parser)
+        choices = []
+        for c in final.outputs:
+            content, calls = plan.calls(c.text)
+            choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
+                                      logprobs=None if num_top is None else chat_logprobs(
+                                          c.token_ids, c.logprobs or [], num_top, self.prompts.token_text),
+                                      finish_reason=plan.finish_reason(c.finish_reason, bool(calls)),
+                                      stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage([final], [len(prompt_ids)]))
 
@@ -87,7 +96,9 @@ class ChatHandler:
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
         num_top = self._num_top(req)
+        plan = plan_tools(req, self.tool_parser)
         progress = [ChoiceProgress() for _ in range(req.n)]
+        tool_streams = [ToolStream(plan) for _ in range(req.n)] if plan.mode != "none" else None
         latest: RequestOutput | None = None
         try:
             for i in range(req.n):  # OpenAI opens every choice with the role
@@ -101,8 +112,16 @@ class ChatHandler:
                         continue
                     lps = None if num_top is None else chat_logprobs(d.token_ids, d.logprobs or [], num_top,
                                                                      self.prompts.token_text)
-                    choice = ChatChunkChoice(index=c.index, delta=DeltaMessage(content=d.text), logprobs=lps,
-                                             finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                    delta, finish = DeltaMessage(content=d.text), d.finish_reason
+                    if tool_streams is not None:
+                        ts = tool_streams[c.index]
+                        content, calls = ts.delta(c.text, finish is not None)
+                        if content is None and calls is None and finish is None and lps is None:
+                            continue
+                        delta, finish = DeltaMessage(content=content, tool_calls=calls), plan.finish_reason(
+                            finish, ts.called)
+                    choice = ChatChunkChoice(index=c.index, delta=delta, logprobs=lps, finish_reason=finish,
+                                             stop_reason=d.stop_reason)
                     chunk = self._chunk(request_id, [choice])
                     if continuous:
                         chunk.usage = usage([latest], [len(prompt_ids)])

@@ -57,17 +57,18 @@ class PromptProcessor:
 
     # ---- chat ----------------------------------------------------------------------------------------
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+                    continue_final_message: bool = False, template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> str:
         try:
             return render_chat(self.tokenizer, self.chat_template, [m.model_dump() for m in messages],
-                               add_generation_prompt, continue_final_message, template_kwargs)
+                               add_generation_prompt, continue_final_message, template_kwargs, tools)
         except ChatTemplateError as e:
             raise bad_request(str(e), e.param) from None
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None,
-                    add_special_tokens: bool | None = None) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt, continue_final_message, template_kwargs)
+                    add_special_tokens: bool | None = None, tools: list[dict] | None = None) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, template_kwargs, tools)
         try:
             ids = encode_chat(self.tokenizer, text, self.fallback_template, add_special_tokens)
         except ChatTemplateError as e:

@@ -88,10 +88,44 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -103,7 +137,10 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    # tool calling (nvllm.serve.tools): the default choice is "auto" when tools are given, else "none"
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
 
 class TokenizeRequest(OpenAIModel):
@@ -113,6 +150,7 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[Tool] | None = None  # given to the chat template with messages
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -173,6 +211,7 @@ class ChatLogprobs(OpenAIModel):
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIModel):
@@ -192,13 +231,28 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo
 
 
-class DeltaMessage(OpenAIModel):
-    role: str | None = None
-    content: str | None = None
-
+class _Delta(OpenAIModel):
     @model_serializer(mode="wrap")
     def _omit_none(self, handler):  # a delta carries only what changed: no "role": null after the first
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Delta):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Delta):
+    index: int  # the call's place in the choice's tool_calls; its first delta has the id, type and name
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_Delta):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(OpenAIModel):

@@ -1,0 +1,111 @@
+"""Tool-call parsers for ``tool_choice="auto"`` (``nvllm serve --enable-auto-tool-choice --tool-call-parser NAME``):
+the calls a model wrote in its own format, taken out of its text, as vLLM's parsers of the same names read them.
+
+- ``hermes``: Qwen2.5, Qwen3, QwQ and Hermes models: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+  any number of them, after optional text (the content);
+- ``llama3_json``: Llama 3.1 / 3.2 / 3.3 JSON tool calling: the reply is ``{"name": ..., "parameters": {...}}`` (or
+  ``"arguments"``), optionally after ``<|python_tag|>``, several separated by ``;``.
+
+A reply whose calls do not parse is returned as content, with no calls (as vLLM does)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+class ToolParser:
+    name = ""
+    start = ""  # the text that opens the calls: content is streamed only up to it
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """(content, calls); no calls when the text holds none or they do not parse (the content is then the
+        whole text)."""
+        raise NotImplementedError
+
+    def content_end(self, text: str) -> int:
+        """How much of a reply still being generated may be streamed as content: up to the opening text, and short
+        of a tail that could be its beginning."""
+        i = text.find(self.start)
+        if i != -1:
+            return i
+        for k in range(min(len(self.start) - 1, len(text)), 0, -1):
+            if self.start.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+
+def _call(obj, args_keys: tuple[str, ...]) -> ParsedCall:
+    """One call object's name and arguments (re-serialized, non-ASCII kept); ValueError when it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError("not a tool call")
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        args = json.loads(args)
+    if not isinstance(args, dict):
+        raise ValueError("tool call arguments are not an object")
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    start = "<tool_call>"
+    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        if self.start not in text:
+            return text, []
+        try:
+            calls = [_call(json.loads((closed or unclosed).strip()), ("arguments", "parameters"))
+                     for closed, unclosed in self._CALL.findall(text)]
+        except ValueError:
+            return text, []
+        content = text[:text.index(self.start)]
+        return (content if content.strip() else None), calls
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    start = "<|python_tag|>"
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        body = text.strip()
+        if body.startswith(self.start):
+            body = body[len(self.start):].lstrip()
+        if not body.startswith("{"):
+            return text, []
+        try:
+            decoder, calls, i = json.JSONDecoder(), [], 0
+            while i < len(body):
+                obj, i = decoder.raw_decode(body, i)
+                calls.append(_call(obj, ("parameters", "arguments")))
+                rest = body[i:].lstrip()
+                if rest and not rest.startswith(";"):
+                    raise ValueError("text after a tool call")
+                i = len(body) - len(rest[1:].lstrip()) if rest else len(body)
+        except ValueError:
+            return text, []
+        return None, calls
+
+    def content_end(self, text: str) -> int:
+        """A reply that starts as a call (``{`` or the tag) is held whole; any other is content."""
+        head = text.lstrip()
+        if not head or head.startswith("{") or self.start.startswith(head[:len(self.start)]):
+            return 0
+        return len(text)
+
+
+TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; choose {', '.join(sorted(TOOL_PARSERS))}")
+    return TOOL_PARSERS[name]()
