@@ -117,6 +117,9 @@ def serve(
     tool_call_parser: Annotated[Optional[str], typer.Option(help="how the model writes tool calls: hermes "
                                                             "(Qwen2.5, Qwen3, Hermes) | llama3_json (Llama 3.x)")
                                 ] = None,
+    reasoning_parser: Annotated[Optional[str], typer.Option(help="put a thinking model's <think> block in "
+                                                            "reasoning_content: qwen3 | deepseek_r1 (DeepSeek-R1, "
+                                                            "QwQ, Qwen3-Thinking)")] = None,
     *, engine_config: EngineConfig, disagg_config: DisaggConfig,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, models, metrics); as a prefill or
@@ -127,7 +130,8 @@ def serve(
         config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                               chat_template=chat_template, max_request_bytes=max_request_bytes,
                               shutdown_timeout=shutdown_timeout, log_level=uvicorn_log_level, fd=fd,
-                              enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
+                              enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                              reasoning_parser=reasoning_parser)
         if disagg_config.disaggregate:
             from nvllm.disagg.launcher import launch
 

@@ -14,8 +14,10 @@ from nvllm.serve.params import (ChoiceProgress, check_logprobs, resolve_max_toke
                                 sampling_params, usage)
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.tool_parsers import ToolParser
-from nvllm.serve.tools import ToolStream, plan_tools
-from nvllm.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+from nvllm.serve.tools import plan_tools
+from nvllm.serve.chat_reply import ChatReply
+from nvllm.serve.reasoning_parsers import ReasoningParser
+from nvllm.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                   ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
                                   DeltaMessage, TopLogprob, random_id)
 
@@ -34,10 +36,14 @@ def chat_logprobs(token_ids: list[int], dicts: list, num_top: int, token_text) -
 
 class ChatHandler:
     def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, model_name: str, defaults: dict,
-                 tool_parser: ToolParser | None = None):
+                 tool_parser: ToolParser | None = None, reasoning_parser: ReasoningParser | None = None):
         self.engine, self.prompts, self.model_name = engine, prompts, model_name
         self.defaults = defaults  # the model's sampling defaults (nvllm.engine.generation_defaults)
         self.tool_parser = tool_parser  # --enable-auto-tool-choice's parser
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser's
+
+    def _reply(self, req: ChatCompletionRequest) -> ChatReply:
+        return ChatReply(req, plan_tools(req, self.tool_parser), self.reasoning_parser)
 
     def _num_top(self, req: ChatCompletionRequest) -> int | None:
         """The engine's logprobs count: None unless logprobs is true; then top_logprobs (default 0)."""
@@ -78,15 +84,13 @@ class ChatHandler:
         finally:
             stream.close()
         num_top = self._num_top(req)
-        plan = plan_tools(req, self.tool_parser)
+        reply = self._reply(req)
         choices = []
         for c in final.outputs:
-            content, calls = plan.calls(c.text)
-            choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
+            message, finish = reply.message(c.text, c.finish_reason)
+            choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                                       logprobs=None if num_top is None else chat_logprobs(
-                                          c.token_ids, c.logprobs or [], num_top, self.prompts.token_text),
-                                      finish_reason=plan.finish_reason(c.finish_reason, bool(calls)),
-                                      stop_reason=c.stop_reason))
+                                          c.token_ids, c.logprobs or [], num_top, self.prompts.token_text)))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage([final], [len(prompt_ids)]))
 
@@ -96,9 +100,9 @@ class ChatHandler:
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
         num_top = self._num_top(req)
-        plan = plan_tools(req, self.tool_parser)
+        reply = self._reply(req)
         progress = [ChoiceProgress() for _ in range(req.n)]
-        tool_streams = [ToolStream(plan) for _ in range(req.n)] if plan.mode != "none" else None
+        replies = [reply.stream() for _ in range(req.n)]
         latest: RequestOutput | None = None
         try:
             for i in range(req.n):  # OpenAI opens every choice with the role
@@ -112,14 +116,12 @@ class ChatHandler:
                         continue
                     lps = None if num_top is None else chat_logprobs(d.token_ids, d.logprobs or [], num_top,
                                                                      self.prompts.token_text)
-                    delta, finish = DeltaMessage(content=d.text), d.finish_reason
-                    if tool_streams is not None:
-                        ts = tool_streams[c.index]
-                        content, calls = ts.delta(c.text, finish is not None)
-                        if content is None and calls is None and finish is None and lps is None:
-                            continue
-                        delta, finish = DeltaMessage(content=content, tool_calls=calls), plan.finish_reason(
-                            finish, ts.called)
+                    rs = replies[c.index]
+                    delta = rs.delta(c.text, d.finish_reason is not None)
+                    finish = reply.plan.finish_reason(d.finish_reason, rs.called)
+                    if delta is None and finish is None and lps is None:
+                        continue  # held back: a tag's first characters, a tool call being written
+                    delta = delta or DeltaMessage()
                     choice = ChatChunkChoice(index=c.index, delta=delta, logprobs=lps, finish_reason=finish,
                                              stop_reason=d.stop_reason)
                     chunk = self._chunk(request_id, [choice])

@@ -64,6 +64,16 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(k): v for k, v in bias.items()}
 
 
+_CONSTRAINT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def constrains_reply(req: SamplingRequest) -> bool:
+    """Whether the request asks for structured outputs (a response_format other than text, or a constraint field)."""
+    fmt = req.response_format
+    return (fmt is not None and fmt.get("type") != "text") or any(
+        getattr(req, f) is not None for f in _CONSTRAINT_FIELDS)
+
+
 def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
     """The request's output constraint, from whichever one of its fields gives it: OpenAI's ``response_format``
     (json_object, json_schema), vLLM's ``structured_outputs`` object, or vLLM's older ``guided_json`` /

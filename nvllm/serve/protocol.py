@@ -210,6 +210,7 @@ class ChatLogprobs(OpenAIModel):
 
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
+    reasoning_content: str | None = None  # --reasoning-parser: the thinking block (vLLM's field)
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
@@ -251,6 +252,7 @@ class DeltaToolCall(_Delta):
 
 class DeltaMessage(_Delta):
     role: str | None = None
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 from nvllm.sampling_params import StructuredOutputsParams
 from nvllm.serve.errors import bad_request
+from nvllm.serve.params import constrains_reply
 from nvllm.serve.protocol import (ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall, FunctionCall,
                                   NamedToolChoice, ToolCall)
 from nvllm.serve.tool_parsers import ToolParser
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
-_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 @dataclass
@@ -90,8 +90,7 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: ToolParser | None) -> To
             raise bad_request('"auto" tool choice (the default when tools are given) needs the server started with '
                               "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
         return ToolPlan("auto", parser=auto_parser, parallel=parallel, schemas=schemas)
-    fmt = req.response_format
-    if (fmt is not None and fmt.get("type") != "text") or any(getattr(req, f) is not None for f in _CONSTRAINTS):
+    if constrains_reply(req):
         raise bad_request("a named or required tool_choice constrains the reply itself; it cannot be combined with "
                           "response_format or structured outputs", "tool_choice")
     return plan
