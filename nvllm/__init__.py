@@ -2,8 +2,9 @@
 
 from nvllm.config import EngineConfig
 from nvllm.llm import LLM
+from nvllm.lora.request import LoRARequest
 from nvllm.outputs import CompletionOutput, RequestOutput
 from nvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -120,18 +120,22 @@ def serve(
     reasoning_parser: Annotated[Optional[str], typer.Option(help="put a thinking model's <think> block in "
                                                             "reasoning_content: qwen3 | deepseek_r1 (DeepSeek-R1, "
                                                             "QwQ, Qwen3-Thinking)")] = None,
+    lora_modules: Annotated[Optional[list[str]], typer.Option(help="LoRA adapters clients pick by name as their "
+                                                              "model: name=PEFT_DIR (repeat, or comma-separate); "
+                                                              "needs --enable-lora")] = None,
     *, engine_config: EngineConfig, disagg_config: DisaggConfig,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, models, metrics); as a prefill or
     decode worker (--role), or as a whole disaggregated deployment (--disaggregate 1P1D)."""
     from nvllm.serve.api_server import ServerConfig, run_server
+    from nvllm.lora.request import parse_lora_modules
 
     try:
         config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                               chat_template=chat_template, max_request_bytes=max_request_bytes,
                               shutdown_timeout=shutdown_timeout, log_level=uvicorn_log_level, fd=fd,
                               enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                              reasoning_parser=reasoning_parser)
+                              reasoning_parser=reasoning_parser, lora_modules=parse_lora_modules(lora_modules))
         if disagg_config.disaggregate:
             from nvllm.disagg.launcher import launch
 

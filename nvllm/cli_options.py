@@ -66,6 +66,10 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "structured_outputs_config": _opt(None, Optional[str], "JSON settings of structured outputs (response_format, "
                                       "guided_*): {\"backend\": \"xgrammar\", \"disable_any_whitespace\": true} "
                                       "keeps JSON free of runs of whitespace a small model may loop in"),
+    "enable_lora": _opt(False, bool, "serve LoRA adapters on top of the model (PEFT checkpoints; eager forward, "
+                        "one rank)"),
+    "max_loras": _opt(4, int, "LoRA adapters held on the device at once"),
+    "max_lora_rank": _opt(64, int, "largest LoRA rank accepted"),
     "speculative": _opt(None, Optional[str], "speculative decoding: k=4,draft=DIR | k=3,method=ngram | "
                         "k=auto,draft=DIR | JSON {\"draft_model\": DIR, \"num_speculative_tokens\": 4}"),
 }

@@ -90,6 +90,11 @@ class EngineConfig:
     # structured outputs for the whole engine (vLLM's --structured-outputs-config): {"backend": "auto" | "xgrammar",
     # "disable_any_whitespace": bool} or its JSON text; requests' constraints use it
     structured_outputs_config: Any = None
+    # LoRA adapters (vLLM's --enable-lora): at most max_loras on the device at once, of rank up to max_lora_rank;
+    # the forward runs eagerly (no CUDA graphs), on one rank, without speculative decoding
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -128,6 +133,19 @@ class EngineConfig:
 
             self.speculative = parse_speculative(self.speculative)
         self._check_async_scheduling()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError("max_loras and max_lora_rank must be at least 1")
+        if not self.enable_lora:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("LoRA adapters run on one rank; enable_lora does not combine with "
+                              "tensor_parallel_size > 1")
+        if self.speculative is not None:
+            raise ConfigError("LoRA adapters do not combine with speculative decoding")
+        self.enforce_eager = True  # the adapters' rows change every step: no captured graphs
 
     def _check_async_scheduling(self) -> None:
         if self.async_scheduling and self.speculative is not None:

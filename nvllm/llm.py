@@ -14,6 +14,7 @@ from nvllm.config import EngineConfig
 from nvllm.engine.generation_defaults import default_sampling_params
 from nvllm.engine.llm_engine import LLMEngine
 from nvllm.logger import console, setup_logging
+from nvllm.lora.request import LoRARequest
 from nvllm.outputs import RequestOutput
 from nvllm.sampling_params import SamplingParams
 
@@ -60,10 +61,12 @@ class LLM:
         self.close()
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Prompts: a string, a list of strings, a list of token-id lists, or {"prompt": "..."} /
         {"prompt_token_ids": [...]} dicts. Without sampling_params, `get_default_sampling_params()` (the model's
-        recommended settings). Every prompt is validated before any runs: one bad prompt raises ValueError and
+        recommended settings). lora_request: one adapter for all prompts, or one (or None) per prompt (the engine
+        needs enable_lora=True). Every prompt is validated before any runs: one bad prompt raises ValueError and
         nothing is queued."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and isinstance(prompts[0], numbers.Integral)):
@@ -71,7 +74,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts: a string, a list of token ids, a dict, or a list of those; got "
                              f"{type(prompts).__name__}")
-        return self._generate([_prompt_of(p) for p in prompts], sampling_params, use_tqdm)
+        return self._generate([_prompt_of(p) for p in prompts], sampling_params, use_tqdm, lora_request=lora_request)
 
     def chat(self, messages: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -102,18 +105,27 @@ class LLM:
         ids = [ct.encode_chat(tok, text, fallback) for text in texts]
         return self._generate(ids, sampling_params, use_tqdm, texts)
 
-    def _generate(self, prompts: list, sampling_params, use_tqdm: bool, texts: list[str] | None = None
-                  ) -> list[RequestOutput]:
+    def _generate(self, prompts: list, sampling_params, use_tqdm: bool, texts: list[str] | None = None,
+                  lora_request=None) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
         for p, sp in zip(prompts, params):  # all-or-nothing: every request is checked before any is queued
             self.engine.validate(p, sp)
+        for lora in dict.fromkeys(x for x in loras if x is not None):
+            self.engine.load_lora(lora)
         texts = texts or [None] * len(prompts)
-        ids = [self.engine.add_request(None, p, sp, prompt_text=t) for p, sp, t in zip(prompts, params, texts)]
+        ids = [self.engine.add_request(None, p, sp, prompt_text=t, lora_request=lr)
+               for p, sp, t, lr in zip(prompts, params, texts, loras)]
         return self._run(ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -136,6 +136,8 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
             serve_args += [f"--{key.replace('_', '-')}", str(getattr(server, key))]
     if server.enable_auto_tool_choice:
         serve_args.append("--enable-auto-tool-choice")
+    for adapter in server.lora_modules:
+        serve_args += ["--lora-modules", f"{adapter.lora_name}={adapter.lora_path}"]
     serve_args += ["--max-request-bytes", str(server.max_request_bytes), "--shutdown-timeout",
                    str(server.shutdown_timeout), "--uvicorn-log-level", server.log_level,
                    "--kv-world-size", str(n), "--kv-master", master, "--kv-store-external",

@@ -2,7 +2,8 @@
 and prefix caching.
 
 Prefix caching: a block that is full of computed tokens gets a hash chained from the previous block's hash
-and its own token ids (SHA-256); a new sequence whose leading blocks hash the same (and whose token ids match
+and its own token ids (SHA-256; the first block's chain starts from the sequence's ``cache_salt``, its LoRA
+adapter's name); a new sequence whose leading blocks hash the same (and whose token ids match
 the stored ones) shares those blocks instead of recomputing them. Freed blocks keep their contents and hash in
 the free list until they are reused, least recently freed first.
 """
@@ -78,7 +79,7 @@ class BlockManager:
             return 0
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
-        h = None
+        h = seq.cache_salt
         for i in range(max_blocks):
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(h, ids)
@@ -120,7 +121,7 @@ class BlockManager:
         full = min(min(seq.num_computed_tokens, seq.num_tokens - seq.pending) // bs, len(seq.block_table))
         for i in range(len(seq.block_hashes), full):
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, ids)
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt, ids)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.cached:

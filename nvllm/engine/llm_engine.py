@@ -17,6 +17,8 @@ from nvllm.engine.detokenizer import IncrementalDetokenizer
 from nvllm.engine.kv_handoff import KVHandoff, KVTarget
 from nvllm.engine.metrics import EngineStats, StatLogger
 from nvllm.engine.inflight import InflightStep
+from nvllm.lora.manager import lora_salt
+from nvllm.lora.request import LoRARequest
 from nvllm.engine.structured_output import StructuredOutputs
 from nvllm.engine.structured_output import advance as advance_grammar
 from nvllm.engine.model_runner import ModelRunner
@@ -174,25 +176,40 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, prefill_only: bool = False,
-                    prompt_text: str | None = None) -> str:
+                    prompt_text: str | None = None, lora_request: LoRARequest | None = None) -> str:
         """Validate and queue a request (n sequences); raises ValueError on bad input, changing nothing.
         prefill_only (disaggregated prefill): each sequence stops after its first token and, unless that token
         finished it, keeps its blocks under a KV handle (`handoff`) for a decode worker to fetch. prompt_text:
-        the outputs' prompt for token ids encoded elsewhere (a rendered chat prompt)."""
+        the outputs' prompt for token ids encoded elsewhere (a rendered chat prompt). lora_request: the adapter
+        to run with (loaded now if it is not; needs enable_lora)."""
         params = params or SamplingParams()
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.validate(prompt, params)
-        seqs = self._new_request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time or time.time()))
+        self.load_lora(lora_request)
+        seqs = self._new_request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time or time.time()),
+                                 lora_request)
         self.prompts[request_id] = prompt if isinstance(prompt, str) else prompt_text
         for seq in seqs:
             seq.prefill_only = prefill_only
             self.scheduler.add(seq)
         return request_id
 
+    def load_lora(self, lora_request: LoRARequest | None) -> None:
+        """Have the adapter on the device (ValueError: LoRA is off, or the adapter cannot be loaded)."""
+        if lora_request is None:
+            return
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need the engine started with enable_lora (--enable-lora)")
+        try:
+            self.runner.lora.add(lora_request, {s.lora_id for seqs in self.requests.values() for s in seqs
+                                                if not s.finished})
+        except ConfigError as e:  # a bad checkpoint is this request's fault here, not the engine's
+            raise ValueError(str(e)) from None
+
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams,
-                     metrics: RequestMetrics) -> list[Sequence]:
+                     metrics: RequestMetrics, lora_request: LoRARequest | None = None) -> list[Sequence]:
         seqs = []
         for i in range(params.n):
             gen = None
@@ -200,6 +217,8 @@ class LLMEngine:
                 gen = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
             seq = Sequence(request_id, i, list(ids), len(ids), params, metrics, gen)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            if lora_request is not None:
+                seq.lora_id, seq.cache_salt = lora_request.lora_int_id, lora_salt(lora_request)
             if params.logprobs is not None:
                 seq.logprobs = []
             if params.prompt_logprobs is not None:
@@ -430,9 +449,12 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                               arrival_time: float, samples: list[PrefilledSample],
-                              prompt_logprobs: list[LogprobsDict | None] | None = None) -> list[KVTarget]:
+                              prompt_logprobs: list[LogprobsDict | None] | None = None,
+                              lora_request: LoRARequest | None = None) -> list[KVTarget]:
         """Decode side: a request whose prompt a prefill worker computed (see KVHandoff.add_prefilled)."""
-        return self.handoff.add_prefilled(request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs)
+        self.load_lora(lora_request)
+        return self.handoff.add_prefilled(request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs,
+                                          lora_request)
 
     # ---- outputs -------------------------------------------------------------------------------------
     def output(self, request_id: str) -> RequestOutput:

@@ -34,6 +34,8 @@ from nvllm.layers.attention import (AttentionMetadata, allocate_kv_caches, kv_ca
                                     kv_cache_element_dtype)
 from nvllm.layers.linear import interleave_gate_ups
 from nvllm.layers.sampler import Sampler, SampleRow, batch_token_logprobs, host_tensor
+from nvllm.lora.layers import lora_mapping
+from nvllm.lora.manager import LoRAManager
 from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model, quantization_plan
 from nvllm.models.registry import resolve_architecture
 
@@ -105,6 +107,8 @@ class ModelRunner:
         self.num_blocks = self._agree_num_blocks(self._num_kv_blocks())
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.sampler = Sampler(config.seed)
+        self.lora = LoRAManager(self.model, self.dtype, self.device, config.max_loras, config.max_lora_rank) \
+            if config.enable_lora else None
         if self.device.type == "cuda":
             self.tp.enable_one_shot(self.dtype, self.device)  # before any graph captures an all-reduce
             self._gemm_choices()
@@ -303,7 +307,9 @@ class ModelRunner:
                 result.prompt_logprobs.setdefault(id(seq), []).append((p + 1, tok, info))
 
         if self.workers is None:
-            result.verify_logits, logits = self.run_model(step, record_prompt_logprobs)
+            mapping = self.lora.mapping([seq.lora_id for seq, n in scheduled for _ in range(n)]) if self.lora else None
+            with lora_mapping(mapping):
+                result.verify_logits, logits = self.run_model(step, record_prompt_logprobs)
         else:
             with self.workers.guard():
                 self.tp.broadcast_message(step.pack())

@@ -34,6 +34,10 @@ class Sequence:
     admitted: bool = False  # scheduled at least once (a preempted sequence coming back is not new)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full blocks in block_table
+    # the first block's hash input besides its tokens: the LoRA adapter's name (KV computed under one adapter is
+    # not another's); None for the base model
+    cache_salt: bytes | None = None
+    lora_id: int = 0  # the LoRA adapter this sequence runs with (0: the base model)
     # outputs
     text: str = ""
     stop_floor: int = 0  # stop strings are looked for from here: the text of the first min_tokens tokens is not

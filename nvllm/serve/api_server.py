@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +24,9 @@ from fastapi.responses import JSONResponse, Response
 from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nvllm.engine.generation_defaults import announce
+from nvllm.lora.request import LoRARequest
 from nvllm.serve.chat import ChatHandler
+from nvllm.serve.models import ServedModels
 from nvllm.serve.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
 from nvllm.serve.tool_parsers import TOOL_PARSERS, get_tool_parser
 from nvllm.serve.completions import CompletionHandler
@@ -33,7 +35,7 @@ from nvllm.serve.http import ClientGone, EventStreamResponse, check_api_key, par
 from nvllm.serve.metrics import ServerMetrics
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                                  ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+                                  ModelList, TokenizeRequest, TokenizeResponse)
 
 if TYPE_CHECKING:
     from nvllm.disagg.config import DisaggConfig
@@ -57,6 +59,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # a thinking block taken out into reasoning_content
+    lora_modules: list[LoRARequest] = field(default_factory=list)  # adapters clients pick by name (--enable-lora)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -114,10 +117,15 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
     engine.output_hooks.append(metrics.observe)
     defaults = core.generation_defaults  # the model's sampling defaults, for request fields left unset
     announce(defaults)
-    completions = CompletionHandler(engine, prompts, model_name, defaults)
+    models = ServedModels(model_name, core.config.model, core.max_model_len, config.lora_modules)
+    if config.lora_modules and not core.config.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
+    for adapter in config.lora_modules:  # a bad adapter stops the start, as vLLM checks them
+        core.load_lora(adapter)
+    completions = CompletionHandler(engine, prompts, models, defaults)
     auto_tools = get_tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None
     reasoning = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
-    chat = ChatHandler(engine, prompts, model_name, defaults, auto_tools, reasoning)
+    chat = ChatHandler(engine, prompts, models, defaults, auto_tools, reasoning)
     limit = config.max_request_bytes
 
     @contextlib.asynccontextmanager
@@ -135,10 +143,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
     def authorized(request: Request) -> None:
         check_api_key(request, config.api_key)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"The model `{name}` does not exist (this server serves `{model_name}`)",
-                           "model", "model_not_found")
+    check_model = models.check
 
     async def answer(handler, req, request: Request, start=None) -> Response:
         check_model(req.model)
@@ -172,7 +177,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
 
     @api.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=core.config.model, max_model_len=core.max_model_len)])
+        return models.cards()
 
     @api.get("/v1/kernel_report")
     async def kernel_report() -> dict:

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 
 from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
-from nvllm.sampling_params import SamplingParams
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (ChoiceProgress, check_logprobs, resolve_max_tokens, submit,
+from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, resolve_max_tokens, submit,
                                 sampling_params, usage)
+from nvllm.serve.models import ServedModels
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.tool_parsers import ToolParser
 from nvllm.serve.tools import plan_tools
@@ -35,9 +35,9 @@ def chat_logprobs(token_ids: list[int], dicts: list, num_top: int, token_text) -
 
 
 class ChatHandler:
-    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, model_name: str, defaults: dict,
+    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, models: ServedModels, defaults: dict,
                  tool_parser: ToolParser | None = None, reasoning_parser: ReasoningParser | None = None):
-        self.engine, self.prompts, self.model_name = engine, prompts, model_name
+        self.engine, self.prompts, self.models = engine, prompts, models
         self.defaults = defaults  # the model's sampling defaults (nvllm.engine.generation_defaults)
         self.tool_parser = tool_parser  # --enable-auto-tool-choice's parser
         self.reasoning_parser = reasoning_parser  # --reasoning-parser's
@@ -58,8 +58,9 @@ class ChatHandler:
         request_id, requests, ids = self.prepare(req)
         return request_id, await submit(self.engine, requests), ids
 
-    def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[tuple[str, list[int], SamplingParams]], list[int]]:
-        """Validate everything: the response id, the one engine request (id, prompt ids, params), the prompt."""
+    def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[EngineRequest], list[int]]:
+        """Validate everything: the response id, the one engine request (id, prompt ids, params, LoRA adapter), the
+        prompt."""
         plan = plan_tools(req, self.tool_parser)
         self.prompts.check_ids(req.stop_token_ids or [], "stop_token_ids")
         num_top = self._num_top(req)
@@ -73,7 +74,7 @@ class ChatHandler:
         params = sampling_params(req, max_tokens, num_top, defaults=self.defaults)
         params.structured_outputs = plan.constraint() or params.structured_outputs
         request_id = random_id("chatcmpl")
-        return request_id, [(request_id, ids, params)], ids
+        return request_id, [(request_id, ids, params, self.models.lora(req.model))], ids
 
     async def full(self, req: ChatCompletionRequest, request_id: str, stream: OutputStream,
                    prompt_ids: list[int]) -> ChatCompletionResponse:
@@ -91,7 +92,7 @@ class ChatHandler:
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                                       logprobs=None if num_top is None else chat_logprobs(
                                           c.token_ids, c.logprobs or [], num_top, self.prompts.token_text)))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return ChatCompletionResponse(id=request_id, model=self.models.response_name(req.model), choices=choices,
                                       usage=usage([final], [len(prompt_ids)]))
 
     async def chunks(self, req: ChatCompletionRequest, request_id: str, stream: OutputStream,
@@ -106,7 +107,7 @@ class ChatHandler:
         latest: RequestOutput | None = None
         try:
             for i in range(req.n):  # OpenAI opens every choice with the role
-                yield sse(self._chunk(request_id, [ChatChunkChoice(
+                yield sse(self._chunk(request_id, req, [ChatChunkChoice(
                     index=i, delta=DeltaMessage(role="assistant", content=""))]))
             async for out in stream:
                 latest = out
@@ -124,14 +125,15 @@ class ChatHandler:
                     delta = delta or DeltaMessage()
                     choice = ChatChunkChoice(index=c.index, delta=delta, logprobs=lps, finish_reason=finish,
                                              stop_reason=d.stop_reason)
-                    chunk = self._chunk(request_id, [choice])
+                    chunk = self._chunk(request_id, req, [choice])
                     if continuous:
                         chunk.usage = usage([latest], [len(prompt_ids)])
                     yield sse(chunk)
             if include_usage:
-                yield sse(self._chunk(request_id, [], usage([latest], [len(prompt_ids)])))
+                yield sse(self._chunk(request_id, req, [], usage([latest], [len(prompt_ids)])))
         finally:
             stream.close()
 
-    def _chunk(self, request_id: str, choices: list[ChatChunkChoice], usage_info=None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices, usage=usage_info)
+    def _chunk(self, request_id: str, req, choices: list[ChatChunkChoice], usage_info=None
+               ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=request_id, model=self.models.response_name(req.model), choices=choices, usage=usage_info)

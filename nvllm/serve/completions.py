@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 
 from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
-from nvllm.sampling_params import SamplingParams
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (ChoiceProgress, check_logprobs, resolve_max_tokens, submit,
+from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, resolve_max_tokens, submit,
                                 sampling_params, usage)
+from nvllm.serve.models import ServedModels
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse,
                                   random_id)
@@ -43,8 +43,8 @@ def completion_logprobs(token_ids: list[int], dicts: list, num_top: int, offset:
 
 
 class CompletionHandler:
-    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, model_name: str, defaults: dict):
-        self.engine, self.prompts, self.model_name = engine, prompts, model_name
+    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, models: ServedModels, defaults: dict):
+        self.engine, self.prompts, self.models = engine, prompts, models
         self.defaults = defaults  # the model's sampling defaults (nvllm.engine.generation_defaults)
 
     schema = CompletionRequest
@@ -54,9 +54,9 @@ class CompletionHandler:
         request_id, requests, prompt_ids = self.prepare(req)
         return request_id, await submit(self.engine, requests), prompt_ids
 
-    def prepare(self, req: CompletionRequest) -> tuple[str, list[tuple[str, list[int], SamplingParams]],
-                                                       list[list[int]]]:
-        """Validate everything: the response id, the engine requests (id, prompt ids, params), the prompts."""
+    def prepare(self, req: CompletionRequest) -> tuple[str, list[EngineRequest], list[list[int]]]:
+        """Validate everything: the response id, the engine requests (id, prompt ids, params, LoRA adapter), the
+        prompts."""
         if req.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -70,8 +70,8 @@ class CompletionHandler:
         params = [sampling_params(req, resolve_max_tokens(req.max_tokens, len(ids), max_len, "max_tokens",
                                                           default_max), req.logprobs, prompt_logprobs, self.defaults)
                   for ids in prompt_ids]
-        request_id = random_id("cmpl")
-        return request_id, [(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompt_ids, params))], \
+        request_id, lora = random_id("cmpl"), self.models.lora(req.model)
+        return request_id, [(f"{request_id}-{i}", ids, p, lora) for i, (ids, p) in enumerate(zip(prompt_ids, params))], \
             prompt_ids
 
     @staticmethod
@@ -112,7 +112,7 @@ class CompletionHandler:
                         lps = _join(echo_lps, lps)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=echo_text + c.text, logprobs=lps,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return CompletionResponse(id=request_id, model=self.models.response_name(req.model), choices=choices,
                                   usage=usage(final, [len(p) for p in prompt_ids]))
 
     async def chunks(self, req: CompletionRequest, request_id: str, stream: OutputStream,
@@ -132,7 +132,7 @@ class CompletionHandler:
             echoed[i] = True
             text, lps = self._echo(req, i, prompt_ids[i], out)
             offsets[i] = [_end(lps, text)] * req.n
-            return [sse(self._chunk(request_id, [CompletionChoice(index=i * req.n + j, text=text, logprobs=lps)]))
+            return [sse(self._chunk(request_id, req, [CompletionChoice(index=i * req.n + j, text=text, logprobs=lps)]))
                     for j in range(req.n)]
 
         try:
@@ -157,17 +157,18 @@ class CompletionHandler:
                         offsets[p][c.index] += sum(len(t) for t in lps.tokens)
                     choice = CompletionChoice(index=p * req.n + c.index, text=d.text, logprobs=lps,
                                               finish_reason=d.finish_reason, stop_reason=d.stop_reason)
-                    chunk = self._chunk(request_id, [choice])
+                    chunk = self._chunk(request_id, req, [choice])
                     if continuous:
                         chunk.usage = usage(latest, prompt_lens)
                     yield sse(chunk)
             if include_usage:
-                yield sse(self._chunk(request_id, [], usage(latest, prompt_lens)))
+                yield sse(self._chunk(request_id, req, [], usage(latest, prompt_lens)))
         finally:
             stream.close()
 
-    def _chunk(self, request_id: str, choices: list[CompletionChoice], usage_info=None) -> CompletionResponse:
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_info)
+    def _chunk(self, request_id: str, req, choices: list[CompletionChoice], usage_info=None
+               ) -> CompletionResponse:
+        return CompletionResponse(id=request_id, model=self.models.response_name(req.model), choices=choices, usage=usage_info)
 
 
 def _end(lps: CompletionLogProbs | None, text: str) -> int:

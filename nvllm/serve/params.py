@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from nvllm.engine.generation_defaults import NEUTRAL, with_defaults
 from nvllm.outputs import CompletionOutput, RequestOutput
+from nvllm.lora.request import LoRARequest
 from nvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nvllm.serve.errors import bad_request, from_value_error
 from nvllm.serve.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
@@ -14,13 +15,17 @@ from nvllm.serve.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 MAX_LOGPROBS = 20
 
 
-async def submit(engine, requests: list[tuple[str, list[int], SamplingParams]]):
+# one engine request of an API call: (request id, prompt token ids, sampling params, LoRA adapter or None)
+EngineRequest = tuple[str, list[int], SamplingParams, LoRARequest | None]
+
+
+async def submit(engine, requests: list[EngineRequest]):
     """Open one output stream and add the requests to it: bad input becomes the 400, and the stream is closed
     on any failure (requests already added are aborted with it)."""
     stream = engine.open_stream()
     try:
-        for request_id, ids, params in requests:
-            await stream.add(request_id, ids, params)
+        for request_id, ids, params, lora in requests:
+            await stream.add(request_id, ids, params, lora_request=lora)
     except ValueError as e:
         stream.close()
         raise from_value_error(e) from None

@@ -1,0 +1,116 @@
+"""A PEFT LoRA checkpoint read for the engine's linears: ``adapter_config.json`` and ``adapter_model.safetensors``
+(tensors ``base_model.model.<module>.lora_A.weight`` [r, in] and ``.lora_B.weight`` [out, r]), as PEFT writes them.
+
+The model fuses q/k/v and gate/up into one linear each; their adapters are fused the same way: the A matrices
+stacked ([Σr, in]) and the B matrices placed block-diagonally ([out, Σr], each at its projection's output rows), so
+one pair of matmuls serves the fused layer. The scale (``lora_alpha / r``, or ``/ √r`` with rsLoRA) is folded into
+B. Adapters of the embeddings or the LM head, DoRA and trained biases are refused by name, as is a rank above
+``max_lora_rank``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from nvllm.config import ConfigError
+
+_PREFIX = "base_model.model."
+
+
+@dataclass
+class LoRAWeights:
+    a: torch.Tensor  # [Σr, in]
+    b: torch.Tensor  # [out, Σr], scaled
+
+
+def read_adapter_config(path: str) -> dict:
+    cfg_path = os.path.join(path, "adapter_config.json")
+    if not os.path.isdir(path):
+        raise ConfigError(f"LoRA adapter {path} is not a directory")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"LoRA adapter {path} has no adapter_config.json")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {cfg_path}: {e}") from None
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise ConfigError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    for key, why in (("use_dora", "DoRA adapters"), ("modules_to_save", "adapters that retrain whole modules"),
+                     ("rank_pattern", "per-module ranks (rank_pattern)"),
+                     ("alpha_pattern", "per-module alphas (alpha_pattern)")):
+        if cfg.get(key):
+            raise ConfigError(f"{cfg_path}: {why} are not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ConfigError(f"{cfg_path}: adapters with trained biases (bias={cfg['bias']!r}) are not supported")
+    if not isinstance(cfg.get("r"), int) or cfg["r"] < 1:
+        raise ConfigError(f"{cfg_path}: r must be a positive integer")
+    return cfg
+
+
+def load_adapter(path: str, model, dtype: torch.dtype, device: torch.device, max_rank: int
+                 ) -> dict[str, LoRAWeights]:
+    """The adapter's fused weights for each linear it touches: module name (``layers.3.qkv_proj``) → weights."""
+    from safetensors import safe_open
+
+    cfg = read_adapter_config(path)
+    r = cfg["r"]
+    if r > max_rank:
+        raise ConfigError(f"LoRA adapter {path} has rank {r}, above max_lora_rank {max_rank} (raise "
+                          "--max-lora-rank)")
+    scale = cfg.get("lora_alpha", r) / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    file = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(file):
+        raise ConfigError(f"LoRA adapter {path} has no adapter_model.safetensors")
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(file, framework="pt") as f:
+        for key in f.keys():
+            if "lm_head" in key or "embed_tokens" in key:
+                raise ConfigError(f"LoRA adapter {path}: {key} — LoRA on embeddings and the LM head is not "
+                                  "supported")
+            if not key.endswith((".lora_A.weight", ".lora_B.weight")):
+                raise ConfigError(f"LoRA adapter {path}: unexpected tensor {key!r}")
+            module, kind = key.removeprefix(_PREFIX).rsplit(".lora_", 1)
+            pairs.setdefault(module, {})[kind[0]] = f.get_tensor(key)
+    parts: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
+    for module, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise ConfigError(f"LoRA adapter {path}: {module} lacks its lora_{'B' if 'A' in ab else 'A'} tensor")
+        target = model.param_for(module + ".weight")
+        if target is None or not _is_layer_linear(target[0]):
+            raise ConfigError(f"LoRA adapter {path}: {module} is not a decoder linear (LoRA on embeddings and the "
+                              "LM head is not supported)")
+        name, shard = target
+        parts.setdefault(name.removesuffix(".weight"), []).append((shard, ab["A"], ab["B"]))
+    if not parts:
+        raise ConfigError(f"LoRA adapter {path} holds no LoRA tensors")
+    return {name: _fuse(model.get_submodule(name), shards, scale, dtype, device, path)
+            for name, shards in parts.items()}
+
+
+def _is_layer_linear(pname: str) -> bool:
+    return pname.startswith("layers.") and pname.rsplit(".", 2)[-2] in (
+        "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _fuse(linear, shards, scale: float, dtype, device, path: str) -> LoRAWeights:
+    """Stack the A's and place the B's of one fused linear's projections (shard None: an unfused linear)."""
+    base = getattr(linear, "base", linear)
+    ranks = sum(a.shape[0] for _, a, _ in shards)
+    a_cat = torch.zeros(ranks, base.in_features, dtype=torch.float32)
+    b_cat = torch.zeros(base.out_features, ranks, dtype=torch.float32)
+    col = 0
+    for shard, a, b in sorted(shards, key=lambda s: -1 if s[0] is None else s[0]):
+        rows = base.shard_slice(shard)
+        want_b = (rows.stop - rows.start, a.shape[0])
+        if a.shape[1] != base.in_features or tuple(b.shape) != want_b:
+            raise ConfigError(f"LoRA adapter {path}: shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit a "
+                              f"linear of {base.in_features} inputs and {want_b[0]} outputs")
+        a_cat[col:col + a.shape[0]] = a.float()
+        b_cat[rows, col:col + a.shape[0]] = b.float() * scale
+        col += a.shape[0]
+    return LoRAWeights(a_cat.to(device=device, dtype=dtype), b_cat.to(device=device, dtype=dtype))

@@ -1,0 +1,35 @@
+"""The model names a server answers to: the base model's, and each LoRA adapter's (``--lora-modules``), as vLLM
+lists and resolves them. A request's ``model`` picks the adapter; its response carries the name it asked for."""
+
+from __future__ import annotations
+
+from nvllm.lora.request import LoRARequest
+from nvllm.serve.errors import APIError
+from nvllm.serve.protocol import ModelCard, ModelList
+
+
+class ServedModels:
+    def __init__(self, base_name: str, root: str, max_model_len: int, adapters: list[LoRARequest] | None = None):
+        self.base_name, self.root, self.max_model_len = base_name, root, max_model_len
+        self.adapters = {a.lora_name: a for a in adapters or []}
+        if base_name in self.adapters:
+            raise ValueError(f"LoRA adapter name {base_name!r} is the served model's name")
+
+    def check(self, name: str | None) -> None:
+        """404 for a name the server does not serve (None: the base model)."""
+        if name is not None and name != self.base_name and name not in self.adapters:
+            served = ", ".join(f"`{n}`" for n in [self.base_name, *self.adapters])
+            raise APIError(404, f"The model `{name}` does not exist (this server serves {served})", "model",
+                           "model_not_found")
+
+    def lora(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names, or None for the base model."""
+        return self.adapters.get(name) if name is not None else None
+
+    def response_name(self, name: str | None) -> str:
+        return name if name in self.adapters else self.base_name
+
+    def cards(self) -> ModelList:
+        base = ModelCard(id=self.base_name, root=self.root, max_model_len=self.max_model_len)
+        return ModelList(data=[base, *(ModelCard(id=a.lora_name, root=a.lora_path, parent=self.base_name,
+                                                 max_model_len=self.max_model_len) for a in self.adapters.values())])

@@ -1,0 +1,170 @@
+"""LoRA adapters against PEFT's own model: adapters PEFT creates and saves are served by the engine, several at once
+and beside the base model in one batch, on dense and GPTQ-quantized bases; the greedy tokens and log-probabilities
+are PEFT's. The prefix cache never hands one adapter's KV to another; bad adapters and settings are one clear error;
+the server picks adapters by model name for the official client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import peft
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from nvllm import LoRARequest, SamplingParams
+from nvllm.cli import app
+from nvllm.config import ConfigError, EngineConfig
+from nvllm.lora.request import parse_lora_modules
+from tests.conftest import build_tiny_model, make_llm
+from tests.quant_utils import hf_model, write_by_hand
+from tests.server_utils import start_server, stop_server
+
+PROMPTS = [[1, 45, 67, 89, 120, 33], [1, 300, 12, 7, 7, 99, 250, 4, 18]]
+N = 8
+
+
+def make_adapter(base: Path, out: Path, seed: int, **kw) -> Path:
+    """A PEFT LoRA of ``base`` with random A and B (PEFT's init_lora_weights=False), saved as PEFT saves it."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    kw.setdefault("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **kw)).save_pretrained(out)
+    return out
+
+
+def peft_greedy(base_model, adapter: Path | None, prompt: list[int]) -> tuple[list[int], float]:
+    """PEFT's greedy tokens and the first one's log-probability (the base model's without an adapter)."""
+    model = base_model if adapter is None else peft.PeftModel.from_pretrained(base_model, adapter)
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        first = torch.log_softmax(model(ids).logits[0, -1], -1)
+        out = model.generate(ids, max_new_tokens=N, do_sample=False)[0, len(prompt):].tolist()
+    if adapter is not None:
+        model.unload()  # the base model without the adapter's layers, for the next reference
+    return out, first[out[0]].item()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = build_tiny_model("qwen2", root / "base")
+    adapters = {"all": make_adapter(base, root / "all", 1, r=8, lora_alpha=16),
+                "attn": make_adapter(base, root / "attn", 2, r=4, lora_alpha=4, use_rslora=True,
+                                     target_modules=["q_proj", "v_proj", "o_proj"])}
+    return root, base, adapters
+
+
+def check_against_peft(llm, reference_base, adapters: dict[str, Path]) -> None:
+    names = [None, *adapters]
+    requests = {n: LoRARequest(n, i + 1, str(adapters[n])) for i, n in enumerate(adapters)}
+    prompts = [p for p in PROMPTS for _ in names]
+    loras = [requests.get(n) for _ in PROMPTS for n in names]
+    params = SamplingParams(max_tokens=N, temperature=0, logprobs=0, ignore_eos=True)
+    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    got = {}
+    for prompt, lora, out in zip(prompts, loras, outs):
+        c = out.outputs[0]
+        got[(tuple(prompt), lora.lora_name if lora else None)] = (c.token_ids, c.logprobs[0][c.token_ids[0]].logprob)
+    for prompt in PROMPTS:
+        for n in names:
+            want, lp = peft_greedy(reference_base, adapters.get(n), prompt)
+            tokens, got_lp = got[(tuple(prompt), n)]
+            assert tokens[:len(want)] == want, (n, prompt)  # HF stops at EOS; ignore_eos goes on
+            assert got_lp == pytest.approx(lp, abs=1e-4)
+    assert len({tuple(v[0]) for v in got.values()}) > len(PROMPTS)  # the adapters do change the output
+
+
+def test_adapters_and_the_base_in_one_batch_match_peft(setup):
+    _, base, adapters = setup
+    llm = make_llm(str(base), enable_lora=True)
+    check_against_peft(llm, hf_model(base), adapters)
+
+
+def test_adapters_on_a_gptq_base_match_peft_on_its_dequantized_weights(setup):
+    root, base, adapters = setup
+    deq = write_by_hand(base, root / "gptq", "gptq", bits=4, group=32)
+    llm = make_llm(str(root / "gptq"), enable_lora=True)
+    check_against_peft(llm, hf_model(base, deq), adapters)
+
+
+def test_the_prefix_cache_keeps_adapters_apart(setup):
+    _, base, adapters = setup
+    llm = make_llm(str(base), enable_lora=True, block_size=4)
+    a = LoRARequest("all", 1, str(adapters["all"]))
+    prompt = PROMPTS[1] * 3
+    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+    alone = make_llm(str(base)).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    first = llm.generate([prompt], params, lora_request=a, use_tqdm=False)[0]
+    again = llm.generate([prompt], params, lora_request=a, use_tqdm=False)[0]
+    plain = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert plain.outputs[0].token_ids == alone != first.outputs[0].token_ids
+    assert plain.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_adapters_beyond_max_loras_take_turns(setup):
+    _, base, adapters = setup
+    llm = make_llm(str(base), enable_lora=True, max_loras=1)
+    a, b = LoRARequest("all", 1, str(adapters["all"])), LoRARequest("attn", 2, str(adapters["attn"]))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    first = llm.generate([PROMPTS[0]], params, lora_request=a, use_tqdm=False)[0].outputs[0].token_ids
+    llm.generate([PROMPTS[0]], params, lora_request=b, use_tqdm=False)  # a is idle: unloaded for b
+    assert llm.generate([PROMPTS[0]], params, lora_request=a, use_tqdm=False)[0].outputs[0].token_ids == first
+    llm.engine.add_request("busy", PROMPTS[0], params, lora_request=a)
+    with pytest.raises(ValueError, match="1 LoRA adapters are in use"):
+        llm.engine.add_request("blocked", PROMPTS[0], params, lora_request=b)
+
+
+def test_bad_adapters_and_settings_are_one_clear_error(setup, tmp_path):
+    root, base, adapters = setup
+    llm = make_llm(str(base), enable_lora=True, max_lora_rank=4)
+    cases = [(LoRARequest("x", 9, str(tmp_path / "missing")), "is not a directory"),
+             (LoRARequest("all", 1, str(adapters["all"])), "has rank 8, above max_lora_rank 4")]
+    dora = make_adapter(base, tmp_path / "dora", 3, r=2, use_dora=True)
+    cases.append((LoRARequest("dora", 3, str(dora)), "DoRA adapters are not supported"))
+    head = make_adapter(base, tmp_path / "head", 4, r=2, target_modules=["lm_head"])
+    cases.append((LoRARequest("head", 4, str(head)), "LoRA on embeddings and the LM head is not supported"))
+    for request, message in cases:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), lora_request=request, use_tqdm=False)
+    with pytest.raises(ValueError, match="enable_lora"):
+        make_llm(str(base)).generate([PROMPTS[0]], lora_request=cases[1][0], use_tqdm=False)
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        EngineConfig(model=str(base), enable_lora=True, tensor_parallel_size=2, device="cpu")
+    assert [(r.lora_name, r.lora_int_id) for r in parse_lora_modules(["a=/x,b=/y", '{"name": "c", "path": "/z"}'])] \
+        == [("a", 1), ("b", 2), ("c", 3)]
+    for bad, message in ((["a"], "name=path"), (["a=/x", "a=/y"], "given twice")):
+        with pytest.raises(ValueError, match=message):
+            parse_lora_modules(bad)
+
+
+def test_server_picks_the_adapter_by_model_name(setup, tmp_path):
+    _, base, adapters = setup
+    proc, url = start_server(["--model", str(base), "--device", "cpu", "--enable-lora",
+                              "--lora-modules", f"all={adapters['all']}", "--lora-modules", f"attn={adapters['attn']}",
+                              "--log-stats-interval", "0", "--uvicorn-log-level", "warning"], tmp_path / "log")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {str(base), "all", "attn"} and cards["all"].model_extra["parent"] == str(base)
+        llm = make_llm(str(base), enable_lora=True)
+        params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+        for name, lora in ((str(base), None), ("all", LoRARequest("all", 1, str(adapters["all"])))):
+            r = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=N, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            want = llm.generate([PROMPTS[0]], params, lora_request=lora, use_tqdm=False)[0].outputs[0].token_ids
+            assert r.model == name and r.choices[0].text == llm.get_tokenizer().decode(want)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="nope", prompt="x", max_tokens=2)
+    finally:
+        stop_server(proc)
+    for args, message in ((["--lora-modules", f"a={adapters['all']}"], "--lora-modules needs --enable-lora"),
+                          (["--enable-lora", "--lora-modules", "a=/no/such"], "is not a directory")):
+        res = CliRunner().invoke(app, ["serve", "--model", str(base), "--device", "cpu", *args],
+                                 env={"COLUMNS": "200"})
+        assert res.exit_code == 2 and message in res.output, res.output
+    assert json.loads((adapters["all"] / "adapter_config.json").read_text())["r"] == 8
