@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 
 MAX_STOP_STRINGS = 64
@@ -25,6 +26,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False  # JSON: no whitespace beyond one space after ':' and ','
+    compiled: Any = field(default=None, init=False, repr=False, compare=False)  # the engine's compiled grammar
 
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]

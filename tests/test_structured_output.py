@@ -5,6 +5,7 @@ batch are untouched, asynchronous scheduling gives the same tokens, and bad cons
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pydantic
@@ -160,3 +161,18 @@ def test_engine_wide_whitespace_setting(llm):
     tight = make_llm(demo_model_path(), structured_outputs_config={"disable_any_whitespace": True})
     want = gen(llm, S(json=PET_SCHEMA, disable_any_whitespace=True))[0].text
     assert gen(tight, S(json=PET_SCHEMA))[0].text == want != gen(llm, S(json=PET_SCHEMA))[0].text
+
+
+def test_min_tokens_yields_to_a_complete_constraint(llm):
+    c = gen(llm, S(choice=["yes"]), min_tokens=6, max_tokens=10, logprobs=0)[0]
+    assert c.text == "yes" and c.finish_reason == "stop"
+    tok = llm.get_tokenizer()  # nothing outside the constraint: its tokens, then EOS (not a masked row's argmax)
+    assert tok.decode(c.token_ids[:-1]) == "yes" and c.token_ids[-1] in llm.engine.eos_token_ids
+
+
+def test_logprobs_are_those_of_the_constrained_distribution(llm):
+    c = gen(llm, S(choice=["yes", "no"]), logprobs=3)[0]
+    first = c.logprobs[0]
+    tok = llm.get_tokenizer()
+    assert {tok.decode([t]) for t, lp in first.items() if lp.logprob > -1e9} <= {"y", "n", "ye", "no", "yes"}
+    assert sum(math.exp(lp.logprob) for lp in first.values() if lp.logprob > -1e9) == pytest.approx(1.0, abs=1e-4)

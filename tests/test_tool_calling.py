@@ -99,6 +99,17 @@ def test_required_schema_lifts_defs_and_limits_parallel_calls():
     assert "$defs" not in first["properties"]["parameters"] and "$defs" in params  # the tool's own is untouched
 
 
+def test_required_refuses_tools_that_define_one_name_differently():
+    a = {"type": "function", "function": {"name": "a", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/X"}}, "$defs": {"X": {"type": "integer"}}}}}
+    b = json.loads(json.dumps(a).replace('"a"', '"b"').replace('{"type": "integer"}', '{"enum": ["s"]}'))
+    with pytest.raises(APIError, match="define \\$defs/X differently"):
+        plan_tools(request(tools=[a, b], tool_choice="required"), None).constraint()
+    same = json.loads(json.dumps(a).replace('"a"', '"b"'))
+    assert plan_tools(request(tools=[a, same], tool_choice="required"), None).constraint().json["$defs"] == {
+        "X": {"type": "integer"}}
+
+
 def test_required_and_auto_replies_become_calls():
     plan = plan_tools(request(tools=[WEATHER, TIME], tool_choice="required"), None)
     content, calls = plan.calls('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", '

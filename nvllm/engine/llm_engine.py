@@ -219,6 +219,8 @@ class LLMEngine:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             if lora_request is not None:
                 seq.lora_id, seq.cache_salt = lora_request.lora_int_id, lora_salt(lora_request)
+            if params.structured_outputs is not None:
+                seq.grammar = self.structured.matcher(params.structured_outputs)
             if params.logprobs is not None:
                 seq.logprobs = []
             if params.prompt_logprobs is not None:
@@ -398,8 +400,6 @@ class LLMEngine:
         """What the sampler needs of the sequence; a penalized one's tokens as they are now, the newest maybe still
         a placeholder of the step in flight (the sampler takes it from that step's tokens on the device)."""
         p = seq.params
-        if p.structured_outputs is not None and seq.grammar is None:  # a decode worker's starts past the first token
-            seq.grammar = self.structured.matcher(p.structured_outputs, seq.output_token_ids)
         return SampleRow(p, seq.generator, self._banned(seq), seq.token_ids if p.penalized else None,
                          seq.num_prompt_tokens, seq.grammar)
 

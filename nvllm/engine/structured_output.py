@@ -4,15 +4,17 @@ fixed choices and EBNF grammars (nvllm.sampling_params.StructuredOutputsParams).
 A request's constraint is compiled once against the tokenizer's vocabulary (xgrammar's compiler caches it; the
 server compiles it off the engine thread before the request is queued, so a bad schema is a 400 and a slow one does
 not stall the batch). Each sequence keeps a matcher that follows its tokens. Before every draw the tokens its matcher
-would refuse are set to −inf in that row's logits, after banned tokens and before bias, penalties, temperature and
-the filters; log-probabilities stay those of the raw distribution, as with vLLM. Once the constraint is complete the
-matcher allows only the end-of-sequence tokens; a sequence whose matcher has terminated, or refuses a token (every
-token of the row was masked: min_tokens banning the only way out), is finished."""
+would refuse are set to −inf in that row's logits, first: log-probabilities are those of the masked distribution
+(vLLM applies the bitmask before its sampler too), and bias, penalties, temperature and the filters come after.
+Once the constraint is complete the matcher allows only the end-of-sequence tokens, and the sequence ends there:
+min_tokens does not keep them banned then (it would leave nothing to draw). A sequence whose matcher has
+terminated, or refuses a token, is finished."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 from typing import TYPE_CHECKING
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("nvllm")
 
+# xgrammar's compiled-grammar cache, bounded as vLLM bounds it (VLLM_XGRAMMAR_CACHE_MB): every new schema adds to it
+_CACHE_MB = int(os.environ.get("NVLLM_XGRAMMAR_CACHE_MB", "512"))
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
@@ -54,11 +58,19 @@ class StructuredOutputs:
                 xgr = _import_xgrammar()
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info)
+                self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=_CACHE_MB * 1024 * 1024)
             return self._compiler
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled constraint (cached by xgrammar); ValueError naming what is wrong with it. Thread-safe."""
+        """The compiled constraint; ValueError naming what is wrong with it. Thread-safe. Kept on ``params``: the
+        server compiles it off the engine thread, and the engine's own call finds it there whatever the
+        compiler's cache has dropped since."""
+        if params.compiled is not None:
+            return params.compiled
+        params.compiled = self._compile(params)
+        return params.compiled
+
+    def _compile(self, params: StructuredOutputsParams):
         compiler = self._get_compiler()
         kind = params.kind
         try:
@@ -75,14 +87,9 @@ class StructuredOutputs:
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"invalid structured outputs {kind}: {_message(e)}") from None
 
-    def matcher(self, params: StructuredOutputsParams, tokens: list[int]):
-        """A new matcher for one sequence, advanced over ``tokens`` (generated elsewhere: a prefill worker's)."""
-        xgr = _import_xgrammar()
-        m = xgr.GrammarMatcher(self.compile(params))
-        for t in tokens:
-            if not m.accept_token(t):
-                raise ValueError(f"token {t} already generated breaks the structured outputs constraint")
-        return m
+    def matcher(self, params: StructuredOutputsParams):
+        """A new matcher for one sequence (its tokens are fed as they come: ``advance``)."""
+        return _import_xgrammar().GrammarMatcher(self.compile(params))
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -66,9 +66,10 @@ class Sampler:
         """logits: [N, V] float32, one row per sequence that samples this step. The tokens are read back (a wait
         for the device); ``sample`` leaves them on the device."""
         raw_logprobs = None
+        apply_grammar_masks(logits, rows)  # constrained rows' logprobs are those of the tokens they may draw
         if any(r.params.logprobs is not None for r in rows):  # before ``sample`` biases and penalizes logits
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        token_ids = self.sample(logits, rows, pending).tolist()
+        token_ids = self.sample(logits, rows, pending, masked=True).tolist()
         logprobs: list = [None] * len(rows)
         if raw_logprobs is not None:
             want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -78,18 +79,26 @@ class Sampler:
                 logprobs[i] = info
         return SamplerOutput(token_ids, logprobs)
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow], pending: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], pending: torch.Tensor | None = None,
+               masked: bool = False) -> torch.Tensor:
         """The chosen token of every row, as an int64 device tensor; nothing waits for the device (logits is
         modified in place: the tokens a row's grammar refuses and its banned tokens are masked, then logit_bias
         added and the penalties applied, vLLM's order). ``pending``: the tokens of the step still in flight, for
-        penalized rows' placeholders."""
+        penalized rows' placeholders; ``masked``: the grammar masks are applied already."""
         device = logits.device
-        apply_grammar_masks(logits, rows)
+        if not masked:
+            apply_grammar_masks(logits, rows)
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned]
         if banned:
             bi, bt = zip(*banned)
-            logits[host_tensor(list(bi), torch.long, device), host_tensor(list(bt), torch.long, device)] = float("-inf")
+            bi, bt = host_tensor(list(bi), torch.long, device), host_tensor(list(bt), torch.long, device)
+            if any(r.grammar is not None for r in rows):  # a complete constraint leaves only EOS: min_tokens yields
+                kept = logits[bi, bt]
+                logits[bi, bt] = float("-inf")
+                empty = (logits == float("-inf")).all(dim=-1)
+                logits[bi, bt] = torch.where(empty[bi], kept, float("-inf"))
+            else:
+                logits[bi, bt] = float("-inf")
         if needs_processing(rows):
             apply_logit_bias(logits, rows)
             apply_penalties(logits, rows, pending)

@@ -98,12 +98,16 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: ToolParser | None) -> To
 
 def required_schema(schemas: dict[str, dict], parallel: bool) -> dict:
     """A JSON array of one or more calls, each ``{"name": one of the tools, "parameters": its schema}``; the
-    parameter schemas' ``$defs`` lifted to the top, where their references point."""
+    parameter schemas' ``$defs`` lifted to the top, where their references point (two tools defining one name
+    differently are a 400, as in vLLM)."""
     defs: dict = {}
     variants = []
     for name, params in schemas.items():
         params = dict(params)
-        defs.update(params.pop("$defs", {}))
+        for key, d in params.pop("$defs", {}).items():
+            if defs.setdefault(key, d) != d:
+                raise bad_request(f"the tools define $defs/{key} differently; with tool_choice \"required\" their "
+                                  "definitions share one namespace", "tools")
         variants.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
                                                           "parameters": params},
                          "required": ["name", "parameters"], "additionalProperties": False})
