@@ -162,7 +162,7 @@ class DisaggWorker:
             await self._release(handles)
             raise APIError(503, "the prefill worker is shutting down", code="engine_unavailable")
         return _json(PrefillResult(kv_rank=self.group.rank, requests=[
-            self._handoff(finals[rid], ids) for rid, ids, _ in requests]))
+            self._handoff(finals[rid], ids) for rid, ids, _, _ in requests]))
 
     def _handoff(self, out: RequestOutput, ids: list[int]) -> RequestHandoff:
         samples = []
