@@ -142,8 +142,9 @@ def test_bad_adapters_and_settings_are_one_clear_error(setup, tmp_path):
             parse_lora_modules(bad)
 
 
-def test_server_picks_the_adapter_by_model_name(setup, tmp_path):
+def test_server_picks_the_adapter_by_model_name(setup, tmp_path, monkeypatch):
     _, base, adapters = setup
+    monkeypatch.setenv("NVLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
     proc, url = start_server(["--model", str(base), "--device", "cpu", "--enable-lora",
                               "--lora-modules", f"all={adapters['all']}", "--lora-modules", f"attn={adapters['attn']}",
                               "--log-stats-interval", "0", "--uvicorn-log-level", "warning"], tmp_path / "log")
@@ -160,6 +161,24 @@ def test_server_picks_the_adapter_by_model_name(setup, tmp_path):
             assert r.model == name and r.choices[0].text == llm.get_tokenizer().decode(want)
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="nope", prompt="x", max_tokens=2)
+        # vLLM's runtime endpoints: the adapter under a new name, then gone
+        import httpx
+
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(adapters["attn"])})
+        assert r.status_code == 200 and "late" in {m.id for m in client.models.list().data}
+        want = llm.generate([PROMPTS[0]], params, lora_request=LoRARequest("attn", 2, str(adapters["attn"])),
+                            use_tqdm=False)[0].outputs[0].token_ids
+        r = client.completions.create(model="late", prompt=PROMPTS[0], max_tokens=N, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == llm.get_tokenizer().decode(want)
+        for body, status in (({"lora_name": "late", "lora_path": str(adapters["all"])}, 400),  # the name is taken
+                             ({"lora_name": "bad", "lora_path": "/no/such"}, 400)):
+            assert httpx.post(f"{url}/v1/load_lora_adapter", json=body).status_code == status
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 404
+        assert {m.id for m in client.models.list().data} == {str(base), "all", "attn"}
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="late", prompt="x", max_tokens=2)
     finally:
         stop_server(proc)
     for args, message in ((["--lora-modules", f"a={adapters['all']}"], "--lora-modules needs --enable-lora"),

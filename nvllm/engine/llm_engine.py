@@ -208,6 +208,11 @@ class LLMEngine:
         except ConfigError as e:  # a bad checkpoint is this request's fault here, not the engine's
             raise ValueError(str(e)) from None
 
+    def unload_lora(self, lora_id: int) -> bool:
+        """Drop an adapter's weights now unless a sequence still runs with it (then it goes when room is needed)."""
+        busy = any(s.lora_id == lora_id and not s.finished for seqs in self.requests.values() for s in seqs)
+        return self.runner.lora is not None and not busy and self.runner.lora.remove(lora_id)
+
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams,
                      metrics: RequestMetrics, lora_request: LoRARequest | None = None) -> list[Sequence]:
         seqs = []

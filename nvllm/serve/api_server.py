@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -35,6 +35,7 @@ from nvllm.serve.http import ClientGone, EventStreamResponse, check_api_key, par
 from nvllm.serve.metrics import ServerMetrics
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                  LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                   ModelList, TokenizeRequest, TokenizeResponse)
 
 if TYPE_CHECKING:
@@ -205,6 +206,30 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
         check_model(req.model)
         prompts.check_ids(req.tokens, "tokens")
         return DetokenizeResponse(prompt=prompts.decode(req.tokens))
+
+    if os.environ.get("NVLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"):
+        @api.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            req = await parse_body(request, LoadLoRAAdapterRequest, limit)
+            if not core.config.enable_lora:
+                raise APIError(400, "LoRA adapters need the server started with --enable-lora", "lora_name")
+            try:
+                adapter = models.add(req.lora_name, req.lora_path)
+            except ValueError as e:
+                raise APIError(400, str(e), "lora_name") from None
+            try:
+                await asyncio.wrap_future(engine.call(lambda e: e.load_lora(adapter)))
+            except ValueError as e:
+                models.remove(req.lora_name)
+                raise APIError(400, str(e), "lora_path") from None
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+        @api.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            req = await parse_body(request, UnloadLoRAAdapterRequest, limit)
+            adapter = models.remove(req.lora_name)  # no new requests; its weights go once its requests end
+            engine.call(lambda e: e.unload_lora(adapter.lora_int_id))
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     if worker is not None:
         api.include_router(worker.routes(ServingContext(engine, config, model_name, prompts, metrics,

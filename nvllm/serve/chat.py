@@ -73,6 +73,8 @@ class ChatHandler:
                                         self.defaults.get("max_tokens"))
         params = sampling_params(req, max_tokens, num_top, defaults=self.defaults)
         params.structured_outputs = plan.constraint() or params.structured_outputs
+        if plan.mode == "auto" and plan.parser.keep_special_tokens:
+            params.skip_special_tokens = False
         request_id = random_id("chatcmpl")
         return request_id, [(request_id, ids, params, self.models.lora(req.model))], ids
 

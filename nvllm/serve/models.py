@@ -12,6 +12,7 @@ class ServedModels:
     def __init__(self, base_name: str, root: str, max_model_len: int, adapters: list[LoRARequest] | None = None):
         self.base_name, self.root, self.max_model_len = base_name, root, max_model_len
         self.adapters = {a.lora_name: a for a in adapters or []}
+        self._next_id = max((a.lora_int_id for a in self.adapters.values()), default=0) + 1  # never reused
         if base_name in self.adapters:
             raise ValueError(f"LoRA adapter name {base_name!r} is the served model's name")
 
@@ -28,6 +29,20 @@ class ServedModels:
 
     def response_name(self, name: str | None) -> str:
         return name if name in self.adapters else self.base_name
+
+    def add(self, name: str, path: str) -> LoRARequest:
+        """A new adapter name (its id the next free one); ValueError when the name is taken."""
+        if name == self.base_name or name in self.adapters:
+            raise ValueError(f"The lora adapter '{name}' has already been loaded.")
+        adapter = LoRARequest(name, self._next_id, path)
+        self._next_id += 1
+        self.adapters[name] = adapter
+        return adapter
+
+    def remove(self, name: str) -> LoRARequest:
+        if name not in self.adapters:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+        return self.adapters.pop(name)
 
     def cards(self) -> ModelList:
         base = ModelCard(id=self.base_name, root=self.root, max_model_len=self.max_model_len)

@@ -153,6 +153,15 @@ class TokenizeRequest(OpenAIModel):
     tools: list[Tool] | None = None  # given to the chat template with messages
 
 
+class LoadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1)
+
+
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: list[int]

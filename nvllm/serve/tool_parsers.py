@@ -24,6 +24,7 @@ class ParsedCall:
 class ToolParser:
     name = ""
     start = ""  # the text that opens the calls: content is streamed only up to it
+    keep_special_tokens = False  # its tags may be special tokens: the reply is decoded with them (vLLM's hermes)
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(content, calls); no calls when the text holds none or they do not parse (the content is then the
@@ -57,6 +58,7 @@ def _call(obj, args_keys: tuple[str, ...]) -> ParsedCall:
 class HermesToolParser(ToolParser):
     name = "hermes"
     start = "<tool_call>"
+    keep_special_tokens = True  # Hermes 2 Pro's <tool_call> is a special token (Qwen's is not)
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
