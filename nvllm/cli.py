@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -49,6 +51,13 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
     ignore_eos: Annotated[bool, typer.Option()] = False,
     logprobs: Annotated[Optional[int], typer.Option(help="print top-N log-probabilities per token")] = None,
+    json_schema: Annotated[Optional[str], typer.Option(help="constrain the output to this JSON schema (its text, "
+                                                            "or a file holding it)")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="constrain the output to this regular expression")] = None,
+    choice: Annotated[Optional[list[str]], typer.Option(help="constrain the output to one of these strings "
+                                                             "(repeatable)")] = None,
+    lora: Annotated[Optional[str], typer.Option(help="a PEFT LoRA adapter directory to generate with (turns "
+                                                     "--enable-lora on)")] = None,
     *, engine_config: EngineConfig,
 ) -> None:
     """Generate continuations of prompts and print them. Sampling flags left out take the model's recommended
@@ -56,6 +65,7 @@ def generate(
     from nvllm.engine.generation_defaults import announce, with_defaults
     from nvllm.llm import LLM
     from nvllm.logger import console
+    from nvllm.lora.request import LoRARequest
     from nvllm.sampling_params import SamplingParams
 
     given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -64,14 +74,19 @@ def generate(
     def params(defaults: dict) -> SamplingParams:
         return SamplingParams(n=n, seed=sample_seed, stop=stop or [], ignore_eos=ignore_eos, logprobs=logprobs,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                              **with_defaults(given, defaults, _GENERATE_DEFAULTS))
+                              structured_outputs=constraint, **with_defaults(given, defaults, _GENERATE_DEFAULTS))
 
     try:
+        constraint = _constraint(json_schema, regex, choice)
         params({})  # a bad flag fails before the model loads
+        lora_request = None
+        if lora is not None:
+            lora_request = LoRARequest(Path(lora).name or "lora", 1, lora)
+            engine_config = dataclasses.replace(engine_config, enable_lora=True)
         llm = LLM.from_config(engine_config)
         defaults = {k: v for k, v in llm.engine.generation_defaults.items() if given[k] is None}
         announce(defaults)
-        outputs = llm.generate(prompts or ["Once upon a time"], params(defaults))
+        outputs = llm.generate(prompts or ["Once upon a time"], params(defaults), lora_request=lora_request)
     except USER_ERRORS as e:
         fail(str(e))
     out = console()
@@ -87,6 +102,20 @@ def generate(
                     alts = ", ".join(f"{text([t])!r} {v:.4f}" for _, t, v in top)
                     out.print(f"  {text([tok])!r}: {lp[tok].logprob:.4f}" + (f"  top: {alts}" if alts else ""),
                               highlight=False)
+
+
+def _constraint(json_schema: str | None, regex: str | None, choice: list[str] | None):
+    """`nvllm generate`'s structured output flags as StructuredOutputsParams (None without them)."""
+    from nvllm.sampling_params import StructuredOutputsParams
+
+    if json_schema is None and regex is None and not choice:
+        return None
+    if json_schema is not None and not json_schema.lstrip().startswith("{"):
+        path = Path(json_schema).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--json-schema {json_schema}: neither a JSON object nor a file")
+        json_schema = path.read_text()
+    return StructuredOutputsParams(json=json_schema, regex=regex, choice=choice or None)
 
 
 # ---- nvllm bench (the commands: nvllm/bench/cli.py) ----------------------------------------------------

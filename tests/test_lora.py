@@ -187,3 +187,8 @@ def test_server_picks_the_adapter_by_model_name(setup, tmp_path, monkeypatch):
                                  env={"COLUMNS": "200"})
         assert res.exit_code == 2 and message in res.output, res.output
     assert json.loads((adapters["all"] / "adapter_config.json").read_text())["r"] == 8
+    res = CliRunner().invoke(app, ["generate", "--model", str(base), "--device", "cpu", "--lora", str(adapters["all"]),
+                                   "--max-tokens", str(N), "--ignore-eos", "Once"], env={"COLUMNS": "200"})
+    want = llm.generate(["Once"], params, lora_request=LoRARequest("all", 1, str(adapters["all"])),
+                        use_tqdm=False)[0].outputs[0].text
+    assert res.exit_code == 0 and "Once" + want in res.output.splitlines()

@@ -176,3 +176,26 @@ def test_logprobs_are_those_of_the_constrained_distribution(llm):
     tok = llm.get_tokenizer()
     assert {tok.decode([t]) for t, lp in first.items() if lp.logprob > -1e9} <= {"y", "n", "ye", "no", "yes"}
     assert sum(math.exp(lp.logprob) for lp in first.values() if lp.logprob > -1e9) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_generate_command_takes_constraints(tmp_path):
+    from typer.testing import CliRunner
+
+    from nvllm.cli import app
+
+    schema = tmp_path / "pet.json"
+    schema.write_text(json.dumps(PET_SCHEMA))
+    env = {"COLUMNS": "200"}
+    res = CliRunner().invoke(app, ["generate", "--device", "cpu", "--json-schema", str(schema),
+                                   "--structured-outputs-config", '{"disable_any_whitespace": true}', PROMPT], env=env)
+    assert res.exit_code == 0, res.output
+    printed = [line for line in res.output.splitlines() if line.startswith(PROMPT)]  # the log shares the output
+    Pet.model_validate_json(printed[0].removeprefix(PROMPT))
+    res = CliRunner().invoke(app, ["generate", "--device", "cpu", "--choice", "yes", "--choice", "no", PROMPT],
+                             env=env)
+    assert [line for line in res.output.splitlines() if line.startswith(PROMPT)][0] in (PROMPT + "yes", PROMPT + "no")
+    for args, message in ((["--regex", "[a-"], "invalid structured outputs regex"),
+                          (["--json-schema", "missing.json"], "neither a JSON object nor a file"),
+                          (["--regex", "a", "--choice", "a"], "exactly one of")):
+        res = CliRunner().invoke(app, ["generate", "--device", "cpu", *args], env=env)
+        assert res.exit_code == 2 and message in res.output
