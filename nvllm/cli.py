@@ -233,6 +233,8 @@ def eval_command(
                                                           rich_help_panel=_GATE)] = None,
     output_json: Annotated[Optional[str], typer.Option(help="write the results JSON here")] = None,
     progress: Annotated[bool, typer.Option(help="progress bars")] = True,
+    lora: Annotated[Optional[str], typer.Option(help="evaluate the model with this PEFT LoRA adapter (the "
+                                                     "baseline, if any, runs without it)")] = None,
     *, engine_config: EngineConfig,
 ) -> None:
     """Accuracy (GSM8K, MMLU through lm-evaluation-harness) and perplexity on nvllm's engine; with --baseline,
@@ -250,7 +252,8 @@ def eval_command(
     runner.quiet_libraries()
     try:
         spec = runner.EvalSpec(tasks.split(","), num_fewshot, limit, data_dir, max_gen_toks, max_length)
-        results, rows, notes = runner.run_eval(engine_config, spec, baseline, max_drop, max_drop_rel, progress)
+        results, rows, notes = runner.run_eval(engine_config, spec, baseline, max_drop, max_drop_rel, progress,
+                                               lora)
     except (runner.EvalError, *USER_ERRORS) as e:
         fail(str(e))
     runner.print_eval(console(), results, rows, max_drop, max_drop_rel)

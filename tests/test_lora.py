@@ -192,3 +192,37 @@ def test_server_picks_the_adapter_by_model_name(setup, tmp_path, monkeypatch):
     want = llm.generate(["Once"], params, lora_request=LoRARequest("all", 1, str(adapters["all"])),
                         use_tqdm=False)[0].outputs[0].text
     assert res.exit_code == 0 and "Once" + want in res.output.splitlines()
+
+
+def test_eval_scores_an_adapter_as_lm_evals_hf_backend_on_the_merged_model(setup, tmp_path):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from nvllm.eval import perplexity
+    from nvllm.eval.lm_eval_model import NvllmLM
+
+    _, base, adapters = setup
+    data = Path(__file__).resolve().parent / "data" / "eval"
+    doc = perplexity.load_corpus("wikitext", data).scored[0][:1500]
+    reqs = [Instance("loglikelihood_rolling", {}, (doc,), 0)]
+    nv = NvllmLM(model=str(base), device="cpu", max_length=200, show_progress=False,
+                 lora_local_path=str(adapters["all"]))
+    # PEFT's merge of the adapter, saved as a model (HFLM's own peft= path pads the vocabulary when the tokenizer
+    # has no pad token, which changes every log-probability)
+    merged = peft.PeftModel.from_pretrained(hf_model(base), adapters["all"]).merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / "merged" / f).write_bytes((base / f).read_bytes())
+    hf = HFLM(pretrained=str(tmp_path / "merged"), device="cpu", dtype="float32", max_length=200)
+    plain = NvllmLM(model=str(base), device="cpu", max_length=200, show_progress=False)
+    got, want = nv.loglikelihood_rolling(reqs), hf.loglikelihood_rolling(reqs)
+    assert got == pytest.approx(want, rel=1e-5) and got != pytest.approx(plain.loglikelihood_rolling(reqs), rel=1e-3)
+    report = tmp_path / "eval.json"
+    res = CliRunner().invoke(app, ["eval", "--model", str(base), "--device", "cpu", "--lora", str(adapters["all"]),
+                                   "--baseline", str(base), "--tasks", "wikitext", "--limit", "1", "--max-length",
+                                   "128", "--data-dir", str(data), "--max-drop", "1000", "--output-json", str(report),
+                                   "--no-progress"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    models = json.loads(report.read_text())["models"]
+    assert [m["lora"] for m in models] == [None, str(adapters["all"])]
+    assert models[0]["tasks"]["wikitext"]["metrics"] != models[1]["tasks"]["wikitext"]["metrics"]

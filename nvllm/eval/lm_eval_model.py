@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from lm_eval.api.model import TemplateLM
@@ -23,13 +24,14 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from nvllm.lora.request import LoRARequest
 from nvllm.sampling_params import SamplingParams
 
 Window = tuple[list[int], list[int]]  # (context tokens, continuation tokens to score)
 _ENGINE_KEYS = {"tokenizer", "dtype", "seed", "load_format", "allow_pickle", "max_model_len", "block_size",
                 "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
                 "max_num_batched_tokens", "enable_prefix_caching", "enforce_eager", "log_stats_interval",
-                "tensor_parallel_size"}
+                "tensor_parallel_size", "max_lora_rank"}
 _SAMPLING_KEYS = {"top_p", "top_k", "min_p", "seed"}
 
 
@@ -41,13 +43,14 @@ class NvllmLM(TemplateLM):
     (dtype, max_model_len, kv_cache_memory, ...) may be given too, or a ready `llm`. lm-eval's `batch_size` is
     accepted and ignored: the engine batches continuously (bounded by max_num_seqs / max_num_batched_tokens);
     `requests_per_call` only sets how many requests go to the engine at once (memory and progress).
+    `lora_local_path` (vLLM's backend's name for it): a PEFT LoRA adapter every request runs with.
     """
 
     def __init__(self, model: str | None = None, pretrained: str | None = None, llm: Any = None,
                  max_length: int | None = None, max_gen_toks: int = 256, add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, requests_per_call: int = 1024, show_progress: bool = True,
                  batch_size: Any = None, max_batch_size: Any = None, device: str | None = None,
-                 **engine_options: Any):
+                 lora_local_path: str | None = None, **engine_options: Any):
         super().__init__()
         unknown = set(engine_options) - _ENGINE_KEYS
         if unknown:
@@ -56,8 +59,16 @@ class NvllmLM(TemplateLM):
             from nvllm.llm import LLM
 
             engine_options.setdefault("log_stats_interval", 0)
+            if lora_local_path is not None:
+                engine_options["enable_lora"] = True
             llm = LLM(model=model or pretrained, device=device or "auto", **engine_options)
         self.llm = llm
+        self.lora_request = None
+        if lora_local_path is not None:
+            if not llm.config.enable_lora:
+                raise ValueError("lora_local_path needs an engine with enable_lora")
+            self.lora_request = LoRARequest(Path(lora_local_path).name or "lora", 1, lora_local_path)
+            llm.engine.load_lora(self.lora_request)  # a bad adapter fails here, before any task runs
         self.tokenizer = llm.get_tokenizer()
         limit = llm.engine.max_model_len - 2  # the scored window plus its last token plus one generated token
         if max_length is not None and not 1 <= int(max_length) <= limit:
@@ -189,7 +200,8 @@ class NvllmLM(TemplateLM):
         with self._track(label, len(items), disable_tqdm) as advance:
             for i in range(0, len(items), self.requests_per_call):
                 chunk = items[i:i + self.requests_per_call]
-                outs = self.llm.generate([list(k) for k, _ in chunk], params, use_tqdm=False)
+                outs = self.llm.generate([list(k) for k, _ in chunk], params, use_tqdm=False,
+                                         lora_request=self.lora_request)
                 for (key, keep), out in zip(chunk, outs):
                     tail = range(len(key) - keep, len(key))
                     scored[key] = [(lp[key[p]].logprob, lp[key[p]].rank)
@@ -227,7 +239,8 @@ class NvllmLM(TemplateLM):
         with self._track("generate_until", len(prompts), disable_tqdm) as advance:
             for i in range(0, len(prompts), self.requests_per_call):
                 outs = self.llm.generate(prompts[i:i + self.requests_per_call],
-                                         params[i:i + self.requests_per_call], use_tqdm=False)
+                                         params[i:i + self.requests_per_call], use_tqdm=False,
+                                         lora_request=self.lora_request)
                 for out in outs:
                     # decode the generated ids and cut at the first stop string, as the hf backend does
                     text = self.tok_decode(out.outputs[0].token_ids)

@@ -111,8 +111,10 @@ def quantization_config(model_dir: str) -> dict | None:
         return None
 
 
-def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "model", progress=None) -> dict:
-    """Evaluate one model on every task of `spec`; the result dict `nvllm eval` prints, compares and saves."""
+def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "model", progress=None,
+                   lora: str | None = None) -> dict:
+    """Evaluate one model (with the LoRA adapter ``lora``) on every task of `spec`; the result dict `nvllm eval`
+    prints, compares and saves."""
     import lm_eval
 
     from nvllm.eval.lm_eval_model import NvllmLM
@@ -131,12 +133,12 @@ def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "
     if progress is not None and not progress.disable:  # the bars show progress; skip the per-batch stat lines
         logging.getLogger("nvllm").setLevel(logging.WARNING)
     try:
-        lm = NvllmLM(llm=llm, max_length=spec.max_length,
+        lm = NvllmLM(llm=llm, max_length=spec.max_length, lora_local_path=lora,
                      **({"max_gen_toks": spec.max_gen_toks} if spec.max_gen_toks else {}))
     except ValueError as e:
         raise EvalError(str(e)) from e
     lm.progress, lm.progress_prefix = progress, f"{label}: "
-    out: dict = {"label": label, "model": config.model, "tokenizer": config.tokenizer,
+    out: dict = {"label": label, "model": config.model, "lora": lora, "tokenizer": config.tokenizer,
                  "quantization_config": quantization_config(config.model), "max_length": lm.max_length,
                  "tasks": {}, "samples": {}, "hashes": {}}
     if spec.harness_tasks:
@@ -172,18 +174,22 @@ def baseline_config(candidate: EngineConfig, baseline: str) -> EngineConfig:
 
 
 def run_eval(engine_config: EngineConfig, spec: EvalSpec, baseline: str | None = None,
-             max_drop: float | None = None, max_drop_rel: float | None = None, progress: bool = True):
-    """Evaluate the model (and its baseline first, when given) on identical samples.
-    Returns (results, gate rows, data notes); rows are empty without a baseline."""
+             max_drop: float | None = None, max_drop_rel: float | None = None, progress: bool = True,
+             lora: str | None = None):
+    """Evaluate the model (with the LoRA adapter ``lora``; and its baseline first, when given, without it) on
+    identical samples. Returns (results, gate rows, data notes); rows are empty without a baseline."""
+    import dataclasses
+
     from nvllm.eval import regression
 
-    configs = [("model", engine_config)]
+    candidate = dataclasses.replace(engine_config, enable_lora=True) if lora else engine_config
+    configs = [("model", candidate, lora)]
     if baseline is not None:
         base = baseline_config(engine_config, baseline)
         regression.check_same_tokenizer(base.tokenizer, engine_config.tokenizer)
-        configs = [("baseline", base), ("candidate", engine_config)]
+        configs = [("baseline", base, None), ("candidate", candidate, lora)]
     with task_manager(spec) as (manager, notes), progress_bar(progress) as bar:
-        results = [evaluate_model(config, spec, manager, label, bar) for label, config in configs]
+        results = [evaluate_model(config, spec, manager, label, bar, adapter) for label, config, adapter in configs]
     rows = regression.compare(results[0], results[1], max_drop, max_drop_rel) if baseline is not None else []
     return results, rows, notes
 
@@ -199,7 +205,8 @@ def print_eval(out, results: list[dict], rows: list, max_drop: float | None, max
     from nvllm.eval import regression
 
     for r in results:
-        out.print(results_table(r, f"{r['label']}: {r['model']}"))
+        adapter = f" + LoRA {r['lora']}" if r.get("lora") else ""
+        out.print(results_table(r, f"{r['label']}: {r['model']}{adapter}"))
         if r["truncated_requests"]:
             out.print(f"[yellow]note:[/] {r['truncated_requests']} requests were cut on the left to the scoring "
                       f"window of {r['max_length']} tokens", highlight=False)
