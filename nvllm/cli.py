@@ -146,9 +146,6 @@ def serve(
     tool_call_parser: Annotated[Optional[str], typer.Option(help="how the model writes tool calls: hermes "
                                                             "(Qwen2.5, Qwen3, Hermes) | llama3_json (Llama 3.x)")
                                 ] = None,
-    reasoning_parser: Annotated[Optional[str], typer.Option(help="put a thinking model's <think> block in "
-                                                            "reasoning_content: qwen3 | deepseek_r1 (DeepSeek-R1, "
-                                                            "QwQ, Qwen3-Thinking)")] = None,
     lora_modules: Annotated[Optional[list[str]], typer.Option(help="LoRA adapters clients pick by name as their "
                                                               "model: name=PEFT_DIR (repeat, or comma-separate); "
                                                               "needs --enable-lora")] = None,
@@ -164,7 +161,7 @@ def serve(
                               chat_template=chat_template, max_request_bytes=max_request_bytes,
                               shutdown_timeout=shutdown_timeout, log_level=uvicorn_log_level, fd=fd,
                               enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                              reasoning_parser=reasoning_parser, lora_modules=parse_lora_modules(lora_modules))
+                              lora_modules=parse_lora_modules(lora_modules))
         if disagg_config.disaggregate:
             from nvllm.disagg.launcher import launch
 

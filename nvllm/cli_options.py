@@ -66,6 +66,9 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "structured_outputs_config": _opt(None, Optional[str], "JSON settings of structured outputs (response_format, "
                                       "guided_*): {\"backend\": \"xgrammar\", \"disable_any_whitespace\": true} "
                                       "keeps JSON free of runs of whitespace a small model may loop in"),
+    "reasoning_parser": _opt(None, Optional[str], "a thinking model's <think> block: qwen3 | deepseek_r1 (DeepSeek-R1, "
+                             "QwQ, Qwen3-Thinking); served in reasoning_content, and structured outputs apply after "
+                             "it"),
     "enable_lora": _opt(False, bool, "serve LoRA adapters on top of the model (PEFT checkpoints; eager forward, "
                         "one rank)"),
     "max_loras": _opt(4, int, "LoRA adapters held on the device at once"),

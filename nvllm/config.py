@@ -90,6 +90,9 @@ class EngineConfig:
     # structured outputs for the whole engine (vLLM's --structured-outputs-config): {"backend": "auto" | "xgrammar",
     # "disable_any_whitespace": bool} or its JSON text; requests' constraints use it
     structured_outputs_config: Any = None
+    # a thinking model's <think> block (nvllm.reasoning_parsers): the server puts it in reasoning_content, and a
+    # request's structured outputs constraint applies from its end on (vLLM's --reasoning-parser)
+    reasoning_parser: str | None = None
     # LoRA adapters (vLLM's --enable-lora): at most max_loras on the device at once, of rank up to max_lora_rank;
     # the forward runs eagerly (no CUDA graphs), on one rank, without speculative decoding
     enable_lora: bool = False
@@ -123,6 +126,12 @@ class EngineConfig:
             raise ConfigError("max_model_len must be at least 1")
         self._check_hf_overrides()
         self._check_structured_outputs_config()
+        if self.reasoning_parser is not None:
+            from nvllm.reasoning_parsers import REASONING_PARSERS
+
+            if self.reasoning_parser not in REASONING_PARSERS:
+                raise ConfigError(f"unknown reasoning parser {self.reasoning_parser!r}; choose "
+                                  f"{', '.join(sorted(REASONING_PARSERS))}")
         self._check_tensor_parallel_size()
         self._check_kv_cache_dtype()
         from nvllm.engine.generation_defaults import check_setting

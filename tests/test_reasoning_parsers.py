@@ -4,12 +4,14 @@ replies left whole; and the server putting the block in ``reasoning_content`` fo
 
 from __future__ import annotations
 
+import re
+
 import openai
 import pytest
 
 from nvllm.serve.chat_reply import ChatReply
 from nvllm.serve.protocol import ChatCompletionRequest
-from nvllm.serve.reasoning_parsers import get_reasoning_parser
+from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.serve.tool_parsers import HermesToolParser
 from nvllm.serve.tools import plan_tools
 from tests.server_utils import start_server, stop_server
@@ -30,6 +32,10 @@ def test_splits_as_vllm(text, qwen3, deepseek_r1):
     assert get_reasoning_parser("deepseek_r1").split(text) == deepseek_r1
     with pytest.raises(ValueError, match="unknown reasoning parser 'o1'"):
         get_reasoning_parser("o1")
+    from nvllm.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="unknown reasoning parser 'o1'; choose deepseek_r1, qwen3"):
+        EngineConfig(reasoning_parser="o1", device="cpu")
 
 
 def request(**kw) -> ChatCompletionRequest:
@@ -67,11 +73,34 @@ def test_streamed_pieces_add_up_to_the_whole_message(parser, kw, text):
         assert finish == ("tool_calls" if whole.tool_calls else "stop")
 
 
-def test_a_constrained_reply_is_not_split():
-    req = request(response_format={"type": "json_object"})
-    reply = ChatReply(req, plan_tools(req, None), get_reasoning_parser("deepseek_r1"))
-    message, _ = reply.message('{"a": 1}', "stop")
-    assert message.content == '{"a": 1}' and message.reasoning_content is None
+def test_the_constraint_waits_for_the_end_of_the_block():
+    from nvllm import SamplingParams, StructuredOutputsParams
+    from nvllm.assets import demo_model_path
+    from tests.conftest import make_llm
+
+    regex = StructuredOutputsParams(regex="[0-9]{3}")
+    params = SamplingParams(max_tokens=30, temperature=0, structured_outputs=regex)
+    llm = make_llm(demo_model_path(), reasoning_parser="deepseek_r1")
+    engine, tok = llm.engine, llm.get_tokenizer()
+    # the story model never closes a block: its reply stays unconstrained reasoning
+    thinking = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
+    assert thinking.finish_reason == "length" and not any(ch.isdigit() for ch in thinking.text)
+    # a reply that closes it (written here as a decode worker receives a prefill worker's tokens) is constrained after
+    rid = engine.add_request(None, "Once upon a time", params)
+    seq = engine.requests[rid][0]
+    assert seq.grammar_waits
+    for t in tok.encode(" Let me see.</think>", add_special_tokens=False):
+        engine._append_token(seq, t, None, 0.0)
+    assert not seq.grammar_waits
+    while engine.has_unfinished_requests():
+        outs = [o for o in engine.step() if o.finished]
+    text = outs[0].outputs[0].text
+    reasoning, content = get_reasoning_parser("deepseek_r1").split(text)
+    assert reasoning.strip() == "Let me see." and re.fullmatch("[0-9]{3}", content)
+    # Qwen3 with thinking off: the prompt closed the block, the constraint holds from the first token
+    qwen3 = make_llm(demo_model_path(), reasoning_parser="qwen3")
+    out = qwen3.generate(["Once upon a time<think>\n\n</think>\n\n"], params, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[0-9]{3}", out.text)
 
 
 def test_server_puts_the_block_in_reasoning_content(tmp_path):

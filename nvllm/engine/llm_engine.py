@@ -18,6 +18,7 @@ from nvllm.engine.kv_handoff import KVHandoff, KVTarget
 from nvllm.engine.metrics import EngineStats, StatLogger
 from nvllm.engine.inflight import InflightStep
 from nvllm.lora.manager import lora_salt
+from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.lora.request import LoRARequest
 from nvllm.engine.structured_output import StructuredOutputs
 from nvllm.engine.structured_output import advance as advance_grammar
@@ -55,6 +56,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.model.shape.vocab_size
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self.reasoning = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             config.structured_outputs_config["disable_any_whitespace"])
         self.spec = None  # speculative decoding (nvllm.spec.decoder.SpecDecoder) when config.speculative is set
@@ -226,6 +228,8 @@ class LLMEngine:
                 seq.lora_id, seq.cache_salt = lora_request.lora_int_id, lora_salt(lora_request)
             if params.structured_outputs is not None:
                 seq.grammar = self.structured.matcher(params.structured_outputs)
+                seq.grammar_waits = self.reasoning is not None and self.reasoning.constraint_waits(
+                    self.tokenizer.decode(ids[-16:]))
             if params.logprobs is not None:
                 seq.logprobs = []
             if params.prompt_logprobs is not None:
@@ -406,7 +410,7 @@ class LLMEngine:
         a placeholder of the step in flight (the sampler takes it from that step's tokens on the device)."""
         p = seq.params
         return SampleRow(p, seq.generator, self._banned(seq), seq.token_ids if p.penalized else None,
-                         seq.num_prompt_tokens, seq.grammar)
+                         seq.num_prompt_tokens, None if seq.grammar_waits else seq.grammar)
 
     def _banned(self, seq: Sequence) -> list[int]:
         if seq.num_output_tokens >= seq.params.min_tokens:
@@ -429,8 +433,10 @@ class LLMEngine:
             d = lp_info if isinstance(lp_info, dict) else self.outputs.logprob_dict(tok, *lp_info)
             seq.cumulative_logprob += d[tok].logprob
             seq.logprobs.append(d)
-        fits = seq.grammar is None or advance_grammar(seq.grammar, tok)
+        fits = seq.grammar is None or seq.grammar_waits or advance_grammar(seq.grammar, tok)
         check_stop(seq, tok, length, self.eos_token_ids, self.max_model_len)
+        if seq.grammar_waits and self.reasoning.reasoning_ended(seq.text):
+            seq.grammar_waits = False  # the constraint applies from the next token on
         if seq.finish_reason is None and not fits:  # the constraint is complete (or broken): nothing may follow
             seq.finish_reason = "stop"
         if seq.finish_reason is not None:

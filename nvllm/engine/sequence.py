@@ -48,6 +48,7 @@ class Sequence:
     stop_reason: int | str | None = None
     detokenizer: object = None  # IncrementalDetokenizer, set by the engine
     grammar: object = None  # structured outputs: the xgrammar matcher following the generated tokens
+    grammar_waits: bool = False  # the reply is in its reasoning block (reasoning_parser): the constraint waits
     last_reported: int = 0  # generated tokens already handed out in a RequestOutput
     # speculative decoding
     num_draft_computed: int = 0  # tokens whose K/V are in the draft model's cache (same block table)

@@ -27,7 +27,7 @@ from nvllm.engine.generation_defaults import announce
 from nvllm.lora.request import LoRARequest
 from nvllm.serve.chat import ChatHandler
 from nvllm.serve.models import ServedModels
-from nvllm.serve.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
+from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.serve.tool_parsers import TOOL_PARSERS, get_tool_parser
 from nvllm.serve.completions import CompletionHandler
 from nvllm.serve.errors import APIError, install_error_handlers
@@ -59,7 +59,6 @@ class ServerConfig:
     # tool_choice "auto": the model's calls taken out of its text by this parser (nvllm.serve.tool_parsers)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
-    reasoning_parser: str | None = None  # a thinking block taken out into reasoning_content
     lora_modules: list[LoRARequest] = field(default_factory=list)  # adapters clients pick by name (--enable-lora)
 
     def __post_init__(self) -> None:
@@ -74,9 +73,6 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ConfigError(f"unknown tool call parser {self.tool_call_parser!r}; choose "
                               f"{', '.join(sorted(TOOL_PARSERS))}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ConfigError(f"unknown reasoning parser {self.reasoning_parser!r}; choose "
-                              f"{', '.join(sorted(REASONING_PARSERS))}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes for Qwen2.5/Qwen3, "
                               "llama3_json for Llama 3.x)")
@@ -125,7 +121,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
         core.load_lora(adapter)
     completions = CompletionHandler(engine, prompts, models, defaults)
     auto_tools = get_tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None
-    reasoning = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+    reasoning = get_reasoning_parser(core.config.reasoning_parser) if core.config.reasoning_parser else None
     chat = ChatHandler(engine, prompts, models, defaults, auto_tools, reasoning)
     limit = config.max_request_bytes
 

@@ -16,7 +16,7 @@ from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.tool_parsers import ToolParser
 from nvllm.serve.tools import plan_tools
 from nvllm.serve.chat_reply import ChatReply
-from nvllm.serve.reasoning_parsers import ReasoningParser
+from nvllm.reasoning_parsers import ReasoningParser
 from nvllm.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                   ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
                                   DeltaMessage, TopLogprob, random_id)

@@ -1,21 +1,18 @@
 """One chat reply's message: its text split into reasoning (``--reasoning-parser``), content and tool calls (the
-request's tool plan), whole or piece by piece as it streams. The reasoning block comes first; the tool calls are
-taken from what follows it. A constrained reply (structured outputs, a named or required tool choice) is not split:
-its constraint allows no reasoning block."""
+request's tool plan), whole or piece by piece as it streams. The reasoning block comes first (the engine applies a
+constraint, structured outputs or a named/required tool choice, after it); the tool calls are taken from what
+follows it."""
 
 from __future__ import annotations
 
 from nvllm.serve.protocol import AssistantMessage, ChatCompletionRequest, DeltaMessage, ToolCall
-from nvllm.serve.params import constrains_reply
-from nvllm.serve.reasoning_parsers import ReasoningParser, ReasoningStream
+from nvllm.reasoning_parsers import ReasoningParser, ReasoningStream
 from nvllm.serve.tools import ToolPlan, ToolStream
 
 
 class ChatReply:
     def __init__(self, req: ChatCompletionRequest, plan: ToolPlan, reasoning: ReasoningParser | None):
-        self.plan = plan
-        constrained = plan.constraint() is not None or constrains_reply(req)
-        self.reasoning = None if constrained else reasoning
+        self.plan, self.reasoning = plan, reasoning
 
     def message(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
         """The whole reply's message and its finish reason (``tool_calls`` where vLLM gives it)."""

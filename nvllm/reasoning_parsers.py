@@ -8,8 +8,8 @@ of the same names split it.
   reasons from its first token (an opening tag written anyway is dropped) until ``</think>``.
 
 A block never closed (cut by max_tokens) is all reasoning. Streamed, a tag's first characters are held until it is
-known whether they begin it; a reply constrained by structured outputs or a named/required tool choice is not split
-(the constraint allows no reasoning block)."""
+known whether they begin it. The engine applies a request's structured outputs constraint (a JSON schema, a named or
+required tool choice) only once the block is closed, as vLLM does (``constraint_waits``, ``reasoning_ended``)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,18 @@ class ReasoningParser:
         if not closed and not finished:
             reasoning = reasoning[:len(reasoning) - _partial_tail(reasoning, END)]
         return (reasoning or None), (content or None)
+
+
+    @staticmethod
+    def constraint_waits(prompt_tail: str) -> bool:
+        """Whether a constrained reply starts inside a reasoning block: not when the prompt closed one already
+        (Qwen3 with ``enable_thinking: false`` ends its prompt with an empty ``<think></think>``)."""
+        return not prompt_tail.rstrip().endswith(END)
+
+    @staticmethod
+    def reasoning_ended(text: str) -> bool:
+        """Whether the reply so far has closed its reasoning block: the constraint applies to what follows."""
+        return END in text
 
 
 class Qwen3ReasoningParser(ReasoningParser):
