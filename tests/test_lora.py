@@ -106,17 +106,57 @@ def test_the_prefix_cache_keeps_adapters_apart(setup):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
-def test_adapters_beyond_max_loras_take_turns(setup):
+def test_adapters_beyond_max_loras_wait_for_a_slot(setup):
     _, base, adapters = setup
-    llm = make_llm(str(base), enable_lora=True, max_loras=1)
     a, b = LoRARequest("all", 1, str(adapters["all"])), LoRARequest("attn", 2, str(adapters["attn"]))
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    first = llm.generate([PROMPTS[0]], params, lora_request=a, use_tqdm=False)[0].outputs[0].token_ids
-    llm.generate([PROMPTS[0]], params, lora_request=b, use_tqdm=False)  # a is idle: unloaded for b
-    assert llm.generate([PROMPTS[0]], params, lora_request=a, use_tqdm=False)[0].outputs[0].token_ids == first
-    llm.engine.add_request("busy", PROMPTS[0], params, lora_request=a)
-    with pytest.raises(ValueError, match="1 LoRA adapters are in use"):
-        llm.engine.add_request("blocked", PROMPTS[0], params, lora_request=b)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    roomy = make_llm(str(base), enable_lora=True)
+    want = [o.outputs[0].token_ids for o in roomy.generate([PROMPTS[0]] * 3, params, lora_request=[a, b, None],
+                                                            use_tqdm=False)]
+    llm = make_llm(str(base), enable_lora=True, max_loras=1)
+    got = [o.outputs[0].token_ids for o in llm.generate([PROMPTS[0]] * 3, params, lora_request=[a, b, None],
+                                                         use_tqdm=False)]
+    assert got == want and len(set(map(tuple, got))) == 3  # one slot: the second adapter ran after the first
+    assert list(llm.engine.runner.lora.loaded) in ([1], [2])
+
+
+def test_reloading_a_name_never_reuses_the_old_adapters_cache(setup):
+    _, base, adapters = setup
+    llm = make_llm(str(base), enable_lora=True, block_size=4)
+    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+    prompt = PROMPTS[1] * 3
+    first = llm.generate([prompt], params, lora_request=LoRARequest("x", 1, str(adapters["all"])), use_tqdm=False)
+    assert llm.engine.unload_lora(1)
+    again = llm.generate([prompt], params, lora_request=LoRARequest("x", 2, str(adapters["attn"])), use_tqdm=False)
+    alone = make_llm(str(base), enable_lora=True).generate(
+        [prompt], params, lora_request=LoRARequest("attn", 1, str(adapters["attn"])), use_tqdm=False)
+    assert again[0].num_cached_tokens == 0 and again[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert first[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
+
+
+def test_peft_variants_load_as_peft_reads_them(setup, tmp_path):
+    root, base, adapters = setup
+    # no lora_alpha in the config (PEFT's default 8), keys carrying the adapter's name, a pickle-only checkpoint
+    import shutil
+
+    from safetensors.torch import load_file
+
+    variant = tmp_path / "variant"
+    shutil.copytree(adapters["attn"], variant)
+    cfg = json.loads((variant / "adapter_config.json").read_text())
+    del cfg["lora_alpha"]
+    (variant / "adapter_config.json").write_text(json.dumps(cfg))
+    tensors = load_file(variant / "adapter_model.safetensors")
+    (variant / "adapter_model.safetensors").unlink()
+    torch.save({k.replace(".weight", ".default.weight"): v for k, v in tensors.items()}, variant / "adapter_model.bin")
+    request = LoRARequest("v", 1, str(variant))
+    with pytest.raises(ValueError, match="pass --allow-pickle"):
+        make_llm(str(base), enable_lora=True).generate([PROMPTS[0]], lora_request=request, use_tqdm=False)
+    llm = make_llm(str(base), enable_lora=True, allow_pickle=True)
+    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+    got = llm.generate([PROMPTS[0]], params, lora_request=request, use_tqdm=False)[0].outputs[0].token_ids
+    want, _ = peft_greedy(hf_model(base), variant, PROMPTS[0])
+    assert got[:len(want)] == want
 
 
 def test_bad_adapters_and_settings_are_one_clear_error(setup, tmp_path):
@@ -128,6 +168,16 @@ def test_bad_adapters_and_settings_are_one_clear_error(setup, tmp_path):
     cases.append((LoRARequest("dora", 3, str(dora)), "DoRA adapters are not supported"))
     head = make_adapter(base, tmp_path / "head", 4, r=2, target_modules=["lm_head"])
     cases.append((LoRARequest("head", 4, str(head)), "LoRA on embeddings and the LM head is not supported"))
+    wrong_r = tmp_path / "wrong_r"
+    import shutil
+
+    shutil.copytree(adapters["attn"], wrong_r)
+    cfg = json.loads((wrong_r / "adapter_config.json").read_text())
+    (wrong_r / "adapter_config.json").write_text(json.dumps({**cfg, "r": 2}))
+    cases.append((LoRARequest("wrong_r", 5, str(wrong_r)), "not of rank r=2"))
+    deep = build_tiny_model("qwen2", tmp_path / "deep_base", num_hidden_layers=3)
+    cases.append((LoRARequest("deep", 6, str(make_adapter(deep, tmp_path / "deep", 5, r=2))),
+                  "is not a decoder linear"))
     for request, message in cases:
         with pytest.raises(ValueError, match=message):
             llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), lora_request=request, use_tqdm=False)

@@ -17,7 +17,6 @@ from nvllm.engine.detokenizer import IncrementalDetokenizer
 from nvllm.engine.kv_handoff import KVHandoff, KVTarget
 from nvllm.engine.metrics import EngineStats, StatLogger
 from nvllm.engine.inflight import InflightStep
-from nvllm.lora.manager import lora_salt
 from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.lora.request import LoRARequest
 from nvllm.engine.structured_output import StructuredOutputs
@@ -69,6 +68,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    lookahead=self.spec.lookahead if self.spec is not None else None)
+        if self.runner.lora is not None:
+            self.scheduler.activate_lora = self.runner.lora.activate
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.outputs = OutputBuilder(self.tokenizer)
@@ -198,22 +199,26 @@ class LLMEngine:
             self.scheduler.add(seq)
         return request_id
 
-    def load_lora(self, lora_request: LoRARequest | None) -> None:
-        """Have the adapter on the device (ValueError: LoRA is off, or the adapter cannot be loaded)."""
+    def load_lora(self, lora_request: LoRARequest | None) -> bytes | None:
+        """Read and check the adapter (ValueError: LoRA is off, or the checkpoint is bad); its prefix-cache salt.
+        It goes to the device when the scheduler admits one of its sequences."""
         if lora_request is None:
-            return
+            return None
         if self.runner.lora is None:
             raise ValueError("LoRA adapters need the engine started with enable_lora (--enable-lora)")
         try:
-            self.runner.lora.add(lora_request, {s.lora_id for seqs in self.requests.values() for s in seqs
-                                                if not s.finished})
+            return self.runner.lora.register(lora_request, self._loras_in_use())
         except ConfigError as e:  # a bad checkpoint is this request's fault here, not the engine's
             raise ValueError(str(e)) from None
 
     def unload_lora(self, lora_id: int) -> bool:
-        """Drop an adapter's weights now unless a sequence still runs with it (then it goes when room is needed)."""
-        busy = any(s.lora_id == lora_id and not s.finished for seqs in self.requests.values() for s in seqs)
-        return self.runner.lora is not None and not busy and self.runner.lora.remove(lora_id)
+        """Forget an adapter unless a sequence still runs with it (a later load of its name then replaces it)."""
+        if self.runner.lora is None or lora_id in self._loras_in_use():
+            return False
+        return self.runner.lora.forget(lora_id)
+
+    def _loras_in_use(self) -> set[int]:
+        return {s.lora_id for seqs in self.requests.values() for s in seqs if s.lora_id and not s.finished}
 
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams,
                      metrics: RequestMetrics, lora_request: LoRARequest | None = None) -> list[Sequence]:
@@ -225,7 +230,7 @@ class LLMEngine:
             seq = Sequence(request_id, i, list(ids), len(ids), params, metrics, gen)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             if lora_request is not None:
-                seq.lora_id, seq.cache_salt = lora_request.lora_int_id, lora_salt(lora_request)
+                seq.lora_id, seq.cache_salt = lora_request.lora_int_id, self.load_lora(lora_request)
             if params.structured_outputs is not None:
                 seq.grammar = self.structured.matcher(params.structured_outputs)
                 seq.grammar_waits = self.reasoning is not None and self.reasoning.constraint_waits(

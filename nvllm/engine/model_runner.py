@@ -107,8 +107,8 @@ class ModelRunner:
         self.num_blocks = self._agree_num_blocks(self._num_kv_blocks())
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.sampler = Sampler(config.seed)
-        self.lora = LoRAManager(self.model, self.dtype, self.device, config.max_loras, config.max_lora_rank) \
-            if config.enable_lora else None
+        self.lora = LoRAManager(self.model, self.dtype, self.device, config.max_loras, config.max_lora_rank,
+                                config.allow_pickle) if config.enable_lora else None
         if self.device.type == "cuda":
             self.tp.enable_one_shot(self.dtype, self.device)  # before any graph captures an all-reduce
             self._gemm_choices()

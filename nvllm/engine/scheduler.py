@@ -41,6 +41,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # LoRA: put a waiting sequence's adapter on the device, given the adapters running sequences use; False
+        # when no slot is free (nvllm.lora.manager.LoRAManager.activate)
+        self.activate_lora: Callable[[int, set[int]], bool] = lambda lora_id, in_use: True
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -86,14 +89,20 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        loras = {s.lora_id for s in self.running if s.lora_id}
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.lora_id and not self.activate_lora(seq.lora_id, loras):
+                i += 1  # every adapter slot is busy: requests behind it may go first (as vLLM skips them)
+                continue
             hit = self.bm.allocate_cached_prefix(seq) if not seq.block_table else 0
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.bm.tokens_that_fit(seq))
             if n <= 0 or not self.bm.allocate_slots(seq, n):
                 self.bm.free_sequence(seq)  # don't pin cached blocks while waiting
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            loras.add(seq.lora_id)
             if self.bm.looks_up(seq):  # every lookup counts, re-admissions after preemption too
                 self.bm.prefix_queries += seq.num_tokens
                 self.bm.prefix_hits += hit

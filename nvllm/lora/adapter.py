@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ import torch
 from nvllm.config import ConfigError
 
 _PREFIX = "base_model.model."
+# <module>.lora_A.weight, or <module>.lora_A.<adapter name>.weight
+_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.[^.]+)?\.weight")
 
 
 @dataclass
@@ -38,6 +41,8 @@ def read_adapter_config(path: str) -> dict:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read {cfg_path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{cfg_path} must hold a JSON object")
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise ConfigError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
     for key, why in (("use_dora", "DoRA adapters"), ("modules_to_save", "adapters that retrain whole modules"),
@@ -47,41 +52,39 @@ def read_adapter_config(path: str) -> dict:
             raise ConfigError(f"{cfg_path}: {why} are not supported")
     if cfg.get("bias", "none") != "none":
         raise ConfigError(f"{cfg_path}: adapters with trained biases (bias={cfg['bias']!r}) are not supported")
-    if not isinstance(cfg.get("r"), int) or cfg["r"] < 1:
+    if not isinstance(cfg.get("r"), int) or isinstance(cfg["r"], bool) or cfg["r"] < 1:
         raise ConfigError(f"{cfg_path}: r must be a positive integer")
+    alpha = cfg.setdefault("lora_alpha", 8)  # PEFT's default
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ConfigError(f"{cfg_path}: lora_alpha must be a number, got {alpha!r}")
     return cfg
 
 
-def load_adapter(path: str, model, dtype: torch.dtype, device: torch.device, max_rank: int
-                 ) -> dict[str, LoRAWeights]:
+def load_adapter(path: str, model, dtype: torch.dtype, device: torch.device, max_rank: int,
+                 allow_pickle: bool = False) -> dict[str, LoRAWeights]:
     """The adapter's fused weights for each linear it touches: module name (``layers.3.qkv_proj``) → weights."""
-    from safetensors import safe_open
-
     cfg = read_adapter_config(path)
     r = cfg["r"]
     if r > max_rank:
         raise ConfigError(f"LoRA adapter {path} has rank {r}, above max_lora_rank {max_rank} (raise "
                           "--max-lora-rank)")
-    scale = cfg.get("lora_alpha", r) / (math.sqrt(r) if cfg.get("use_rslora") else r)
-    file = os.path.join(path, "adapter_model.safetensors")
-    if not os.path.isfile(file):
-        raise ConfigError(f"LoRA adapter {path} has no adapter_model.safetensors")
+    scale = cfg["lora_alpha"] / (math.sqrt(r) if cfg.get("use_rslora") else r)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(file, framework="pt") as f:
-        for key in f.keys():
-            if "lm_head" in key or "embed_tokens" in key:
-                raise ConfigError(f"LoRA adapter {path}: {key} — LoRA on embeddings and the LM head is not "
-                                  "supported")
-            if not key.endswith((".lora_A.weight", ".lora_B.weight")):
-                raise ConfigError(f"LoRA adapter {path}: unexpected tensor {key!r}")
-            module, kind = key.removeprefix(_PREFIX).rsplit(".lora_", 1)
-            pairs.setdefault(module, {})[kind[0]] = f.get_tensor(key)
+    for key, tensor in _tensors(path, allow_pickle).items():
+        if "lm_head" in key or "embed_tokens" in key:
+            raise ConfigError(f"LoRA adapter {path}: {key} — LoRA on embeddings and the LM head is not supported")
+        m = _KEY.fullmatch(key.removeprefix(_PREFIX))
+        if m is None:
+            raise ConfigError(f"LoRA adapter {path}: unexpected tensor {key!r}")
+        if tensor.dim() != 2 or tensor.shape[0 if m["kind"] == "A" else 1] != r:
+            raise ConfigError(f"LoRA adapter {path}: {key} has shape {tuple(tensor.shape)}, not of rank r={r}")
+        pairs.setdefault(m["module"], {})[m["kind"]] = tensor
     parts: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise ConfigError(f"LoRA adapter {path}: {module} lacks its lora_{'B' if 'A' in ab else 'A'} tensor")
         target = model.param_for(module + ".weight")
-        if target is None or not _is_layer_linear(target[0]):
+        if target is None or not _is_layer_linear(target[0], len(model.layers)):
             raise ConfigError(f"LoRA adapter {path}: {module} is not a decoder linear (LoRA on embeddings and the "
                               "LM head is not supported)")
         name, shard = target
@@ -92,9 +95,24 @@ def load_adapter(path: str, model, dtype: torch.dtype, device: torch.device, max
             for name, shards in parts.items()}
 
 
-def _is_layer_linear(pname: str) -> bool:
-    return pname.startswith("layers.") and pname.rsplit(".", 2)[-2] in (
-        "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+def _is_layer_linear(pname: str, num_layers: int) -> bool:
+    parts = pname.split(".")
+    return (len(parts) == 4 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < num_layers
+            and parts[2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+
+
+def _tensors(path: str, allow_pickle: bool) -> dict[str, torch.Tensor]:
+    st, pt = os.path.join(path, "adapter_model.safetensors"), os.path.join(path, "adapter_model.bin")
+    if os.path.isfile(st):
+        from safetensors.torch import load_file
+
+        return load_file(st)
+    if os.path.isfile(pt):
+        if not allow_pickle:
+            raise ConfigError(f"LoRA adapter {path} has only adapter_model.bin, a pickle that can run code: "
+                              "pass --allow-pickle to load it")
+        return torch.load(pt, map_location="cpu", weights_only=True)
+    raise ConfigError(f"LoRA adapter {path} has no adapter_model.safetensors")
 
 
 def _fuse(linear, shards, scale: float, dtype, device, path: str) -> LoRAWeights:

@@ -1,16 +1,20 @@
-"""The model runner's LoRA adapters: the decoder linears wrapped once (``LoRALinear``), adapters loaded onto them
-on demand (at most ``max_loras`` at once; one no unfinished sequence uses is dropped, least recently used first,
-to make room), and each step's mapping of tokens to adapters."""
+"""The model runner's LoRA adapters: the decoder linears wrapped once (``LoRALinear``); adapters read and checked
+when a request names them (``register``: a bad checkpoint is that request's error) and kept in host memory; put on
+the device when the scheduler admits one of their sequences (``activate``), at most ``max_loras`` at once, an
+adapter no running sequence uses making room, least recently used first (a sequence whose adapter finds no slot
+waits, as in vLLM); and each step's mapping of tokens to adapters."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections import OrderedDict
 
 import torch
 
-from nvllm.lora.adapter import load_adapter
+from nvllm.config import ConfigError, first_line
+from nvllm.lora.adapter import LoRAWeights, load_adapter
 from nvllm.lora.layers import LoRALinear, LoRAMapping
 from nvllm.lora.request import LoRARequest
 
@@ -19,57 +23,70 @@ logger = logging.getLogger("nvllm")
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def lora_salt(request: LoRARequest) -> bytes:
-    """The prefix-cache salt of an adapter's sequences (nvllm.engine.block_manager)."""
-    return hashlib.sha256(b"lora\0" + request.lora_name.encode()).digest()
-
-
 class LoRAManager:
-    def __init__(self, model, dtype: torch.dtype, device: torch.device, max_loras: int, max_lora_rank: int):
+    def __init__(self, model, dtype: torch.dtype, device: torch.device, max_loras: int, max_lora_rank: int,
+                 allow_pickle: bool = False):
         self.model, self.dtype, self.device = model, dtype, device
-        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.max_loras, self.max_lora_rank, self.allow_pickle = max_loras, max_lora_rank, allow_pickle
         self.linears: dict[str, LoRALinear] = {}
         for i, layer in enumerate(model.layers):
             for attr in _LINEARS:
                 wrapped = LoRALinear(getattr(layer, attr))
                 setattr(layer, attr, wrapped)
                 self.linears[f"layers.{i}.{attr}"] = wrapped
-        self.loaded: OrderedDict[int, LoRARequest] = OrderedDict()  # least recently used first
+        self.known: dict[int, tuple[LoRARequest, dict[str, LoRAWeights], bytes]] = {}  # id → (request, host, salt)
+        self.loaded: OrderedDict[int, None] = OrderedDict()  # on the device, least recently used first
 
-    def add(self, request: LoRARequest, in_use: set[int]) -> None:
-        """Load the adapter unless it is loaded; ValueError when it cannot be (a bad checkpoint, no room, an id or
-        a name that another adapter holds)."""
-        have = self.loaded.get(request.lora_int_id)
-        if have is not None:
-            if (have.lora_name, have.lora_path) != (request.lora_name, request.lora_path):
-                raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter {have.lora_name!r} "
-                                 f"({have.lora_path})")
-            self.loaded.move_to_end(request.lora_int_id)
-            return
-        other = next((r for r in self.loaded.values() if r.lora_name == request.lora_name), None)
-        if other is not None:
-            raise ValueError(f"LoRA adapter name {request.lora_name!r} is already loaded with id {other.lora_int_id}")
+    def register(self, request: LoRARequest, in_use: set[int]) -> bytes:
+        """Read and check the adapter (unless known) and return its prefix-cache salt. ConfigError for a bad
+        checkpoint, or an id or a name another adapter holds while sequences use it (an idle one is replaced)."""
+        have = self.known.get(request.lora_int_id)
+        if have is not None and have[0] == request:
+            return have[2]
+        for lora_id, (other, _, _) in list(self.known.items()):
+            if lora_id == request.lora_int_id or other.lora_name == request.lora_name:
+                if lora_id in in_use:
+                    raise ConfigError(f"LoRA adapter {other.lora_name!r} (id {lora_id}) is in use; "
+                                      f"{request.lora_name!r} (id {request.lora_int_id}) cannot take its name or id")
+                self.forget(lora_id)
+        try:
+            weights = load_adapter(request.lora_path, self.model, self.dtype, torch.device("cpu"), self.max_lora_rank,
+                                   self.allow_pickle)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a damaged file, an adapter of another model: this request's error
+            raise ConfigError(f"cannot load LoRA adapter {request.lora_path}: {first_line(e)}") from None
+        self.known[request.lora_int_id] = (request, weights, _salt(request))
+        return self.known[request.lora_int_id][2]
+
+    def activate(self, lora_id: int, in_use: set[int]) -> bool:
+        """Have the adapter on the device for a sequence being admitted; False when every slot holds an adapter of
+        ``in_use`` (the running sequences')."""
+        if lora_id in self.loaded:
+            self.loaded.move_to_end(lora_id)
+            return True
         while len(self.loaded) >= self.max_loras:
             idle = next((i for i in self.loaded if i not in in_use), None)
             if idle is None:
-                raise ValueError(f"{self.max_loras} LoRA adapters are in use (max_loras); wait for their requests "
-                                 "or raise --max-loras")
-            self.remove(idle)
-        weights = load_adapter(request.lora_path, self.model, self.dtype, self.device, self.max_lora_rank)
+                return False
+            self._drop(idle)
+        request, weights, _ = self.known[lora_id]
         for name, w in weights.items():
-            self.linears[name].adapters[request.lora_int_id] = w
-        self.loaded[request.lora_int_id] = request
-        logger.info("LoRA adapter %r loaded from %s (id %d, %d linears)", request.lora_name, request.lora_path,
-                    request.lora_int_id, len(weights))
-
-    def remove(self, lora_id: int) -> bool:
-        request = self.loaded.pop(lora_id, None)
-        if request is None:
-            return False
-        for linear in self.linears.values():
-            linear.adapters.pop(lora_id, None)
-        logger.info("LoRA adapter %r unloaded", request.lora_name)
+            self.linears[name].adapters[lora_id] = LoRAWeights(w.a.to(self.device), w.b.to(self.device))
+        self.loaded[lora_id] = None
+        logger.info("LoRA adapter %r on the device (id %d, %d linears)", request.lora_name, lora_id, len(weights))
         return True
+
+    def forget(self, lora_id: int) -> bool:
+        """Remove an adapter (its device and host copies); the caller makes sure no sequence still uses it."""
+        self._drop(lora_id)
+        return self.known.pop(lora_id, None) is not None
+
+    def _drop(self, lora_id: int) -> None:
+        if lora_id in self.loaded:
+            del self.loaded[lora_id]
+            for linear in self.linears.values():
+                linear.adapters.pop(lora_id, None)
 
     def mapping(self, token_lora_ids: list[int]) -> LoRAMapping | None:
         """The step's rows of each adapter (id 0, the base model, has none); None when no token runs one."""
@@ -81,3 +98,16 @@ class LoRAManager:
             return None
         return LoRAMapping({i: torch.tensor(r, dtype=torch.long).to(self.device, non_blocking=True)
                             for i, r in rows.items()})
+
+
+def _salt(request: LoRARequest) -> bytes:
+    """The prefix-cache salt of an adapter's sequences: its name, id, path and the weights file's size and time, so a
+    name reused for other weights never finds the old adapter's KV."""
+    h = hashlib.sha256(f"lora\0{request.lora_name}\0{request.lora_int_id}\0{request.lora_path}".encode())
+    for f in ("adapter_model.safetensors", "adapter_model.bin"):
+        try:
+            st = os.stat(os.path.join(request.lora_path, f))
+            h.update(f"\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        except OSError:
+            pass
+    return h.digest()

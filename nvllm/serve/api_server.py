@@ -215,7 +215,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
                 raise APIError(400, str(e), "lora_name") from None
             try:
                 await asyncio.wrap_future(engine.call(lambda e: e.load_lora(adapter)))
-            except ValueError as e:
+            except Exception as e:  # noqa: BLE001 - whatever the adapter did, the name is released
                 models.remove(req.lora_name)
                 raise APIError(400, str(e), "lora_path") from None
             return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")

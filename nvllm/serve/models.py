@@ -28,7 +28,9 @@ class ServedModels:
         return self.adapters.get(name) if name is not None else None
 
     def response_name(self, name: str | None) -> str:
-        return name if name in self.adapters else self.base_name
+        """The name a response carries: the one the request gave (checked when it came: an adapter unloaded since
+        keeps its name on the replies of requests that named it), else the base model's."""
+        return name or self.base_name
 
     def add(self, name: str, path: str) -> LoRARequest:
         """A new adapter name (its id the next free one); ValueError when the name is taken."""
