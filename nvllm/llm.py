@@ -10,6 +10,7 @@ import numbers
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from nvllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nvllm.config import EngineConfig
 from nvllm.engine.generation_defaults import default_sampling_params
 from nvllm.engine.llm_engine import LLMEngine
@@ -104,6 +105,27 @@ class LLM:
                                 chat_template_kwargs, tools) for c in conversations]
         ids = [ct.encode_chat(tok, text, fallback) for text in texts]
         return self._generate(ids, sampling_params, use_tqdm, texts)
+
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search (nvllm.beam_search): the best ``params.beam_width`` continuations of each prompt,
+        best first, each with its tokens, cumulative log-probability and text."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                 and isinstance(prompts[0], numbers.Integral)):
+            prompts = [prompts]
+        engine = self.engine
+        searches = [BeamSearch(engine.tokenize(_prompt_of(p)), params, engine.eos_token_ids, engine.max_model_len)
+                    for p in prompts]
+        while any(not s.done for s in searches):
+            active = [s for s in searches if not s.done]
+            beams = [(s, b) for s in active for b in s.live]
+            outs = self._generate([b.tokens for _, b in beams], [s.step_params() for s, _ in beams], False,
+                                  lora_request=lora_request)
+            tops = iter({t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs)
+            for s in active:
+                s.advance([next(tops) for _ in s.live])
+        decode = self.get_tokenizer().decode
+        return [s.result(lambda ids: decode(ids, skip_special_tokens=True)) for s in searches]
 
     def _generate(self, prompts: list, sampling_params, use_tqdm: bool, texts: list[str] | None = None,
                   lora_request=None) -> list[RequestOutput]:

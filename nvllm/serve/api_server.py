@@ -146,6 +146,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
         check_model(req.model)
         if not engine.is_running:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
+        if req.use_beam_search and start is None:
+            try:
+                body = await until_disconnect(request, handler.beam(req))
+            except ClientGone:
+                return Response(status_code=499)
+            return JSONResponse(body.model_dump())
         try:
             request_id, stream, prompt_ids = await (start or handler.start)(req)
         except EngineDeadError as e:

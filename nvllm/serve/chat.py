@@ -3,6 +3,8 @@ answered whole or streamed (a role chunk per choice, then one content chunk per 
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import AsyncIterator
 
 from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
@@ -11,6 +13,7 @@ from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
 from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, resolve_max_tokens, submit,
                                 sampling_params, usage)
+from nvllm.serve.beam import beam_params, beam_usage, check_beam_request, search_all
 from nvllm.serve.models import ServedModels
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.tool_parsers import ToolParser
@@ -58,9 +61,11 @@ class ChatHandler:
         request_id, requests, ids = self.prepare(req)
         return request_id, await submit(self.engine, requests), ids
 
-    def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[EngineRequest], list[int]]:
+    def prepare(self, req: ChatCompletionRequest, beam: bool = False) -> tuple[str, list[EngineRequest], list[int]]:
         """Validate everything: the response id, the one engine request (id, prompt ids, params, LoRA adapter), the
-        prompt."""
+        prompt. ``beam``: for ``beam`` (a worker of a disaggregated deployment refuses use_beam_search)."""
+        if req.use_beam_search and not beam:
+            raise bad_request("use_beam_search is not supported by disaggregated workers", "use_beam_search")
         plan = plan_tools(req, self.tool_parser)
         self.prompts.check_ids(req.stop_token_ids or [], "stop_token_ids")
         num_top = self._num_top(req)
@@ -77,6 +82,21 @@ class ChatHandler:
             params.skip_special_tokens = False
         request_id = random_id("chatcmpl")
         return request_id, [(request_id, ids, params, self.models.lora(req.model))], ids
+
+    async def beam(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
+        """use_beam_search: the best n beams (nvllm.serve.beam), each a choice."""
+        check_beam_request(req)
+        request_id, requests, ids = self.prepare(req, beam=True)
+        _, _, params, lora = requests[0]
+        decode = functools.partial(self.prompts.tokenizer.decode, skip_special_tokens=req.skip_special_tokens)
+        (out,) = await search_all(self.engine, [ids], [beam_params(req, params)], lora, decode)
+        reply = self._reply(req)
+        choices = []
+        for j, s in enumerate(out.sequences):
+            message, finish = reply.message(s.text, s.finish_reason)
+            choices.append(ChatChoice(index=j, message=message, finish_reason=finish))
+        return ChatCompletionResponse(id=request_id, model=self.models.response_name(req.model), choices=choices,
+                                      usage=beam_usage([ids], [out]))
 
     async def full(self, req: ChatCompletionRequest, request_id: str, stream: OutputStream,
                    prompt_ids: list[int]) -> ChatCompletionResponse:

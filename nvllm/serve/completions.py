@@ -3,6 +3,8 @@ one SSE chunk per choice per engine step. Choice index = prompt index · n + sam
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import AsyncIterator
 
 from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
@@ -11,6 +13,7 @@ from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
 from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, resolve_max_tokens, submit,
                                 sampling_params, usage)
+from nvllm.serve.beam import beam_params, beam_usage, check_beam_request, search_all
 from nvllm.serve.models import ServedModels
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse,
@@ -54,9 +57,11 @@ class CompletionHandler:
         request_id, requests, prompt_ids = self.prepare(req)
         return request_id, await submit(self.engine, requests), prompt_ids
 
-    def prepare(self, req: CompletionRequest) -> tuple[str, list[EngineRequest], list[list[int]]]:
+    def prepare(self, req: CompletionRequest, beam: bool = False) -> tuple[str, list[EngineRequest], list[list[int]]]:
         """Validate everything: the response id, the engine requests (id, prompt ids, params, LoRA adapter), the
-        prompts."""
+        prompts. ``beam``: for ``beam`` (a worker of a disaggregated deployment refuses use_beam_search)."""
+        if req.use_beam_search and not beam:
+            raise bad_request("use_beam_search is not supported by disaggregated workers", "use_beam_search")
         if req.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -91,6 +96,19 @@ class CompletionHandler:
         if req.logprobs is not None and out is not None and out.prompt_logprobs is not None:
             lps = completion_logprobs(prompt_ids, out.prompt_logprobs, req.logprobs, 0, self.prompts.token_text)
         return text, lps
+
+    async def beam(self, req: CompletionRequest) -> CompletionResponse:
+        """use_beam_search: the best n beams of each prompt (nvllm.serve.beam)."""
+        check_beam_request(req)
+        request_id, requests, prompt_ids = self.prepare(req, beam=True)
+        decode = functools.partial(self.prompts.tokenizer.decode, skip_special_tokens=req.skip_special_tokens)
+        outs = await search_all(self.engine, prompt_ids, [beam_params(req, p) for _, _, p, _ in requests],
+                                requests[0][3], decode)
+        choices = [CompletionChoice(index=i * req.n + j, text=(self._echo(req, i, ids, None)[0] if req.echo else "")
+                                    + s.text, finish_reason=s.finish_reason)
+                   for i, (ids, o) in enumerate(zip(prompt_ids, outs)) for j, s in enumerate(o.sequences)]
+        return CompletionResponse(id=request_id, model=self.models.response_name(req.model), choices=choices,
+                                  usage=beam_usage(prompt_ids, outs))
 
     async def full(self, req: CompletionRequest, request_id: str, stream: OutputStream,
                    prompt_ids: list[list[int]]) -> CompletionResponse:

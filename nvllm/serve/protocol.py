@@ -72,6 +72,9 @@ class SamplingRequest(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # beam search (vLLM's extension; nvllm.serve.beam): n beams, ranked by cum_logprob / len**length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(SamplingRequest):

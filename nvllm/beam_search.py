@@ -1,0 +1,102 @@
+"""Beam search, as vLLM runs it: on top of the engine, one token at a time. Each step asks the engine for one token
+of every live beam with its top 2·beam_width log-probabilities (the prefix cache spares all but the last block of
+each beam's recomputation); every (beam, token) pair is a candidate scored by its cumulative log-probability
+(length-normalized: ``cum_logprob / len**length_penalty``, the tokens counted with the prompt, EOS not counted); the
+best beam_width candidates live on. A candidate ending in EOS (unless ignore_eos) is complete and stops there. At the
+end the complete and live beams are ranked together and the best beam_width returned.
+
+``BeamSearch`` holds the state; the offline ``LLM.beam_search`` and the server drive it, each with its own way of
+running a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nvllm.sampling_params import SamplingParams
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # accepted as vLLM's is; the ranking uses the raw log-probabilities
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]  # the prompt's, then the generated ones
+    num_prompt_tokens: int
+    cum_logprob: float = 0.0
+    logprobs: list[float] = field(default_factory=list)  # each generated token's
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    text: str | None = None  # the generated text, set at the end
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
+
+
+class BeamSearch:
+    """One prompt's search. ``live`` beams each need a step (``step_params``) until ``done``."""
+
+    def __init__(self, prompt: list[int], params: BeamSearchParams, eos_token_ids: set[int], max_model_len: int):
+        self.params, self.eos = params, eos_token_ids
+        self.limit = min(params.max_tokens, max_model_len - len(prompt) - 1)  # each step's input must fit
+        if self.limit < 1:
+            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {max_model_len} (room for at least "
+                             "one generated token is needed)")
+        self.live = [BeamSearchSequence(list(prompt), len(prompt))]
+        self.complete: list[BeamSearchSequence] = []
+        self.steps = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.live or self.steps >= self.limit
+
+    def step_params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * self.params.beam_width, ignore_eos=True)
+
+    def advance(self, top_logprobs: list[dict[int, float]]) -> None:
+        """``top_logprobs``: for each live beam (in order), its next token's candidates → log-probability."""
+        candidates = []
+        for beam, top in zip(self.live, top_logprobs, strict=True):
+            for tok, lp in top.items():
+                new = BeamSearchSequence(beam.tokens + [tok], beam.num_prompt_tokens, beam.cum_logprob + lp,
+                                         beam.logprobs + [lp])
+                if tok in self.eos and not self.params.ignore_eos:
+                    new.finish_reason = "stop"
+                    if not self.params.include_stop_str_in_output:  # as vLLM gives it: without the EOS
+                        new.tokens.pop()
+                    self.complete.append(new)
+                else:
+                    candidates.append(new)
+        self.live = sorted(candidates, key=self._score, reverse=True)[:self.params.beam_width]
+        self.steps += 1
+
+    def result(self, decode) -> BeamSearchOutput:
+        """The best beam_width beams, their text decoded (``decode(token ids)``)."""
+        for beam in self.live:
+            beam.finish_reason = "length"
+        best = sorted(self.complete + self.live, key=self._score, reverse=True)[:self.params.beam_width]
+        for beam in best:
+            beam.text = decode(beam.output_token_ids)
+        return BeamSearchOutput(best)
+
+    def _score(self, beam: BeamSearchSequence) -> float:
+        n = len(beam.tokens) - (1 if beam.tokens[-1] in self.eos else 0)
+        return beam.cum_logprob / (n ** self.params.length_penalty)

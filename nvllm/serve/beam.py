@@ -1,0 +1,65 @@
+"""``use_beam_search`` on /v1/completions and /v1/chat/completions (vLLM's extension): ``n`` beams per prompt, the
+search of nvllm.beam_search driven on the served engine, each step's beams queued together as one batch. Answered
+whole: a stream of partial beams would show text that later loses."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from nvllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from nvllm.serve.errors import bad_request
+from nvllm.serve.params import submit
+from nvllm.serve.protocol import UsageInfo
+
+
+def check_beam_request(req) -> None:
+    """The 400s for what beam search does not combine with."""
+    if req.stop:
+        raise bad_request("stop strings are not supported with use_beam_search", "stop")
+    if req.stream:
+        raise bad_request("streaming is not supported with use_beam_search", "stream")
+    if req.logprobs:
+        raise bad_request("logprobs are not supported with use_beam_search", "logprobs")
+    if getattr(req, "tools", None) or req.response_format is not None or req.structured_outputs is not None or any(
+            getattr(req, f) is not None for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")):
+        raise bad_request("use_beam_search does not combine with tools or structured outputs", "use_beam_search")
+
+
+def beam_params(req, params) -> BeamSearchParams:
+    """The search's settings: n beams, and the request's checked limits (its SamplingParams)."""
+    return BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                            temperature=params.temperature, length_penalty=req.length_penalty,
+                            include_stop_str_in_output=params.include_stop_str_in_output)
+
+
+def beam_usage(prompts: list[list[int]], outs: list[BeamSearchOutput]) -> UsageInfo:
+    completion = sum(len(s.output_token_ids) for o in outs for s in o.sequences)
+    prompt = sum(len(p) for p in prompts)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def beam_search(engine, prompt_ids: list[int], params: BeamSearchParams, lora, decode) -> BeamSearchOutput:
+    core = engine.engine
+    search = BeamSearch(prompt_ids, params, core.eos_token_ids, core.max_model_len)
+    while not search.done:
+        step = search.step_params()
+        base = f"beam-{uuid.uuid4().hex}"
+        requests = [(f"{base}-{i}", beam.tokens, step, lora) for i, beam in enumerate(search.live)]
+        stream = await submit(engine, requests)
+        finals = {}
+        try:
+            async for out in stream:
+                if out.finished:
+                    finals[out.request_id] = out
+        finally:
+            stream.close()
+        search.advance([{t: lp.logprob for t, lp in finals[rid].outputs[0].logprobs[0].items()}
+                        for rid, *_ in requests])
+    return search.result(decode)
+
+
+async def search_all(engine, prompts: list[list[int]], params: list[BeamSearchParams], lora,
+                     decode) -> list[BeamSearchOutput]:
+    """Every prompt's search at once (their steps share the engine's batches)."""
+    return list(await asyncio.gather(*(beam_search(engine, ids, p, lora, decode) for ids, p in zip(prompts, params))))

@@ -1,0 +1,86 @@
+"""Beam search (vLLM's LLM.beam_search and use_beam_search) against HF transformers' own beam search: the same beams
+and cumulative log-probabilities; EOS ends a beam as vLLM ends it; the server returns the offline search's beams to
+the official client and refuses what beam search does not combine with."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from nvllm.assets import demo_model_path
+from nvllm.beam_search import BeamSearchParams
+from tests.conftest import build_tiny_model, make_llm
+from tests.quant_utils import hf_model
+from tests.server_utils import start_server, stop_server
+
+PROMPT = [1, 45, 67, 89, 120, 33]
+
+
+def test_beams_and_scores_are_hfs(tmp_path):
+    base = build_tiny_model("qwen2", tmp_path / "base")
+    model = hf_model(base)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0  # no beam ends early
+    with torch.no_grad():
+        g = model.generate(torch.tensor([PROMPT]), num_beams=4, num_return_sequences=4, max_new_tokens=6,
+                           do_sample=False, length_penalty=1.0, early_stopping=False, output_scores=True,
+                           return_dict_in_generate=True)
+    want = [(s[len(PROMPT):].tolist(), score.item() * 6) for s, score in zip(g.sequences, g.sequences_scores)]
+    out = make_llm(str(base)).beam_search([PROMPT], BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True))[0]
+    assert [s.output_token_ids for s in out.sequences] == [w[0] for w in want]
+    assert [s.cum_logprob for s in out.sequences] == pytest.approx([w[1] for w in want], abs=1e-4)
+    assert len({tuple(s.output_token_ids) for s in out.sequences}) == 4
+
+
+def test_eos_ends_a_beam_as_vllm_ends_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base = build_tiny_model("qwen2", tmp_path / "base")
+    weights = load_file(base / "model.safetensors")
+    weights["lm_head.weight"][2] *= 4  # EOS (id 2) now often among a beam's best candidates
+    save_file(weights, base / "model.safetensors")
+    llm = make_llm(str(base))
+    eos = llm.engine.eos_token_ids
+    for penalty in (1.0, 0.0):
+        out = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=12, length_penalty=penalty))[0]
+        scores = [s.cum_logprob / (len(s.tokens) ** penalty) for s in out.sequences]
+        assert len(out.sequences) == 3 and scores == sorted(scores, reverse=True)  # best first, vLLM's score
+        for s in out.sequences:
+            assert s.finish_reason in ("stop", "length") and not set(s.output_token_ids) & eos
+            assert s.text == llm.get_tokenizer().decode(s.output_token_ids, skip_special_tokens=True)
+            assert len(s.logprobs) == len(s.output_token_ids) + (s.finish_reason == "stop")
+            assert s.cum_logprob == pytest.approx(sum(s.logprobs))
+    stopped = [s for s in out.sequences if s.finish_reason == "stop"]
+    assert stopped  # with the raw sum (length_penalty 0), beams that ended early come first
+    kept = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=12, length_penalty=0.0,
+                                                      include_stop_str_in_output=True))[0]
+    assert [s.output_token_ids[:-1] for s in kept.sequences if s.finish_reason == "stop"] == [
+        s.output_token_ids for s in stopped]
+    assert all(s.output_token_ids[-1] in eos for s in kept.sequences if s.finish_reason == "stop")
+    with pytest.raises(ValueError, match="beam_width must be at least 1"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+
+
+def test_server_beams_are_the_offline_beams(tmp_path):
+    proc, url = start_server(["--device", "cpu", "--max-model-len", "256", "--log-stats-interval", "0",
+                              "--uvicorn-log-level", "warning"], tmp_path / "log")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        llm = make_llm(demo_model_path())
+        want = llm.beam_search(["Once upon a time"], BeamSearchParams(beam_width=3, max_tokens=30))[0]
+        r = client.completions.create(model="stories260K", prompt="Once upon a time", n=3, max_tokens=30,
+                                      extra_body={"use_beam_search": True})
+        assert [c.text for c in r.choices] == [s.text for s in want.sequences]
+        assert [c.finish_reason for c in r.choices] == [s.finish_reason for s in want.sequences]
+        assert r.usage.completion_tokens == sum(len(s.output_token_ids) for s in want.sequences)
+        chat = client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                              max_tokens=12, extra_body={"use_beam_search": True})
+        assert len(chat.choices) == 2 and all(c.message.content for c in chat.choices)
+        for kw, param in ((dict(stream=True), "stream"), (dict(stop=["x"]), "stop"),
+                          (dict(extra_body={"use_beam_search": True, "guided_regex": "a"}), "use_beam_search")):
+            kw.setdefault("extra_body", {"use_beam_search": True})
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(model="stories260K", prompt="x", max_tokens=4, **kw)
+            assert e.value.body["param"] == param
+    finally:
+        stop_server(proc)
