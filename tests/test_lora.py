@@ -229,6 +229,16 @@ def test_server_picks_the_adapter_by_model_name(setup, tmp_path, monkeypatch):
         assert {m.id for m in client.models.list().data} == {str(base), "all", "attn"}
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="late", prompt="x", max_tokens=2)
+        # nvllm bench serve --lora-modules: each request names one of the adapters (an unknown one fails them all)
+        bench = ["bench", "serve", "--base-url", url, "--tokenizer", str(base), "--num-prompts", "6", "--input-len",
+                 "8", "--output-len", "4", "--no-progress"]
+        report = tmp_path / "bench.json"
+        res = CliRunner().invoke(app, [*bench, "--lora-modules", "all,attn", "--save-result", str(report)],
+                                 env={"COLUMNS": "200"})
+        result = json.loads(report.read_text())
+        assert res.exit_code == 0 and result["completed"] == 6 and result["lora_modules"] == ["all", "attn"]
+        res = CliRunner().invoke(app, [*bench, "--lora-modules", "nope"], env={"COLUMNS": "200"})
+        assert res.exit_code == 1 and "all 6 requests failed" in res.output
     finally:
         stop_server(proc)
     for args, message in ((["--lora-modules", f"a={adapters['all']}"], "--lora-modules needs --enable-lora"),

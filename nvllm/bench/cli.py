@@ -22,6 +22,9 @@ def bench_serve(
     base_url: Annotated[str, typer.Option(help="server root, e.g. http://127.0.0.1:8000")] = "http://127.0.0.1:8000",
     endpoint: Annotated[str, typer.Option(help="/v1/completions or /v1/chat/completions")] = "/v1/completions",
     model: Annotated[Optional[str], typer.Option(help="model name to request (default: the server's first)")] = None,
+    lora_modules: Annotated[Optional[list[str]], typer.Option(help="LoRA adapter names the server serves: each "
+                                                              "request asks for one at random (repeat, or "
+                                                              "comma-separate)")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory for prompt lengths "
                                                      "(default: --model if a directory, else the demo model's)")] = None,
     dataset: Annotated[str, typer.Option("--dataset", "--dataset-name", help="random | sharegpt | jsonl | gsm8k",
@@ -59,7 +62,8 @@ def bench_serve(
         opts = serve.ServeOptions(base_url=base_url, endpoint=endpoint, model=model, request_rate=request_rate,
                                   burstiness=burstiness, max_concurrency=max_concurrency, ignore_eos=ignore_eos,
                                   temperature=temperature, percentiles=metrics.parse_percentiles(metric_percentiles),
-                                  goodput=slos, seed=seed, api_key=api_key, progress=progress)
+                                  goodput=slos, seed=seed, api_key=api_key, progress=progress,
+                                  lora_modules=[n for m in lora_modules or [] for n in m.split(",") if n])
         tok = load_tokenizer(tokenizer or (model if model and Path(model).is_dir() else demo_model_path()))
         requests = datasets.load_requests(dataset, tok, num_prompts, dataset_path, input_len, output_len,
                                           random_range_ratio, seed)

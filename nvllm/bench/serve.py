@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ class ServeOptions:
     base_url: str = "http://127.0.0.1:8000"
     endpoint: str = "/v1/completions"
     model: str | None = None  # None: the first model the server lists
+    lora_modules: list[str] = field(default_factory=list)  # adapter names: each request asks for one at random
     request_rate: float = float("inf")
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -262,7 +264,7 @@ async def benchmark(opts: ServeOptions, requests: list[SampleRequest], tokenizer
         "num_prompts": len(requests),
         "request_rate": opts.request_rate if opts.request_rate != float("inf") else "inf",
         "burstiness": opts.burstiness, "max_concurrency": opts.max_concurrency,
-        "goodput_slos_ms": opts.goodput or None,
+        "goodput_slos_ms": opts.goodput or None, "lora_modules": opts.lora_modules or None,
     }
     result.update(calculate_metrics(results, duration, opts.percentiles, opts.goodput))
     result["kernel_report"] = report_delta(report_before, report_after)
@@ -287,9 +289,12 @@ async def _run(client, url, model, opts, requests, tokenizer) -> tuple[list[Requ
                   console=console(), disable=not opts.progress) as bar:
         task = bar.add_task("bench", total=len(requests), failed=0)
 
-        async def one(req: SampleRequest) -> RequestResult:
+        rng = random.Random(opts.seed)  # as vLLM's benchmark: a seeded random adapter per request
+        names = [rng.choice(opts.lora_modules) if opts.lora_modules else model for _ in requests]
+
+        async def one(req: SampleRequest, name: str) -> RequestResult:
             nonlocal failed
-            payload = build_payload(req, model, opts)
+            payload = build_payload(req, name, opts)
             if semaphore is None:
                 res = await send_request(client, url, payload, req.prompt_len, opts.chat, tokenizer)
             else:
@@ -301,11 +306,11 @@ async def _run(client, url, model, opts, requests, tokenizer) -> tuple[list[Requ
 
         start = time.perf_counter()
         tasks = []
-        for req, at in zip(requests, offsets):
+        for req, at, name in zip(requests, offsets, names):
             wait = start + at - time.perf_counter()
             if wait > 0:
                 await asyncio.sleep(wait)
-            tasks.append(asyncio.create_task(one(req)))
+            tasks.append(asyncio.create_task(one(req, name)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return list(results), duration
