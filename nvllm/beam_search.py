@@ -2,7 +2,8 @@
 of every live beam with its top 2·beam_width log-probabilities (the prefix cache spares all but the last block of
 each beam's recomputation); every (beam, token) pair is a candidate scored by its cumulative log-probability
 (length-normalized: ``cum_logprob / len**length_penalty``, the tokens counted with the prompt, EOS not counted); the
-best beam_width candidates live on. A candidate ending in EOS (unless ignore_eos) is complete and stops there. At the
+best beam_width candidates live on. A candidate ending in EOS (unless ignore_eos) is complete and stops there (the EOS among its tokens, not in its text
+unless include_stop_str_in_output). At the
 end the complete and live beams are ranked together and the best beam_width returned.
 
 ``BeamSearch`` holds the state; the offline ``LLM.beam_search`` and the server drive it, each with its own way of
@@ -56,7 +57,7 @@ class BeamSearch:
 
     def __init__(self, prompt: list[int], params: BeamSearchParams, eos_token_ids: set[int], max_model_len: int):
         self.params, self.eos = params, eos_token_ids
-        self.limit = min(params.max_tokens, max_model_len - len(prompt) - 1)  # each step's input must fit
+        self.limit = min(params.max_tokens, max_model_len - len(prompt))  # the beams may grow to max_model_len
         if self.limit < 1:
             raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {max_model_len} (room for at least "
                              "one generated token is needed)")
@@ -79,9 +80,7 @@ class BeamSearch:
                 new = BeamSearchSequence(beam.tokens + [tok], beam.num_prompt_tokens, beam.cum_logprob + lp,
                                          beam.logprobs + [lp])
                 if tok in self.eos and not self.params.ignore_eos:
-                    new.finish_reason = "stop"
-                    if not self.params.include_stop_str_in_output:  # as vLLM gives it: without the EOS
-                        new.tokens.pop()
+                    new.finish_reason = "stop"  # its tokens keep the EOS (counted in usage); its text does not
                     self.complete.append(new)
                 else:
                     candidates.append(new)
@@ -94,7 +93,10 @@ class BeamSearch:
             beam.finish_reason = "length"
         best = sorted(self.complete + self.live, key=self._score, reverse=True)[:self.params.beam_width]
         for beam in best:
-            beam.text = decode(beam.output_token_ids)
+            out = beam.output_token_ids
+            if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+                out = out[:-1]
+            beam.text = decode(out)
         return BeamSearchOutput(best)
 
     def _score(self, beam: BeamSearchSequence) -> float:

@@ -120,15 +120,16 @@ class LLM:
             active = [s for s in searches if not s.done]
             beams = [(s, b) for s in active for b in s.live]
             outs = self._generate([b.tokens for _, b in beams], [s.step_params() for s, _ in beams], False,
-                                  lora_request=lora_request)
+                                  lora_request=lora_request, log=False)
             tops = iter({t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs)
             for s in active:
                 s.advance([next(tops) for _ in s.live])
+        engine.stat_logger.maybe_log(engine.stats, force=True)
         decode = self.get_tokenizer().decode
         return [s.result(lambda ids: decode(ids, skip_special_tokens=True)) for s in searches]
 
     def _generate(self, prompts: list, sampling_params, use_tqdm: bool, texts: list[str] | None = None,
-                  lora_request=None) -> list[RequestOutput]:
+                  lora_request=None, log: bool = True) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -148,9 +149,9 @@ class LLM:
         texts = texts or [None] * len(prompts)
         ids = [self.engine.add_request(None, p, sp, prompt_text=t, lora_request=lr)
                for p, sp, t, lr in zip(prompts, params, texts, loras)]
-        return self._run(ids, use_tqdm)
+        return self._run(ids, use_tqdm, log)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool, log: bool = True) -> list[RequestOutput]:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         done: dict[str, RequestOutput] = {}
@@ -162,7 +163,8 @@ class LLM:
                     if out.finished:
                         done[out.request_id] = out
                         bar.advance(task)
-        self.engine.stat_logger.maybe_log(self.engine.stats, force=True)
+        if log:  # the run's closing stats line (a beam search logs once, after its last step)
+            self.engine.stat_logger.maybe_log(self.engine.stats, force=True)
         return [done[r] for r in request_ids]
 
 

@@ -45,18 +45,23 @@ def test_eos_ends_a_beam_as_vllm_ends_it(tmp_path):
         out = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=12, length_penalty=penalty))[0]
         scores = [s.cum_logprob / (len(s.tokens) ** penalty) for s in out.sequences]
         assert len(out.sequences) == 3 and scores == sorted(scores, reverse=True)  # best first, vLLM's score
-        for s in out.sequences:
-            assert s.finish_reason in ("stop", "length") and not set(s.output_token_ids) & eos
-            assert s.text == llm.get_tokenizer().decode(s.output_token_ids, skip_special_tokens=True)
-            assert len(s.logprobs) == len(s.output_token_ids) + (s.finish_reason == "stop")
-            assert s.cum_logprob == pytest.approx(sum(s.logprobs))
+        tok = llm.get_tokenizer()
+        for s in out.sequences:  # EOS only at the end of a stopped beam's tokens, never in its text
+            stop = s.finish_reason == "stop"
+            assert s.finish_reason in ("stop", "length") and not set(s.output_token_ids[:-1]) & eos
+            assert (s.output_token_ids[-1] in eos) == stop
+            assert s.text == tok.decode(s.output_token_ids[:-1] if stop else s.output_token_ids)
+            assert len(s.logprobs) == len(s.output_token_ids) and s.cum_logprob == pytest.approx(sum(s.logprobs))
     stopped = [s for s in out.sequences if s.finish_reason == "stop"]
     assert stopped  # with the raw sum (length_penalty 0), beams that ended early come first
     kept = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=12, length_penalty=0.0,
                                                       include_stop_str_in_output=True))[0]
-    assert [s.output_token_ids[:-1] for s in kept.sequences if s.finish_reason == "stop"] == [
-        s.output_token_ids for s in stopped]
-    assert all(s.output_token_ids[-1] in eos for s in kept.sequences if s.finish_reason == "stop")
+    assert [s.text for s in kept.sequences if s.finish_reason == "stop"] == [
+        tok.decode(s.output_token_ids, skip_special_tokens=True) for s in stopped]
+    # a prompt one token short of max_model_len still gets its token, as generate gives it
+    short = make_llm(str(base), max_model_len=16).beam_search([list(range(3, 18))],
+                                                             BeamSearchParams(beam_width=2, max_tokens=4))[0]
+    assert [len(s.output_token_ids) for s in short.sequences] == [1, 1]
     with pytest.raises(ValueError, match="beam_width must be at least 1"):
         BeamSearchParams(beam_width=0, max_tokens=4)
 
@@ -76,6 +81,9 @@ def test_server_beams_are_the_offline_beams(tmp_path):
         chat = client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}], n=2,
                                               max_tokens=12, extra_body={"use_beam_search": True})
         assert len(chat.choices) == 2 and all(c.message.content for c in chat.choices)
+        with pytest.raises(openai.BadRequestError):  # no room left: a 400, not a 500
+            client.completions.create(model="stories260K", prompt=[5] * 256, max_tokens=1, n=2,
+                                      extra_body={"use_beam_search": True})
         for kw, param in ((dict(stream=True), "stream"), (dict(stop=["x"]), "stop"),
                           (dict(extra_body={"use_beam_search": True, "guided_regex": "a"}), "use_beam_search")):
             kw.setdefault("extra_body", {"use_beam_search": True})

@@ -30,7 +30,7 @@ from nvllm.serve.models import ServedModels
 from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.serve.tool_parsers import TOOL_PARSERS, get_tool_parser
 from nvllm.serve.completions import CompletionHandler
-from nvllm.serve.errors import APIError, install_error_handlers
+from nvllm.serve.errors import APIError, from_value_error, install_error_handlers
 from nvllm.serve.http import ClientGone, EventStreamResponse, check_api_key, parse_body, until_disconnect
 from nvllm.serve.metrics import ServerMetrics
 from nvllm.serve.prompts import PromptProcessor
@@ -151,6 +151,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
                 body = await until_disconnect(request, handler.beam(req))
             except ClientGone:
                 return Response(status_code=499)
+            except EngineDeadError as e:
+                raise APIError(503, str(e), code="engine_unavailable") from None
+            except ValueError as e:  # the search's own checks (a prompt that leaves no room)
+                raise from_value_error(e) from None
             return JSONResponse(body.model_dump())
         try:
             request_id, stream, prompt_ids = await (start or handler.start)(req)
