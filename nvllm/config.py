@@ -98,6 +98,7 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 64
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras), idle ones dropped first
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -147,6 +148,10 @@ class EngineConfig:
     def _check_lora(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ConfigError("max_loras and max_lora_rank must be at least 1")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if not self.enable_lora:
             return
         if self.tensor_parallel_size > 1:

@@ -286,3 +286,14 @@ def test_eval_scores_an_adapter_as_lm_evals_hf_backend_on_the_merged_model(setup
     models = json.loads(report.read_text())["models"]
     assert [m["lora"] for m in models] == [None, str(adapters["all"])]
     assert models[0]["tasks"]["wikitext"]["metrics"] != models[1]["tasks"]["wikitext"]["metrics"]
+
+
+def test_host_memory_keeps_max_cpu_loras_adapters(setup):
+    _, base, adapters = setup
+    llm = make_llm(str(base), enable_lora=True, max_loras=1, max_cpu_loras=1)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    for i, name in enumerate(("all", "attn", "all")):
+        llm.generate([PROMPTS[0]], params, lora_request=LoRARequest(name, i + 1, str(adapters[name])), use_tqdm=False)
+        assert list(llm.engine.runner.lora.known) == [i + 1]  # the idle one before it was dropped
+    with pytest.raises(ConfigError, match="max_cpu_loras"):
+        EngineConfig(model=str(base), device="cpu", enable_lora=True, max_loras=2, max_cpu_loras=1)

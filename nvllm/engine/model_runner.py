@@ -108,7 +108,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.sampler = Sampler(config.seed)
         self.lora = LoRAManager(self.model, self.dtype, self.device, config.max_loras, config.max_lora_rank,
-                                config.allow_pickle) if config.enable_lora else None
+                                config.allow_pickle, config.max_cpu_loras) if config.enable_lora else None
         if self.device.type == "cuda":
             self.tp.enable_one_shot(self.dtype, self.device)  # before any graph captures an all-reduce
             self._gemm_choices()

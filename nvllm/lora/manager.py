@@ -25,16 +25,18 @@ _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 class LoRAManager:
     def __init__(self, model, dtype: torch.dtype, device: torch.device, max_loras: int, max_lora_rank: int,
-                 allow_pickle: bool = False):
+                 allow_pickle: bool = False, max_cpu_loras: int | None = None):
         self.model, self.dtype, self.device = model, dtype, device
         self.max_loras, self.max_lora_rank, self.allow_pickle = max_loras, max_lora_rank, allow_pickle
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.linears: dict[str, LoRALinear] = {}
         for i, layer in enumerate(model.layers):
             for attr in _LINEARS:
                 wrapped = LoRALinear(getattr(layer, attr))
                 setattr(layer, attr, wrapped)
                 self.linears[f"layers.{i}.{attr}"] = wrapped
-        self.known: dict[int, tuple[LoRARequest, dict[str, LoRAWeights], bytes]] = {}  # id → (request, host, salt)
+        # id → (request, host copy, salt), least recently used first
+        self.known: OrderedDict[int, tuple[LoRARequest, dict[str, LoRAWeights], bytes]] = OrderedDict()
         self.loaded: OrderedDict[int, None] = OrderedDict()  # on the device, least recently used first
 
     def register(self, request: LoRARequest, in_use: set[int]) -> bytes:
@@ -42,6 +44,7 @@ class LoRAManager:
         checkpoint, or an id or a name another adapter holds while sequences use it (an idle one is replaced)."""
         have = self.known.get(request.lora_int_id)
         if have is not None and have[0] == request:
+            self.known.move_to_end(request.lora_int_id)
             return have[2]
         for lora_id, (other, _, _) in list(self.known.items()):
             if lora_id == request.lora_int_id or other.lora_name == request.lora_name:
@@ -57,11 +60,17 @@ class LoRAManager:
         except Exception as e:  # noqa: BLE001 - a damaged file, an adapter of another model: this request's error
             raise ConfigError(f"cannot load LoRA adapter {request.lora_path}: {first_line(e)}") from None
         self.known[request.lora_int_id] = (request, weights, _salt(request))
+        while len(self.known) > self.max_cpu_loras:  # host memory: drop the least recently used idle adapter
+            idle = next((i for i in self.known if i not in in_use and i != request.lora_int_id), None)
+            if idle is None:
+                break
+            self.forget(idle)
         return self.known[request.lora_int_id][2]
 
     def activate(self, lora_id: int, in_use: set[int]) -> bool:
         """Have the adapter on the device for a sequence being admitted; False when every slot holds an adapter of
         ``in_use`` (the running sequences')."""
+        self.known.move_to_end(lora_id)
         if lora_id in self.loaded:
             self.loaded.move_to_end(lora_id)
             return True
