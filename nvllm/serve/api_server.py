@@ -27,6 +27,7 @@ from nvllm.engine.generation_defaults import announce
 from nvllm.lora.request import LoRARequest
 from nvllm.serve.chat import ChatHandler
 from nvllm.serve.models import ServedModels
+from nvllm.serve.responses import ResponsesHandler, ResponsesRequest
 from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.serve.tool_parsers import TOOL_PARSERS, get_tool_parser
 from nvllm.serve.completions import CompletionHandler
@@ -123,6 +124,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
     auto_tools = get_tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None
     reasoning = get_reasoning_parser(core.config.reasoning_parser) if core.config.reasoning_parser else None
     chat = ChatHandler(engine, prompts, models, defaults, auto_tools, reasoning)
+    responses = ResponsesHandler(chat)
     limit = config.max_request_bytes
 
     @contextlib.asynccontextmanager
@@ -181,6 +183,32 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
     @api.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         return await answer(chat, await parse_body(request, ChatCompletionRequest, limit), request)
+
+    @api.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        req = await parse_body(request, ResponsesRequest, limit)
+        check_model(req.model)
+        if not engine.is_running:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        try:
+            ids, stream, prompt_ids = await responses.start(req)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        if req.stream:
+            return EventStreamResponse(responses.events(req, ids, stream, prompt_ids), on_close=stream.close)
+        try:
+            body = await until_disconnect(request, responses.full(req, ids, stream, prompt_ids))
+        except ClientGone:
+            return Response(status_code=499)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        finally:
+            stream.close()
+        return JSONResponse(body)
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return JSONResponse(responses.store.get(response_id)[1])
 
     @api.get("/v1/models")
     async def list_models() -> ModelList:

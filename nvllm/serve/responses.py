@@ -1,0 +1,293 @@
+"""POST /v1/responses (OpenAI's Responses API, as vLLM serves it) and GET /v1/responses/{id}.
+
+A request becomes the chat request it amounts to — ``instructions`` the system message, ``input`` the turns
+(text, earlier function calls and their outputs), ``previous_response_id`` the stored conversation before them,
+``text.format`` the response_format, flat function ``tools`` the chat's — and runs through the chat handler:
+the same template, sampling, constraints, tool parser and reasoning parser. Its reply comes back as output items:
+``reasoning`` (with --reasoning-parser), ``message`` (``output_text``) and ``function_call``; streamed as the
+Responses events (``response.created`` … ``response.output_text.delta`` … ``response.completed``). Responses are
+kept in memory (the latest ``STORE_SIZE``) for ``previous_response_id`` and GET, unless ``store`` is false."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from nvllm.serve.chat import ChatHandler
+from nvllm.serve.errors import APIError, bad_request
+from nvllm.serve.protocol import (AssistantMessage, ChatCompletionRequest, OpenAIModel, random_id)
+
+STORE_SIZE = 1024
+
+
+class ResponsesRequest(OpenAIModel):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # vLLM's extensions, as on chat
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+
+class ResponseStore:
+    """The latest responses, for ``previous_response_id`` and GET: id → (the conversation through it, the body)."""
+
+    def __init__(self, size: int = STORE_SIZE):
+        self.size, self.items = size, OrderedDict()
+
+    def put(self, response_id: str, messages: list[dict], body: dict) -> None:
+        self.items[response_id] = (messages, body)
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[list[dict], dict]:
+        if response_id not in self.items:
+            raise APIError(404, f"Response with id '{response_id}' not found.", "previous_response_id")
+        return self.items[response_id]
+
+
+def _text_of(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
+                raise bad_request("only text content (input_text, output_text) is supported", "input")
+            parts.append(p.get("text") or "")
+        return "".join(parts)
+    raise bad_request("a message's content must be a string or a list of text parts", "input")
+
+
+def input_messages(req: ResponsesRequest) -> list[dict]:
+    """The request's own turns as chat messages (without instructions and history)."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    messages: list[dict] = []
+    for item in req.input:
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"unknown input role {role!r}", "input")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text_of(item.get("content"))})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id") or random_id("call"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": str(item.get("output"))})
+        elif kind == "reasoning":
+            continue  # earlier thinking is not fed back, as the chat templates drop it
+        else:
+            raise bad_request(f"input items of type {kind!r} are not supported", "input")
+    if not messages:
+        raise bad_request("input is empty", "input")
+    return messages
+
+
+def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
+    """The chat request a Responses request amounts to (``history``: the stored conversation before it)."""
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
+    messages += input_messages(req)
+    tools = None
+    if req.tools:
+        tools = []
+        for t in req.tools:
+            if t.get("type") != "function":
+                raise bad_request(f"tools of type {t.get('type')!r} are not supported (only function)", "tools")
+            tools.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
+                                                                             "strict") if k in t}})
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not choice.get("name"):
+            raise bad_request("tool_choice must be none, auto, required or {type: function, name}", "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    fmt = (req.text or {}).get("format")
+    response_format = None
+    if fmt and fmt.get("type") == "json_schema":
+        response_format = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"),
+                                                                  "schema": fmt.get("schema"),
+                                                                  "strict": fmt.get("strict")}}
+    elif fmt:
+        response_format = fmt
+    fields = dict(model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
+                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                  repetition_penalty=req.repetition_penalty, seed=req.seed, tools=tools, tool_choice=choice,
+                  parallel_tool_calls=req.parallel_tool_calls, response_format=response_format)
+    try:
+        return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
+    except ValueError as e:
+        raise bad_request(f"invalid request: {str(e).splitlines()[0]}") from None
+
+
+def output_items(message: AssistantMessage) -> list[dict]:
+    items: list[dict] = []
+    if message.reasoning_content:
+        items.append({"type": "reasoning", "id": random_id("rs"), "summary": [], "status": "completed",
+                      "content": [{"type": "reasoning_text", "text": message.reasoning_content}]})
+    if message.content:
+        items.append(_message_item(message.content, "completed"))
+    for call in message.tool_calls:
+        items.append({"type": "function_call", "id": random_id("fc"), "call_id": call.id,
+                      "name": call.function.name, "arguments": call.function.arguments, "status": "completed"})
+    return items
+
+
+def _message_item(text: str, status: str, item_id: str | None = None) -> dict:
+    return {"type": "message", "id": item_id or random_id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+class ResponsesHandler:
+    def __init__(self, chat: ChatHandler):
+        self.chat, self.store = chat, ResponseStore()
+
+    def _history(self, req: ResponsesRequest) -> list[dict]:
+        return list(self.store.get(req.previous_response_id)[0]) if req.previous_response_id else []
+
+    def _body(self, req: ResponsesRequest, response_id: str, created: int, status: str, output: list[dict],
+              usage: dict | None, finish: str | None = None) -> dict:
+        incomplete = status == "incomplete"
+        return {"id": response_id, "object": "response", "created_at": created, "status": status,
+                "model": self.chat.models.response_name(req.model), "output": output, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+                "previous_response_id": req.previous_response_id, "temperature": req.temperature,
+                "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "store": req.store,
+                "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled",
+                "reasoning": req.reasoning, "metadata": req.metadata or {}, "usage": usage}
+
+    @staticmethod
+    def _usage(final, prompt_len: int) -> dict:
+        out = len(final.outputs[0].token_ids) if final is not None else 0
+        return {"input_tokens": prompt_len, "output_tokens": out, "total_tokens": prompt_len + out,
+                "input_tokens_details": {"cached_tokens": final.num_cached_tokens if final is not None else 0},
+                "output_tokens_details": {"reasoning_tokens": 0}}
+
+    async def start(self, req: ResponsesRequest):
+        history = self._history(req)
+        chat_req = to_chat(req, history)
+        request_id, stream, prompt_ids = await self.chat.start(chat_req)
+        return (random_id("resp"), chat_req, history), stream, prompt_ids
+
+    def _remember(self, req: ResponsesRequest, chat_req: ChatCompletionRequest, message: AssistantMessage,
+                  response_id: str, body: dict) -> None:
+        if not req.store:
+            return
+        turns = [m.model_dump(exclude_none=True) for m in chat_req.messages if m.role != "system" or
+                 m.content != req.instructions]
+        reply = {"role": "assistant", "content": message.content}
+        if message.tool_calls:
+            reply["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+        self.store.put(response_id, turns + [reply], body)
+
+    async def full(self, req: ResponsesRequest, ids, stream, prompt_ids) -> dict:
+        response_id, chat_req, _ = ids
+        created, final = int(time.time()), None
+        try:
+            async for out in stream:
+                final = out
+        finally:
+            stream.close()
+        c = final.outputs[0]
+        message, _ = self.chat._reply(chat_req).message(c.text, c.finish_reason)
+        status = "incomplete" if c.finish_reason == "length" else "completed"
+        body = self._body(req, response_id, created, status, output_items(message),
+                          self._usage(final, len(prompt_ids)))
+        self._remember(req, chat_req, message, response_id, body)
+        return body
+
+    async def events(self, req: ResponsesRequest, ids, stream, prompt_ids) -> AsyncIterator[str]:
+        """The Responses streaming events, each with its sequence number."""
+        response_id, chat_req, _ = ids
+        created, seq = int(time.time()), 0
+        reply = self.chat._reply(chat_req)
+        deltas = reply.stream()
+
+        def event(kind: str, **data) -> str:
+            nonlocal seq
+            seq += 1
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data})}\n\n"
+
+        yield event("response.created", response=self._body(req, response_id, created, "in_progress", [], None))
+        yield event("response.in_progress", response=self._body(req, response_id, created, "in_progress", [], None))
+        msg_id, text, index, final = None, "", 0, None
+        reasoning_id, reasoning = None, ""
+        try:
+            async for out in stream:
+                final = out
+                c = out.outputs[0]
+                d = deltas.delta(c.text, c.finish_reason is not None)
+                if d is None:
+                    continue
+                if d.reasoning_content:
+                    if reasoning_id is None:
+                        reasoning_id = random_id("rs")
+                        yield event("response.output_item.added", output_index=index, item={
+                            "type": "reasoning", "id": reasoning_id, "summary": [], "status": "in_progress",
+                            "content": []})
+                    reasoning += d.reasoning_content
+                    yield event("response.reasoning_text.delta", item_id=reasoning_id, output_index=index,
+                                content_index=0, delta=d.reasoning_content)
+                if d.content:
+                    if msg_id is None:
+                        index += reasoning_id is not None
+                        msg_id = random_id("msg")
+                        yield event("response.output_item.added", output_index=index,
+                                    item={**_message_item("", "in_progress", msg_id), "content": []})
+                        yield event("response.content_part.added", item_id=msg_id, output_index=index,
+                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                    text += d.content
+                    yield event("response.output_text.delta", item_id=msg_id, output_index=index, content_index=0,
+                                delta=d.content)
+        finally:
+            stream.close()
+        c = final.outputs[0]
+        message, _ = reply.message(c.text, c.finish_reason)
+        items = output_items(message)
+        if reasoning_id is not None:
+            items[0]["id"] = reasoning_id
+            yield event("response.reasoning_text.done", item_id=reasoning_id, output_index=0, content_index=0,
+                        text=reasoning)
+            yield event("response.output_item.done", output_index=0, item=items[0])
+        if msg_id is not None:
+            item = next(i for i in items if i["type"] == "message")
+            item["id"] = msg_id
+            yield event("response.output_text.done", item_id=msg_id, output_index=index, content_index=0, text=text)
+            yield event("response.content_part.done", item_id=msg_id, output_index=index, content_index=0,
+                        part=item["content"][0])
+            yield event("response.output_item.done", output_index=index, item=item)
+        for i, item in enumerate(items):
+            if item["type"] == "function_call":  # whole, once the reply is complete
+                yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress"})
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                            arguments=item["arguments"])
+                yield event("response.output_item.done", output_index=i, item=item)
+        status = "incomplete" if c.finish_reason == "length" else "completed"
+        body = self._body(req, response_id, created, status, items, self._usage(final, len(prompt_ids)))
+        self._remember(req, chat_req, message, response_id, body)
+        yield event("response.completed" if status == "completed" else "response.incomplete", response=body)
