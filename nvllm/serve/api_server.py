@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
 from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nvllm.engine.generation_defaults import announce
 from nvllm.lora.request import LoRARequest
 from nvllm.serve.chat import ChatHandler
-from nvllm.serve.models import ServedModels
+from nvllm.serve.models import ServedModels, lora_routes
 from nvllm.serve.responses import ResponsesHandler, ResponsesRequest
 from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.serve.tool_parsers import TOOL_PARSERS, get_tool_parser
@@ -36,7 +36,6 @@ from nvllm.serve.http import ClientGone, EventStreamResponse, check_api_key, par
 from nvllm.serve.metrics import ServerMetrics
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                                  LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                   ModelList, TokenizeRequest, TokenizeResponse)
 
 if TYPE_CHECKING:
@@ -242,28 +241,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
         return DetokenizeResponse(prompt=prompts.decode(req.tokens))
 
     if os.environ.get("NVLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"):
-        @api.post("/v1/load_lora_adapter")
-        async def load_lora_adapter(request: Request) -> Response:
-            req = await parse_body(request, LoadLoRAAdapterRequest, limit)
-            if not core.config.enable_lora:
-                raise APIError(400, "LoRA adapters need the server started with --enable-lora", "lora_name")
-            try:
-                adapter = models.add(req.lora_name, req.lora_path)
-            except ValueError as e:
-                raise APIError(400, str(e), "lora_name") from None
-            try:
-                await asyncio.wrap_future(engine.call(lambda e: e.load_lora(adapter)))
-            except Exception as e:  # noqa: BLE001 - whatever the adapter did, the name is released
-                models.remove(req.lora_name)
-                raise APIError(400, str(e), "lora_path") from None
-            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
-
-        @api.post("/v1/unload_lora_adapter")
-        async def unload_lora_adapter(request: Request) -> Response:
-            req = await parse_body(request, UnloadLoRAAdapterRequest, limit)
-            adapter = models.remove(req.lora_name)  # no new requests; its weights go once its requests end
-            engine.call(lambda e: e.unload_lora(adapter.lora_int_id))
-            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+        api.include_router(lora_routes(models, engine, limit))
 
     if worker is not None:
         api.include_router(worker.routes(ServingContext(engine, config, model_name, prompts, metrics,

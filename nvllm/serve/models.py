@@ -3,9 +3,15 @@ lists and resolves them. A request's ``model`` picks the adapter; its response c
 
 from __future__ import annotations
 
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
 from nvllm.lora.request import LoRARequest
 from nvllm.serve.errors import APIError
-from nvllm.serve.protocol import ModelCard, ModelList
+from nvllm.serve.http import parse_body
+from nvllm.serve.protocol import LoadLoRAAdapterRequest, ModelCard, ModelList, UnloadLoRAAdapterRequest
 
 
 class ServedModels:
@@ -50,3 +56,34 @@ class ServedModels:
         base = ModelCard(id=self.base_name, root=self.root, max_model_len=self.max_model_len)
         return ModelList(data=[base, *(ModelCard(id=a.lora_name, root=a.lora_path, parent=self.base_name,
                                                  max_model_len=self.max_model_len) for a in self.adapters.values())])
+
+
+def lora_routes(models: ServedModels, engine, limit: int) -> APIRouter:
+    """vLLM's runtime adapter endpoints (``NVLLM_ALLOW_RUNTIME_LORA_UPDATING=1``): POST /v1/load_lora_adapter and
+    /v1/unload_lora_adapter, each answering plain text as vLLM's do."""
+    router = APIRouter()
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        req = await parse_body(request, LoadLoRAAdapterRequest, limit)
+        if not engine.engine.config.enable_lora:
+            raise APIError(400, "LoRA adapters need the server started with --enable-lora", "lora_name")
+        try:
+            adapter = models.add(req.lora_name, req.lora_path)
+        except ValueError as e:
+            raise APIError(400, str(e), "lora_name") from None
+        try:
+            await asyncio.wrap_future(engine.call(lambda e: e.load_lora(adapter)))
+        except Exception as e:  # noqa: BLE001 - whatever the adapter did, the name is released
+            models.remove(req.lora_name)
+            raise APIError(400, str(e), "lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        req = await parse_body(request, UnloadLoRAAdapterRequest, limit)
+        adapter = models.remove(req.lora_name)  # no new requests; its weights go once its requests end
+        engine.call(lambda e: e.unload_lora(adapter.lora_int_id))
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    return router
