@@ -1,4 +1,4 @@
-"""Speculative decoding on the CPU: the parser, the rejection sampler against fixed distributions, greedy
+"""Speculative decoding on the CPU with models (its model-free parts: test_spec_units.py): greedy
 outputs identical with and without speculation for several drafts (with batching, prefix caching and
 preemption), sampled outputs distributed as the target's (χ²), stop conditions inside accepted runs, exact
 acceptance metrics (stats, log line, /metrics, bench), vocabulary checks and k=auto."""
@@ -15,17 +15,15 @@ import torch
 
 from nvllm import SamplingParams
 from nvllm.assets import demo_model_path
-from nvllm.config import ConfigError, EngineConfig
-from nvllm.engine.block_manager import BlockManager
+from nvllm.config import ConfigError
 from nvllm.engine.sequence import Sequence
 from nvllm.outputs import RequestMetrics
 from nvllm.spec.adaptive import AdaptiveK
-from nvllm.spec.config import SpeculativeConfig, parse_speculative
+from nvllm.spec.config import parse_speculative
 from nvllm.spec.draft_chain import MAX_SAMPLED_BATCH, DraftChain
-from nvllm.spec.metrics import SpecStats
-from nvllm.spec.proposer import Drafts, NgramProposer
-from nvllm.spec.rejection_sampler import rejection_sample
+from nvllm.spec.proposer import Drafts
 from tests.conftest import build_tiny_model, make_llm
+from tests.test_spec_units import CHI2_999, chi2
 
 WORDS = ("Once upon a time there was a little girl named Lily who loved to play in the park with her "
          "big red ball and her friend Tom the dog").split()
@@ -70,100 +68,6 @@ def chained(llm, k: int):
     proposer = llm.engine.spec.proposer
     proposer.chain = DraftChain(proposer.runner, k, proposer.vocab_size, capture=False)
     return llm
-
-
-# ---- the parser ---------------------------------------------------------------------------------------
-def test_parser_forms():
-    c = parse_speculative("k=4,draft=/d")
-    assert (c.method, c.draft_model, c.num_speculative_tokens, c.auto) == ("draft", "/d", 4, False)
-    c = parse_speculative("k=3,method=ngram")
-    assert (c.method, c.draft_model, c.num_speculative_tokens) == ("ngram", None, 3)
-    c = parse_speculative(" k=auto , draft=/d ")
-    assert c.auto and c.num_speculative_tokens == 4
-    c = parse_speculative('{"draft_model": "/d", "num_speculative_tokens": 5}')
-    assert (c.method, c.draft_model, c.num_speculative_tokens) == ("draft", "/d", 5)
-    c = parse_speculative({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
-    assert (c.method, c.prompt_lookup_max) == ("ngram", 4)
-    assert parse_speculative(None) is None and parse_speculative("") is None
-    assert parse_speculative(c) is c
-    assert isinstance(EngineConfig(speculative="k=2,method=ngram").speculative, SpeculativeConfig)
-    vllm_style = parse_speculative({"method": "draft_model", "model": "/d", "num_speculative_tokens": 3})
-    assert (vllm_style.method, vllm_style.draft_model, vllm_style.num_speculative_tokens) == ("draft", "/d", 3)
-
-
-@pytest.mark.parametrize("text, message", [
-    ("k=4", "needs a draft model"),
-    ("k=0,draft=/d", "between 1 and 8"),
-    ("k=9,draft=/d", "between 1 and 8"),
-    ("k=four,draft=/d", "must be an integer"),
-    ("k=3,method=ngram,draft=/d", "takes no draft model"),
-    ("k=3,method=magic", "unknown"),
-    ("k=3,colour=red,method=ngram", "unknown speculative option 'colour'"),
-    ("k=3,k=4,method=ngram", "given twice"),
-    ("k4,method=ngram", "not key=value"),
-    ('{"draft_model": "/d", ', "JSON is malformed"),
-    ("k=2,method=ngram,ngram_min=3,ngram_max=2", "prompt_lookup_min <= prompt_lookup_max"),
-])
-def test_parser_errors(text, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        parse_speculative(text)
-
-
-# ---- the rejection sampler on fixed distributions ------------------------------------------------------
-P0 = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
-P1 = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30])
-Q0 = torch.tensor([0.05, 0.10, 0.40, 0.10, 0.15, 0.20])
-Q1 = torch.tensor([0.40, 0.05, 0.05, 0.20, 0.20, 0.10])
-CHI2_999 = {1: 10.83, 2: 13.82, 5: 20.52, 8: 26.12}  # 99.9% quantiles of χ² by degrees of freedom
-
-
-def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    return float(((counts - expected) ** 2 / expected).sum())
-
-
-def run_fixed(n: int, q0, q1, seed: int = 0):
-    """n requests, each with 2 drafts from q0, q1 and target p0, p1, then a bonus position ~ P0."""
-    g = torch.Generator().manual_seed(seed)
-    p = torch.stack([P0, P1, P0]).repeat(n, 1)
-    if q0 is None:  # n-gram: a fixed proposal, certain of itself
-        d = torch.tensor([2, 5, 0]).repeat(n)
-        q = torch.zeros_like(p)
-        q[torch.arange(3 * n), d] = 1.0
-        q[2::3] = 0.0
-    else:
-        q = torch.stack([q0, q1, torch.zeros(6)]).repeat(n, 1)
-        d = torch.multinomial(q + (q.sum(-1, keepdim=True) == 0), 1, generator=g).squeeze(1)
-    acc, final = rejection_sample(p, q, d, p.argmax(-1), [2] * n, [False] * n, [None] * n, g)
-    d = d.view(n, 3).tolist()
-    emitted = [d[i][:a] + [f] for i, (a, f) in enumerate(zip(acc, final))]
-    return acc, emitted
-
-
-@pytest.mark.parametrize("drafted_from", ["model", "ngram"])
-def test_rejection_sampler_emits_the_target_distribution(drafted_from):
-    q0, q1 = (Q0, Q1) if drafted_from == "model" else (None, None)
-    acc, emitted = run_fixed(20000, q0, q1)
-    first = torch.bincount(torch.tensor([e[0] for e in emitted]), minlength=6).float()
-    assert chi2(first, P0) < CHI2_999[5]
-    second = torch.bincount(torch.tensor([e[1] for e in emitted if len(e) > 1]), minlength=6).float()
-    assert chi2(second, P1) < CHI2_999[5]
-    third = torch.bincount(torch.tensor([e[2] for e in emitted if len(e) > 2]), minlength=6).float()
-    assert chi2(third, P0) < CHI2_999[5]  # the bonus token
-    # acceptance of the first draft: Σ min(p, q) (model) or p(draft) (n-gram)
-    rate = sum(a > 0 for a in acc) / len(acc)
-    want = float(torch.minimum(P0, Q0).sum()) if q0 is not None else float(P0[2])
-    assert abs(rate - want) < 0.015
-
-
-def test_rejection_sampler_greedy_and_identical_distributions():
-    p = torch.stack([P0, P1, P0])
-    acc, final = rejection_sample(None, None, torch.tensor([0, 1, 0]), p.argmax(-1), [2], [True], [None],
-                                  torch.Generator())
-    assert (acc, final) == ([1], [5])  # 0 is P0's argmax; 1 is not P1's (5): the target's argmax replaces it
-    acc, final = rejection_sample(p, p.clone(), torch.tensor([3, 4, 0]), p.argmax(-1), [2], [False], [None],
-                                  torch.Generator())
-    assert acc == [2]  # q == p: always accepted
 
 
 # ---- greedy: identical outputs for every draft, under batching, prefix caching and preemption ----------
@@ -468,21 +372,6 @@ def test_target_step_takes_the_drafts_on_the_device(draft, drafts, alone, demo_d
     assert llm.engine.stats.spec.num_drafts > 0
 
 
-def test_spec_stats_and_ngram_proposals():
-    s = SpecStats()
-    for drafted, accepted in [(4, 4), (4, 1), (2, 0), (0, 0)]:
-        s.record(drafted, accepted)
-    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 10, 5)
-    assert s.accepted_per_pos[:4] == [2, 1, 1, 1] and s.acceptance_rate == 0.5
-    assert s.mean_acceptance_length == pytest.approx(1 + 5 / 3)
-    assert s.as_result()["spec_decode_per_position_acceptance"] == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
-    ng = NgramProposer(1, 3)
-    assert ng.propose_one([5, 6, 7, 8, 9, 1, 6, 7], 3) == [8, 9, 1]  # suffix 6 7 matched, what followed
-    assert ng.propose_one([7, 1, 2, 3, 9, 9, 1, 2, 3, 8, 5, 1, 2, 3], 2) == [8, 5]  # the latest full match
-    assert ng.propose_one([1, 2, 1, 2, 1, 2], 4) == [1, 2]  # no match has 4 after it: the earliest one
-    assert ng.propose_one([1, 2, 3, 4], 2) == []
-
-
 def test_bench_latency_reports_acceptance(drafts, tmp_path):
     from typer.testing import CliRunner
 
@@ -528,32 +417,6 @@ def test_k_auto_follows_acceptance(draft, want_k, drafts, demo_dir):
     for drafted, accepted in [(2, 2), (2, 2), (3, 1), (3, 0), (2, 1), (2, 1)]:
         unit.update(st, drafted, accepted)
     assert st.k == 2  # up (100%), down (1/6), then 50% holds
-
-
-def test_trim_frees_trailing_blocks_only_once_unshared():
-    bm = BlockManager(8, 4)
-    s = Sequence("r", 0, list(range(6)), 6, SamplingParams(), RequestMetrics(0.0))
-    assert bm.allocate_slots(s, 14)  # 6 tokens + 8 reserved: 4 blocks
-    assert len(s.block_table) == 4 and bm.num_free_blocks == 4
-    tail = s.block_table[-1]
-    bm.blocks[tail].ref_count += 1  # pretend another sequence holds the last block
-    s.num_computed_tokens = 5
-    bm.trim(s)  # 6 tokens need 2 blocks
-    assert len(s.block_table) == 2 and bm.num_free_blocks == 5 and bm.blocks[tail].ref_count == 1
-
-
-def test_cli_speculative_option():
-    from typer.testing import CliRunner
-
-    from nvllm.cli import app
-
-    res = CliRunner().invoke(app, ["generate", "--max-tokens", "16", "--log-stats-interval", "0", "--device", "cpu",
-                                   "--speculative", "k=3,method=ngram"])
-    assert res.exit_code == 0, res.output
-    said = " ".join(res.output.split())
-    assert "Once upon a time, there was a little girl named Lily" in said and "n-gram lookup" in said
-    res = CliRunner().invoke(app, ["generate", "--speculative", "k=3"])
-    assert res.exit_code == 2 and "needs a draft model" in res.output
 
 
 def test_synthetic_acceptance_benchmark_mode(drafts, demo_dir):
