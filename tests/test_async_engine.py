@@ -1,0 +1,77 @@
+"""The async engine the server runs, in process: streams of outputs, bad input as ValueError, a consumer that
+stops early aborting its request, and an add cancelled before it lands."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+MAX_MODEL_LEN = 256
+PROMPT = "Once upon a time"
+
+
+def test_async_engine_in_process():
+    from nvllm.config import EngineConfig
+    from nvllm.engine.async_engine import AsyncLLMEngine
+    from nvllm.engine.llm_engine import LLMEngine
+    from nvllm.sampling_params import SamplingParams
+
+    core = LLMEngine(EngineConfig(device="cpu", log_stats_interval=0, max_model_len=MAX_MODEL_LEN), warmup=False)
+    engine = AsyncLLMEngine(core)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def main():
+        outs = [o async for o in engine.generate(PROMPT, greedy)]
+        assert len(outs) == 8 and outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in engine.generate([5] * MAX_MODEL_LEN, greedy):
+                pass
+        # a consumer that stops early (and closes the generator) aborts its request at once
+        gen = engine.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+        await gen.__anext__()
+        await gen.aclose()
+        deadline = time.monotonic() + 10
+        while core.block_manager.num_free_blocks != core.block_manager.num_blocks:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        # shutdown ends what is in flight with finish_reason "abort"
+        stream = engine.open_stream()
+        await stream.add(None, PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+        await stream.__anext__()
+        await engine.shutdown()
+        last = [o async for o in stream][-1]
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+        assert not engine.is_running and not core.has_unfinished_requests()
+
+    asyncio.run(main())
+
+
+def test_async_engine_survives_an_add_cancelled_before_it_lands():
+    """A caller that gives up while its add waits behind a running step (a client gone, a timeout) must not
+    take the engine loop down: the add is dropped and everyone else carries on."""
+    from nvllm.config import EngineConfig
+    from nvllm.engine.async_engine import AsyncLLMEngine
+    from nvllm.engine.llm_engine import LLMEngine
+    from nvllm.sampling_params import SamplingParams
+
+    core = LLMEngine(EngineConfig(device="cpu", log_stats_interval=0, max_model_len=MAX_MODEL_LEN), warmup=False)
+    engine = AsyncLLMEngine(core)
+
+    async def main():
+        long = engine.open_stream()
+        await long.add(None, PROMPT, SamplingParams(max_tokens=100, ignore_eos=True))
+        await long.__anext__()
+        for _ in range(5):
+            task = asyncio.ensure_future(engine.open_stream().add(None, "The dog", SamplingParams(max_tokens=4)))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        last = [o async for o in long][-1]
+        assert engine.is_running and engine.error is None
+        assert last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 100
+        await engine.shutdown()
+
+    asyncio.run(main())
