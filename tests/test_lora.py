@@ -297,3 +297,12 @@ def test_host_memory_keeps_max_cpu_loras_adapters(setup):
         assert list(llm.engine.runner.lora.known) == [i + 1]  # the idle one before it was dropped
     with pytest.raises(ConfigError, match="max_cpu_loras"):
         EngineConfig(model=str(base), device="cpu", enable_lora=True, max_loras=2, max_cpu_loras=1)
+
+
+def test_the_kv_cache_leaves_room_for_max_loras_adapters(setup):
+    _, base, _ = setup
+    llm = make_llm(str(base), enable_lora=True, max_loras=3, max_lora_rank=8)
+    h, inter, q, kv, layers = 64, 96, 64, 32, 2  # tests/conftest.py's tiny shapes
+    per_layer = 8 * (3 * (h + q + 2 * kv) + (q + h) + 2 * (h + 2 * inter) + (inter + h))
+    assert llm.engine.runner.lora_footprint() == 3 * layers * per_layer * 4  # float32 on the CPU
+    assert make_llm(str(base)).engine.runner.lora_footprint() == 0

@@ -225,12 +225,27 @@ class ModelRunner:
             n = int(c.kv_cache_memory * _GiB // per_block)
         elif self.device.type == "cuda":
             draft_weights, draft_per_token = self._draft_footprint()
-            n = (self._profile_free_memory() - draft_weights) // (per_block + draft_per_token * c.block_size)
+            free = self._profile_free_memory() - draft_weights - self.lora_footprint()
+            n = free // (per_block + draft_per_token * c.block_size)
         else:
             # CPU default: room for max_num_seqs full-length sequences, at most 4 GiB
             want = c.max_num_seqs * math.ceil(self.max_model_len / c.block_size)
             n = min(want, int(4 * _GiB // per_block))
         return int(n)
+
+    def lora_footprint(self) -> int:
+        """Device bytes that max_loras adapters of max_lora_rank may take (0 without LoRA): A and B of every
+        decoder linear, a fused one's ranks per projection. Set aside before the KV cache takes the rest."""
+        c = self.config
+        if not c.enable_lora:
+            return 0
+        total = 0
+        for layer in self.model.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                lin = getattr(layer, name)
+                lin = getattr(lin, "base", lin)
+                total += c.max_lora_rank * len(lin.output_sizes) * (lin.in_features + lin.out_features)
+        return total * c.max_loras * self.dtype.itemsize
 
     def _draft_footprint(self) -> tuple[int, int]:
         """(weight bytes, KV bytes per token) of the speculative draft model that will share this GPU and this
