@@ -7,5 +7,6 @@ from nvllm.lora.request import LoRARequest
 from nvllm.outputs import CompletionOutput, RequestOutput
 from nvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "EngineConfig",
+           "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -2,9 +2,9 @@
 of every live beam with its top 2·beam_width log-probabilities (the prefix cache spares all but the last block of
 each beam's recomputation); every (beam, token) pair is a candidate scored by its cumulative log-probability
 (length-normalized: ``cum_logprob / len**length_penalty``, the tokens counted with the prompt, EOS not counted); the
-best beam_width candidates live on. A candidate ending in EOS (unless ignore_eos) is complete and stops there (the EOS among its tokens, not in its text
-unless include_stop_str_in_output). At the
-end the complete and live beams are ranked together and the best beam_width returned.
+best beam_width candidates live on. A candidate ending in EOS (unless ignore_eos) is complete and stops there (the
+EOS among its tokens, not in its text unless include_stop_str_in_output). At the end the complete and live beams
+are ranked together and the best beam_width returned.
 
 ``BeamSearch`` holds the state; the offline ``LLM.beam_search`` and the server drive it, each with its own way of
 running a step."""

@@ -1,4 +1,4 @@
-"""Reasoning parsers (``nvllm serve --reasoning-parser NAME``): a thinking model's ``<think>…</think>`` block taken out
+"""Reasoning parsers (``--reasoning-parser NAME``): a thinking model's ``<think>…</think>`` block taken out
 of the reply into ``reasoning_content``, the rest left as ``content`` (and to the tool-call parser), as vLLM's parsers
 of the same names split it.
 

@@ -77,12 +77,75 @@ def test_structured_output_and_function_calls_are_output_items(client):
 def test_bad_input_is_a_clear_error(client):
     for kw, param in ((dict(input="x", tools=[{"type": "web_search"}]), "tools"),
                       (dict(input=[]), "input"),
+                      (dict(input="x", max_output_tokens=0), "max_output_tokens"),
+                      (dict(input="x", metadata={f"k{i}": "v" for i in range(17)}), "metadata"),
+                      (dict(input="x", background=True), "background"),
+                      (dict(input=[{"type": "function_call_output", "call_id": "c"}]), "input"),
                       (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input")):
+        kw.setdefault("max_output_tokens", 2)
         with pytest.raises(openai.BadRequestError) as e:
-            client.responses.create(model=MODEL, max_output_tokens=2, **kw)
+            client.responses.create(model=MODEL, **kw)
         assert e.value.body["param"] == param
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope", max_output_tokens=2)
     unstored = client.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def test_streamed_reasoning_text_and_a_call_after_whitespace():
+    """The events of a reply the story model cannot write — thinking, then whitespace, then a hermes call — through
+    the real handler over a scripted engine stream: the reasoning item closes before the message opens, the message
+    holds exactly its deltas, the call follows, and nothing ends the stream but response.completed."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from nvllm.assets import demo_model_path
+    from nvllm.engine.tokenizer import load_tokenizer
+    from nvllm.reasoning_parsers import get_reasoning_parser
+    from nvllm.serve.chat import ChatHandler
+    from nvllm.serve.models import ServedModels
+    from nvllm.serve.prompts import PromptProcessor
+    from nvllm.serve.responses import ResponsesHandler, ResponsesRequest, response_events, to_chat
+    from nvllm.serve.tool_parsers import HermesToolParser
+
+    reply = '<think>Need it.</think>\n\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    prompts = PromptProcessor(load_tokenizer(demo_model_path()), 512, 256)
+    chat = ChatHandler(None, prompts, ServedModels(MODEL, "", 256), {}, HermesToolParser(),
+                       get_reasoning_parser("qwen3"))
+    handler = ResponsesHandler(chat)
+    req = ResponsesRequest(model=MODEL, input="Weather?", tools=[WEATHER], stream=True)
+
+    class Stream:
+        def __init__(self):
+            self.cuts = list(range(3, len(reply), 7)) + [len(reply)]
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if not self.cuts:
+                raise StopAsyncIteration
+            end = self.cuts.pop(0)
+            done = not self.cuts
+            return SimpleNamespace(num_cached_tokens=0, outputs=[SimpleNamespace(
+                text=reply[:end], finish_reason="stop" if done else None, token_ids=list(range(end)))])
+
+        def close(self):
+            pass
+
+    async def run():
+        ids = ("resp_x", to_chat(req, []), [])
+        return [chunk async for chunk in response_events(handler.events(req, ids, Stream(), [1, 2]))]
+
+    events = [json.loads(c.split("data: ", 1)[1]) for c in asyncio.run(run())]
+    kinds = [e["type"] for e in events]
+    assert kinds[-1] == "response.completed" and "error" not in kinds
+    assert kinds.index("response.output_item.done") < kinds.index("response.output_text.delta")  # reasoning first
+    final = events[-1]["response"]["output"]
+    assert [i["type"] for i in final] == ["reasoning", "message", "function_call"]
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert final[1]["content"][0]["text"] == deltas == "\n\n" and final[2]["name"] == "get_weather"
+    assert all("logprobs" in e for e in events if e["type"] in ("response.output_text.delta",
+                                                                 "response.output_text.done"))
+    assert events[-1]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] > 0

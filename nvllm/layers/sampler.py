@@ -1,6 +1,7 @@
-"""Turn logits into tokens: structured outputs' grammar masks (nvllm.engine.structured_output), logit_bias and the presence / frequency / repetition penalties (nvllm.layers.penalties),
-greedy, temperature, top-k, top-p, min-p, per-request seeds, and the log-probabilities users ask for (computed on
-the raw distribution, as vLLM reports them: before any bias, penalty, temperature or filter)."""
+"""Turn logits into tokens: structured outputs' grammar masks (nvllm.engine.structured_output), logit_bias and the
+presence / frequency / repetition penalties (nvllm.layers.penalties), greedy, temperature, top-k, top-p, min-p,
+per-request seeds, and the log-probabilities users ask for (computed on the raw distribution after the grammar
+mask, as vLLM reports them: before any bias, penalty, temperature or filter)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from nvllm.engine.generation_defaults import announce
 from nvllm.lora.request import LoRARequest
 from nvllm.serve.chat import ChatHandler
 from nvllm.serve.models import ServedModels, lora_routes
-from nvllm.serve.responses import ResponsesHandler, ResponsesRequest
+from nvllm.serve.responses import ResponsesHandler, ResponsesRequest, response_events
 from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.serve.tool_parsers import TOOL_PARSERS, get_tool_parser
 from nvllm.serve.completions import CompletionHandler
@@ -194,7 +194,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
         if req.stream:
-            return EventStreamResponse(responses.events(req, ids, stream, prompt_ids), on_close=stream.close)
+            return EventStreamResponse(responses.events(req, ids, stream, prompt_ids), on_close=stream.close,
+                                       framing=response_events)
         try:
             body = await until_disconnect(request, responses.full(req, ids, stream, prompt_ids))
         except ClientGone:
@@ -207,7 +208,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
 
     @api.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
-        return JSONResponse(responses.store.get(response_id)[1])
+        return JSONResponse(responses.store.get(response_id, "response_id")[1])
 
     @api.get("/v1/models")
     async def list_models() -> ModelList:

@@ -158,4 +158,5 @@ class ChatHandler:
 
     def _chunk(self, request_id: str, req, choices: list[ChatChunkChoice], usage_info=None
                ) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=request_id, model=self.models.response_name(req.model), choices=choices, usage=usage_info)
+        return ChatCompletionChunk(id=request_id, model=self.models.response_name(req.model), choices=choices,
+                                   usage=usage_info)

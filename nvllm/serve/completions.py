@@ -76,8 +76,8 @@ class CompletionHandler:
                                                           default_max), req.logprobs, prompt_logprobs, self.defaults)
                   for ids in prompt_ids]
         request_id, lora = random_id("cmpl"), self.models.lora(req.model)
-        return request_id, [(f"{request_id}-{i}", ids, p, lora) for i, (ids, p) in enumerate(zip(prompt_ids, params))], \
-            prompt_ids
+        requests = [(f"{request_id}-{i}", ids, p, lora) for i, (ids, p) in enumerate(zip(prompt_ids, params))]
+        return request_id, requests, prompt_ids
 
     @staticmethod
     def _prompt_index(out: RequestOutput) -> int:
@@ -186,7 +186,8 @@ class CompletionHandler:
 
     def _chunk(self, request_id: str, req, choices: list[CompletionChoice], usage_info=None
                ) -> CompletionResponse:
-        return CompletionResponse(id=request_id, model=self.models.response_name(req.model), choices=choices, usage=usage_info)
+        return CompletionResponse(id=request_id, model=self.models.response_name(req.model), choices=choices,
+                                  usage=usage_info)
 
 
 def _end(lps: CompletionLogProbs | None, text: str) -> int:

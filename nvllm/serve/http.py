@@ -140,8 +140,9 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(sse_stream(chunks), headers={"Cache-Control": "no-cache"})
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None],
+                 framing: Callable[[AsyncIterator[str]], AsyncIterator[str]] = sse_stream):
+        super().__init__(framing(chunks), headers={"Cache-Control": "no-cache"})
         self._chunks, self._on_close = chunks, on_close
 
     async def __call__(self, scope, receive, send) -> None:

@@ -16,11 +16,17 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from nvllm.serve.chat import ChatHandler
-from nvllm.serve.errors import APIError, bad_request
-from nvllm.serve.protocol import (AssistantMessage, ChatCompletionRequest, OpenAIModel, random_id)
+from pydantic import ValidationError
 
-STORE_SIZE = 1024
+from nvllm.serve.chat import ChatHandler
+from nvllm.serve.errors import APIError, bad_request, validation_message
+from nvllm.serve.protocol import AssistantMessage, ChatCompletionRequest, OpenAIModel, random_id
+
+STORE_SIZE = 1024  # responses kept
+STORE_BYTES = 256 * 1024 * 1024  # and their JSON's size at most
+# what each API parameter of the chat request it becomes is called here, for the 400s
+_PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "response_format": "text",
+           "messages": "input", "tool_choice": "tool_choice", "tools": "tools"}
 
 
 class ResponsesRequest(OpenAIModel):
@@ -38,8 +44,9 @@ class ResponsesRequest(OpenAIModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True
     reasoning: dict[str, Any] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, Any] | None = None
     user: str | None = None
+    background: bool | None = None
     # vLLM's extensions, as on chat
     top_k: int | None = None
     min_p: float | None = None
@@ -48,20 +55,23 @@ class ResponsesRequest(OpenAIModel):
 
 
 class ResponseStore:
-    """The latest responses, for ``previous_response_id`` and GET: id → (the conversation through it, the body)."""
+    """The latest responses, for ``previous_response_id`` and GET: id → (the conversation through it, the body);
+    at most ``size`` of them and ``max_bytes`` of their JSON, the oldest dropped first."""
 
-    def __init__(self, size: int = STORE_SIZE):
-        self.size, self.items = size, OrderedDict()
+    def __init__(self, size: int = STORE_SIZE, max_bytes: int = STORE_BYTES):
+        self.size, self.max_bytes, self.bytes, self.items = size, max_bytes, 0, OrderedDict()
 
     def put(self, response_id: str, messages: list[dict], body: dict) -> None:
-        self.items[response_id] = (messages, body)
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
+        n = len(json.dumps(messages)) + len(json.dumps(body))
+        self.items[response_id] = (messages, body, n)
+        self.bytes += n
+        while self.items and (len(self.items) > self.size or self.bytes > self.max_bytes):
+            self.bytes -= self.items.popitem(last=False)[1][2]
 
-    def get(self, response_id: str) -> tuple[list[dict], dict]:
+    def get(self, response_id: str, param: str = "previous_response_id") -> tuple[list[dict], dict]:
         if response_id not in self.items:
-            raise APIError(404, f"Response with id '{response_id}' not found.", "previous_response_id")
-        return self.items[response_id]
+            raise APIError(404, f"Response with id '{response_id}' not found.", param)
+        return self.items[response_id][:2]
 
 
 def _text_of(content) -> str:
@@ -72,7 +82,9 @@ def _text_of(content) -> str:
         for p in content:
             if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
                 raise bad_request("only text content (input_text, output_text) is supported", "input")
-            parts.append(p.get("text") or "")
+            if not isinstance(p.get("text"), str):
+                raise bad_request("a text part needs its text", "input")
+            parts.append(p["text"])
         return "".join(parts)
     raise bad_request("a message's content must be a string or a list of text parts", "input")
 
@@ -98,7 +110,10 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": str(item.get("output"))})
+            output = item.get("output")
+            if output is None or not item.get("call_id"):
+                raise bad_request("a function_call_output item needs its call_id and output", "input")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(output)})
         elif kind == "reasoning":
             continue  # earlier thinking is not fed back, as the chat templates drop it
         else:
@@ -139,8 +154,19 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest
                   parallel_tool_calls=req.parallel_tool_calls, response_format=response_format)
     try:
         return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
-    except ValueError as e:
-        raise bad_request(f"invalid request: {str(e).splitlines()[0]}") from None
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise bad_request(message, _PARAMS.get(param, param)) from None
+
+
+def check_request(req: ResponsesRequest) -> None:
+    """The 400s of what is refused before anything runs: OpenAI's metadata limits, background mode."""
+    if req.background:
+        raise bad_request("background responses are not supported", "background")
+    meta = req.metadata or {}
+    if len(meta) > 16 or any(len(k) > 64 or not isinstance(v, str) or len(v) > 512 for k, v in meta.items()):
+        raise bad_request("metadata takes at most 16 pairs, keys of at most 64 characters and string values of at "
+                          "most 512", "metadata")
 
 
 def output_items(message: AssistantMessage) -> list[dict]:
@@ -181,25 +207,30 @@ class ResponsesHandler:
                 "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled",
                 "reasoning": req.reasoning, "metadata": req.metadata or {}, "usage": usage}
 
-    @staticmethod
-    def _usage(final, prompt_len: int) -> dict:
-        out = len(final.outputs[0].token_ids) if final is not None else 0
+    def _usage(self, final, prompt_len: int, message: AssistantMessage) -> dict:
+        out = len(final.outputs[0].token_ids)
+        thought = message.reasoning_content
+        reasoning = len(self.chat.prompts.tokenizer.encode(thought, add_special_tokens=False)) if thought else 0
         return {"input_tokens": prompt_len, "output_tokens": out, "total_tokens": prompt_len + out,
-                "input_tokens_details": {"cached_tokens": final.num_cached_tokens if final is not None else 0},
-                "output_tokens_details": {"reasoning_tokens": 0}}
+                "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+                "output_tokens_details": {"reasoning_tokens": min(reasoning, out)}}
 
     async def start(self, req: ResponsesRequest):
+        check_request(req)
         history = self._history(req)
         chat_req = to_chat(req, history)
-        request_id, stream, prompt_ids = await self.chat.start(chat_req)
+        try:
+            request_id, stream, prompt_ids = await self.chat.start(chat_req)
+        except APIError as e:  # named as this API names its parameters
+            e.param = _PARAMS.get(e.param, e.param)
+            raise
         return (random_id("resp"), chat_req, history), stream, prompt_ids
 
     def _remember(self, req: ResponsesRequest, chat_req: ChatCompletionRequest, message: AssistantMessage,
                   response_id: str, body: dict) -> None:
         if not req.store:
             return
-        turns = [m.model_dump(exclude_none=True) for m in chat_req.messages if m.role != "system" or
-                 m.content != req.instructions]
+        turns = [m.model_dump(exclude_none=True) for m in chat_req.messages[1 if req.instructions else 0:]]
         reply = {"role": "assistant", "content": message.content}
         if message.tool_calls:
             reply["tool_calls"] = [c.model_dump() for c in message.tool_calls]
@@ -217,12 +248,14 @@ class ResponsesHandler:
         message, _ = self.chat._reply(chat_req).message(c.text, c.finish_reason)
         status = "incomplete" if c.finish_reason == "length" else "completed"
         body = self._body(req, response_id, created, status, output_items(message),
-                          self._usage(final, len(prompt_ids)))
+                          self._usage(final, len(prompt_ids), message))
         self._remember(req, chat_req, message, response_id, body)
         return body
 
     async def events(self, req: ResponsesRequest, ids, stream, prompt_ids) -> AsyncIterator[str]:
-        """The Responses streaming events, each with its sequence number."""
+        """The Responses streaming events, each with its sequence number. Reasoning and text go out as they come
+        (the reasoning item closed before the message opens, as vLLM orders them); function calls whole at the
+        end. The message item holds exactly the text its deltas carried."""
         response_id, chat_req, _ = ids
         created, seq = int(time.time()), 0
         reply = self.chat._reply(chat_req)
@@ -233,10 +266,17 @@ class ResponsesHandler:
             seq += 1
             return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data})}\n\n"
 
+        def close_reasoning():
+            item = {"type": "reasoning", "id": reasoning_id, "summary": [], "status": "completed",
+                    "content": [{"type": "reasoning_text", "text": reasoning}]}
+            yield event("response.reasoning_text.done", item_id=reasoning_id, output_index=0, content_index=0,
+                        text=reasoning)
+            yield event("response.output_item.done", output_index=0, item=item)
+
         yield event("response.created", response=self._body(req, response_id, created, "in_progress", [], None))
         yield event("response.in_progress", response=self._body(req, response_id, created, "in_progress", [], None))
-        msg_id, text, index, final = None, "", 0, None
-        reasoning_id, reasoning = None, ""
+        msg_id, text, final = None, "", None
+        reasoning_id, reasoning, reasoning_open = None, "", False
         try:
             async for out in stream:
                 final = out
@@ -246,48 +286,77 @@ class ResponsesHandler:
                     continue
                 if d.reasoning_content:
                     if reasoning_id is None:
-                        reasoning_id = random_id("rs")
-                        yield event("response.output_item.added", output_index=index, item={
+                        reasoning_id, reasoning_open = random_id("rs"), True
+                        yield event("response.output_item.added", output_index=0, item={
                             "type": "reasoning", "id": reasoning_id, "summary": [], "status": "in_progress",
                             "content": []})
                     reasoning += d.reasoning_content
-                    yield event("response.reasoning_text.delta", item_id=reasoning_id, output_index=index,
+                    yield event("response.reasoning_text.delta", item_id=reasoning_id, output_index=0,
                                 content_index=0, delta=d.reasoning_content)
                 if d.content:
                     if msg_id is None:
-                        index += reasoning_id is not None
+                        if reasoning_open:
+                            for e in close_reasoning():
+                                yield e
+                            reasoning_open = False
                         msg_id = random_id("msg")
-                        yield event("response.output_item.added", output_index=index,
+                        yield event("response.output_item.added", output_index=self._msg_index(reasoning_id),
                                     item={**_message_item("", "in_progress", msg_id), "content": []})
-                        yield event("response.content_part.added", item_id=msg_id, output_index=index,
-                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                        yield event("response.content_part.added", item_id=msg_id,
+                                    output_index=self._msg_index(reasoning_id), content_index=0,
+                                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
                     text += d.content
-                    yield event("response.output_text.delta", item_id=msg_id, output_index=index, content_index=0,
-                                delta=d.content)
+                    yield event("response.output_text.delta", item_id=msg_id, content_index=0, delta=d.content,
+                                output_index=self._msg_index(reasoning_id), logprobs=[])
         finally:
             stream.close()
         c = final.outputs[0]
         message, _ = reply.message(c.text, c.finish_reason)
-        items = output_items(message)
+        calls = [i for i in output_items(message) if i["type"] == "function_call"]
+        items: list[dict] = []
         if reasoning_id is not None:
-            items[0]["id"] = reasoning_id
-            yield event("response.reasoning_text.done", item_id=reasoning_id, output_index=0, content_index=0,
-                        text=reasoning)
-            yield event("response.output_item.done", output_index=0, item=items[0])
-        if msg_id is not None:
-            item = next(i for i in items if i["type"] == "message")
-            item["id"] = msg_id
-            yield event("response.output_text.done", item_id=msg_id, output_index=index, content_index=0, text=text)
+            if reasoning_open:
+                for e in close_reasoning():
+                    yield e
+            items.append({"type": "reasoning", "id": reasoning_id, "summary": [], "status": "completed",
+                          "content": [{"type": "reasoning_text", "text": reasoning}]})
+        if msg_id is not None:  # what the deltas said, even if the final parse found only whitespace before a call
+            item = _message_item(text, "completed", msg_id)
+            index = len(items)
+            yield event("response.output_text.done", item_id=msg_id, output_index=index, content_index=0, text=text,
+                        logprobs=[])
             yield event("response.content_part.done", item_id=msg_id, output_index=index, content_index=0,
                         part=item["content"][0])
             yield event("response.output_item.done", output_index=index, item=item)
-        for i, item in enumerate(items):
-            if item["type"] == "function_call":  # whole, once the reply is complete
-                yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress"})
-                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                            arguments=item["arguments"])
-                yield event("response.output_item.done", output_index=i, item=item)
+            items.append(item)
+        for item in calls:  # whole, once the reply is complete
+            index = len(items)
+            yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress"})
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        arguments=item["arguments"])
+            yield event("response.output_item.done", output_index=index, item=item)
+            items.append(item)
         status = "incomplete" if c.finish_reason == "length" else "completed"
-        body = self._body(req, response_id, created, status, items, self._usage(final, len(prompt_ids)))
+        body = self._body(req, response_id, created, status, items, self._usage(final, len(prompt_ids), message))
         self._remember(req, chat_req, message, response_id, body)
         yield event("response.completed" if status == "completed" else "response.incomplete", response=body)
+
+    @staticmethod
+    def _msg_index(reasoning_id: str | None) -> int:
+        return 0 if reasoning_id is None else 1
+
+
+async def response_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Frame the Responses events: no ``[DONE]`` after them (OpenAI's and vLLM's streams end with the last event),
+    and a failure mid-stream as an ``error`` event."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except APIError as e:
+        yield _error_event(e.code, e.message, e.param)
+    except Exception as e:  # noqa: BLE001 - the status line is long gone; report inside the stream
+        yield _error_event("server_error", f"{type(e).__name__}: {e}", None)
+
+
+def _error_event(code: str | None, message: str, param: str | None) -> str:
+    return f"event: error\ndata: {json.dumps({'type': 'error', 'code': code, 'message': message, 'param': param})}\n\n"
