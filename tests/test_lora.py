@@ -200,6 +200,10 @@ def test_server_picks_the_adapter_by_model_name(setup, tmp_path, monkeypatch):
                               "--log-stats-interval", "0", "--uvicorn-log-level", "warning"], tmp_path / "log")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        import httpx
+
+        assert 'nvllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""}' in \
+            httpx.get(f"{url}/metrics").text
         cards = {m.id: m for m in client.models.list().data}
         assert set(cards) == {str(base), "all", "attn"} and cards["all"].model_extra["parent"] == str(base)
         llm = make_llm(str(base), enable_lora=True)
@@ -212,8 +216,6 @@ def test_server_picks_the_adapter_by_model_name(setup, tmp_path, monkeypatch):
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="nope", prompt="x", max_tokens=2)
         # vLLM's runtime endpoints: the adapter under a new name, then gone
-        import httpx
-
         r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(adapters["attn"])})
         assert r.status_code == 200 and "late" in {m.id for m in client.models.list().data}
         want = llm.generate([PROMPTS[0]], params, lora_request=LoRARequest("attn", 2, str(adapters["attn"])),
@@ -306,3 +308,17 @@ def test_the_kv_cache_leaves_room_for_max_loras_adapters(setup):
     per_layer = 8 * (3 * (h + q + 2 * kv) + (q + h) + 2 * (h + 2 * inter) + (inter + h))
     assert llm.engine.runner.lora_footprint() == 3 * layers * per_layer * 4  # float32 on the CPU
     assert make_llm(str(base)).engine.runner.lora_footprint() == 0
+
+
+def test_metrics_name_the_running_and_waiting_adapters(setup):
+    from nvllm.serve.metrics import ServerMetrics
+
+    _, base, adapters = setup
+    llm = make_llm(str(base), enable_lora=True, max_loras=1)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], params, lora_request=LoRARequest("all", 1, str(adapters["all"])))
+    engine.add_request("b", PROMPTS[0], params, lora_request=LoRARequest("attn", 2, str(adapters["attn"])))
+    engine.step()  # one slot: "all" runs, "attn" waits for it
+    text = ServerMetrics(engine, "m").render().decode()
+    assert 'nvllm:lora_requests_info{max_lora="1",running_lora_adapters="all",waiting_lora_adapters="attn"}' in text

@@ -6,6 +6,7 @@ the latency histograms are fed by an output hook that runs on the engine thread 
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -72,6 +73,17 @@ class _EngineCollector:
             for i in range(len(sp.accepted_per_pos) if cfg.auto else cfg.num_speculative_tokens):
                 c.add_metric(self.labels + [str(i)], sp.accepted_per_pos[i])
             yield c
+        if e.runner.lora is not None:  # vLLM's lora_requests_info: the adapters in use, as labels; the time, as value
+            known = e.runner.lora.known
+
+            def names(seqs) -> str:
+                return ",".join(sorted({known[s.lora_id][0].lora_name for s in seqs if s.lora_id in known}))
+
+            g = GaugeMetricFamily("nvllm:lora_requests_info", "Running and waiting LoRA adapters.",
+                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            g.add_metric([str(e.config.max_loras), names(list(sched.running)), names(list(sched.waiting))],
+                         time.time())
+            yield g
 
 
 class ServerMetrics:
