@@ -58,6 +58,8 @@ def generate(
                                                              "(repeatable)")] = None,
     lora: Annotated[Optional[str], typer.Option(help="a PEFT LoRA adapter directory to generate with (turns "
                                                      "--enable-lora on)")] = None,
+    beam_width: Annotated[Optional[int], typer.Option(help="beam search with this many beams (printed best first) "
+                                                           "instead of sampling")] = None,
     *, engine_config: EngineConfig,
 ) -> None:
     """Generate continuations of prompts and print them. Sampling flags left out take the model's recommended
@@ -65,6 +67,7 @@ def generate(
     from nvllm.engine.generation_defaults import announce, with_defaults
     from nvllm.llm import LLM
     from nvllm.logger import console
+    from nvllm.beam_search import BeamSearchParams
     from nvllm.lora.request import LoRARequest
     from nvllm.sampling_params import SamplingParams
 
@@ -86,6 +89,10 @@ def generate(
         llm = LLM.from_config(engine_config)
         defaults = {k: v for k, v in llm.engine.generation_defaults.items() if given[k] is None}
         announce(defaults)
+        if beam_width is not None:
+            _print_beams(llm, prompts or ["Once upon a time"], BeamSearchParams(
+                beam_width=beam_width, max_tokens=params(defaults).max_tokens, ignore_eos=ignore_eos), lora_request)
+            return
         outputs = llm.generate(prompts or ["Once upon a time"], params(defaults), lora_request=lora_request)
     except USER_ERRORS as e:
         fail(str(e))
@@ -102,6 +109,16 @@ def generate(
                     alts = ", ".join(f"{text([t])!r} {v:.4f}" for _, t, v in top)
                     out.print(f"  {text([tok])!r}: {lp[tok].logprob:.4f}" + (f"  top: {alts}" if alts else ""),
                               highlight=False)
+
+
+def _print_beams(llm, prompts: list[str], params, lora_request) -> None:
+    from nvllm.logger import console
+
+    for prompt, result in zip(prompts, llm.beam_search(prompts, params, lora_request=lora_request)):
+        for beam in result.sequences:
+            print(prompt + beam.text, flush=True)
+            console().print(f"[dim]({len(beam.output_token_ids)} tokens, finish_reason={beam.finish_reason}, "
+                            f"cum_logprob {beam.cum_logprob:.4f})[/]", highlight=False)
 
 
 def _constraint(json_schema: str | None, regex: str | None, choice: list[str] | None):

@@ -92,3 +92,16 @@ def test_server_beams_are_the_offline_beams(tmp_path):
             assert e.value.body["param"] == param
     finally:
         stop_server(proc)
+
+
+def test_generate_command_prints_the_beams():
+    from typer.testing import CliRunner
+
+    from nvllm.cli import app
+
+    want = make_llm(demo_model_path()).beam_search(["Once upon a time"], BeamSearchParams(beam_width=2, max_tokens=8))
+    res = CliRunner().invoke(app, ["generate", "--device", "cpu", "--beam-width", "2", "--max-tokens", "8"],
+                             env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    printed = [line for line in res.output.splitlines() if line.startswith("Once upon a time")]
+    assert printed == ["Once upon a time" + s.text for s in want[0].sequences]
