@@ -54,7 +54,7 @@ def serve(
                                                           "\"auto\", the default with tools); needs "
                                                           "--tool-call-parser")] = False,
     tool_call_parser: Annotated[Optional[str], typer.Option(help="how the model writes tool calls: hermes "
-                                                            "(Qwen2.5, Qwen3, Hermes) | llama3_json (Llama 3.x)")
+                                                            "(Qwen2.5, Qwen3, Hermes) | llama3_json (Llama 3.x) | mistral")
                                 ] = None,
     lora_modules: Annotated[Optional[list[str]], typer.Option(help="LoRA adapters clients pick by name as their "
                                                               "model: name=PEFT_DIR (repeat, or comma-separate); "

@@ -166,3 +166,20 @@ def test_llm_chat_gives_the_tools_to_the_template():
     out = llm.chat([{"role": "user", "content": "Weather?"}], SamplingParams(max_tokens=2), use_tqdm=False,
                    chat_template=QWEN3_TEMPLATE, tools=[WEATHER])[0]
     assert json.dumps(WEATHER) in out.prompt and out.prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_mistral_reads_both_of_its_formats():
+    p = get_tool_parser("mistral")
+    content, calls = p.extract('Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                               '{"name": "get_time", "arguments": {}}]')
+    assert content == "Sure. " and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)  # Mistral's templates check for 9 characters
+    content, calls = p.extract('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[ARGS]{}')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Rome"}), ("get_time", {})]
+    for bad in ('[TOOL_CALLS] [{"name": "x", "arguments": {', "[TOOL_CALLS]get_weather{}", "[TOOL_CALLS] {}"):
+        assert p.extract(bad) == (bad, [])
+    plan = plan_tools(request(tools=[WEATHER]), p)
+    _, (call,) = plan.calls('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+    assert len(call.id) == 9 and plan.finish_reason("stop", True) == "tool_calls"

@@ -75,7 +75,7 @@ class ServerConfig:
                               f"{', '.join(sorted(TOOL_PARSERS))}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes for Qwen2.5/Qwen3, "
-                              "llama3_json for Llama 3.x)")
+                              "llama3_json for Llama 3.x, mistral for Mistral)")
 
 
 @dataclass

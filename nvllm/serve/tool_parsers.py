@@ -4,7 +4,10 @@ the calls a model wrote in its own format, taken out of its text, as vLLM's pars
 - ``hermes``: Qwen2.5, Qwen3, QwQ and Hermes models: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
   any number of them, after optional text (the content);
 - ``llama3_json``: Llama 3.1 / 3.2 / 3.3 JSON tool calling: the reply is ``{"name": ..., "parameters": {...}}`` (or
-  ``"arguments"``), optionally after ``<|python_tag|>``, several separated by ``;``.
+  ``"arguments"``), optionally after ``<|python_tag|>``, several separated by ``;``;
+- ``mistral``: Mistral's ``[TOOL_CALLS]`` token, then a JSON list of ``{"name", "arguments"}`` (Mistral 7B v0.3,
+  Nemo) or ``name[ARGS]{...}`` per call (newer tokenizers); the calls get the 9-character ids Mistral's chat
+  templates require.
 
 A reply whose calls do not parse is returned as content, with no calls (as vLLM does)."""
 
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 from dataclasses import dataclass
 
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 class ParsedCall:
     name: str
     arguments: str  # JSON text of the arguments object
+    id: str | None = None  # the call's id when the model's format fixes one (else the server makes one)
 
 
 class ToolParser:
@@ -104,7 +110,40 @@ class Llama3JsonToolParser(ToolParser):
         return len(text)
 
 
-TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+class MistralToolParser(ToolParser):
+    name = "mistral"
+    start = "[TOOL_CALLS]"
+    keep_special_tokens = True  # [TOOL_CALLS] is a special token
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        if self.start not in text:
+            return text, []
+        content, _, rest = text.partition(self.start)
+        decoder = json.JSONDecoder()
+        try:
+            if rest.lstrip().startswith("["):  # [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
+                objs, _ = decoder.raw_decode(rest.lstrip())
+                if not isinstance(objs, list):
+                    raise ValueError("not a list of calls")
+                calls = [_call(o, ("arguments", "parameters")) for o in objs]
+            else:  # [TOOL_CALLS]name[ARGS]{...}, once per call
+                calls = []
+                for segment in text.split(self.start)[1:]:
+                    name, sep, args = segment.partition("[ARGS]")
+                    if not sep or not name.strip():
+                        raise ValueError("not name[ARGS]{...}")
+                    obj, _ = decoder.raw_decode(args.strip())
+                    calls.append(_call({"name": name.strip(), "arguments": obj}, ("arguments",)))
+        except ValueError:
+            return text, []
+        for c in calls:
+            c.id = "".join(secrets.choice(_ALNUM) for _ in range(9))
+        return (content if content.strip() else None), calls
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

@@ -57,7 +57,8 @@ class ToolPlan:
             return None, calls[:None if self.parallel else 1]
         if self.mode == "auto":
             content, parsed = self.parser.extract(text)
-            calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed]
+            calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments),
+                              **({"id": c.id} if c.id else {})) for c in parsed]
             return content, calls[:None if self.parallel else 1]
         return text, []
 
