@@ -75,7 +75,9 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts: a string, a list of token ids, a dict, or a list of those; got "
                              f"{type(prompts).__name__}")
-        return self._generate([_prompt_of(p) for p in prompts], sampling_params, use_tqdm, lora_request=lora_request)
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        return self._generate([_prompt_of(p) for p in prompts], sampling_params, use_tqdm, lora_request=lora_request,
+                              cache_salts=salts)
 
     def chat(self, messages: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -129,7 +131,8 @@ class LLM:
         return [s.result(lambda ids: decode(ids, skip_special_tokens=True)) for s in searches]
 
     def _generate(self, prompts: list, sampling_params, use_tqdm: bool, texts: list[str] | None = None,
-                  lora_request=None, log: bool = True) -> list[RequestOutput]:
+                  lora_request=None, log: bool = True, cache_salts: list[str | None] | None = None
+                  ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -147,8 +150,9 @@ class LLM:
         for lora in dict.fromkeys(x for x in loras if x is not None):
             self.engine.load_lora(lora)
         texts = texts or [None] * len(prompts)
-        ids = [self.engine.add_request(None, p, sp, prompt_text=t, lora_request=lr)
-               for p, sp, t, lr in zip(prompts, params, texts, loras)]
+        salts = cache_salts or [None] * len(prompts)
+        ids = [self.engine.add_request(None, p, sp, prompt_text=t, lora_request=lr, cache_salt=salt)
+               for p, sp, t, lr, salt in zip(prompts, params, texts, loras, salts)]
         return self._run(ids, use_tqdm, log)
 
     def _run(self, request_ids: list[str], use_tqdm: bool, log: bool = True) -> list[RequestOutput]:
@@ -169,7 +173,8 @@ class LLM:
 
 
 def _prompt_of(p):
-    """A dict prompt's text or token ids (as vLLM's TextPrompt and TokensPrompt); anything else as it is."""
+    """A dict prompt's text or token ids (as vLLM's TextPrompt and TokensPrompt, ``cache_salt`` beside them);
+    anything else as it is."""
     if not isinstance(p, dict):
         return p
     if ("prompt" in p) == ("prompt_token_ids" in p):

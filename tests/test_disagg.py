@@ -218,6 +218,7 @@ def test_chat_stop_strings_logprobs_seeds_and_constraints_match(deployment):
                              presence_penalty=0.5, logit_bias={"13": -3}, extra_body={"repetition_penalty": 1.3})),
         ("chat", dict(messages=messages, max_tokens=16, temperature=0, presence_penalty=2.0,
                       extra_body={"repetition_penalty": 1.2})),
+        ("completions", dict(prompt=PROMPTS[6], max_tokens=6, temperature=0, extra_body={"cache_salt": "tenant"})),
         # structured outputs: the decode worker's matcher starts past the prefill worker's first token
         ("completions", dict(prompt=PROMPTS[2], max_tokens=20, temperature=1.0, seed=3, n=3,
                              extra_body={"guided_regex": r"[a-z]{2,6}-\d{1,3}"})),

@@ -136,17 +136,18 @@ class DisaggWorker:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         _, requests, _ = handler.prepare(req)
         limit = self.cfg.max_prefill_length
-        for _, ids, _, _ in requests:
-            if limit is not None and len(ids) > limit:
-                raise bad_request(f"the prompt has {len(ids)} tokens; this deployment's prefill workers take prompts "
+        for r in requests:
+            if limit is not None and len(r.prompt_ids) > limit:
+                raise bad_request(f"the prompt has {len(r.prompt_ids)} tokens; this deployment's prefill workers take prompts "
                                   f"of at most {limit} tokens (--max-prefill-length). Shorten the prompt, or send it "
                                   "to a deployment with a higher limit.",
                                   "messages" if call.endpoint == "chat" else "prompt", code="prompt_too_long")
-        handles = [kv_handle_id(rid, i) for rid, _, p, _ in requests for i in range(p.n)]
+        handles = [kv_handle_id(r.request_id, i) for r in requests for i in range(r.params.n)]
         stream = self.engine.open_stream()
         try:
-            for rid, ids, params, lora in requests:
-                await stream.add(rid, ids, params, prefill_only=True, lora_request=lora)
+            for r in requests:
+                await stream.add(r.request_id, r.prompt_ids, r.params, prefill_only=True, lora_request=r.lora,
+                                 cache_salt=r.cache_salt)
             finals = await until_disconnect(request, _collect(stream))
         except ValueError as e:
             await self._release(handles)
@@ -162,7 +163,7 @@ class DisaggWorker:
             await self._release(handles)
             raise APIError(503, "the prefill worker is shutting down", code="engine_unavailable")
         return _json(PrefillResult(kv_rank=self.group.rank, requests=[
-            self._handoff(finals[rid], ids) for rid, ids, _, _ in requests]))
+            self._handoff(finals[r.request_id], r.prompt_ids) for r in requests]))
 
     def _handoff(self, out: RequestOutput, ids: list[int]) -> RequestHandoff:
         samples = []
@@ -218,7 +219,7 @@ class DisaggWorker:
                 raise _mismatch(f"the handoff has {len(prefill.requests)} prompts; the request {len(requests)}")
             stream = self.engine.open_stream()
             try:
-                for (rid, ids, params, lora), h in zip(requests, prefill.requests):
+                for (rid, ids, params, lora, salt), h in zip(requests, prefill.requests):
                     if h.prompt_ids != ids:
                         raise _mismatch("the prefill worker's prompt tokens differ from this worker's: the workers "
                                         "must serve the same model, tokenizer and chat template")
@@ -227,7 +228,7 @@ class DisaggWorker:
                         raise _mismatch(f"the handoff's samples do not match n={params.n}")
                     samples = [to_sample(by_index[i]) for i in range(params.n)]
                     plp = None if h.prompt_logprobs is None else [entries_to_logprobs(e) for e in h.prompt_logprobs]
-                    for t in await stream.add_prefilled(rid, ids, params, h.arrival_time, samples, plp, lora):
+                    for t in await stream.add_prefilled(rid, ids, params, h.arrival_time, samples, plp, lora, salt):
                         self.receiver.submit(ReceiveJob(t, prefill.url, prefill.kv_rank, by_index[t.seq.index].handle))
             except ValueError as e:  # bad ids, a bad RNG state: nothing half-registered stays
                 stream.close()

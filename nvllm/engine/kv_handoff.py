@@ -96,7 +96,8 @@ class KVHandoff:
     # ---- decode side -----------------------------------------------------------------------------------
     def add_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time: float,
                       samples: list[PrefilledSample],
-                      prompt_logprobs: list[LogprobsDict | None] | None = None, lora_request=None) -> list[KVTarget]:
+                      prompt_logprobs: list[LogprobsDict | None] | None = None, lora_request=None,
+                      cache_salt: str | None = None) -> list[KVTarget]:
         """Register the request, append each sample's first token, and give the samples still to decode blocks
         for their prompt's KV; returns where it goes. ValueError on bad input, changing nothing."""
         e = self.engine
@@ -111,7 +112,7 @@ class KVHandoff:
         metrics = RequestMetrics(arrival_time=arrival_time)
         metrics.first_scheduled_time = min((s.first_scheduled_time for s in samples if s.first_scheduled_time),
                                            default=None)
-        seqs = e._new_request(request_id, ids, params, metrics, lora_request)
+        seqs = e._new_request(request_id, ids, params, metrics, lora_request, cache_salt)
         e.prompts[request_id] = None
         now, receiving = time.time(), []
         for seq, s in zip(seqs, samples):

@@ -3,6 +3,7 @@ the block manager and the model runner; everything above it (LLM, the server, be
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import numbers
 import time
@@ -179,12 +180,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, prefill_only: bool = False,
-                    prompt_text: str | None = None, lora_request: LoRARequest | None = None) -> str:
+                    prompt_text: str | None = None, lora_request: LoRARequest | None = None,
+                    cache_salt: str | None = None) -> str:
         """Validate and queue a request (n sequences); raises ValueError on bad input, changing nothing.
         prefill_only (disaggregated prefill): each sequence stops after its first token and, unless that token
         finished it, keeps its blocks under a KV handle (`handoff`) for a decode worker to fetch. prompt_text:
         the outputs' prompt for token ids encoded elsewhere (a rendered chat prompt). lora_request: the adapter
-        to run with (loaded now if it is not; needs enable_lora)."""
+        to run with (read now; needs enable_lora). cache_salt: its blocks are shared only with requests of the same
+        salt (vLLM's)."""
         params = params or SamplingParams()
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
@@ -192,7 +195,7 @@ class LLMEngine:
         ids = self.validate(prompt, params)
         self.load_lora(lora_request)
         seqs = self._new_request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time or time.time()),
-                                 lora_request)
+                                 lora_request, cache_salt)
         self.prompts[request_id] = prompt if isinstance(prompt, str) else prompt_text
         for seq in seqs:
             seq.prefill_only = prefill_only
@@ -221,16 +224,21 @@ class LLMEngine:
         return {s.lora_id for seqs in self.requests.values() for s in seqs if s.lora_id and not s.finished}
 
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams,
-                     metrics: RequestMetrics, lora_request: LoRARequest | None = None) -> list[Sequence]:
+                     metrics: RequestMetrics, lora_request: LoRARequest | None = None,
+                     cache_salt: str | None = None) -> list[Sequence]:
         seqs = []
+        salt = self.load_lora(lora_request)
+        if cache_salt:
+            salt = hashlib.sha256((salt or b"") + b"\0salt\0" + cache_salt.encode()).digest()
         for i in range(params.n):
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
             seq = Sequence(request_id, i, list(ids), len(ids), params, metrics, gen)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            seq.cache_salt = salt
             if lora_request is not None:
-                seq.lora_id, seq.cache_salt = lora_request.lora_int_id, self.load_lora(lora_request)
+                seq.lora_id = lora_request.lora_int_id
             if params.structured_outputs is not None:
                 seq.grammar = self.structured.matcher(params.structured_outputs)
                 seq.grammar_waits = self.reasoning is not None and self.reasoning.constraint_waits(
@@ -466,11 +474,12 @@ class LLMEngine:
     def add_prefilled_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                               arrival_time: float, samples: list[PrefilledSample],
                               prompt_logprobs: list[LogprobsDict | None] | None = None,
-                              lora_request: LoRARequest | None = None) -> list[KVTarget]:
+                              lora_request: LoRARequest | None = None,
+                              cache_salt: str | None = None) -> list[KVTarget]:
         """Decode side: a request whose prompt a prefill worker computed (see KVHandoff.add_prefilled)."""
         self.load_lora(lora_request)
         return self.handoff.add_prefilled(request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs,
-                                          lora_request)
+                                          lora_request, cache_salt)
 
     # ---- outputs -------------------------------------------------------------------------------------
     def output(self, request_id: str) -> RequestOutput:

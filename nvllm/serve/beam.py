@@ -9,7 +9,7 @@ import uuid
 
 from nvllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nvllm.serve.errors import bad_request
-from nvllm.serve.params import submit
+from nvllm.serve.params import EngineRequest, submit
 from nvllm.serve.protocol import UsageInfo
 
 
@@ -39,13 +39,15 @@ def beam_usage(prompts: list[list[int]], outs: list[BeamSearchOutput]) -> UsageI
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-async def beam_search(engine, prompt_ids: list[int], params: BeamSearchParams, lora, decode) -> BeamSearchOutput:
+async def beam_search(engine, prompt_ids: list[int], params: BeamSearchParams, lora, decode,
+                      cache_salt: str | None = None) -> BeamSearchOutput:
     core = engine.engine
     search = BeamSearch(prompt_ids, params, core.eos_token_ids, core.max_model_len)
     while not search.done:
         step = search.step_params()
         base = f"beam-{uuid.uuid4().hex}"
-        requests = [(f"{base}-{i}", beam.tokens, step, lora) for i, beam in enumerate(search.live)]
+        requests = [EngineRequest(f"{base}-{i}", beam.tokens, step, lora, cache_salt)
+                    for i, beam in enumerate(search.live)]
         stream = await submit(engine, requests)
         finals = {}
         try:
@@ -54,12 +56,13 @@ async def beam_search(engine, prompt_ids: list[int], params: BeamSearchParams, l
                     finals[out.request_id] = out
         finally:
             stream.close()
-        search.advance([{t: lp.logprob for t, lp in finals[rid].outputs[0].logprobs[0].items()}
-                        for rid, *_ in requests])
+        search.advance([{t: lp.logprob for t, lp in finals[r.request_id].outputs[0].logprobs[0].items()}
+                        for r in requests])
     return search.result(decode)
 
 
-async def search_all(engine, prompts: list[list[int]], params: list[BeamSearchParams], lora,
-                     decode) -> list[BeamSearchOutput]:
+async def search_all(engine, prompts: list[list[int]], params: list[BeamSearchParams], lora, decode,
+                     cache_salt: str | None = None) -> list[BeamSearchOutput]:
     """Every prompt's search at once (their steps share the engine's batches)."""
-    return list(await asyncio.gather(*(beam_search(engine, ids, p, lora, decode) for ids, p in zip(prompts, params))))
+    return list(await asyncio.gather(*(beam_search(engine, ids, p, lora, decode, cache_salt)
+                                       for ids, p in zip(prompts, params))))

@@ -81,15 +81,15 @@ class ChatHandler:
         if plan.mode == "auto" and plan.parser.keep_special_tokens:
             params.skip_special_tokens = False
         request_id = random_id("chatcmpl")
-        return request_id, [(request_id, ids, params, self.models.lora(req.model))], ids
+        return request_id, [EngineRequest(request_id, ids, params, self.models.lora(req.model), req.cache_salt)], ids
 
     async def beam(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
         """use_beam_search: the best n beams (nvllm.serve.beam), each a choice."""
         check_beam_request(req)
         request_id, requests, ids = self.prepare(req, beam=True)
-        _, _, params, lora = requests[0]
+        params, lora = requests[0].params, requests[0].lora
         decode = functools.partial(self.prompts.tokenizer.decode, skip_special_tokens=req.skip_special_tokens)
-        (out,) = await search_all(self.engine, [ids], [beam_params(req, params)], lora, decode)
+        (out,) = await search_all(self.engine, [ids], [beam_params(req, params)], lora, decode, req.cache_salt)
         reply = self._reply(req)
         choices = []
         for j, s in enumerate(out.sequences):

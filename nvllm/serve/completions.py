@@ -76,7 +76,8 @@ class CompletionHandler:
                                                           default_max), req.logprobs, prompt_logprobs, self.defaults)
                   for ids in prompt_ids]
         request_id, lora = random_id("cmpl"), self.models.lora(req.model)
-        requests = [(f"{request_id}-{i}", ids, p, lora) for i, (ids, p) in enumerate(zip(prompt_ids, params))]
+        requests = [EngineRequest(f"{request_id}-{i}", ids, p, lora, req.cache_salt)
+                    for i, (ids, p) in enumerate(zip(prompt_ids, params))]
         return request_id, requests, prompt_ids
 
     @staticmethod
@@ -102,8 +103,8 @@ class CompletionHandler:
         check_beam_request(req)
         request_id, requests, prompt_ids = self.prepare(req, beam=True)
         decode = functools.partial(self.prompts.tokenizer.decode, skip_special_tokens=req.skip_special_tokens)
-        outs = await search_all(self.engine, prompt_ids, [beam_params(req, p) for _, _, p, _ in requests],
-                                requests[0][3], decode)
+        outs = await search_all(self.engine, prompt_ids, [beam_params(req, r.params) for r in requests],
+                                requests[0].lora, decode, req.cache_salt)
         choices = [CompletionChoice(index=i * req.n + j, text=(self._echo(req, i, ids, None)[0] if req.echo else "")
                                     + s.text, finish_reason=s.finish_reason)
                    for i, (ids, o) in enumerate(zip(prompt_ids, outs)) for j, s in enumerate(o.sequences)]

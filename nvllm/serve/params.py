@@ -4,6 +4,7 @@ bookkeeping that turns the engine's cumulative outputs into stream deltas."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from nvllm.engine.generation_defaults import NEUTRAL, with_defaults
 from nvllm.outputs import CompletionOutput, RequestOutput
@@ -15,8 +16,14 @@ from nvllm.serve.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 MAX_LOGPROBS = 20
 
 
-# one engine request of an API call: (request id, prompt token ids, sampling params, LoRA adapter or None)
-EngineRequest = tuple[str, list[int], SamplingParams, LoRARequest | None]
+class EngineRequest(NamedTuple):
+    """One engine request of an API call."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    lora: LoRARequest | None = None
+    cache_salt: str | None = None  # the request's prefix-cache salt (vLLM's cache_salt)
 
 
 async def submit(engine, requests: list[EngineRequest]):
@@ -24,8 +31,8 @@ async def submit(engine, requests: list[EngineRequest]):
     on any failure (requests already added are aborted with it)."""
     stream = engine.open_stream()
     try:
-        for request_id, ids, params, lora in requests:
-            await stream.add(request_id, ids, params, lora_request=lora)
+        for r in requests:
+            await stream.add(r.request_id, r.prompt_ids, r.params, lora_request=r.lora, cache_salt=r.cache_salt)
     except ValueError as e:
         stream.close()
         raise from_value_error(e) from None

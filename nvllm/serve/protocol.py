@@ -75,6 +75,8 @@ class SamplingRequest(OpenAIModel):
     # beam search (vLLM's extension; nvllm.serve.beam): n beams, ranked by cum_logprob / len**length_penalty
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: blocks of the prefix cache are shared only among requests with the same salt (multi-tenant privacy)
+    cache_salt: str | None = Field(None, min_length=1)
 
 
 class CompletionRequest(SamplingRequest):
