@@ -69,6 +69,16 @@ def generate(
     try:
         constraint = _constraint(json_schema, regex, choice)
         params({})  # a bad flag fails before the model loads
+        if beam_width is not None:
+            BeamSearchParams(beam_width=beam_width, max_tokens=1)  # a bad width too
+            sampled = dict(stop=stop, logprobs=logprobs, sample_seed=sample_seed, temperature=temperature,
+                           top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                           json_schema=json_schema, regex=regex, choice=choice)
+            unused = [k for k, v in sampled.items() if v is not None] + (["n"] if n != 1 else []) + [
+                k for k, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)) if v]
+            if unused:
+                raise ValueError(f"--beam-width ranks beams by their log-probabilities: --{unused[0].replace('_', '-')} "
+                                 "does not apply to it")
         lora_request = None
         if lora is not None:
             lora_request = LoRARequest(Path(lora).name or "lora", 1, lora)

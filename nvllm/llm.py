@@ -75,7 +75,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts: a string, a list of token ids, a dict, or a list of those; got "
                              f"{type(prompts).__name__}")
-        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        salts = _salts(prompts)
         return self._generate([_prompt_of(p) for p in prompts], sampling_params, use_tqdm, lora_request=lora_request,
                               cache_salts=salts)
 
@@ -116,13 +116,15 @@ class LLM:
                                                  and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         engine = self.engine
+        salts = _salts(prompts)
         searches = [BeamSearch(engine.tokenize(_prompt_of(p)), params, engine.eos_token_ids, engine.max_model_len)
                     for p in prompts]
         while any(not s.done for s in searches):
-            active = [s for s in searches if not s.done]
-            beams = [(s, b) for s in active for b in s.live]
-            outs = self._generate([b.tokens for _, b in beams], [s.step_params() for s, _ in beams], False,
-                                  lora_request=lora_request, log=False)
+            active = [i for i, s in enumerate(searches) if not s.done]
+            beams = [(searches[i], b, salts[i]) for i in active for b in searches[i].live]
+            outs = self._generate([b.tokens for _, b, _ in beams], [s.step_params() for s, _, _ in beams], False,
+                                  lora_request=lora_request, log=False, cache_salts=[salt for *_, salt in beams])
+            active = [searches[i] for i in active]
             tops = iter({t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs)
             for s in active:
                 s.advance([next(tops) for _ in s.live])
@@ -170,6 +172,15 @@ class LLM:
         if log:  # the run's closing stats line (a beam search logs once, after its last step)
             self.engine.stat_logger.maybe_log(self.engine.stats, force=True)
         return [done[r] for r in request_ids]
+
+
+def _salts(prompts) -> list[str | None]:
+    """Each prompt's cache_salt (dict prompts, as vLLM's); ValueError for one that is not a non-empty string."""
+    salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+    bad = next((s for s in salts if s is not None and (not isinstance(s, str) or not s)), None)
+    if bad is not None:
+        raise ValueError(f"cache_salt must be a non-empty string, got {bad!r}")
+    return salts
 
 
 def _prompt_of(p):

@@ -4,8 +4,9 @@ dict prompts, and on the server's two endpoints (usage.prompt_tokens_details.cac
 from __future__ import annotations
 
 import openai
+import pytest
 
-from nvllm import SamplingParams
+from nvllm import BeamSearchParams, SamplingParams
 from nvllm.assets import demo_model_path
 from tests.conftest import make_llm
 from tests.server_utils import start_server, stop_server
@@ -25,6 +26,16 @@ def test_offline_salts_keep_blocks_apart():
     assert cached({"prompt": PROMPT, "cache_salt": "tenant-b"}) == 0
     assert cached(PROMPT) == 0  # no salt shares nothing with salted blocks
     assert cached(PROMPT) > 0
+    for bad in ("", 5):  # checked before anything is queued
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            llm.generate([{"prompt": PROMPT, "cache_salt": "x"}, {"prompt": PROMPT, "cache_salt": bad}], params,
+                         use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+    beams = BeamSearchParams(beam_width=2, max_tokens=2)
+    other = "The dog ran to the park and found a big stick near the tall tree by the lake with his friend"
+    llm.beam_search([{"prompt": other, "cache_salt": "tenant-c"}], beams)
+    assert cached(other) == 0  # the search's blocks carry its salt
+    assert cached({"prompt": other, "cache_salt": "tenant-c"}) > 0
 
 
 def test_server_salts_keep_blocks_apart(tmp_path):
@@ -45,6 +56,10 @@ def test_server_salts_keep_blocks_apart(tmp_path):
         first, again, other, unsalted = cached("a"), cached("a"), cached("b"), cached()
         assert first == other == unsalted == 0 and again > 0
         assert cached("c", chat=True) == 0 and cached("c", chat=True) > 0
+        r = client.responses.create(model="stories260K", input=PROMPT, max_output_tokens=2, extra_body={"cache_salt": "d"})
+        again = client.responses.create(model="stories260K", input=PROMPT, max_output_tokens=2,
+                                        extra_body={"cache_salt": "d"})
+        assert r.usage.input_tokens_details.cached_tokens == 0 < again.usage.input_tokens_details.cached_tokens
         try:
             cached("")
         except openai.BadRequestError as e:

@@ -178,7 +178,11 @@ def test_mistral_reads_both_of_its_formats():
     content, calls = p.extract('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[ARGS]{}')
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Rome"}), ("get_time", {})]
-    for bad in ('[TOOL_CALLS] [{"name": "x", "arguments": {', "[TOOL_CALLS]get_weather{}", "[TOOL_CALLS] {}"):
+    _, (call,) = p.extract('[TOOL_CALLS]get_weather{"city": "Oslo"}')  # no [ARGS]: the name ends at the brace
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
+    _, (call,) = p.extract('[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{}')  # the model's own call id kept
+    assert call.name == "get_time" and call.id == "a1b2c3d4e"
+    for bad in ('[TOOL_CALLS] [{"name": "x", "arguments": {', "[TOOL_CALLS]get_weather", "[TOOL_CALLS] {}"):
         assert p.extract(bad) == (bad, [])
     plan = plan_tools(request(tools=[WEATHER]), p)
     _, (call,) = plan.calls('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]')

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from nvllm.serve.chat import ChatHandler
 from nvllm.serve.errors import APIError, bad_request, validation_message
@@ -52,6 +52,7 @@ class ResponsesRequest(OpenAIModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    cache_salt: str | None = Field(None, min_length=1)
 
 
 class ResponseStore:
@@ -151,7 +152,8 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest
     fields = dict(model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
                   temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                   repetition_penalty=req.repetition_penalty, seed=req.seed, tools=tools, tool_choice=choice,
-                  parallel_tool_calls=req.parallel_tool_calls, response_format=response_format)
+                  parallel_tool_calls=req.parallel_tool_calls, response_format=response_format,
+                  cache_salt=req.cache_salt)
     try:
         return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:

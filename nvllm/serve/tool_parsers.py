@@ -126,18 +126,25 @@ class MistralToolParser(ToolParser):
                 if not isinstance(objs, list):
                     raise ValueError("not a list of calls")
                 calls = [_call(o, ("arguments", "parameters")) for o in objs]
-            else:  # [TOOL_CALLS]name[ARGS]{...}, once per call
+            else:  # [TOOL_CALLS]name[ARGS]{...} (or name{...}; name[CALL_ID]id[ARGS]{...}), once per call
                 calls = []
                 for segment in text.split(self.start)[1:]:
-                    name, sep, args = segment.partition("[ARGS]")
-                    if not sep or not name.strip():
+                    head, sep, args = segment.partition("[ARGS]")
+                    if not sep:
+                        cut = segment.find("{")
+                        head, args = (segment[:cut], segment[cut:]) if cut > 0 else ("", "")
+                    name, _, call_id = head.partition("[CALL_ID]")
+                    if not name.strip():
                         raise ValueError("not name[ARGS]{...}")
                     obj, _ = decoder.raw_decode(args.strip())
-                    calls.append(_call({"name": name.strip(), "arguments": obj}, ("arguments",)))
+                    call = _call({"name": name.strip(), "arguments": obj}, ("arguments",))
+                    call.id = call_id.strip() or None
+                    calls.append(call)
         except ValueError:
             return text, []
-        for c in calls:
-            c.id = "".join(secrets.choice(_ALNUM) for _ in range(9))
+        for c in calls:  # the model's own id when it wrote one, else a fresh one of the length templates check
+            if not (c.id and len(c.id) == 9 and c.id.isalnum()):
+                c.id = "".join(secrets.choice(_ALNUM) for _ in range(9))
         return (content if content.strip() else None), calls
 
 
