@@ -77,8 +77,8 @@ def generate(
             unused = [k for k, v in sampled.items() if v is not None] + (["n"] if n != 1 else []) + [
                 k for k, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)) if v]
             if unused:
-                raise ValueError(f"--beam-width ranks beams by their log-probabilities: --{unused[0].replace('_', '-')} "
-                                 "does not apply to it")
+                flag = "--" + unused[0].replace("_", "-")
+                raise ValueError(f"--beam-width ranks beams by their log-probabilities: {flag} does not apply to it")
         lora_request = None
         if lora is not None:
             lora_request = LoRARequest(Path(lora).name or "lora", 1, lora)

@@ -56,7 +56,8 @@ def test_server_salts_keep_blocks_apart(tmp_path):
         first, again, other, unsalted = cached("a"), cached("a"), cached("b"), cached()
         assert first == other == unsalted == 0 and again > 0
         assert cached("c", chat=True) == 0 and cached("c", chat=True) > 0
-        r = client.responses.create(model="stories260K", input=PROMPT, max_output_tokens=2, extra_body={"cache_salt": "d"})
+        r = client.responses.create(model="stories260K", input=PROMPT, max_output_tokens=2,
+                                    extra_body={"cache_salt": "d"})
         again = client.responses.create(model="stories260K", input=PROMPT, max_output_tokens=2,
                                         extra_body={"cache_salt": "d"})
         assert r.usage.input_tokens_details.cached_tokens == 0 < again.usage.input_tokens_details.cached_tokens
