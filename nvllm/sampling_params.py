@@ -26,7 +26,8 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False  # JSON: no whitespace beyond one space after ':' and ','
-    compiled: Any = field(default=None, init=False, repr=False, compare=False)  # the engine's compiled grammar
+    # (the engine's grammar compiler, the constraint compiled by it): nvllm.engine.structured_output
+    compiled: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]

@@ -199,3 +199,13 @@ def test_generate_command_takes_constraints(tmp_path):
                           (["--regex", "a", "--choice", "a"], "exactly one of")):
         res = CliRunner().invoke(app, ["generate", "--device", "cpu", *args], env=env)
         assert res.exit_code == 2 and message in res.output
+
+
+def test_one_params_object_serves_models_of_different_vocabularies(llm, tmp_path):
+    from tests.conftest import build_tiny_model
+
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs=S(choice=["yes", "no"]))
+    other = make_llm(str(build_tiny_model("qwen2", tmp_path / "v1024", vocab_size=1024)))
+    for engine in (llm, other, llm):  # each compiles the constraint for its own vocabulary (a grammar compiled for
+        out = engine.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]  # another vocabulary would crash)
+        assert out.finish_reason == "stop" and len(out.token_ids) <= 4

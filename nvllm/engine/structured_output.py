@@ -64,11 +64,14 @@ class StructuredOutputs:
     def compile(self, params: StructuredOutputsParams):
         """The compiled constraint; ValueError naming what is wrong with it. Thread-safe. Kept on ``params``: the
         server compiles it off the engine thread, and the engine's own call finds it there whatever the
-        compiler's cache has dropped since."""
-        if params.compiled is not None:
-            return params.compiled
-        params.compiled = self._compile(params)
-        return params.compiled
+        compiler's cache has dropped since (keyed by this engine's compiler: one SamplingParams may serve models of
+        different vocabularies)."""
+        compiler = self._get_compiler()
+        if params.compiled is not None and params.compiled[0] is compiler:
+            return params.compiled[1]
+        grammar = self._compile(params)
+        params.compiled = (compiler, grammar)
+        return grammar
 
     def _compile(self, params: StructuredOutputsParams):
         compiler = self._get_compiler()
