@@ -16,7 +16,7 @@ from __future__ import annotations
 START, END = "<think>", "</think>"
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tail(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that begins ``tag`` (0 when none)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-k:]):
@@ -39,7 +39,7 @@ class ReasoningParser:
             return None, text
         reasoning, closed, content = (head[len(START):] if opened else text).partition(END)
         if not closed and not finished:
-            reasoning = reasoning[:len(reasoning) - _partial_tail(reasoning, END)]
+            reasoning = reasoning[:len(reasoning) - partial_tail(reasoning, END)]
         return (reasoning or None), (content or None)
 
 

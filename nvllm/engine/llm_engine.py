@@ -193,7 +193,6 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.validate(prompt, params)
-        self.load_lora(lora_request)
         seqs = self._new_request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time or time.time()),
                                  lora_request, cache_salt)
         self.prompts[request_id] = prompt if isinstance(prompt, str) else prompt_text
@@ -227,7 +226,7 @@ class LLMEngine:
                      metrics: RequestMetrics, lora_request: LoRARequest | None = None,
                      cache_salt: str | None = None) -> list[Sequence]:
         seqs = []
-        salt = self.load_lora(lora_request)
+        salt = self.load_lora(lora_request)  # first: a bad adapter is a ValueError with nothing registered
         if cache_salt:
             salt = hashlib.sha256((salt or b"") + b"\0salt\0" + cache_salt.encode()).digest()
         for i in range(params.n):
@@ -477,7 +476,6 @@ class LLMEngine:
                               lora_request: LoRARequest | None = None,
                               cache_salt: str | None = None) -> list[KVTarget]:
         """Decode side: a request whose prompt a prefill worker computed (see KVHandoff.add_prefilled)."""
-        self.load_lora(lora_request)
         return self.handoff.add_prefilled(request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs,
                                           lora_request, cache_salt)
 

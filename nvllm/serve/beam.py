@@ -9,7 +9,7 @@ import uuid
 
 from nvllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nvllm.serve.errors import bad_request
-from nvllm.serve.params import EngineRequest, submit
+from nvllm.serve.params import EngineRequest, constrains_reply, submit
 from nvllm.serve.protocol import UsageInfo
 
 
@@ -21,8 +21,7 @@ def check_beam_request(req) -> None:
         raise bad_request("streaming is not supported with use_beam_search", "stream")
     if req.logprobs:
         raise bad_request("logprobs are not supported with use_beam_search", "logprobs")
-    if getattr(req, "tools", None) or req.response_format is not None or req.structured_outputs is not None or any(
-            getattr(req, f) is not None for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")):
+    if getattr(req, "tools", None) or constrains_reply(req):
         raise bad_request("use_beam_search does not combine with tools or structured outputs", "use_beam_search")
 
 

@@ -26,7 +26,7 @@ STORE_SIZE = 1024  # responses kept
 STORE_BYTES = 256 * 1024 * 1024  # and their JSON's size at most
 # what each API parameter of the chat request it becomes is called here, for the 400s
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "response_format": "text",
-           "messages": "input", "tool_choice": "tool_choice", "tools": "tools"}
+           "messages": "input"}
 
 
 class ResponsesRequest(OpenAIModel):

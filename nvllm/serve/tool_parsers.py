@@ -17,7 +17,10 @@ import json
 import re
 import secrets
 import string
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+from nvllm.reasoning_parsers import partial_tail
 
 
 @dataclass
@@ -27,26 +30,21 @@ class ParsedCall:
     id: str | None = None  # the call's id when the model's format fixes one (else the server makes one)
 
 
-class ToolParser:
+class ToolParser(ABC):
     name = ""
     start = ""  # the text that opens the calls: content is streamed only up to it
     keep_special_tokens = False  # its tags may be special tokens: the reply is decoded with them (vLLM's hermes)
 
+    @abstractmethod
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(content, calls); no calls when the text holds none or they do not parse (the content is then the
         whole text)."""
-        raise NotImplementedError
 
     def content_end(self, text: str) -> int:
         """How much of a reply still being generated may be streamed as content: up to the opening text, and short
         of a tail that could be its beginning."""
         i = text.find(self.start)
-        if i != -1:
-            return i
-        for k in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        return i if i != -1 else len(text) - partial_tail(text, self.start)
 
 
 def _call(obj, args_keys: tuple[str, ...]) -> ParsedCall:

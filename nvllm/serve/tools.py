@@ -22,7 +22,7 @@ from nvllm.sampling_params import StructuredOutputsParams
 from nvllm.serve.errors import bad_request
 from nvllm.serve.params import constrains_reply
 from nvllm.serve.protocol import (ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall, FunctionCall,
-                                  NamedToolChoice, ToolCall)
+                                  NamedToolChoice, ToolCall, random_id)
 from nvllm.serve.tool_parsers import ToolParser
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -135,7 +135,7 @@ class ToolStream:
         if mode == "named":
             new, self.sent = text[self.sent:], len(text)
             if self.call_id is None:
-                self.call_id = ToolCall(function=FunctionCall(name=self.plan.name, arguments="")).id
+                self.call_id = random_id("chatcmpl-tool")
                 return None, [DeltaToolCall(index=0, id=self.call_id, type="function",
                                             function=DeltaFunctionCall(name=self.plan.name, arguments=new))]
             return None, ([DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new))] if new else None)
