@@ -139,15 +139,6 @@ class SamplingParams:
         """Presence, frequency or repetition penalty asked for: sampling needs the sequence's tokens."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    def unsupported_with_speculation(self) -> str | None:
-        """The first field that speculative decoding's verification does not honour, or None."""
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            if getattr(self, name) != neutral:
-                return name
-        if self.logit_bias:
-            return "logit_bias"
-        return "structured_outputs" if self.structured_outputs is not None else None
-
 
 def _checked_logit_bias(bias) -> dict[int, float] | None:
     """Integer token ids (non-negative; the engine checks them against the vocabulary) to finite biases, each

@@ -66,8 +66,6 @@ def test_the_fields_vllm_takes_and_nothing_else(tmp_path):
     # the demo model's file holds only token ids: its defaults stay SamplingParams' own
     assert generation_defaults.load("auto", demo_model_path()) == {}
     assert generation_defaults.load("auto", str(tmp_path)) == {}  # no file: nothing recommended
-    # speculative decoding cannot honour a repetition penalty: left out rather than failing every request
-    assert "repetition_penalty" not in generation_defaults.load("auto", str(qwen), speculative=True)
 
 
 def test_bad_settings_and_files_are_config_errors(tmp_path):

@@ -1,6 +1,7 @@
 """presence_penalty, frequency_penalty, repetition_penalty and logit_bias: the sampler's math against HF
 transformers' RepetitionPenaltyLogitsProcessor and OpenAI's documented formula, then end to end on the demo model
-(greedy outputs change as they must, batch invariance, validation, speculative decoding refusing them)."""
+(greedy outputs change as they must, batch invariance, validation). With speculative decoding:
+test_spec_sampling_controls.py."""
 
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def test_bad_values_name_their_parameter(kw, message):
 def test_neutral_values_and_clamping():
     p = SamplingParams()
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (0.0, 0.0, 1.0, None)
-    assert not p.penalized and p.unsupported_with_speculation() is None
+    assert not p.penalized
     assert SamplingParams(logit_bias={}).logit_bias is None
     assert SamplingParams(logit_bias={3: 250, 4: -1e9, 5: 0.5}).logit_bias == {3: 100.0, 4: -100.0, 5: 0.5}
     assert SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01).penalized
@@ -195,19 +196,3 @@ def test_out_of_vocabulary_bias_refused(llm):
     with pytest.raises(ValueError, match=rf"^logit_bias token id {vocab} is outside the vocabulary"):
         llm.generate([PROMPT], _greedy(logit_bias={vocab: 1.0}), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-
-
-@pytest.mark.parametrize("kw", [dict(presence_penalty=0.5), dict(frequency_penalty=-0.5),
-                                dict(repetition_penalty=1.2), dict(logit_bias={5: 2.0})])
-def test_speculative_decoding_refuses_them(demo_dir, kw, spec_llm):
-    """Verification compares the draft's and the target's distributions as the model gives them; penalties would
-    change the target's per position, so a penalized request is refused instead of silently not penalized."""
-    with pytest.raises(ValueError, match=rf"^{next(iter(kw))} is not supported with speculative decoding$"):
-        spec_llm.generate([PROMPT], _greedy(**kw), use_tqdm=False)
-    assert not spec_llm.engine.has_unfinished_requests()
-    assert spec_llm.generate([PROMPT], _greedy(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
-
-
-@pytest.fixture(scope="module")
-def spec_llm(demo_dir):
-    return make_llm(demo_dir, speculative="k=2,method=ngram")

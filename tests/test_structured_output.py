@@ -142,12 +142,6 @@ def test_params_take_a_dict_as_vllm_does():
         SamplingParams(structured_outputs={"regexp": "a+"})
 
 
-def test_speculative_decoding_refuses_constraints_by_name():
-    spec = make_llm(demo_model_path(), speculative="k=2,method=ngram")
-    with pytest.raises(ValueError, match="^structured_outputs is not supported with speculative decoding"):
-        spec.generate([PROMPT], SamplingParams(structured_outputs=S(regex="a+")), use_tqdm=False)
-
-
 def test_engine_wide_whitespace_setting(llm):
     from nvllm.config import ConfigError, EngineConfig
 

@@ -140,7 +140,7 @@ class AsyncLLMEngine:
     async def precompile(self, params: SamplingParams) -> None:
         """Compile a request's structured outputs constraint in a worker thread (ValueError when it is invalid):
         the engine thread then finds it in the compiler's cache instead of stalling the batch on it."""
-        if params.structured_outputs is not None and self.engine.spec is None:  # else refused by name on adding
+        if params.structured_outputs is not None:
             await asyncio.to_thread(self.engine.structured.compile, params.structured_outputs)
 
     def open_stream(self) -> OutputStream:

@@ -40,12 +40,11 @@ def check_setting(value: str) -> str:
     return folder
 
 
-def load(setting: str, model_dir: str, speculative: bool = False) -> dict[str, Any]:
+def load(setting: str, model_dir: str) -> dict[str, Any]:
     """The sampling defaults the setting names, as SamplingParams keywords ({} for ``vllm``, or for ``auto``
     when the model has no generation_config.json). A file that cannot be read or holds a bad value is a
     ConfigError naming it when a folder was given; under ``auto`` it is a warning and no defaults, as vLLM
-    ignores a generation config it cannot read (the model still serves). With speculative decoding a
-    repetition_penalty is left out (verification does not honour it: every request would be refused)."""
+    ignores a generation config it cannot read (the model still serves)."""
     if setting == "vllm":
         return {}
     folder = model_dir if setting == "auto" else setting
@@ -59,9 +58,6 @@ def load(setting: str, model_dir: str, speculative: bool = False) -> dict[str, A
             raise
         logger.warning("%s; the model's sampling defaults are not used", e)
         return {}
-    if speculative and found.get("repetition_penalty", 1.0) != 1.0:
-        logger.warning("%s recommends repetition_penalty %s, which speculative decoding does not support: not "
-                       "applied", path, found.pop("repetition_penalty"))
     return found
 
 

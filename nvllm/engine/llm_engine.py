@@ -49,8 +49,7 @@ class LLMEngine:
         load_hf_config(config.model)  # a bad config.json is named as such, not as the tokenizer's failure
         # sampling defaults for requests that leave fields unset (LLM.generate without params, the server); read
         # before the weights, so a bad generation_config.json fails at once
-        self.generation_defaults = generation_defaults.load(config.generation_config, config.model,
-                                                            speculative=config.speculative is not None)
+        self.generation_defaults = generation_defaults.load(config.generation_config, config.model)
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
@@ -171,9 +170,6 @@ class LLMEngine:
         bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
-        unsupported = params.unsupported_with_speculation() if self.spec is not None else None
-        if unsupported is not None:  # verification compares the draft's and the target's unpenalized distributions
-            raise ValueError(f"{unsupported} is not supported with speculative decoding")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)
         return ids
@@ -385,14 +381,17 @@ class LLMEngine:
             else:
                 drafted = len(proposals[id(seq)].ids)
                 self.stats.spec.record(drafted, v.accepted)
+                kept = 0
                 for tok, lp_info in zip(v.token_ids, v.logprobs):
                     seq.num_computed_tokens = seq.num_tokens  # the K/V of every token before it are verified
+                    waited = seq.grammar_waits
                     self._append_token(seq, tok, lp_info, now)
-                    if seq.finished:
+                    kept += 1
+                    if seq.finished or waited != seq.grammar_waits:  # a constraint begins: the rest is drawn again
                         break
                 if not seq.finished:
                     bm.register_full_blocks(seq)
-                    self.spec.after_verify(seq, drafted, v.accepted)
+                    self.spec.after_verify(seq, drafted, v.accepted, kept)
             if not seq.finished:
                 bm.trim(seq)
         return self._finish_step(touched, partial)

@@ -103,14 +103,50 @@ def choice_grammar(choices: list[str]) -> str:
 def apply_grammar_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """Set to −inf, in place, every token the row's matcher would refuse (rows with a ``grammar``)."""
     want = [i for i, r in enumerate(rows) if r.grammar is not None]
+
+    def fill(bitmask: torch.Tensor) -> None:
+        for j, i in enumerate(want):
+            rows[i].grammar.fill_next_token_bitmask(bitmask, j)
+
+    _mask_rows(logits, want, fill)
+
+
+def apply_draft_grammar_masks(logits: torch.Tensor, runs: list[tuple[int, object, list[int]]]) -> None:
+    """Speculative verification: ``runs`` holds (first row, matcher, drafted ids) of each constrained request,
+    whose k + 1 rows from its first score the positions after its drafts[:j]. Row j is masked with the matcher
+    advanced through drafts[:j]; after a draft the matcher refuses (verification rejects it: its probability is
+    0) or after one that ends the constraint (the sequence ends there), the rows are left as they are, since no
+    token is drawn from them. Each matcher is rolled back to where it was: the engine feeds it the tokens kept."""
+    want = [start + j for start, _, drafts in runs for j in range(len(drafts) + 1)]
+
+    def fill(bitmask: torch.Tensor) -> None:
+        row = 0
+        for _, matcher, drafts in runs:
+            advanced = 0
+            for j in range(len(drafts) + 1):
+                if matcher.is_terminated():
+                    break
+                matcher.fill_next_token_bitmask(bitmask, row + j)
+                if j == len(drafts) or not matcher.accept_token(drafts[j]):
+                    break
+                advanced += 1
+            if advanced:
+                matcher.rollback(advanced)
+            row += len(drafts) + 1
+
+    _mask_rows(logits, want, fill)
+
+
+def _mask_rows(logits: torch.Tensor, want: list[int], fill) -> None:
+    """Apply to the rows ``want`` of logits (in place) the token bitmask that ``fill`` writes, one bitmask row per
+    wanted row, all tokens allowed where it writes nothing."""
     if not want:
         return
     xgr = _import_xgrammar()
     vocab = logits.shape[-1]
     bitmask = torch.full(tuple(xgr.get_bitmask_shape(len(want), vocab)), -1, dtype=xgr.bitmask_dtype,
                          pin_memory=logits.is_cuda)
-    for j, i in enumerate(want):
-        rows[i].grammar.fill_next_token_bitmask(bitmask, j)
+    fill(bitmask)
     bitmask = bitmask.to(logits.device, non_blocking=True)
     report.record("structured_output", "xgrammar token bitmask")
     if len(want) == logits.shape[0]:

@@ -89,17 +89,8 @@ class Sampler:
         device = logits.device
         if not masked:
             apply_grammar_masks(logits, rows)
-        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned]
-        if banned:
-            bi, bt = zip(*banned)
-            bi, bt = host_tensor(list(bi), torch.long, device), host_tensor(list(bt), torch.long, device)
-            if any(r.grammar is not None for r in rows):  # a complete constraint leaves only EOS: min_tokens yields
-                kept = logits[bi, bt]
-                logits[bi, bt] = float("-inf")
-                empty = (logits == float("-inf")).all(dim=-1)
-                logits[bi, bt] = torch.where(empty[bi], kept, float("-inf"))
-            else:
-                logits[bi, bt] = float("-inf")
+        apply_banned(logits, [(i, t) for i, r in enumerate(rows) for t in r.banned],
+                     any(r.grammar is not None for r in rows))
         if needs_processing(rows):
             apply_logit_bias(logits, rows)
             apply_penalties(logits, rows, pending)
@@ -159,6 +150,23 @@ class Sampler:
             if r.generator is not None and not greedy[i]:
                 noise[i].exponential_(generator=r.generator)
         return noise
+
+
+def apply_banned(logits: torch.Tensor, banned: list[tuple[int, int]], constrained: bool) -> None:
+    """Set the (row, token) pairs to −inf in place (EOS and stop ids before min_tokens). ``constrained``: some rows
+    went through a grammar mask, and a complete constraint leaves only EOS: there min_tokens yields, rather than
+    leave nothing to draw."""
+    if not banned:
+        return
+    bi, bt = zip(*banned)
+    bi, bt = host_tensor(list(bi), torch.long, logits.device), host_tensor(list(bt), torch.long, logits.device)
+    if constrained:
+        kept = logits[bi, bt]
+        logits[bi, bt] = float("-inf")
+        empty = (logits == float("-inf")).all(dim=-1)
+        logits[bi, bt] = torch.where(empty[bi], kept, float("-inf"))
+    else:
+        logits[bi, bt] = float("-inf")
 
 
 def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -175,11 +175,15 @@ class SpecDecoder:
         for seq, p in entries:
             assert min(p.ids) >= 0, "drafted ids still on the device: Drafts.read() first"
             rows, ids = self.banned(seq)
-            reqs.append(VerifyRequest(seq.params, seq.generator, p.ids, p.probs, rows, ids))
+            reqs.append(VerifyRequest(seq.params, seq.generator, p.ids, p.probs, rows, ids,
+                                      seq.token_ids if seq.params.penalized else None, seq.num_prompt_tokens,
+                                      None if seq.grammar_waits else seq.grammar))
         return self.sampler(logits, reqs)
 
-    def after_verify(self, seq: Sequence, drafted: int, accepted: int) -> None:
+    def after_verify(self, seq: Sequence, drafted: int, accepted: int, kept: int) -> None:
+        """``kept``: the emitted tokens the engine appended (fewer than accepted + 1 where a structured outputs
+        constraint began inside the run: the rest is drawn again under it)."""
         if self.adaptive is not None and seq.spec_state is not None:
             self.adaptive.update(seq.spec_state, drafted, accepted)
         if self.draft_runner is not None:
-            DraftModelProposer.after_verify(seq, drafted, accepted)
+            DraftModelProposer.after_verify(seq, drafted, min(accepted, kept))

@@ -1,8 +1,9 @@
 """Lossless verification of drafted tokens.
 
 For a request with k drafted tokens x_1..x_k the target scores k+1 positions in one pass, giving the
-distributions p_1..p_{k+1} (after the request's temperature / top-k / top-p / min-p, exactly as the plain
-sampler shapes them). Draft token x_i was drawn from q_i (the draft model's distribution shaped the same
+distributions p_1..p_{k+1}, each shaped exactly as the plain sampler would shape it had x_1..x_{i-1} been drawn
+already: the structured outputs mask (the matcher advanced through them), min_tokens' bans, logit_bias, the
+penalties (counting them), then temperature / top-k / top-p / min-p. Draft token x_i was drawn from q_i (the draft model's distribution shaped the same
 way; a one-hot for n-gram proposals). Then, left to right:
   accept x_i with probability min(1, p_i(x_i) / q_i(x_i));
   at the first rejection emit a token drawn from max(0, p_i − q_i) normalised, and stop;
@@ -21,8 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from nvllm.engine.structured_output import apply_draft_grammar_masks
 from nvllm.kernels import report
-from nvllm.layers.sampler import apply_top_k_top_p_min_p, host_tensor, token_logprobs
+from nvllm.layers.penalties import apply_logit_bias, apply_penalties, needs_processing
+from nvllm.layers.sampler import SampleRow, apply_banned, apply_top_k_top_p_min_p, host_tensor, token_logprobs
 from nvllm.sampling_params import SamplingParams
 
 
@@ -117,6 +120,9 @@ class VerifyRequest:
     draft_probs: torch.Tensor | None  # [k, V] shaped draft distributions; None: one-hot (n-gram) or greedy
     banned_rows: int  # leading rows (of k + 1) where `banned` applies (min_tokens not yet reached)
     banned: list[int]
+    token_ids: list[int] | None = None  # penalized requests: the sequence's tokens, prompt then output
+    num_prompt_tokens: int = 0
+    grammar: object = None  # structured outputs: the sequence's xgrammar matcher (None while the constraint waits)
 
 
 @dataclass
@@ -145,14 +151,18 @@ class RejectionSampler:
         report.record("rejection sampler", "torch")
         dev = logits.device
         counts = [len(r.draft_ids) for r in reqs]
+        starts = [sum(counts[:b]) + b for b in range(len(reqs))]
+        runs = [(s, r.grammar, r.draft_ids) for s, r in zip(starts, reqs) if r.grammar is not None]
+        apply_draft_grammar_masks(logits, runs)
         raw = None
         if any(r.params.logprobs is not None for r in reqs):
             raw = torch.log_softmax(logits, dim=-1)
-        start = 0
-        for r, k in zip(reqs, counts):
-            if r.banned and r.banned_rows:
-                logits[start:start + min(r.banned_rows, k + 1), r.banned] = float("-inf")
-            start += k + 1
+        apply_banned(logits, [(s + j, t) for s, r, k in zip(starts, reqs, counts)
+                              for j in range(min(r.banned_rows, k + 1)) for t in r.banned], bool(runs))
+        rows = self.penalty_rows(reqs)
+        if needs_processing(rows):
+            apply_logit_bias(logits, rows)
+            apply_penalties(logits, rows)
         greedy = [r.params.greedy for r in reqs]
         draft = host_tensor([t for r in reqs for t in (*r.draft_ids, 0)], torch.long, dev)
         target_argmax = logits.argmax(dim=-1)
@@ -182,6 +192,18 @@ class RejectionSampler:
             out.append(VerifyResult(a, toks, lps))
             start += k + 1
         return out
+
+    @staticmethod
+    def penalty_rows(reqs: list[VerifyRequest]) -> list[SampleRow]:
+        """One sampler row per verified position, for logit_bias and the penalties: row j of a request sees its
+        sequence's tokens and its drafts[:j] (the tokens before that position, had the drafts been drawn by the
+        target), as the plain sampler would at that point."""
+        rows = []
+        for r in reqs:
+            for j in range(len(r.draft_ids) + 1):
+                ids = None if r.token_ids is None else [*r.token_ids, *r.draft_ids[:j]]
+                rows.append(SampleRow(r.params, None, [], ids, r.num_prompt_tokens))
+        return rows
 
     def _synthetic(self, p, target_argmax, counts, greedy, dev) -> tuple[list[int], list[int]]:
         """Benchmark mode: accepted drafts per request from independent Bernoulli(rate) trials (stopping at
