@@ -5,6 +5,8 @@ min_tokens and seeded sampling in the batch."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from nvllm import SamplingParams
@@ -187,3 +189,53 @@ def test_penalties_count_the_token_still_in_flight(engines, monkeypatch):
     got = [o.outputs[0].token_ids for o in asyn.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert sum(in_flight) >= 20  # the penalized rows really were sampled with their newest token unread
+
+
+def test_constrained_sequences_overlap_too(engines, monkeypatch):
+    """A constrained sequence's mask needs its newest token: the step in flight is read once the next step's forward
+    is queued, and the rows are made after. Outputs are the synchronous engine's, also where a constraint completes
+    on the token read late (the step launched meanwhile samples that sequence for nothing)."""
+    from nvllm import StructuredOutputsParams as S
+
+    sync, asyn = engines
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=S(regex=r"(Lily|Tom)( [a-z]+){2,6}\.")),
+              SamplingParams(max_tokens=30, temperature=0.9, seed=4, n=2, structured_outputs=S(choice=["yes", "no"])),
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.0, frequency_penalty=1.0,
+                             structured_outputs=S(json={"type": "object"}, disable_any_whitespace=True))]
+    prompts = PROMPTS[2:6]
+    want = _summary(sync.generate(prompts, params, use_tqdm=False))
+    runner, late = asyn.engine.runner, []
+    real = runner.execute
+
+    def spy(scheduled, sample_rows, **kw):
+        late.append(callable(sample_rows) and kw.get("defer", False))
+        return real(scheduled, sample_rows, **kw)
+
+    monkeypatch.setattr(runner, "execute", spy)
+    got = _summary(asyn.generate(prompts, params, use_tqdm=False))
+    assert got == want
+    assert sum(late) >= 10  # constrained steps launched with the step before still in flight
+    assert asyn.engine.block_manager.num_free_blocks == asyn.engine.block_manager.num_blocks
+
+
+def test_a_reasoning_block_closed_by_a_token_read_late(demo_dir):
+    """The token that closes the reply's reasoning block is still in flight when the next step is launched: that
+    step's row is made after reading it, so it is already constrained (a +100 bias on ">" shows it)."""
+    from nvllm import StructuredOutputsParams as S
+
+    llm = make_llm(demo_dir, async_scheduling=True, reasoning_parser="deepseek_r1")
+    engine, tok = llm.engine, llm.get_tokenizer()
+    gt = tok.encode("</think>", add_special_tokens=False)[-1]
+    params = SamplingParams(max_tokens=20, temperature=0.0, logit_bias={gt: 100.0}, structured_outputs=S(regex="[0-9]{3}"))
+    rid = engine.add_request(None, "Once upon a time", params)
+    seq = engine.requests[rid][0]
+    for t in tok.encode(" Let me see.</think", add_special_tokens=False):  # the reply so far, as if drawn
+        engine._append_token(seq, t, None, 0.0)
+    engine.step()  # the prefill: its token (">", which closes the block) stays on the device
+    assert seq.pending == 1 and seq.grammar_waits
+    while engine.has_unfinished_requests():
+        outs = [o for o in engine.step() if o.finished]
+    out = outs[0].outputs[0]
+    assert re.fullmatch(r"\s*Let me see\.</think>[0-9]{3}", out.text), out.text
+    assert out.finish_reason == "stop"

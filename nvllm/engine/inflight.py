@@ -69,8 +69,11 @@ class InflightStep:
 
     def __init__(self, scheduled: list[tuple[Sequence, int]], pending: PendingTokens):
         self.scheduled, self.pending = scheduled, pending
-        self.slots = []  # index of each row's placeholder in its sequence's token ids
+        self.slots: list[int | None] = []  # index of each row's placeholder in its sequence's token ids
         for row, seq in enumerate(pending.owners):
+            if seq.finished:  # on the step before's token, read while this one ran: its sample is not wanted
+                self.slots.append(None)
+                continue
             seq.token_ids.append(-1 - row)
             seq.pending += 1
             self.slots.append(len(seq.token_ids) - 1)
@@ -85,7 +88,7 @@ class InflightStep:
         its placeholders). Returns (sequence, length up to and including the token, token) per filled row."""
         filled = []
         for seq, slot, tok in zip(self.pending.owners, self.slots, self.pending.wait()):
-            if not seq.finished:
+            if slot is not None and not seq.finished:
                 seq.token_ids[slot] = tok
                 seq.pending -= 1
                 filled.append((seq, slot + 1, tok))

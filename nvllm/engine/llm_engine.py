@@ -269,7 +269,8 @@ class LLMEngine:
         launches the following step (its inputs take those tokens on the device) and only then reads them and
         does their bookkeeping, while the GPU runs. A sequence that turns out to have finished on the token
         read late had one more position computed for nothing; one certain to finish (its length limit) is held
-        out of the step."""
+        out of the step. A step with a constrained sequence reads the step before once its own forward is queued,
+        before sampling: the grammar mask needs that token."""
         if self.spec is not None:
             self.spec.begin_step(len(self.scheduler.running))
             sched = self.scheduler.schedule()
@@ -288,20 +289,28 @@ class LLMEngine:
         scheduled = sched.scheduled
         prompt_chunks = [n for seq, n in scheduled if seq.num_computed_tokens < seq.num_prompt_tokens]
         self._mark_scheduled(scheduled)
-        rows = [self._sample_row(seq) for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
-        # a constrained sequence's next mask needs this step's token on the host: such steps are read at once
+
+        # a constrained sequence's mask needs its token still in flight: that step is read once this one's forward
+        # is queued (the device runs it meanwhile), and the rows are made after
+        late = prev is not None and any(seq.grammar is not None for seq, _ in scheduled)
+        sampling = [seq for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
+
+        def sample_rows() -> list[SampleRow]:
+            if late:
+                self._read_inflight(touched)
+            return [self._sample_row(seq) for seq in sampling]
+
         defer = self.async_scheduling and not any(
-            seq.params.logprobs is not None or seq.wants_prompt_logprobs or seq.prefill_only
-            or seq.params.structured_outputs is not None for seq, _ in scheduled)
-        result = self.runner.execute(scheduled, rows, prev_tokens=prev.tokens if prev is not None else None,
-                                     defer=defer)
+            seq.params.logprobs is not None or seq.wants_prompt_logprobs or seq.prefill_only for seq, _ in scheduled)
+        result = self.runner.execute(scheduled, sample_rows if late else sample_rows(),
+                                     prev_tokens=prev.tokens if prev is not None else None, defer=defer)
         now = time.time()
         for seq, n in scheduled:
             self._computed(seq, n)
-        # this step's placeholders go in before the previous step's tokens are read: a sequence those finish drops
-        # both at once
+        # this step's placeholders go in before the previous step's tokens are read (unless read already): a
+        # sequence those finish drops both at once
         launched = InflightStep(scheduled, result.pending) if result.pending is not None else None
-        if prev is not None:
+        if self._inflight is not None:
             self._read_inflight(touched)
         self._inflight = launched
         if launched is None:
@@ -421,7 +430,7 @@ class LLMEngine:
         a placeholder of the step in flight (the sampler takes it from that step's tokens on the device)."""
         p = seq.params
         return SampleRow(p, seq.generator, self._banned(seq), seq.token_ids if p.penalized else None,
-                         seq.num_prompt_tokens, None if seq.grammar_waits else seq.grammar)
+                         seq.num_prompt_tokens, None if seq.grammar_waits or seq.finished else seq.grammar)
 
     def _banned(self, seq: Sequence) -> list[int]:
         if seq.num_output_tokens >= seq.params.min_tokens:

@@ -292,11 +292,13 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]], sample_rows: list[SampleRow],
+    def execute(self, scheduled: list[tuple[Sequence, int]],
+                sample_rows: list[SampleRow] | Callable[[], list[SampleRow]],
                 drafts: dict[int, list[int]] | None = None,
                 prev_tokens: torch.Tensor | None = None, defer: bool = False) -> StepResult:
         """Run the model on the scheduled chunks; sample for the sequences whose chunk reaches their end
-        (in `scheduled` order, one SampleRow each, given by the engine).
+        (in `scheduled` order, one SampleRow each, given by the engine, or by a function called once the forward is
+        queued: the engine reads the step in flight there, whose tokens structured outputs' masks need).
 
         drafts (speculative decoding): id(seq) → drafted token ids. A chunk that runs past a sequence's tokens is
         its last real token followed by its drafts; the logits of all its rows are returned, in order, as
@@ -330,6 +332,8 @@ class ModelRunner:
                 self.tp.broadcast_message(step.pack())
                 result.verify_logits, logits = self.run_model(step, record_prompt_logprobs)
         pending = prev_tokens if drafts is None else None  # what penalized rows' placeholders stand for
+        if callable(sample_rows):
+            sample_rows = sample_rows()
         if logits is not None and defer:
             result.pending = PendingTokens(sample_owner, self.sampler.sample(logits, sample_rows, pending))
         elif logits is not None:
