@@ -204,6 +204,7 @@ def test_constrained_sequences_overlap_too(engines, monkeypatch):
               SamplingParams(max_tokens=30, temperature=0.0, frequency_penalty=1.0,
                              structured_outputs=S(json={"type": "object"}, disable_any_whitespace=True))]
     prompts = PROMPTS[2:6]
+    counted = [e.engine.stats.prompt_tokens for e in engines]
     want = _summary(sync.generate(prompts, params, use_tqdm=False))
     runner, late = asyn.engine.runner, []
     real = runner.execute
@@ -216,6 +217,9 @@ def test_constrained_sequences_overlap_too(engines, monkeypatch):
     got = _summary(asyn.generate(prompts, params, use_tqdm=False))
     assert got == want
     assert sum(late) >= 10  # constrained steps launched with the step before still in flight
+    sync_count, async_count = (e.engine.stats.prompt_tokens - c for e, c in zip(engines, counted))
+    assert async_count == sync_count == sum(len(o.prompt_token_ids) * p.n for o, p in zip(
+        sync.generate(prompts, params, use_tqdm=False), params))
     assert asyn.engine.block_manager.num_free_blocks == asyn.engine.block_manager.num_blocks
 
 

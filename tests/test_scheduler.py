@@ -33,6 +33,10 @@ def test_batch_with_chunked_prefill_and_preemption_equals_alone(demo_dir, alone)
     for p, o in zip(prompts(18), outs):
         assert o.outputs[0].token_ids == alone[p], p
         assert o.num_cached_tokens < len(o.prompt_token_ids)  # re-admissions after preemption don't count
+    # vLLM's prompt_tokens: each prompt once, however often a preempted sequence was recomputed
+    stats = llm.engine.stats
+    assert stats.prompt_tokens == sum(len(o.prompt_token_ids) for o in outs)
+    assert sum(stats.prompt_tokens_by_source.values()) == stats.prompt_tokens
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -63,6 +67,12 @@ def test_prefix_cache_hit_same_output_and_pool_refills(demo_dir):
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert bm.prefix_hits == second.num_cached_tokens
+    # prefix-cache hits count among the prompt tokens, by their source
+    total = len(first.prompt_token_ids) + len(second.prompt_token_ids)
+    assert llm.engine.stats.prompt_tokens == total
+    assert llm.engine.stats.prompt_tokens_by_source == {
+        "local_compute": total - second.num_cached_tokens, "local_cache_hit": second.num_cached_tokens,
+        "external_kv_transfer": 0}
     # a request for prompt logprobs computes its whole prompt: it is not a lookup, so not a miss either (vLLM)
     queries = bm.prefix_queries
     logprobs = llm.generate([b], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1), use_tqdm=False)[0]

@@ -399,7 +399,7 @@ def test_metrics_parse(http):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert families[f"nvllm:{name}"].type == "gauge"
     for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
-                 "generation_tokens", "request_success"):
+                 "prompt_tokens_by_source", "prompt_tokens_cached", "generation_tokens", "request_success"):
         assert families[f"nvllm:{name}"].type == "counter"
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         family = families[f"nvllm:{name}"]

@@ -25,7 +25,7 @@ from nvllm.engine.structured_output import advance as advance_grammar
 from nvllm.engine.model_runner import ModelRunner
 from nvllm.engine.output_builder import OutputBuilder
 from nvllm.engine.scheduler import Scheduler
-from nvllm.engine.sequence import PrefilledSample, Sequence
+from nvllm.engine.sequence import PrefilledSample, Sequence, Status
 from nvllm.engine.step_profile import StepProfile, step_kind
 from nvllm.engine.stop_checker import check_stop
 from nvllm.engine.tokenizer import eos_token_ids, load_tokenizer
@@ -306,7 +306,8 @@ class LLMEngine:
                                      prev_tokens=prev.tokens if prev is not None else None, defer=defer)
         now = time.time()
         for seq, n in scheduled:
-            self._computed(seq, n)
+            if not seq.finished:  # (one can be: by the step before, read late)
+                seq.num_computed_tokens += n  # in the cache, or on their way (launched asynchronously)
         # this step's placeholders go in before the previous step's tokens are read (unless read already): a
         # sequence those finish drops both at once
         launched = InflightStep(scheduled, result.pending) if result.pending is not None else None
@@ -344,12 +345,6 @@ class LLMEngine:
             if not seq.finished:
                 self._on_token(seq, tok, None, now, length)
 
-    def _computed(self, seq: Sequence, n: int) -> None:
-        """n more of the sequence's tokens are in the cache (or on their way, when launched asynchronously)."""
-        start = seq.num_computed_tokens
-        seq.num_computed_tokens += n
-        self.stats.prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
-
     def _advance(self, seq: Sequence, result, now: float) -> None:
         """Bookkeeping for one computed chunk (its cache count already advanced): prefix-cache hashes, prompt
         logprobs, and the sampled token when the chunk reached the sequence's end."""
@@ -385,7 +380,7 @@ class LLMEngine:
             touched[seq.request_id] = None
             v = verified.get(id(seq))
             if v is None:
-                self._computed(seq, n)
+                seq.num_computed_tokens += n
                 self._advance(seq, result, now)
             else:
                 drafted = len(proposals[id(seq)].ids)
@@ -446,6 +441,8 @@ class LLMEngine:
         """A new token is known; ``length``: the sequence's tokens up to and including it. Metrics, logprobs,
         text, and the finish checks."""
         self.stats.generation_tokens += 1
+        if length == seq.num_prompt_tokens + 1:  # the sequence's first token
+            self.stats.count_prompt(seq.num_prompt_tokens, seq.num_cached_tokens, seq.status is Status.RECEIVING)
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         seq.metrics.last_token_time = now

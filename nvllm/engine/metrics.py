@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from nvllm.spec.metrics import SpecStats
 
 logger = logging.getLogger("nvllm")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 @dataclass
@@ -19,11 +20,26 @@ class EngineStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
-    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    # vLLM's prompt token counts: a sequence's whole prompt once its first token is drawn (a preempted one is not
+    # counted again), and by where its KV came from: computed here, found in the prefix cache, or received from a
+    # prefill worker (disaggregation's decode side)
+    prompt_tokens: int = 0
+    prompt_tokens_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROMPT_SOURCES, 0))
     generation_tokens: int = 0
     num_steps: int = 0
     finished_requests: int = 0
     spec: SpecStats | None = None  # speculative-decoding counters (None: speculation off)
+
+    def count_prompt(self, total: int, cached: int, received: bool) -> None:
+        """A sequence drew its first token: ``total`` prompt tokens, ``cached`` of them prefix-cache hits;
+        ``received``: its prompt's KV came from a prefill worker."""
+        self.prompt_tokens += total
+        by = self.prompt_tokens_by_source
+        if received:
+            by["external_kv_transfer"] += total
+        else:
+            by["local_cache_hit"] += cached
+            by["local_compute"] += total - cached
 
 
 @dataclass

@@ -50,7 +50,16 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", bm.prefix_hits)
         yield counter("num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
                       sched.num_preemptions)
-        yield counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", stats.prompt_tokens)
+        yield counter("prompt_tokens", "Prompt tokens of the sequences that began generating (prefix-cache hits "
+                      "included).", stats.prompt_tokens)
+        by_source = stats.prompt_tokens_by_source
+        c = CounterMetricFamily("nvllm:prompt_tokens_by_source", "Prompt tokens, by where their KV came from.",
+                                labels=lbl + ["source"])
+        for source, v in by_source.items():
+            c.add_metric(self.labels + [source], v)
+        yield c
+        yield counter("prompt_tokens_cached", "Prompt tokens not computed here (prefix-cache hits and received KV).",
+                      by_source["local_cache_hit"] + by_source["external_kv_transfer"])
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
         prof = e.step_profile  # engine steps by kind: decode-only, prefill-only, mixed (see engine.step_profile)
         for name, doc, values in (
