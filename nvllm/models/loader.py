@@ -107,6 +107,10 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
 
     keys = None if config.load_format == "dummy" else checkpoint_keys(config.model)
     try:
+        if keys is not None and _compressed_tensors_view(config.model, hf_config) is not None:
+            from nvllm.quant.compressed_tensors import gptq_keys
+
+            keys = gptq_keys(keys)
         found = serving_plan(config.model, hf_config, ModelShape(hf_config, arch), keys)
     except ValueError as e:
         raise ConfigError(f"{config.model}: {e}") from e
@@ -142,13 +146,30 @@ def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torc
         init_dummy_weights(model, config.seed)
         logger.info("loaded %s with random weights (load_format=dummy)", arch)
     else:
+        weights = iterate_weights(config.model, config.load_format, config.allow_pickle)
         with torch.no_grad():
-            model.load_weights(iterate_weights(config.model, config.load_format, config.allow_pickle))
+            try:
+                view = _compressed_tensors_view(config.model, hf_config)
+                model.load_weights(weights if view is None else view(weights))
+            except ValueError as e:  # a compressed-tensors module that cannot be translated
+                raise ConfigError(f"{config.model}: {e}") from e
         logger.info("loaded %s from %s", arch, config.model)
     for m in model.modules():   # quantized layers: validate and cache their packed weights now, not mid-capture
         if hasattr(m, "quant_weight"):
             m.quant_weight()
     return model.eval()
+
+
+def _compressed_tensors_view(model_dir: str, hf_config):
+    """A llm-compressor checkpoint's tensors are read translated into GPTQ v1's (nvllm.quant.compressed_tensors);
+    None for any other checkpoint."""
+    from nvllm.quant import compressed_tensors as ct
+    from nvllm.quant.plan import read_quantization_config
+
+    raw = read_quantization_config(model_dir, hf_config)
+    if not ct.is_compressed_tensors(raw):
+        return None
+    return ct.GPTQView(ct.weight_scheme(raw), checkpoint_keys(model_dir) or set())
 
 
 @torch.no_grad()

@@ -5,7 +5,8 @@ The decoder fuses q/k/v and gate/up into one linear each; a checkpoint stores th
 A fused module is quantized as a whole or not at all. A module stays in full precision when its shapes cannot
 be packed in the scheme (a group size that does not divide its input dimension, an output size that is not a
 whole number of packed words) or when the checkpoint's ``quantization_config`` excludes it
-(``modules_to_not_convert``, AutoAWQ / transformers; ``dynamic`` with ``-:`` regexes, GPTQModel / vLLM).
+(``modules_to_not_convert``, AutoAWQ / transformers; ``dynamic`` with ``-:`` regexes, GPTQModel / vLLM; ``ignore``,
+compressed-tensors).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from nvllm.quant import compressed_tensors
 from nvllm.quant.quant_config import QuantConfig, parse_quantization_config
 
 # our fused module → (HF parent module, HF modules it stands for)
@@ -97,12 +99,14 @@ def read_quantization_config(model_dir: str, hf_config=None) -> dict[str, Any] |
 def excluded_by_config(raw: dict[str, Any], hf_names: list[str]) -> bool:
     """True when the config keeps these modules in full precision. ``modules_to_not_convert`` entries match as
     substrings of the module name (AutoAWQ / vLLM); ``dynamic`` keys ``-:REGEX`` exclude what the regex matches
-    from the start of the name (GPTQModel / vLLM). All shards of a fused module must agree."""
+    from the start of the name (GPTQModel / vLLM); ``ignore`` entries are names or ``re:`` patterns
+    (compressed-tensors). All shards of a fused module must agree."""
     skip = [str(m) for m in (raw.get("modules_to_not_convert") or [])]
     negative = [k[2:] for k in (raw.get("dynamic") or {}) if str(k).startswith("-:")]
 
     def excluded(name: str) -> bool:
-        return any(m in name for m in skip) or any(re.match(p, name) for p in negative)
+        return (any(m in name for m in skip) or any(re.match(p, name) for p in negative)
+                or compressed_tensors.ignored(raw, name))
 
     flags = {excluded(n) for n in hf_names}
     if len(flags) > 1:
@@ -186,8 +190,9 @@ def serving_plan(model_dir: str, hf_config, shape, checkpoint_keys: set[str] | N
         head = LM_HEAD + ".qweight" in checkpoint_keys
         if raw.get("lm_head") is True and not head:
             raise ValueError("quantization_config says lm_head: true but the checkpoint has no lm_head.qweight")
-    else:
-        head = raw.get("lm_head") is True
+    else:  # compressed-tensors quantizes every Linear its ignore list leaves, the head included
+        head = raw.get("lm_head") is True or (compressed_tensors.is_compressed_tensors(raw) and not
+                                              shape.tie_word_embeddings and not excluded_by_config(raw, [LM_HEAD]))
     if head:
         problem = head_problem(shape, scheme)
         if problem:

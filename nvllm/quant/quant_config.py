@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nvllm.quant import compressed_tensors
 from nvllm.quant.formats import SUPPORTED_BITS
 
 
@@ -47,12 +48,12 @@ def gptq_quantization_config(bits: int = 4, group_size: int = 128, desc_act: boo
 class QuantConfig:
     """What the loader and the linear layers need from a ``quantization_config``."""
 
-    method: str        # "awq" | "gptq"
+    method: str        # "awq" | "gptq" | "compressed-tensors"
     bits: int
     group_size: int    # as written: -1 means one group per output channel
     desc_act: bool
     sym: bool
-    packing: str       # "awq_gemm" | "gptq_v1"
+    packing: str       # "awq_gemm" | "gptq_v1" (compressed-tensors: read translated into it)
 
 
 _SYNONYMS = {"w_bit": "bits", "q_group_size": "group_size"}
@@ -65,9 +66,13 @@ def parse_quantization_config(cfg: dict[str, Any]) -> QuantConfig:
         raise ValueError(f"quantization_config must be a JSON object, got {type(cfg).__name__}")
     c = {_SYNONYMS.get(k.lower(), k.lower()): v for k, v in cfg.items()}
     method = str(c.get("quant_method", "gptq" if "desc_act" in c else "")).lower()
+    if method == compressed_tensors.METHOD:  # served through the GPTQ v1 path (its tensors read translated)
+        w = compressed_tensors.weight_scheme(cfg)
+        return QuantConfig(method, w["bits"], w["group_size"], desc_act=w["actorder"] == "group", sym=w["sym"],
+                           packing="gptq_v1")
     if method not in ("awq", "gptq"):
-        raise ValueError(f"unsupported quant_method {c.get('quant_method')!r}: nvllm serves 'awq' (GEMM) and "
-                         f"'gptq' (v1) checkpoints")
+        raise ValueError(f"unsupported quant_method {c.get('quant_method')!r}: nvllm serves 'awq' (GEMM), "
+                         f"'gptq' (v1) and 'compressed-tensors' (pack-quantized) checkpoints")
     bits = c.get("bits")
     if not isinstance(bits, int) or isinstance(bits, bool) or bits not in SUPPORTED_BITS[method]:
         raise ValueError(f"unsupported {method} bits {bits!r}: supported {list(SUPPORTED_BITS[method])}")

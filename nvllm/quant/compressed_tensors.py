@@ -1,0 +1,185 @@
+"""Checkpoints written by llm-compressor (``quant_method: compressed-tensors``, ``format: pack-quantized``): weight-only
+INT4 and INT8 (W4A16, W8A16), group or channel scales, symmetric or with zero points, act-order groups.
+
+A quantized module's tensors, as compressed-tensors' ``PackedQuantizationCompressor`` writes them:
+  ``weight_packed`` int32 ``[out, in*bits/32]``: packed along *in*, element ``i`` of a word in bits ``i*bits ..``
+  (lowest first), each code stored with an offset of ``2^(bits-1)`` (the codes are signed);
+  ``weight_scale`` ``[out, G]``; ``weight_shape`` int ``[2]``;
+  ``weight_zero_point`` (asymmetric only) int32 ``[out*bits/32, G]``: packed along *out*, the same offset;
+  ``weight_g_idx`` int ``[in]`` (``actorder: group``). ``w = (q - z) * s``.
+
+nvllm serves them through its GPTQ v1 path: the loader reads each module translated (``GPTQView``). The words of
+``weight_packed`` transposed are GPTQ's ``qweight`` (the same fields along the input, the offset code being
+GPTQ's unsigned code); the scales are transposed; the zero points are repacked along *out* as v1 stores them
+(``zero - 1``, a symmetric layer's being ``2^(bits-1)``). v1 cannot hold a zero point of 0: such a (group,
+column) is stored mirrored, as AWQ's are (codes ``2^bits - 1 - q``, zero ``2^bits - 1``, scale ``-s``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from nvllm.quant.formats import default_g_idx, pack_cols, pack_rows, unpack_rows
+
+METHOD = "compressed-tensors"
+FORMAT = "pack-quantized"
+_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
+
+def is_compressed_tensors(raw: dict[str, Any] | None) -> bool:
+    return isinstance(raw, dict) and str(raw.get("quant_method", "")).lower() == METHOD
+
+
+def weight_scheme(raw: dict[str, Any]) -> dict[str, Any]:
+    """The one weight scheme of a ``compressed-tensors`` config, checked: ``{"bits", "group_size" (-1 for channel),
+    "sym", "actorder"}``. Anything else (activation quantization, float weights, another format, sparsity,
+    transforms, a quantized KV cache, groups with different schemes) is one ValueError naming it."""
+    groups = raw.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError("compressed-tensors quantization_config has no config_groups")
+    schemes = []
+    for name, g in groups.items():
+        if not isinstance(g, dict):
+            raise ValueError(f"compressed-tensors config group {name!r} must be an object")
+        fmt = g.get("format") or raw.get("format")
+        if fmt != FORMAT:
+            raise ValueError(f"unsupported compressed-tensors format {fmt!r}: nvllm serves {FORMAT!r} (weight-only "
+                             f"INT4/INT8: W4A16, W8A16)")
+        if g.get("input_activations") is not None or g.get("output_activations") is not None:
+            raise ValueError(f"compressed-tensors config group {name!r} quantizes activations (W8A8 and the like): "
+                             f"nvllm serves weight-only checkpoints (W4A16, W8A16)")
+        schemes.append(_weights(name, g.get("weights")))
+    if any(s != schemes[0] for s in schemes):
+        raise ValueError("compressed-tensors config groups give different weight schemes: nvllm serves one "
+                         "scheme for every quantized module")
+    for key, what in (("sparsity_config", "sparsity"), ("transform_config", "transforms (rotations)")):
+        value = raw.get(key) or {}
+        if value and not (key == "sparsity_config" and str(value.get("format", "dense")) == "dense"):
+            raise ValueError(f"compressed-tensors {key} is set: nvllm does not serve {what}")
+    if raw.get("kv_cache_scheme") is not None:
+        raise ValueError("compressed-tensors kv_cache_scheme is set: nvllm quantizes its KV cache itself "
+                         "(--kv-cache-dtype) and does not read a checkpoint's KV scales")
+    return schemes[0]
+
+
+def _weights(group: str, w: Any) -> dict[str, Any]:
+    if not isinstance(w, dict):
+        raise ValueError(f"compressed-tensors config group {group!r} has no weights scheme")
+    bits, kind, strategy = w.get("num_bits"), str(w.get("type", "int")), str(w.get("strategy", ""))
+    if kind != "int":
+        raise ValueError(f"unsupported compressed-tensors weight type {kind!r}: nvllm serves int weights")
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in (4, 8):
+        raise ValueError(f"unsupported compressed-tensors num_bits {bits!r}: supported [4, 8]")
+    if strategy == "group":
+        group_size = w.get("group_size")
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
+            raise ValueError(f"compressed-tensors group strategy needs a positive group_size, got {group_size!r}")
+    elif strategy == "channel":
+        group_size = -1
+    else:
+        raise ValueError(f"unsupported compressed-tensors weight strategy {strategy!r}: nvllm serves 'group' and "
+                         f"'channel'")
+    if w.get("dynamic"):
+        raise ValueError("compressed-tensors dynamic weight quantization is not served")
+    actorder = w.get("actorder")
+    actorder = {"static": "weight", "dynamic": "group"}.get(actorder, actorder)
+    if actorder not in (None, "weight", "group"):
+        raise ValueError(f"unsupported compressed-tensors actorder {w.get('actorder')!r}")
+    sym = w.get("symmetric", True)
+    if not isinstance(sym, bool):
+        raise ValueError(f"compressed-tensors symmetric must be true or false, got {sym!r}")
+    return {"bits": bits, "group_size": group_size, "sym": sym, "actorder": actorder}
+
+
+def ignored(raw: dict[str, Any], name: str) -> bool:
+    """Whether the config's ``ignore`` list keeps module ``name`` in full precision: an entry is the module's
+    name, or ``re:PATTERN`` matched from the start of it (compressed-tensors' rule)."""
+    for entry in raw.get("ignore") or []:
+        entry = str(entry)
+        if entry.startswith("re:") and re.match(entry[3:], name) or entry == name:
+            return True
+    return False
+
+
+def gptq_keys(keys: set[str]) -> set[str]:
+    """Tensor names as the GPTQ path knows them (a module's ``weight_packed`` stands for its ``qweight``)."""
+    out = set()
+    for k in keys:
+        module, _, leaf = k.rpartition(".")
+        if leaf in _PARTS:
+            out.update(f"{module}.{t}" for t in ("qweight", "qzeros", "scales", "g_idx"))
+        else:
+            out.add(k)
+    return out
+
+
+class GPTQView:
+    """Checkpoint tensors with every compressed-tensors module translated into GPTQ v1's ``qweight``, ``qzeros``,
+    ``scales`` and ``g_idx``. ``keys``: the checkpoint's tensor names; a module's tensors are held until all of
+    them have arrived (shards may split a module)."""
+
+    def __init__(self, scheme: dict[str, Any], keys: set[str]):
+        self.bits, self.group_size, self.sym = scheme["bits"], scheme["group_size"], scheme["sym"]
+        self.needs = {"weight_packed", "weight_scale"} | ({"weight_g_idx"} if scheme["actorder"] == "group" else
+                                                          set()) | (set() if self.sym else {"weight_zero_point"})
+        self.stored: dict[str, set[str]] = {}  # module → its compressed-tensors tensors in the checkpoint
+        for k in keys:
+            module, _, leaf = k.rpartition(".")
+            if leaf in _PARTS:
+                self.stored.setdefault(module, set()).add(leaf)
+        for module, leaves in sorted(self.stored.items()):
+            if not self.needs <= leaves:
+                raise ValueError(f"compressed-tensors module {module!r} lacks "
+                                 f"{', '.join(sorted(self.needs - leaves))}")
+
+    def __call__(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            module, _, leaf = name.rpartition(".")
+            if leaf not in _PARTS:
+                yield name, tensor
+                continue
+            parts = pending.setdefault(module, {})
+            parts[leaf] = tensor
+            if parts.keys() == self.stored.get(module):
+                yield from ((f"{module}.{k}", v) for k, v in self.translate(module, pending.pop(module)).items())
+
+    def translate(self, module: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One module's tensors → GPTQ v1 (see the module doc)."""
+        bits, per_word = self.bits, 32 // self.bits
+        packed, scale = parts["weight_packed"], parts["weight_scale"]
+        if packed.dtype != torch.int32 or packed.dim() != 2:
+            raise ValueError(f"{module}.weight_packed must be a 2-D int32 tensor, got {packed.dtype} "
+                             f"{tuple(packed.shape)}")
+        out_f, in_f = packed.shape[0], packed.shape[1] * per_word
+        shape = parts.get("weight_shape")
+        if shape is not None and [int(x) for x in shape.flatten()] != [out_f, in_f]:
+            raise ValueError(f"{module}: weight_shape {shape.tolist()} does not match weight_packed "
+                             f"{tuple(packed.shape)} ({bits}-bit: inputs in whole words)")
+        groups = scale.shape[-1] if scale.dim() == 2 else 0
+        if scale.dim() != 2 or scale.shape[0] != out_f or in_f % groups:
+            raise ValueError(f"{module}.weight_scale has shape {tuple(scale.shape)}, expected [{out_f}, groups]")
+        qweight = packed.t().contiguous()
+        scales = scale.t().to(torch.float16).contiguous()
+        if self.sym:
+            zeros = torch.full((groups, out_f), 1 << (bits - 1), dtype=torch.int64)
+        else:
+            zeros = unpack_rows(parts["weight_zero_point"], bits)[:out_f].t().to(torch.int64)  # [G, out], unsigned
+            if tuple(zeros.shape) != (groups, out_f):
+                raise ValueError(f"{module}.weight_zero_point does not hold {out_f} x {groups} zero points")
+        g_idx = parts.get("weight_g_idx")
+        g_idx = default_g_idx(in_f, in_f // groups) if g_idx is None else g_idx.to(torch.int32)
+        mirror = zeros == 0
+        if mirror.any():  # v1 cannot store a zero of 0: the code, the zero and the scale mirrored
+            top = (1 << bits) - 1
+            q = unpack_rows(qweight, bits)                                      # [in, out]
+            q = torch.where(mirror[g_idx.long()], top - q, q)
+            qweight = pack_rows(q, bits)
+            zeros = torch.where(mirror, top, zeros)
+            scales = torch.where(mirror, -scales, scales)
+        return {"qweight": qweight, "qzeros": pack_cols(zeros - 1, bits), "scales": scales, "g_idx": g_idx}
+

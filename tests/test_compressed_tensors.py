@@ -1,0 +1,161 @@
+"""llm-compressor checkpoints (compressed-tensors, pack-quantized W4A16 / W8A16): written here by the
+compressed-tensors library itself from a tiny random Qwen2 (its own packing, its own config.json), served by nvllm,
+and checked against the same library's decompressed weights run through HF transformers: every prompt logprob
+equal. Group and channel scales, symmetric and zero-point weights (a zero point of 0 included) and a quantized LM
+head. Act-order groups (``weight_g_idx``, which the library no longer writes) are checked on the library's packing
+against the format's formula. Configs nvllm cannot serve are one clear error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from nvllm import SamplingParams
+from nvllm.config import ConfigError
+from nvllm.kernels import report
+from tests.conftest import TOKENIZER_FILES, build_tiny_model, make_llm
+
+ct = pytest.importorskip("compressed_tensors")
+IDS = [1, 5, 9, 33, 100, 7, 42, 250, 3]
+
+
+def write_checkpoint(out: Path, bits: int, sym: bool, strategy: str, group_size: int = 32,
+                     ignore: tuple[str, ...] = ("lm_head",)):
+    """Quantize a tiny Qwen2 with compressed-tensors (min-max scales, rounded to fp16 as nvllm keeps them), save it
+    as llm-compressor does, and return the HF model holding the library's decompressed weights (the reference)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    src = build_tiny_model("qwen2", out.parent / f"{out.name}-base")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": strategy}
+    if strategy == "group":
+        weights["group_size"] = group_size
+    config = QuantizationConfig.model_validate({"config_groups": {"group_0": {"targets": ["Linear"],
+                                                                              "weights": weights}},
+                                                "ignore": list(ignore), "format": "pack-quantized"})
+    apply_quantization_config(model, config)
+    for name, m in model.named_modules():
+        if not hasattr(m, "weight_scale"):
+            continue
+        w = m.weight.data
+        if not sym and name.endswith("layers.0.mlp.up_proj"):
+            w[:, :group_size].abs_()  # a group of non-negative weights: its zero point is the lowest code, 0
+        per_group = w.reshape(w.shape[0], -1, group_size if strategy == "group" else w.shape[1])
+        scale, zero = calculate_qparams(per_group.amin(-1), per_group.amax(-1), m.quantization_scheme.weights)
+        m.weight_scale.data.copy_(scale.half().float().reshape(m.weight_scale.shape))
+        if hasattr(m, "weight_zero_point"):
+            m.weight_zero_point.data.copy_(zero.reshape(m.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    for f in TOKENIZER_FILES:
+        shutil.copy(src / f, out / f)
+    compressor.decompress_model(model)
+    return model
+
+
+CASES = {
+    "w4a16 g32 symmetric": dict(bits=4, sym=True, strategy="group"),
+    "w4a16 g32 zero points": dict(bits=4, sym=False, strategy="group"),
+    "w8a16 channel": dict(bits=8, sym=True, strategy="channel"),
+    "w8a16 g32 zero points": dict(bits=8, sym=False, strategy="group"),
+    "w4a16 quantized lm_head": dict(bits=4, sym=True, strategy="group", ignore=()),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_served_as_the_library_decompresses_them(case, tmp_path):
+    ref = write_checkpoint(tmp_path / "ckpt", **CASES[case])
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+    with torch.no_grad():
+        want = torch.log_softmax(ref(torch.tensor([IDS])).logits[0].float(), dim=-1)
+    report.reset()
+    llm = make_llm(str(tmp_path / "ckpt"), enable_prefix_caching=False)
+    out = llm.generate({"prompt_token_ids": IDS}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20),
+                       use_tqdm=False)[0]
+    errors = [abs(lp.logprob - float(want[pos - 1, tok])) for pos in range(1, len(IDS))
+              for tok, lp in out.prompt_logprobs[pos].items()]
+    assert max(errors) < 1e-4, max(errors)
+    assert out.outputs[0].token_ids == [int(want[-1].argmax())]
+    model = llm.engine.runner.model
+    assert type(model.layers[0].qkv_proj).__name__ == "QuantLinear"
+    assert (type(model.lm_head).__name__ == "QuantLMHead") == (case == "w4a16 quantized lm_head")
+    assert "quant_gemm" in report.snapshot()  # the kernel report names the quantized GEMM
+
+
+def _config(tmp_path: Path, **changes) -> Path:
+    """A dummy-weight model whose config.json carries a compressed-tensors config with ``changes``."""
+    path = build_tiny_model("qwen2", tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    group = {"targets": ["Linear"], "weights": {**weights, **changes.pop("weights", {})},
+             "input_activations": changes.pop("input_activations", None)}
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                  "config_groups": {"group_0": group}, "ignore": ["lm_head"], **changes}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}),
+     "quantizes activations"),
+    (dict(format="float-quantized", weights={"type": "float", "num_bits": 8}), "format 'float-quantized'"),
+    (dict(weights={"num_bits": 3}), "num_bits 3"),
+    (dict(weights={"strategy": "tensor"}), "strategy 'tensor'"),
+    (dict(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+    (dict(transform_config={"config_groups": {"u": {}}}), "transforms"),
+])
+def test_configs_it_cannot_serve_are_one_clear_error(changes, message, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        make_llm(str(_config(tmp_path, **changes)), load_format="dummy")
+
+
+def test_ignore_patterns_keep_modules_in_full_precision(tmp_path):
+    """With dummy weights the config decides: ``ignore`` names and ``re:`` patterns stay dense."""
+    path = _config(tmp_path, ignore=["lm_head", "re:.*layers\\.1\\.mlp\\..*"])
+    model = make_llm(str(path), load_format="dummy").engine.runner.model
+    assert type(model.layers[0].gate_up_proj).__name__ == "QuantLinear"
+    assert type(model.layers[1].gate_up_proj).__name__ == "Linear"
+    assert type(model.layers[1].qkv_proj).__name__ == "QuantLinear"
+
+
+@pytest.mark.parametrize("bits, sym", [(4, False), (8, True)])
+def test_act_order_groups_of_older_checkpoints(bits, sym):
+    """``actorder: group`` (older llm-compressor releases) stores ``weight_g_idx``, the group of each input: the
+    words packed by the library's own ``pack_to_int32``, read back through the GPTQ path, dequantize to
+    ``(q - z[g_idx]) * s[g_idx]`` — zero points of 0 included."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from nvllm.quant.compressed_tensors import GPTQView
+    from nvllm.quant.formats import QuantWeight
+
+    out_f, in_f, group = 16, 64, 16
+    gen = torch.Generator().manual_seed(1)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = torch.randint(lo, hi + 1, (out_f, in_f), generator=gen, dtype=torch.int8)
+    g_idx = (torch.arange(in_f) // group)[torch.randperm(in_f, generator=gen)]
+    scale = torch.rand(out_f, in_f // group, generator=gen) / 100 + 1e-3
+    zero = torch.zeros(out_f, in_f // group, dtype=torch.int8) if sym else \
+        torch.randint(lo, hi + 1, (out_f, in_f // group), generator=gen, dtype=torch.int8)
+    if not sym:
+        zero[0, 0] = lo  # the lowest code: stored 0
+    parts = {"weight_packed": pack_to_int32(q, bits), "weight_scale": scale.half(),
+             "weight_shape": torch.tensor([out_f, in_f]), "weight_g_idx": g_idx}
+    if not sym:
+        parts["weight_zero_point"] = pack_to_int32(zero, bits, packed_dim=0)
+    scheme = {"bits": bits, "group_size": group, "sym": sym, "actorder": "group"}
+    view = GPTQView(scheme, {f"m.{k}" for k in parts})
+    got = dict(view(iter((f"m.{k}", v) for k, v in parts.items())))
+    assert set(got) == {"m.qweight", "m.qzeros", "m.scales", "m.g_idx"}
+    qw = QuantWeight.from_gptq(got["m.qweight"], got["m.qzeros"], got["m.scales"], got["m.g_idx"], bits, group)
+    want = (q.float() - zero.float()[:, g_idx]) * scale.half().float()[:, g_idx]
+    assert torch.equal(qw.dequantize(), want)
