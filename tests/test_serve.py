@@ -4,7 +4,6 @@ driven with the official `openai` client and raw httpx for what the client will 
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
 import threading
@@ -390,25 +389,6 @@ def test_openai_client_sees_typed_errors(client):
     bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-
-
-# ---- metrics --------------------------------------------------------------------------------------------------
-def test_metrics_parse(http):
-    http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
-    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert families[f"nvllm:{name}"].type == "gauge"
-    for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
-                 "prompt_tokens_by_source", "prompt_tokens_cached", "generation_tokens", "request_success"):
-        assert families[f"nvllm:{name}"].type == "counter"
-    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
-        family = families[f"nvllm:{name}"]
-        assert family.type == "histogram"
-        count = next(s.value for s in family.samples if s.name.endswith("_count"))
-        assert count > 0
-    m = metrics(http)
-    assert m["nvllm:generation_tokens_total"] > 0 and m["nvllm:prefix_cache_queries_total"] > 0
-    assert json.loads(json.dumps(m))  # plain numbers
 
 
 def test_fd_serves_an_inherited_socket_and_refuses_anything_else(tmp_path):

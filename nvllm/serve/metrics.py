@@ -20,6 +20,27 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                5.0, 10.0, 20.0, 80.0)
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0)
+PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+# a finished request's phases, as vLLM times them: (name, help, start field, end field of RequestMetrics)
+PHASES = (("queue", "Arrival to first scheduling.", "arrival_time", "first_scheduled_time"),
+          ("prefill", "First scheduling to the first token.", "first_scheduled_time", "first_token_time"),
+          ("decode", "First token to the last.", "first_token_time", "last_token_time"),
+          ("inference", "First scheduling to the last token.", "first_scheduled_time", "last_token_time"))
+
+
+def one_two_five_buckets(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, … up to ``limit`` (vLLM's buckets for token counts)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > limit:
+                return out
+            out.append(v)
+        exp += 1
 
 
 class _EngineCollector:
@@ -42,6 +63,11 @@ class _EngineCollector:
             c.add_metric(self.labels, value)
             return c
 
+        info = GaugeMetricFamily("nvllm:cache_config_info", "The KV cache's settings (as labels).",
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"])
+        info.add_metric([str(bm.block_size), str(bm.num_blocks), str(e.config.kv_cache_dtype),
+                         str(bm.enable_prefix_caching)], 1)
+        yield info
         yield gauge("num_requests_running", "Sequences in the running batch.", len(sched.running))
         yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", len(sched.waiting))
         yield gauge("kv_cache_usage_perc", "KV-cache usage: fraction of blocks held by live sequences (1 = full).",
@@ -108,6 +134,20 @@ class ServerMetrics:
                              lbl, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
         self._success = Counter("nvllm:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        self.phases = {name: Histogram(f"nvllm:request_{name}_time_seconds", doc, lbl, buckets=PHASE_BUCKETS,
+                                       registry=self.registry).labels(model_name)
+                       for name, doc, _, _ in PHASES}
+        self.tpot = Histogram("nvllm:request_time_per_output_token_seconds", "A finished request's decode time over "
+                              "its tokens after the first.", lbl, buckets=TPOT_BUCKETS,
+                              registry=self.registry).labels(model_name)
+        counts = one_two_five_buckets(engine.max_model_len)
+        self.sizes = {name: Histogram(f"nvllm:request_{name}", doc, lbl, buckets=buckets,
+                                      registry=self.registry).labels(model_name)
+                      for name, doc, buckets in (
+                          ("prompt_tokens", "A finished request's prompt tokens.", counts),
+                          ("generation_tokens", "A finished request's generated tokens (all its samples).", counts),
+                          ("max_num_generation_tokens", "A finished request's longest sample.", counts),
+                          ("params_n", "A finished request's samples (n).", (1, 2, 5, 10, 20)))}
         self._model_name = model_name
         self._seen: dict[str, tuple[int, float]] = {}  # request id → (tokens so far, time of the last)
         self._lock = threading.Lock()
@@ -130,8 +170,24 @@ class ServerMetrics:
                     self._seen.pop(out.request_id, None)
                     if m.finished_time is not None:
                         self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+                    self._observe_finished(out)
                     for c in out.outputs:  # no reason: a prefill worker handed it to a decode worker
                         self._success.labels(self._model_name, c.finish_reason or "handed_off").inc()
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        """vLLM's per-request histograms: the phases that happened, the mean time per output token, the sizes."""
+        m = out.metrics
+        for name, _, start, end in PHASES:
+            t0, t1 = getattr(m, start), getattr(m, end)
+            if t0 is not None and t1 is not None:
+                self.phases[name].observe(max(0.0, t1 - t0))
+        lengths = [len(c.token_ids) for c in out.outputs]
+        generated = sum(lengths)
+        if max(lengths, default=0) > 1 and m.first_token_time is not None and m.last_token_time is not None:
+            self.tpot.observe(max(0.0, m.last_token_time - m.first_token_time) / (max(lengths) - 1))
+        for name, value in (("prompt_tokens", len(out.prompt_token_ids)), ("generation_tokens", generated),
+                            ("max_num_generation_tokens", max(lengths, default=0)), ("params_n", len(lengths))):
+            self.sizes[name].observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
