@@ -80,6 +80,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's (nvllm.layers.token_masks): draw only these token ids / never complete these words
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as max_model_len allows)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -121,6 +125,20 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number greater than 0, got "
                              f"{self.repetition_penalty}")
         self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            ids = list(self.allowed_token_ids)
+            if not ids or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+                                  for t in ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids")
+            self.allowed_token_ids = sorted({int(t) for t in ids})
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError("bad_words must be a list of non-empty strings")
+            self.bad_words = words or None
+        t = self.truncate_prompt_tokens
+        if t is not None and (not isinstance(t, numbers.Integral) or isinstance(t, bool) or (t < 1 and t != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be at least 1, or -1 (up to max_model_len), got {t!r}")
         if isinstance(self.structured_outputs, dict):
             unknown = sorted(set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__))
             if unknown:

@@ -33,6 +33,7 @@ from nvllm.kernels import report
 from nvllm.models.hub import resolve_model_path
 from nvllm.models.loader import load_hf_config
 from nvllm.layers.sampler import SampleRow
+from nvllm.layers.token_masks import bad_word_bans, bad_words_token_ids
 from nvllm.outputs import LogprobsDict, RequestMetrics, RequestOutput
 from nvllm.sampling_params import SamplingParams
 from nvllm.spec.metrics import SpecStats
@@ -157,6 +158,9 @@ class LLMEngine:
     def validate(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ValueError naming what makes this request unservable."""
         ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # the last k (-1: all that leave room for one token)
+            keep = params.truncate_prompt_tokens
+            ids = ids[-(self.max_model_len - 1 if keep == -1 else keep):]
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(room for at least one generated token is needed)")
@@ -167,9 +171,10 @@ class LLMEngine:
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, got "
                                  f"{getattr(params, name)}")
-        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)
         return ids
@@ -234,6 +239,8 @@ class LLMEngine:
             seq.cache_salt = salt
             if lora_request is not None:
                 seq.lora_id = lora_request.lora_int_id
+            if params.bad_words:
+                seq.bad_words = bad_words_token_ids(params.bad_words, self.tokenizer)
             if params.structured_outputs is not None:
                 seq.grammar = self.structured.matcher(params.structured_outputs)
                 seq.grammar_waits = self.reasoning is not None and self.reasoning.constraint_waits(
@@ -290,9 +297,9 @@ class LLMEngine:
         prompt_chunks = [n for seq, n in scheduled if seq.num_computed_tokens < seq.num_prompt_tokens]
         self._mark_scheduled(scheduled)
 
-        # a constrained sequence's mask needs its token still in flight: that step is read once this one's forward
-        # is queued (the device runs it meanwhile), and the rows are made after
-        late = prev is not None and any(seq.grammar is not None for seq, _ in scheduled)
+        # a constrained sequence's mask (a bad word's too) needs its token still in flight: that step is read once
+        # this one's forward is queued (the device runs it meanwhile), and the rows are made after
+        late = prev is not None and any(seq.grammar is not None or seq.bad_words for seq, _ in scheduled)
         sampling = [seq for seq, n in scheduled if ModelRunner.needs_sample(seq, n)]
 
         def sample_rows() -> list[SampleRow]:
@@ -424,10 +431,12 @@ class LLMEngine:
         """What the sampler needs of the sequence; a penalized one's tokens as they are now, the newest maybe still
         a placeholder of the step in flight (the sampler takes it from that step's tokens on the device)."""
         p = seq.params
-        return SampleRow(p, seq.generator, self._banned(seq), seq.token_ids if p.penalized else None,
-                         seq.num_prompt_tokens, None if seq.grammar_waits or seq.finished else seq.grammar)
+        banned = self._banned(seq) + (bad_word_bans(seq.bad_words, seq.output_token_ids) if seq.bad_words else [])
+        return SampleRow(p, seq.generator, banned, seq.token_ids if p.penalized else None, seq.num_prompt_tokens,
+                         None if seq.grammar_waits or seq.finished else seq.grammar, p.allowed_token_ids)
 
     def _banned(self, seq: Sequence) -> list[int]:
+        """EOS and the stop ids while min_tokens is not reached."""
         if seq.num_output_tokens >= seq.params.min_tokens:
             return []
         return sorted(set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids))

@@ -1,7 +1,8 @@
-"""Turn logits into tokens: structured outputs' grammar masks (nvllm.engine.structured_output), logit_bias and the
-presence / frequency / repetition penalties (nvllm.layers.penalties), greedy, temperature, top-k, top-p, min-p,
-per-request seeds, and the log-probabilities users ask for (computed on the raw distribution after the grammar
-mask, as vLLM reports them: before any bias, penalty, temperature or filter)."""
+"""Turn logits into tokens: structured outputs' grammar masks (nvllm.engine.structured_output), allowed_token_ids and
+bad words (nvllm.layers.token_masks), min_tokens' bans, logit_bias and the presence / frequency / repetition
+penalties (nvllm.layers.penalties), greedy, temperature, top-k, top-p, min-p, per-request seeds, and the
+log-probabilities users ask for (computed on the raw distribution after the grammar mask, as vLLM reports them:
+before any mask of its own, bias, penalty, temperature or filter)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from nvllm.engine.structured_output import apply_grammar_masks
 from nvllm.kernels import report
 from nvllm.kernels.argmax import argmax_kernel_fits, greedy_argmax, gumbel_argmax
 from nvllm.layers.penalties import apply_logit_bias, apply_penalties, needs_processing
+from nvllm.layers.token_masks import apply_allowed_token_ids
 from nvllm.sampling_params import SamplingParams
 
 
@@ -26,6 +28,7 @@ class SampleRow:
     token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
     grammar: object = None  # structured outputs: the sequence's xgrammar matcher, which masks the row
+    allowed: list[int] | None = None  # allowed_token_ids: every other token is masked
 
 
 @dataclass
@@ -89,8 +92,9 @@ class Sampler:
         device = logits.device
         if not masked:
             apply_grammar_masks(logits, rows)
+        apply_allowed_token_ids(logits, [(i, r.allowed) for i, r in enumerate(rows) if r.allowed])
         apply_banned(logits, [(i, t) for i, r in enumerate(rows) for t in r.banned],
-                     any(r.grammar is not None for r in rows))
+                     any(r.grammar is not None or r.allowed for r in rows))
         if needs_processing(rows):
             apply_logit_bias(logits, rows)
             apply_penalties(logits, rows, pending)
@@ -153,9 +157,9 @@ class Sampler:
 
 
 def apply_banned(logits: torch.Tensor, banned: list[tuple[int, int]], constrained: bool) -> None:
-    """Set the (row, token) pairs to −inf in place (EOS and stop ids before min_tokens). ``constrained``: some rows
-    went through a grammar mask, and a complete constraint leaves only EOS: there min_tokens yields, rather than
-    leave nothing to draw."""
+    """Set the (row, token) pairs to −inf in place (EOS and stop ids before min_tokens, bad words). ``constrained``:
+    some rows went through a mask (a grammar, allowed_token_ids) that may leave only banned tokens, as a complete
+    constraint leaves only EOS: there the bans yield, rather than leave nothing to draw."""
     if not banned:
         return
     bi, bt = zip(*banned)

@@ -71,7 +71,7 @@ class ChatHandler:
         num_top = self._num_top(req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         ids = self.prompts.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                       req.chat_template_kwargs, tools=tools)
+                                       req.chat_template_kwargs, tools=tools, truncate=req.truncate_prompt_tokens)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(ids), self.prompts.max_model_len, param,

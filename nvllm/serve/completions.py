@@ -68,7 +68,7 @@ class CompletionHandler:
             raise bad_request("best_of must equal n (no server-side ranking of samples)", "best_of")
         self.prompts.check_ids(req.stop_token_ids or [], "stop_token_ids")
         check_logprobs(req.logprobs, "logprobs")
-        prompt_ids = self.prompts.completion_prompts(req.prompt)
+        prompt_ids = self.prompts.completion_prompts(req.prompt, req.truncate_prompt_tokens)
         max_len = self.prompts.max_model_len
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         default_max = self.defaults.get("max_tokens")

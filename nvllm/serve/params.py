@@ -141,7 +141,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
-            logit_bias=bias, structured_outputs=structured_outputs(req), **sampling)
+            logit_bias=bias, structured_outputs=structured_outputs(req), allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens, **sampling)
     except ValueError as e:
         raise from_value_error(e) from None
 

@@ -19,8 +19,9 @@ class PromptProcessor:
         self._token_texts: dict[int, str] = {}
 
     # ---- completions ---------------------------------------------------------------------------------
-    def completion_prompts(self, prompt) -> list[list[int]]:
-        """Every prompt of a completion request as token ids (all validated before any is queued)."""
+    def completion_prompts(self, prompt, truncate: int | None = None) -> list[list[int]]:
+        """Every prompt of a completion request as token ids (all validated before any is queued); ``truncate``:
+        the request's truncate_prompt_tokens."""
         if isinstance(prompt, str):
             prompts = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
@@ -29,9 +30,10 @@ class PromptProcessor:
             prompts = prompt
         else:
             raise bad_request("prompt is empty", "prompt")
-        return [self.encode(p) for p in prompts]
+        return [self.encode(p, truncate=truncate) for p in prompts]
 
-    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True, truncate: int | None = None
+               ) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt is empty", "prompt")
@@ -41,8 +43,18 @@ class PromptProcessor:
             if not ids:
                 raise bad_request("prompt is empty", "prompt")
             self.check_ids(ids, "prompt")
+        ids = self.truncated(ids, truncate)
         self.check_length(ids)
         return ids
+
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """The last ``keep`` tokens (truncate_prompt_tokens; -1: all that leave room for one generated token)."""
+        if keep is None:
+            return ids
+        if keep < 1 and keep != -1:
+            raise bad_request(f"truncate_prompt_tokens must be at least 1, or -1 (up to max_model_len), got {keep}",
+                              "truncate_prompt_tokens")
+        return ids[-(self.max_model_len - 1 if keep == -1 else keep):]
 
     def check_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -67,12 +79,14 @@ class PromptProcessor:
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None,
-                    add_special_tokens: bool | None = None, tools: list[dict] | None = None) -> list[int]:
+                    add_special_tokens: bool | None = None, tools: list[dict] | None = None,
+                    truncate: int | None = None) -> list[int]:
         text = self.render_chat(messages, add_generation_prompt, continue_final_message, template_kwargs, tools)
         try:
             ids = encode_chat(self.tokenizer, text, self.fallback_template, add_special_tokens)
         except ChatTemplateError as e:
             raise bad_request(str(e), e.param) from None
+        ids = self.truncated(ids, truncate)
         self.check_length(ids, "messages")
         return ids
 

@@ -64,6 +64,11 @@ class SamplingRequest(OpenAIModel):
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None  # None: the model's default (generation_config.json), else 1
     logit_bias: dict[str, float] | None = None
+    # vLLM's (nvllm.layers.token_masks): draw only these ids; never complete these words; keep the prompt's last k
+    # tokens (-1: as many as max_model_len allows)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, le=_INT32)
     # structured outputs (nvllm.serve.params.structured_outputs): OpenAI's response_format, vLLM's
     # structured_outputs object, or its older guided_* fields
     response_format: dict[str, Any] | None = None

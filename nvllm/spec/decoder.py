@@ -177,7 +177,8 @@ class SpecDecoder:
             rows, ids = self.banned(seq)
             reqs.append(VerifyRequest(seq.params, seq.generator, p.ids, p.probs, rows, ids,
                                       seq.token_ids if seq.params.penalized else None, seq.num_prompt_tokens,
-                                      None if seq.grammar_waits else seq.grammar))
+                                      None if seq.grammar_waits else seq.grammar, seq.params.allowed_token_ids,
+                                      seq.bad_words, seq.output_token_ids if seq.bad_words else None))
         return self.sampler(logits, reqs)
 
     def after_verify(self, seq: Sequence, drafted: int, accepted: int, kept: int) -> None:

@@ -2,9 +2,10 @@
 
 For a request with k drafted tokens x_1..x_k the target scores k+1 positions in one pass, giving the
 distributions p_1..p_{k+1}, each shaped exactly as the plain sampler would shape it had x_1..x_{i-1} been drawn
-already: the structured outputs mask (the matcher advanced through them), min_tokens' bans, logit_bias, the
-penalties (counting them), then temperature / top-k / top-p / min-p. Draft token x_i was drawn from q_i (the draft model's distribution shaped the same
-way; a one-hot for n-gram proposals). Then, left to right:
+already: the structured outputs mask (the matcher advanced through them), allowed_token_ids, min_tokens' bans, the
+bad words' bans and the penalties (both counting x_1..x_{i-1} as generated), logit_bias, then temperature / top-k /
+top-p / min-p. Draft token x_i was drawn from q_i (the draft model's distribution shaped the same way; a one-hot
+for n-gram proposals). Then, left to right:
   accept x_i with probability min(1, p_i(x_i) / q_i(x_i));
   at the first rejection emit a token drawn from max(0, p_i − q_i) normalised, and stop;
   when all k are accepted emit a bonus token drawn from p_{k+1}.
@@ -26,6 +27,7 @@ from nvllm.engine.structured_output import apply_draft_grammar_masks
 from nvllm.kernels import report
 from nvllm.layers.penalties import apply_logit_bias, apply_penalties, needs_processing
 from nvllm.layers.sampler import SampleRow, apply_banned, apply_top_k_top_p_min_p, host_tensor, token_logprobs
+from nvllm.layers.token_masks import apply_allowed_token_ids, bad_word_bans
 from nvllm.sampling_params import SamplingParams
 
 
@@ -123,6 +125,9 @@ class VerifyRequest:
     token_ids: list[int] | None = None  # penalized requests: the sequence's tokens, prompt then output
     num_prompt_tokens: int = 0
     grammar: object = None  # structured outputs: the sequence's xgrammar matcher (None while the constraint waits)
+    allowed: list[int] | None = None  # allowed_token_ids
+    bad_words: list[list[int]] | None = None  # bad words' token ids, and the tokens generated before the drafts
+    generated: list[int] | None = None
 
 
 @dataclass
@@ -157,8 +162,9 @@ class RejectionSampler:
         raw = None
         if any(r.params.logprobs is not None for r in reqs):
             raw = torch.log_softmax(logits, dim=-1)
-        apply_banned(logits, [(s + j, t) for s, r, k in zip(starts, reqs, counts)
-                              for j in range(min(r.banned_rows, k + 1)) for t in r.banned], bool(runs))
+        apply_allowed_token_ids(logits, [(s + j, r.allowed) for s, r, k in zip(starts, reqs, counts) if r.allowed
+                                         for j in range(k + 1)])
+        apply_banned(logits, self.banned_pairs(reqs, starts), bool(runs) or any(r.allowed for r in reqs))
         rows = self.penalty_rows(reqs)
         if needs_processing(rows):
             apply_logit_bias(logits, rows)
@@ -192,6 +198,19 @@ class RejectionSampler:
             out.append(VerifyResult(a, toks, lps))
             start += k + 1
         return out
+
+    @staticmethod
+    def banned_pairs(reqs: list[VerifyRequest], starts: list[int]) -> list[tuple[int, int]]:
+        """(row, token) masked at each verified position: min_tokens' bans on its leading rows, and the tokens
+        that would complete a bad word after the generated tokens and the drafts before that position."""
+        pairs = []
+        for s, r in zip(starts, reqs):
+            k = len(r.draft_ids)
+            pairs += [(s + j, t) for j in range(min(r.banned_rows, k + 1)) for t in r.banned]
+            if r.bad_words:
+                pairs += [(s + j, t) for j in range(k + 1)
+                          for t in bad_word_bans(r.bad_words, [*r.generated, *r.draft_ids[:j]])]
+        return pairs
 
     @staticmethod
     def penalty_rows(reqs: list[VerifyRequest]) -> list[SampleRow]:
