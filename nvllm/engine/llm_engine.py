@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import numbers
 import time
 from collections.abc import Sequence as Seq
 
-import torch
 
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.engine import generation_defaults
+from nvllm.engine.admission import Admission
 from nvllm.engine.block_manager import BlockManager
-from nvllm.engine.detokenizer import IncrementalDetokenizer
 from nvllm.engine.kv_handoff import KVHandoff, KVTarget
 from nvllm.engine.metrics import EngineStats, StatLogger
 from nvllm.engine.inflight import InflightStep
@@ -33,7 +31,7 @@ from nvllm.kernels import report
 from nvllm.models.hub import resolve_model_path
 from nvllm.models.loader import load_hf_config
 from nvllm.layers.sampler import SampleRow
-from nvllm.layers.token_masks import bad_word_bans, bad_words_token_ids
+from nvllm.layers.token_masks import bad_word_bans
 from nvllm.outputs import LogprobsDict, RequestMetrics, RequestOutput
 from nvllm.sampling_params import SamplingParams
 from nvllm.spec.metrics import SpecStats
@@ -59,6 +57,8 @@ class LLMEngine:
         self.reasoning = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             config.structured_outputs_config["disable_any_whitespace"])
+        self.admission = Admission(self.tokenizer, self.vocab_size, self.structured, self.reasoning,
+                                   self.runner.device)
         self.spec = None  # speculative decoding (nvllm.spec.decoder.SpecDecoder) when config.speculative is set
         if config.speculative is not None:
             from nvllm.spec.decoder import SpecDecoder
@@ -138,46 +138,11 @@ class LLMEngine:
         return f"req-{self._next_id}"
 
     def tokenize(self, prompt: str | Seq[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        odd = next((t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
-        if odd is not None:
-            raise ValueError(f"prompt token ids must be integers, got {odd!r}")
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
-        return ids
+        return self.admission.tokenize(prompt)
 
     def validate(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ValueError naming what makes this request unservable."""
-        ids = self.tokenize(prompt)
-        if params.truncate_prompt_tokens is not None:  # the last k (-1: all that leave room for one token)
-            keep = params.truncate_prompt_tokens
-            ids = ids[-(self.max_model_len - 1 if keep == -1 else keep):]
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                             "(room for at least one generated token is needed)")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > self.vocab_size:
-                raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, got "
-                                 f"{getattr(params, name)}")
-        for name in ("logit_bias", "allowed_token_ids"):
-            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
-        if params.structured_outputs is not None:
-            self.structured.compile(params.structured_outputs)
-        return ids
+        return self.admission.validate(prompt, params, self.max_model_len)
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, prefill_only: bool = False,
@@ -226,30 +191,11 @@ class LLMEngine:
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams,
                      metrics: RequestMetrics, lora_request: LoRARequest | None = None,
                      cache_salt: str | None = None) -> list[Sequence]:
-        seqs = []
         salt = self.load_lora(lora_request)  # first: a bad adapter is a ValueError with nothing registered
         if cache_salt:
             salt = hashlib.sha256((salt or b"") + b"\0salt\0" + cache_salt.encode()).digest()
-        for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
-            seq = Sequence(request_id, i, list(ids), len(ids), params, metrics, gen)
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            seq.cache_salt = salt
-            if lora_request is not None:
-                seq.lora_id = lora_request.lora_int_id
-            if params.bad_words:
-                seq.bad_words = bad_words_token_ids(params.bad_words, self.tokenizer)
-            if params.structured_outputs is not None:
-                seq.grammar = self.structured.matcher(params.structured_outputs)
-                seq.grammar_waits = self.reasoning is not None and self.reasoning.constraint_waits(
-                    self.tokenizer.decode(ids[-16:]))
-            if params.logprobs is not None:
-                seq.logprobs = []
-            if params.prompt_logprobs is not None:
-                seq.prompt_logprobs = [None]
-            seqs.append(seq)
+        lora_id = lora_request.lora_int_id if lora_request is not None else 0
+        seqs = self.admission.sequences(request_id, ids, params, metrics, salt, lora_id)
         self.requests[request_id] = seqs
         return seqs
 

@@ -1,0 +1,90 @@
+"""From a request to its sequences: the prompt tokenized or checked (and truncated as asked), the sampling parameters
+checked against the model (vocabulary, max_model_len; a structured outputs constraint compiled), then one Sequence
+per sample with what the sampler and the detokenizer keep for it (seeded generator, grammar matcher, bad words,
+logprob lists). Nothing here changes the engine's state: a bad request is a ValueError before anything is queued."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence as Seq
+
+import torch
+
+from nvllm.engine.detokenizer import IncrementalDetokenizer
+from nvllm.engine.sequence import Sequence
+from nvllm.engine.structured_output import StructuredOutputs
+from nvllm.layers.token_masks import bad_words_token_ids
+from nvllm.outputs import RequestMetrics
+from nvllm.sampling_params import SamplingParams
+
+
+class Admission:
+    def __init__(self, tokenizer, vocab_size: int, structured: StructuredOutputs, reasoning, device: torch.device):
+        self.tokenizer, self.vocab_size, self.structured = tokenizer, vocab_size, structured
+        self.reasoning, self.device = reasoning, device
+
+    def tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        odd = next((t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+        if odd is not None:
+            raise ValueError(f"prompt token ids must be integers, got {odd!r}")
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        return ids
+
+    def validate(self, prompt: str | Seq[int], params: SamplingParams, max_model_len: int) -> list[int]:
+        """The prompt's token ids, or ValueError naming what makes this request unservable."""
+        ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # the last k (-1: all that leave room for one token)
+            keep = params.truncate_prompt_tokens
+            ids = ids[-(max_model_len - 1 if keep == -1 else keep):]
+        if len(ids) >= max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {max_model_len} "
+                             "(room for at least one generated token is needed)")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, got "
+                                 f"{getattr(params, name)}")
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)
+        return ids
+
+    def sequences(self, request_id: str, ids: list[int], params: SamplingParams, metrics: RequestMetrics,
+                  salt: bytes | None, lora_id: int) -> list[Sequence]:
+        """The request's n sequences (``salt``: its prefix-cache salt; ``lora_id``: its adapter, 0 for none)."""
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            seq = Sequence(request_id, i, list(ids), len(ids), params, metrics, gen)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            seq.cache_salt, seq.lora_id = salt, lora_id
+            if params.bad_words:
+                seq.bad_words = bad_words_token_ids(params.bad_words, self.tokenizer)
+            if params.structured_outputs is not None:
+                seq.grammar = self.structured.matcher(params.structured_outputs)
+                seq.grammar_waits = self.reasoning is not None and self.reasoning.constraint_waits(
+                    self.tokenizer.decode(ids[-16:]))
+            if params.logprobs is not None:
+                seq.logprobs = []
+            if params.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]
+            seqs.append(seq)
+        return seqs
