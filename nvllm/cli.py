@@ -191,6 +191,9 @@ def quantize(
     quantize_lm_head: Annotated[Optional[bool], typer.Option("--quantize-lm-head/--no-quantize-lm-head",
                                                              help="quantize the LM head too (gptq/rtn; untied "
                                                              "embeddings only) (default off)")] = None,
+    checkpoint_format: Annotated[Optional[str], typer.Option("--format", help="awq | gptq | compressed-tensors "
+                                                             "(llm-compressor's); default: awq for --method awq, "
+                                                             "gptq otherwise")] = None,
     calib_dataset: Annotated[Optional[str], typer.Option(help="c4 | calib (the shipped C4 sample) | a .jsonl/"
                                                          ".json.gz/.json/.txt path (default c4)",
                                                          rich_help_panel=_CAL)] = None,
@@ -205,7 +208,8 @@ def quantize(
                                                   "quantized) (default auto)")] = None,
     progress: Annotated[bool, typer.Option(help="progress bar")] = True,
 ) -> None:
-    """Quantize a model to INT4/INT8 (AWQ, GPTQ or RTN) and write an AWQ-GEMM / GPTQ checkpoint."""
+    """Quantize a model to INT4/INT8 (AWQ, GPTQ or RTN) and write an AWQ-GEMM, GPTQ or compressed-tensors
+    checkpoint."""
     from nvllm.assets import demo_model_path
     from nvllm.logger import console
     from nvllm.quant import quantize as q
@@ -217,8 +221,9 @@ def quantize(
     bar = LayerProgress(console(), enabled=progress)
     try:
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
-                           quantize_lm_head=quantize_lm_head, calib_dataset=calib_dataset,
-                           calib_samples=calib_samples, calib_seqlen=calib_seqlen, seed=seed, device=device)
+                           quantize_lm_head=quantize_lm_head, checkpoint_format=checkpoint_format,
+                           calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
+                           seed=seed, device=device)
         summary = q.quantize_model(model or demo_model_path(), out, cfg, overwrite, progress=bar.update,
                                    on_start=bar.start)
     except q.USER_ERRORS as e:

@@ -88,7 +88,7 @@ def quantized_dir(tmp_path_factory):
 @pytest.mark.parametrize("args, message", [
     (["--method", "fp4"], "unknown method 'fp4'; choose awq, gptq or rtn"),
     (["--method", "gptq", "--bits", "3"], "bits must be 4 or 8, got 3"),
-    (["--method", "awq", "--bits", "8"], "AWQ writes the AWQ-GEMM format, which is 4-bit only"),
+    (["--method", "awq", "--bits", "8"], "AWQ quantizes to 4 bits only"),
     (["--method", "gptq", "--group-size", "48"], "group size 48 fits none of the model's linears (input sizes "
                                                "64, 172; group size 48 does not divide its input size 64); "
                                                "choose a group size that divides the hidden size 64, e.g. "

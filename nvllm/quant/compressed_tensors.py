@@ -25,6 +25,9 @@ import torch
 
 from nvllm.quant.formats import default_g_idx, pack_cols, pack_rows, unpack_rows
 
+# config.json's weights scheme as llm-compressor writes it (compressed-tensors' QuantizationArgs fields)
+_ARGS = {"type": "int", "dynamic": False, "observer": "minmax", "observer_kwargs": {}, "block_structure": None}
+
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
 _PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
@@ -183,3 +186,31 @@ class GPTQView:
             scales = torch.where(mirror, -scales, scales)
         return {"qweight": qweight, "qzeros": pack_cols(zeros - 1, bits), "scales": scales, "g_idx": g_idx}
 
+
+
+def pack_compressed_tensors(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bits: int,
+                            sym: bool) -> dict[str, torch.Tensor]:
+    """``q [out, in]`` (unsigned codes), ``zeros [G, out]``, ``scales [G, out]`` → a module's compressed-tensors
+    tensors (the module doc's layout: an unsigned code is the signed code plus the offset). Contiguous groups only
+    (compressed-tensors no longer stores act-order groups). Symmetric: the zero point is the offset itself."""
+    offset = 1 << (bits - 1)
+    if sym and zeros.numel() and not bool((zeros == offset).all()):
+        raise ValueError(f"a symmetric compressed-tensors weight has zero points of {offset}")
+    out = {"weight_packed": pack_cols(q, bits), "weight_scale": scales.t().contiguous(),
+           "weight_shape": torch.tensor(list(q.shape), dtype=torch.int64)}
+    if not sym:
+        out["weight_zero_point"] = pack_rows(zeros.t().contiguous(), bits)
+    return out
+
+
+def quantization_config(bits: int, group_size: int, sym: bool, actorder: str | None, ignore: list[str]
+                        ) -> dict[str, Any]:
+    """``quantization_config`` as llm-compressor writes it for a weight-only scheme (one config group for every
+    Linear, ``ignore`` naming the modules kept dense)."""
+    weights = {**_ARGS, "num_bits": bits, "symmetric": sym, "actorder": actorder,
+               "strategy": "channel" if group_size == -1 else "group",
+               "group_size": None if group_size == -1 else group_size}
+    return {"quant_method": METHOD, "format": FORMAT, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": FORMAT}},
+            "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {}}

@@ -30,6 +30,7 @@ from nvllm.quant.awq import AWQOptions
 from nvllm.quant.calibration import calibration_windows, load_texts
 from nvllm.quant.quant_config import awq_quantization_config, gptq_quantization_config
 from nvllm.quant.methods import AWQMethod, GPTQMethod, RTNMethod
+from nvllm.quant.compressed_tensors import quantization_config as ct_quantization_config
 from nvllm.quant.plan import (FUSED_MODULES, LINEARS, LM_HEAD, QuantScheme, head_problem, head_sizes, output_sizes,
                               read_quantization_config)
 from nvllm.quant.recipe import QuantizeConfig
@@ -100,7 +101,8 @@ def _suggest_group(hidden: int) -> int:
 
 
 def build_method(cfg: QuantizeConfig, group_sizes: dict[str, int]):
-    grid = Grid(cfg.bits, bool(cfg.sym), zero_min=0 if cfg.format == "awq" or cfg.sym else 1)
+    # GPTQ v1 cannot store a zero point of 0 (it stores zero - 1); the other formats can
+    grid = Grid(cfg.bits, bool(cfg.sym), zero_min=0 if cfg.writes != "gptq" or cfg.sym else 1)
     if cfg.method == "awq":
         return AWQMethod(grid, group_sizes, AWQOptions(cfg.n_grid, cfg.duo_scaling, cfg.clip, cfg.max_shrink))
     if cfg.method == "gptq":
@@ -127,8 +129,13 @@ def quantization_config(cfg: QuantizeConfig, out_dir: str, kept: list[list[str]]
     """``quantization_config`` as AutoAWQ / AutoGPTQ write it, plus what stays in full precision: AWQ's
     ``modules_to_not_convert`` (substrings of module names), GPTQ's ``dynamic`` ``-:REGEX`` exclusions
     (GPTQModel's per-module override, which vLLM reads)."""
-    if cfg.format == "awq":
+    if cfg.writes == "awq":
         return awq_quantization_config(cfg.group_size, 4, True, [n for names in kept for n in names] or None)
+    if cfg.writes == "compressed-tensors":  # every layer's kept modules by name, and the head unless quantized
+        ignore = [] if cfg.quantize_lm_head else [LM_HEAD]
+        ignore += [f"re:.*\\.({'|'.join(re.escape(n) for n in names)})$" for names in kept]
+        return ct_quantization_config(cfg.bits, cfg.group_size, bool(cfg.sym),
+                                      "weight" if cfg.desc_act else None, ignore)
     qc = gptq_quantization_config(cfg.bits, cfg.group_size, cfg.desc_act, bool(cfg.sym), cfg.damp_percent,
                                   cfg.static_groups if cfg.desc_act else False, True, out_dir, "model")
     if cfg.quantize_lm_head:
@@ -189,12 +196,13 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     from nvllm.models.loader import checkpoint_keys
 
     source_names = sorted(checkpoint_keys(model_dir) or [])
-    tensors = checkpoint_tensors(model, source_names, {k: r.quant for k, r in results.items()}, cfg.format)
+    tensors = checkpoint_tensors(model, source_names, {k: r.quant for k, r in results.items()}, cfg.writes,
+                                 bool(cfg.sym))
     summary.head_size_after = sum(t.numel() * t.element_size() for k, t in tensors.items()
                                   if k.startswith(LM_HEAD + ".") and cfg.quantize_lm_head)
     qc = quantization_config(cfg, out_dir, kept_modules(quantize))
     # GPTQModel reads quantize_config.json, its ``dynamic`` exclusions included (they name what stays dense)
-    extra = {"quantize_config.json": dict(qc)} if cfg.format == "gptq" else None
+    extra = {"quantize_config.json": dict(qc)} if cfg.writes == "gptq" else None
     summary.size_after = write_checkpoint(model_dir, out_dir, tensors, qc, overwrite, extra)
     summary.size_before = sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
     summary.seconds = time.perf_counter() - t0

@@ -10,6 +10,8 @@ settings in sections::
     sym: true               # awq: false (zero point)
     desc_act: false         # gptq: act-order
     quantize_lm_head: false # gptq / rtn: the LM head too (GPTQModel's lm_head=True)
+    format: gptq            # the checkpoint written: awq (AWQ-GEMM; method awq's default), gptq (v1; gptq's and
+                            # rtn's default) or compressed-tensors (llm-compressor's pack-quantized, any method)
     gptq: {damp_percent: 0.01, block_size: 128, static_groups: true}
     awq: {n_grid: 20, duo_scaling: true, clip: true, max_shrink: 0.5}
     calibration: {dataset: c4, samples: 128, seqlen: 2048, seed: 0}
@@ -26,6 +28,7 @@ from typing import Any
 from nvllm.config import first_line
 
 METHODS = ("awq", "gptq", "rtn")
+FORMATS = ("awq", "gptq", "compressed-tensors")
 
 
 class RecipeError(ValueError):
@@ -52,11 +55,18 @@ class QuantizeConfig:
     calib_seqlen: int = 2048
     seed: int = 0
     device: str = "auto"
+    checkpoint_format: str | None = None  # None: the method's own (awq: AWQ-GEMM, gptq / rtn: GPTQ v1)
+
+    @property
+    def writes(self) -> str:
+        """The checkpoint format written: awq, gptq or compressed-tensors."""
+        return self.checkpoint_format or ("awq" if self.method == "awq" else "gptq")
 
     @property
     def format(self) -> str:
-        """Checkpoint format written: AWQ-GEMM for awq, GPTQ v1 for gptq and rtn."""
-        return "awq" if self.method == "awq" else "gptq"
+        """The packing whose shape rules decide what is quantized: AWQ-GEMM's for an AWQ checkpoint, GPTQ's
+        otherwise (compressed-tensors packs along the input as GPTQ does, and nvllm reads it as GPTQ)."""
+        return "awq" if self.writes == "awq" else "gptq"
 
     def validate(self) -> "QuantizeConfig":
         if self.method is None:
@@ -66,9 +76,18 @@ class QuantizeConfig:
             raise RecipeError(f"unknown method {self.method!r}; choose awq, gptq or rtn")
         if self.bits not in (4, 8):
             raise RecipeError(f"bits must be 4 or 8, got {self.bits}")
+        if self.checkpoint_format is not None:
+            self.checkpoint_format = self.checkpoint_format.lower()
+            if self.checkpoint_format not in FORMATS:
+                raise RecipeError(f"unknown format {self.checkpoint_format!r}; choose {', '.join(FORMATS)}")
+            if self.checkpoint_format == "awq" and self.method != "awq":
+                raise RecipeError(f"the AWQ-GEMM format holds AWQ's zero-point weights; --method {self.method} "
+                                  "writes gptq or compressed-tensors")
+            if self.checkpoint_format == "gptq" and self.method == "awq":
+                raise RecipeError("AWQ's zero points of 0 have no GPTQ v1 encoding; --method awq writes awq or "
+                                  "compressed-tensors")
         if self.method == "awq" and self.bits != 4:
-            raise RecipeError("AWQ writes the AWQ-GEMM format, which is 4-bit only; use --method gptq or rtn "
-                              "for 8-bit")
+            raise RecipeError("AWQ quantizes to 4 bits only; use --method gptq or rtn for 8-bit")
         if self.group_size != -1 and self.group_size < 1:
             raise RecipeError(f"group size must be a positive integer or -1, got {self.group_size}")
         if self.sym is None:
@@ -77,6 +96,9 @@ class QuantizeConfig:
             raise RecipeError("AWQ quantizes with a zero point (asymmetric); drop --sym")
         if self.desc_act and self.method != "gptq":
             raise RecipeError("--desc-act (act-order) applies to GPTQ only")
+        if self.desc_act and not self.static_groups and self.writes == "compressed-tensors":
+            raise RecipeError("compressed-tensors no longer stores act-order group indices (weight_g_idx): use "
+                              "static groups (gptq.static_groups: true) with --desc-act")
         if self.quantize_lm_head and self.method == "awq":
             raise RecipeError("--quantize-lm-head applies to GPTQ and RTN only: AutoAWQ checkpoints keep the "
                               "lm_head in full precision; use --method gptq or rtn")
@@ -98,7 +120,7 @@ class QuantizeConfig:
 # recipe key → (config field, type); sections flatten into the same fields
 _TOP = {"method": ("method", str), "bits": ("bits", int), "group_size": ("group_size", int), "sym": ("sym", bool),
         "desc_act": ("desc_act", bool), "quantize_lm_head": ("quantize_lm_head", bool),
-        "device": ("device", str)}
+        "device": ("device", str), "format": ("checkpoint_format", str)}
 _SECTIONS = {
     "gptq": {"damp_percent": ("damp_percent", float), "block_size": ("block_size", int),
              "static_groups": ("static_groups", bool)},

@@ -70,7 +70,7 @@ def error_table(summary: QuantizeSummary):
 
 def summary_lines(summary: QuantizeSummary) -> list[str]:
     c = summary.config
-    fmt = "AWQ-GEMM" if c.format == "awq" else "GPTQ v1"
+    fmt = {"awq": "AWQ-GEMM", "gptq": "GPTQ v1", "compressed-tensors": "compressed-tensors (pack-quantized)"}[c.writes]
     extra = " act-order" + (" (static groups)" if c.static_groups else "") if c.desc_act else ""
     lines = [
         f"method {c.method}, {c.bits}-bit, group size {c.group_size}, "

@@ -1,7 +1,8 @@
-"""Write a quantized checkpoint as AutoAWQ / AutoGPTQ do: one safetensors file under the source checkpoint's
-tensor names (each quantized ``…proj.weight`` replaced by ``qweight``/``qzeros``/``scales`` and, for GPTQ,
-``g_idx``), config.json with ``quantization_config`` (GPTQ also ``quantize_config.json``), and the source's
-tokenizer and generation files.
+"""Write a quantized checkpoint as AutoAWQ / AutoGPTQ / llm-compressor do: one safetensors file under the source
+checkpoint's tensor names (each quantized ``…proj.weight`` replaced by ``qweight``/``qzeros``/``scales`` and, for
+GPTQ, ``g_idx``; by compressed-tensors' ``weight_packed``/``weight_scale``/``weight_shape`` and, with zero points,
+``weight_zero_point``), config.json with ``quantization_config`` (GPTQ also ``quantize_config.json``), and the
+source's tokenizer and generation files.
 
 Everything is written into a temporary directory beside the output and renamed into place at the end, so an
 interrupted run leaves nothing half-written; an existing output directory is replaced only with
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from nvllm.quant.compressed_tensors import pack_compressed_tensors
 from nvllm.quant.formats import GroupQuant, pack_awq, pack_gptq
 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -55,16 +57,18 @@ def _shard_rows(gq: GroupQuant, rows: slice) -> GroupQuant:
                       bits=gq.bits, group_size=gq.group_size)
 
 
-def packed_tensors(gq: GroupQuant, fmt: str) -> dict[str, torch.Tensor]:
+def packed_tensors(gq: GroupQuant, fmt: str, sym: bool = True) -> dict[str, torch.Tensor]:
     gq = GroupQuant(q=gq.q.cpu(), scales=gq.scales.cpu(), zeros=gq.zeros.cpu(), g_idx=gq.g_idx.cpu(),
                     bits=gq.bits, group_size=gq.group_size)
     if fmt == "awq":
         return pack_awq(gq.q, gq.zeros, gq.scales)
+    if fmt == "compressed-tensors":
+        return pack_compressed_tensors(gq.q, gq.zeros, gq.scales, gq.bits, sym)
     return pack_gptq(gq.q, gq.zeros, gq.scales, gq.g_idx, gq.bits)
 
 
-def checkpoint_tensors(model, source_names: list[str], quantized: dict[str, GroupQuant], fmt: str
-                       ) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(model, source_names: list[str], quantized: dict[str, GroupQuant], fmt: str,
+                       sym: bool = True) -> dict[str, torch.Tensor]:
     """The tensors to save, under the source checkpoint's names. ``quantized`` maps our module names
     (``layers.{i}.qkv_proj``) to the integer form of their (fused) weight; the shards are split by rows."""
     out: dict[str, torch.Tensor] = {}
@@ -78,7 +82,7 @@ def checkpoint_tensors(model, source_names: list[str], quantized: dict[str, Grou
         rows = module.shard_slice(shard) if shard is not None else slice(None)
         if module_name in quantized and leaf == "weight":
             base = name.rsplit(".", 1)[0]
-            for key, value in packed_tensors(_shard_rows(quantized[module_name], rows), fmt).items():
+            for key, value in packed_tensors(_shard_rows(quantized[module_name], rows), fmt, sym).items():
                 out[f"{base}.{key}"] = value.contiguous().clone()
             continue
         value = model.get_parameter(pname).data
