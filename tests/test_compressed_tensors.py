@@ -159,3 +159,49 @@ def test_act_order_groups_of_older_checkpoints(bits, sym):
     qw = QuantWeight.from_gptq(got["m.qweight"], got["m.qzeros"], got["m.scales"], got["m.g_idx"], bits, group)
     want = (q.float() - zero.float()[:, g_idx]) * scale.half().float()[:, g_idx]
     assert torch.equal(qw.dequantize(), want)
+
+
+@pytest.mark.parametrize("spelling", [dict(actorder=False), dict(strategy=None), dict(type="INT", strategy="GROUP")])
+def test_config_spellings_the_library_accepts(spelling):
+    """Spellings compressed-tensors' own QuantizationArgs normalises (a boolean actorder, the strategy inferred from
+    the group size, enum values in upper case) mean the same scheme here."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from nvllm.quant.compressed_tensors import weight_scheme
+
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, **spelling}
+    weights = {k: v for k, v in weights.items() if v is not None}
+    QuantizationArgs.model_validate(weights)  # the library takes it
+    raw = {"config_groups": {"g": {"targets": ["Linear"], "weights": weights}}, "format": "pack-quantized"}
+    assert weight_scheme(raw) == {"bits": 4, "group_size": 32, "sym": True, "actorder": None}
+
+
+def test_malformed_tensors_are_refused():
+    """Zero points not packed as the format packs them, or a g_idx of another length, are errors rather than
+    silently wrong weights."""
+    from nvllm.quant.compressed_tensors import GPTQView
+
+    packed = torch.zeros(16, 8, dtype=torch.int32)
+    scale = torch.ones(16, 2)
+    view = GPTQView({"bits": 4, "group_size": 32, "sym": False, "actorder": None}, set())
+    for zp in (torch.zeros(16, 2, dtype=torch.int8), torch.zeros(16, 2, dtype=torch.int32)):  # unpacked
+        with pytest.raises(ValueError, match="weight_zero_point must be int32 \\[2, 2\\]"):
+            view.translate("m", {"weight_packed": packed, "weight_scale": scale, "weight_zero_point": zp})
+    sym = GPTQView({"bits": 4, "group_size": 32, "sym": True, "actorder": "group"}, set())
+    with pytest.raises(ValueError, match="weight_g_idx must give each of the 64 inputs a group"):
+        sym.translate("m", {"weight_packed": packed, "weight_scale": scale, "weight_g_idx": torch.zeros(60)})
+
+
+def test_a_pickle_checkpoint_loads_the_same(tmp_path):
+    """Saved as pytorch_model.bin (tensor names unknown until read), with --allow-pickle: the same logprobs."""
+    from safetensors.torch import load_file
+
+    write_checkpoint(tmp_path / "ckpt", bits=4, sym=False, strategy="group")
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    want = make_llm(str(tmp_path / "ckpt")).generate({"prompt_token_ids": IDS}, params, use_tqdm=False)[0]
+    torch.save(load_file(tmp_path / "ckpt" / "model.safetensors"), tmp_path / "ckpt" / "pytorch_model.bin")
+    (tmp_path / "ckpt" / "model.safetensors").unlink()
+    got = make_llm(str(tmp_path / "ckpt"), allow_pickle=True).generate({"prompt_token_ids": IDS}, params,
+                                                                       use_tqdm=False)[0]
+    assert [{t: round(lp.logprob, 5) for t, lp in d.items()} for d in got.prompt_logprobs[1:]] == \
+        [{t: round(lp.logprob, 5) for t, lp in d.items()} for d in want.prompt_logprobs[1:]]

@@ -105,6 +105,19 @@ def test_out_of_vocabulary_allowed_ids_refused(llm):
         llm.generate(PROMPT, greedy(allowed_token_ids=[5, 100000]), use_tqdm=False)
 
 
+def test_bad_words_beyond_the_models_vocabulary_refused(tmp_path):
+    """A tokenizer may know more tokens than the model scores: a bad word made of such tokens is refused when the
+    request is added, and the engine goes on serving."""
+    from tests.conftest import build_tiny_model
+
+    small = make_llm(str(build_tiny_model("llama", tmp_path / "m", vocab_size=300)))
+    word = next(w for w in ("Lily", "happy", "park", "ball", "dog")
+                if max(small.get_tokenizer().encode(w, add_special_tokens=False)) >= 300)
+    with pytest.raises(ValueError, match="bad_words tokenize to token id .* outside the model's vocabulary"):
+        small.generate({"prompt_token_ids": [1, 5, 9]}, greedy(bad_words=[word]), use_tqdm=False)
+    assert small.generate({"prompt_token_ids": [1, 5, 9]}, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("engine", ["async", "ngram", "self draft"])
 def test_async_scheduling_and_speculation_give_the_same_tokens(engine, llm, demo_dir):
     """Bad words count the tokens generated so far: under asynchronous scheduling the step in flight is read
@@ -137,7 +150,8 @@ def test_through_the_server(llm, tmp_path):
         chat = client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi " * 50}],
                                               max_tokens=4, extra_body={"truncate_prompt_tokens": 7})
         assert chat.usage.prompt_tokens == 7
-        for body, param in (({"allowed_token_ids": []}, "allowed_token_ids"),
+        for body, param in (({"use_beam_search": True, "n": 2, "bad_words": ["the"]}, "bad_words"),
+                            ({"allowed_token_ids": []}, "allowed_token_ids"),
                             ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
                             ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
                             ({"bad_words": [""]}, "bad_words")):

@@ -61,6 +61,12 @@ class Admission:
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        if params.bad_words:  # a tokenizer may know more tokens than the model scores (vLLM refuses them too)
+            bad = [t for ids in bad_words_token_ids(params.bad_words, self.tokenizer) for t in ids
+                   if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"bad_words tokenize to token id {bad[0]}, outside the model's vocabulary (size "
+                                 f"{self.vocab_size})")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)
         return ids
@@ -69,6 +75,7 @@ class Admission:
                   salt: bytes | None, lora_id: int) -> list[Sequence]:
         """The request's n sequences (``salt``: its prefix-cache salt; ``lora_id``: its adapter, 0 for none)."""
         seqs = []
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else None
         for i in range(params.n):
             gen = None
             if params.seed is not None:
@@ -76,8 +83,7 @@ class Admission:
             seq = Sequence(request_id, i, list(ids), len(ids), params, metrics, gen)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             seq.cache_salt, seq.lora_id = salt, lora_id
-            if params.bad_words:
-                seq.bad_words = bad_words_token_ids(params.bad_words, self.tokenizer)
+            seq.bad_words = bad_words
             if params.structured_outputs is not None:
                 seq.grammar = self.structured.matcher(params.structured_outputs)
                 seq.grammar_waits = self.reasoning is not None and self.reasoning.constraint_waits(

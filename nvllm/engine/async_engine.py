@@ -239,17 +239,17 @@ class AsyncLLMEngine:
             out = self.engine.output(request_id)
             if out.finished:
                 self._streams.pop(request_id, None)
-            stream._put(out)
             self._run_hooks([out])
+            stream._put(out)
         done.set_result(result)
 
     def _abort(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)
         stream = self._streams.pop(request_id, None)
         if out is not None:
+            self._run_hooks([out])
             if stream is not None:
                 stream._put(out)
-            self._run_hooks([out])
 
     def _step(self) -> None:
         try:
@@ -262,13 +262,13 @@ class AsyncLLMEngine:
             if isinstance(e, WorkerFailure):  # a tensor-parallel rank is gone: no step can run again, so the loop
                 raise                         # stops (is_running turns False; /health says 503)
             return
+        self._run_hooks(outputs)  # first: a client that has its reply finds it counted in /metrics
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
             if stream is not None:
                 stream._put(out)
-        self._run_hooks(outputs)
 
     def _run_hooks(self, outputs: list[RequestOutput]) -> None:
         for hook in self.output_hooks:

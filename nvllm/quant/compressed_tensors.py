@@ -72,7 +72,12 @@ def weight_scheme(raw: dict[str, Any]) -> dict[str, Any]:
 def _weights(group: str, w: Any) -> dict[str, Any]:
     if not isinstance(w, dict):
         raise ValueError(f"compressed-tensors config group {group!r} has no weights scheme")
-    bits, kind, strategy = w.get("num_bits"), str(w.get("type", "int")), str(w.get("strategy", ""))
+    # normalised as compressed-tensors' QuantizationArgs does: enum values in any case, the strategy inferred
+    # from the group size when left out, actorder true / false for group / none
+    bits, kind = w.get("num_bits"), str(w.get("type", "int")).lower()
+    strategy = str(w.get("strategy") or "").lower()
+    if not strategy and isinstance(w.get("group_size"), int):
+        strategy = "channel" if w["group_size"] == -1 else "group"
     if kind != "int":
         raise ValueError(f"unsupported compressed-tensors weight type {kind!r}: nvllm serves int weights")
     if not isinstance(bits, int) or isinstance(bits, bool) or bits not in (4, 8):
@@ -89,6 +94,9 @@ def _weights(group: str, w: Any) -> dict[str, Any]:
     if w.get("dynamic"):
         raise ValueError("compressed-tensors dynamic weight quantization is not served")
     actorder = w.get("actorder")
+    if isinstance(actorder, bool):
+        actorder = "group" if actorder else None
+    actorder = None if actorder is None else str(actorder).lower()
     actorder = {"static": "weight", "dynamic": "group"}.get(actorder, actorder)
     if actorder not in (None, "weight", "group"):
         raise ValueError(f"unsupported compressed-tensors actorder {w.get('actorder')!r}")
@@ -150,6 +158,11 @@ class GPTQView:
             parts[leaf] = tensor
             if parts.keys() == self.stored.get(module):
                 yield from ((f"{module}.{k}", v) for k, v in self.translate(module, pending.pop(module)).items())
+        for module, parts in pending.items():  # tensor names not known beforehand (a pickle checkpoint)
+            if not self.needs <= parts.keys():
+                raise ValueError(f"compressed-tensors module {module!r} lacks "
+                                 f"{', '.join(sorted(self.needs - parts.keys()))}")
+            yield from ((f"{module}.{k}", v) for k, v in self.translate(module, parts).items())
 
     def translate(self, module: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One module's tensors → GPTQ v1 (see the module doc)."""
@@ -171,11 +184,19 @@ class GPTQView:
         if self.sym:
             zeros = torch.full((groups, out_f), 1 << (bits - 1), dtype=torch.int64)
         else:
-            zeros = unpack_rows(parts["weight_zero_point"], bits)[:out_f].t().to(torch.int64)  # [G, out], unsigned
-            if tuple(zeros.shape) != (groups, out_f):
-                raise ValueError(f"{module}.weight_zero_point does not hold {out_f} x {groups} zero points")
+            zp = parts["weight_zero_point"]
+            rows = -(-out_f // per_word)
+            if zp.dtype != torch.int32 or tuple(zp.shape) != (rows, groups):
+                raise ValueError(f"{module}.weight_zero_point must be int32 [{rows}, {groups}] (packed along the "
+                                 f"outputs), got {zp.dtype} {tuple(zp.shape)}")
+            zeros = unpack_rows(zp, bits)[:out_f].t().to(torch.int64)  # [G, out], unsigned
         g_idx = parts.get("weight_g_idx")
-        g_idx = default_g_idx(in_f, in_f // groups) if g_idx is None else g_idx.to(torch.int32)
+        if g_idx is None:
+            g_idx = default_g_idx(in_f, in_f // groups)
+        elif g_idx.numel() != in_f or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+            raise ValueError(f"{module}.weight_g_idx must give each of the {in_f} inputs a group in [0, {groups})")
+        else:
+            g_idx = g_idx.to(torch.int32)
         mirror = zeros == 0
         if mirror.any():  # v1 cannot store a zero of 0: the code, the zero and the scale mirrored
             top = (1 << bits) - 1

@@ -23,6 +23,9 @@ def check_beam_request(req) -> None:
         raise bad_request("logprobs are not supported with use_beam_search", "logprobs")
     if getattr(req, "tools", None) or constrains_reply(req):
         raise bad_request("use_beam_search does not combine with tools or structured outputs", "use_beam_search")
+    for name in ("allowed_token_ids", "bad_words"):  # beams are ranked by the raw logprobs, which no mask changes
+        if getattr(req, name):
+            raise bad_request(f"{name} is not supported with use_beam_search", name)
 
 
 def beam_params(req, params) -> BeamSearchParams:
