@@ -231,7 +231,8 @@ def test_a_reasoning_block_closed_by_a_token_read_late(demo_dir):
     llm = make_llm(demo_dir, async_scheduling=True, reasoning_parser="deepseek_r1")
     engine, tok = llm.engine, llm.get_tokenizer()
     gt = tok.encode("</think>", add_special_tokens=False)[-1]
-    params = SamplingParams(max_tokens=20, temperature=0.0, logit_bias={gt: 100.0}, structured_outputs=S(regex="[0-9]{3}"))
+    params = SamplingParams(max_tokens=20, temperature=0.0, logit_bias={gt: 100.0},
+                            structured_outputs=S(regex="[0-9]{3}"))
     rid = engine.add_request(None, "Once upon a time", params)
     seq = engine.requests[rid][0]
     for t in tok.encode(" Let me see.</think", add_special_tokens=False):  # the reply so far, as if drawn

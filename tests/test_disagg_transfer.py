@@ -305,6 +305,17 @@ def test_decode_side_recomputes_and_aborts_cleanly():
     assert decode.block_manager.num_free_blocks < decode.block_manager.num_blocks
     decode.handoff.arrived(t.seq, True)
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+    # prompt tokens by source: "a" was recomputed here; the aborted ones are not counted
+    by = decode.stats.prompt_tokens_by_source
+    assert decode.stats.prompt_tokens == len(prompt) and by == {
+        "local_compute": len(prompt), "local_cache_hit": 0, "external_kv_transfer": 0}
+    # received: only the partial block the prefix cache does not hold is fetched (marked arrived here, unfilled)
+    (t,) = decode.add_prefilled_request("e", prompt, p, 0.0, [PrefilledSample(want.token_ids[0])])
+    decode.handoff.arrived(t.seq, True)
+    _run(decode)
+    hit = t.skip_blocks * 16
+    assert decode.stats.prompt_tokens == 2 * len(prompt) and by == {
+        "local_compute": len(prompt), "local_cache_hit": hit, "external_kv_transfer": len(prompt) - hit}
     with pytest.raises(ValueError, match="outside the vocabulary"):
         decode.add_prefilled_request("d", prompt, p, 0.0, [PrefilledSample(10**6)])
     assert "d" not in decode.requests

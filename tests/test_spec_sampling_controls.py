@@ -143,3 +143,14 @@ def test_a_constraint_beginning_inside_a_verified_run(demo_dir):
     assert out.finish_reason == "stop"
     crossing = runs[0][0]  # the first verification: its first token closed the block, and it emitted more
     assert crossing.token_ids[0] == gt and crossing.accepted >= 1 and len(crossing.token_ids) >= 2
+    # acceptance counts the drafts kept: of that run's, only the one that closed the block
+    assert engine.stats.spec.num_accepted_tokens == 1 + sum(r[0].accepted for r in runs[1:])
+
+
+def test_benchmark_mode_accepts_no_draft_a_mask_refuses(drafts, demo_dir):
+    """synthetic_acceptance accepts drafts by coin flip, but never one the constraint (or a ban) refuses."""
+    spec = make_llm(demo_dir, speculative=f"k=3,draft={drafts['truncated']},synthetic_acceptance=1.0")
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=CONSTRAINTS[0], bad_words=["park"])
+    out = spec.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(r"(Lily|Tom)( [a-z]+){4,8}\.", out.text) and "park" not in out.text, out.text
+    assert out.finish_reason == "stop" and spec.engine.stats.spec.num_accepted_tokens > 0

@@ -121,8 +121,8 @@ class KVHandoff:
                 seq.generator.set_state(s.generator_state)
             if seq.prompt_logprobs is not None and prompt_logprobs is not None:
                 seq.prompt_logprobs = list(prompt_logprobs)
-            e._append_token(seq, s.first_token, s.logprobs, s.first_token_time or now)
-            if not seq.finished:
+            e._append_token(seq, s.first_token, s.logprobs, s.first_token_time or now)  # its prompt is counted
+            if not seq.finished:                                                         # once its KV is placed
                 receiving.append(self._allocate(seq))
         return receiving
 
@@ -133,8 +133,10 @@ class KVHandoff:
         hit = bm.allocate_cached_prefix(seq)
         if not bm.allocate_slots(seq, seq.num_prompt_tokens - hit):
             bm.free_sequence(seq)
+            self.engine.stats.count_prompt(seq.num_prompt_tokens, 0)  # recomputed here
             self.engine.scheduler.add(seq)
             return KVTarget(seq, 0, None)
+        seq.local_prefix_hit = hit
         return KVTarget(seq, hit // bm.block_size, seq.block_table[hit // bm.block_size:])
 
     def arrived(self, seq: Sequence, ok: bool) -> None:
@@ -144,9 +146,12 @@ class KVHandoff:
         if seq.finished:
             bm.free_sequence(seq)
             return
-        if ok:
+        if ok:  # the prompt's KV: this worker's prefix-cache hits, the rest received
             seq.num_computed_tokens = seq.num_prompt_tokens
             bm.register_full_blocks(seq)
+            hit = seq.local_prefix_hit
+            self.engine.stats.count_prompt(seq.num_prompt_tokens, hit, received=seq.num_prompt_tokens - hit)
         else:
             bm.free_sequence(seq)
+            self.engine.stats.count_prompt(seq.num_prompt_tokens, 0)  # recomputed here
         self.engine.scheduler.add(seq)

@@ -336,19 +336,20 @@ class LLMEngine:
                 seq.num_computed_tokens += n
                 self._advance(seq, result, now)
             else:
-                drafted = len(proposals[id(seq)].ids)
-                self.stats.spec.record(drafted, v.accepted)
-                kept = 0
-                for tok, lp_info in zip(v.token_ids, v.logprobs):
+                drafted, accepted = len(proposals[id(seq)].ids), v.accepted
+                for kept, (tok, lp_info) in enumerate(zip(v.token_ids, v.logprobs), 1):
                     seq.num_computed_tokens = seq.num_tokens  # the K/V of every token before it are verified
                     waited = seq.grammar_waits
                     self._append_token(seq, tok, lp_info, now)
-                    kept += 1
-                    if seq.finished or waited != seq.grammar_waits:  # a constraint begins: the rest is drawn again
+                    if seq.finished:
                         break
+                    if waited != seq.grammar_waits:  # a constraint begins: the rest is drawn again, not accepted
+                        accepted = min(accepted, kept)
+                        break
+                self.stats.spec.record(drafted, accepted)
                 if not seq.finished:
                     bm.register_full_blocks(seq)
-                    self.spec.after_verify(seq, drafted, v.accepted, kept)
+                    self.spec.after_verify(seq, drafted, accepted)
             if not seq.finished:
                 bm.trim(seq)
         return self._finish_step(touched, partial)
@@ -396,8 +397,9 @@ class LLMEngine:
         """A new token is known; ``length``: the sequence's tokens up to and including it. Metrics, logprobs,
         text, and the finish checks."""
         self.stats.generation_tokens += 1
-        if length == seq.num_prompt_tokens + 1:  # the sequence's first token
-            self.stats.count_prompt(seq.num_prompt_tokens, seq.num_cached_tokens, seq.status is Status.RECEIVING)
+        # the prompt counts at the first token; a decode worker counts it once the prompt's KV is placed (kv_handoff)
+        if length == seq.num_prompt_tokens + 1 and seq.status is not Status.RECEIVING:
+            self.stats.count_prompt(seq.num_prompt_tokens, seq.num_cached_tokens)
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         seq.metrics.last_token_time = now

@@ -30,16 +30,15 @@ class EngineStats:
     finished_requests: int = 0
     spec: SpecStats | None = None  # speculative-decoding counters (None: speculation off)
 
-    def count_prompt(self, total: int, cached: int, received: bool) -> None:
-        """A sequence drew its first token: ``total`` prompt tokens, ``cached`` of them prefix-cache hits;
-        ``received``: its prompt's KV came from a prefill worker."""
+    def count_prompt(self, total: int, cached: int, received: int = 0) -> None:
+        """A sequence's prompt, once (at its first token; on a decode worker once its KV is placed): ``total``
+        tokens, ``cached`` found in this engine's prefix cache, ``received`` from a prefill worker, the rest
+        computed here (a prompt whose transfer failed is recomputed: all of it)."""
         self.prompt_tokens += total
         by = self.prompt_tokens_by_source
-        if received:
-            by["external_kv_transfer"] += total
-        else:
-            by["local_cache_hit"] += cached
-            by["local_compute"] += total - cached
+        by["external_kv_transfer"] += received
+        by["local_cache_hit"] += cached
+        by["local_compute"] += total - cached - received
 
 
 @dataclass

@@ -56,6 +56,7 @@ class Sequence:
     spec_state: object = None  # k=auto: this request's k and acceptance window (nvllm.spec.adaptive.KState)
     # disaggregated prefill: stop after the first token and keep the blocks for a decode worker to fetch
     prefill_only: bool = False
+    local_prefix_hit: int = 0  # decode side: prompt tokens this worker's prefix cache held (the rest is received)
     # asynchronous scheduling: tokens sampled on the device and not read yet, at the end of token_ids as
     # placeholders −1 − (their row in that step's sampled tokens), which the next step's inputs resolve on the
     # device

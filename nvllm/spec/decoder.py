@@ -181,10 +181,10 @@ class SpecDecoder:
                                       seq.bad_words, seq.output_token_ids if seq.bad_words else None))
         return self.sampler(logits, reqs)
 
-    def after_verify(self, seq: Sequence, drafted: int, accepted: int, kept: int) -> None:
-        """``kept``: the emitted tokens the engine appended (fewer than accepted + 1 where a structured outputs
-        constraint began inside the run: the rest is drawn again under it)."""
+    def after_verify(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """``accepted``: the accepted drafts the engine kept (fewer than verification accepted where a structured
+        outputs constraint began inside the run: the rest is drawn again under it)."""
         if self.adaptive is not None and seq.spec_state is not None:
             self.adaptive.update(seq.spec_state, drafted, accepted)
         if self.draft_runner is not None:
-            DraftModelProposer.after_verify(seq, drafted, min(accepted, kept))
+            DraftModelProposer.after_verify(seq, drafted, accepted)

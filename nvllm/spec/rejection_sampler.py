@@ -4,8 +4,9 @@ For a request with k drafted tokens x_1..x_k the target scores k+1 positions in 
 distributions p_1..p_{k+1}, each shaped exactly as the plain sampler would shape it had x_1..x_{i-1} been drawn
 already: the structured outputs mask (the matcher advanced through them), allowed_token_ids, min_tokens' bans, the
 bad words' bans and the penalties (both counting x_1..x_{i-1} as generated), logit_bias, then temperature / top-k /
-top-p / min-p. Draft token x_i was drawn from q_i (the draft model's distribution shaped the same way; a one-hot
-for n-gram proposals). Then, left to right:
+top-p / min-p. Draft token x_i was drawn from q_i: the draft model's distribution under the request's
+temperature, top-k, top-p, min-p and min_tokens' bans, not its masks, bias or penalties (any q keeps the method
+lossless; a closer one is accepted more often), or a one-hot for n-gram proposals. Then, left to right:
   accept x_i with probability min(1, p_i(x_i) / q_i(x_i));
   at the first rejection emit a token drawn from max(0, p_i − q_i) normalised, and stop;
   when all k are accepted emit a bonus token drawn from p_{k+1}.
@@ -185,7 +186,8 @@ class RejectionSampler:
                         q[torch.arange(start, start + k, device=dev), draft[start:start + k]] = 1.0
                 start += k + 1
         if self.synthetic_acceptance is not None:
-            accepted, final = self._synthetic(p, target_argmax, counts, greedy, dev)
+            drawable = torch.isfinite(logits.gather(1, draft[:, None]).squeeze(1))  # what no mask refuses
+            accepted, final = self._synthetic(p, target_argmax, counts, greedy, dev, drawable)
         else:
             accepted, final = rejection_sample(p, q, draft, target_argmax, counts, greedy,
                                                [r.generator for r in reqs], self.generator(dev))
@@ -224,11 +226,13 @@ class RejectionSampler:
                 rows.append(SampleRow(r.params, None, [], ids, r.num_prompt_tokens))
         return rows
 
-    def _synthetic(self, p, target_argmax, counts, greedy, dev) -> tuple[list[int], list[int]]:
+    def _synthetic(self, p, target_argmax, counts, greedy, dev, drawable) -> tuple[list[int], list[int]]:
         """Benchmark mode: accepted drafts per request from independent Bernoulli(rate) trials (stopping at
-        the first failure); the token after them is the target's argmax (greedy) or a draw from its p."""
+        the first failure, and at a draft a mask refuses: a constraint, a bad word, min_tokens); the token after
+        them is the target's argmax (greedy) or a draw from its p."""
         gen = self.generator(dev)
         flags = torch.rand(sum(counts) + len(counts), generator=gen, device=dev) < self.synthetic_acceptance
+        flags &= drawable
         if all(greedy):  # one read: the flags and the target's choices
             flags, argmax = torch.stack([flags.long(), target_argmax]).tolist()
             accepted, final_rows = accepted_runs([bool(f) for f in flags], counts)
