@@ -1,6 +1,6 @@
 """What the serving features cost, in one call on one GPU: batch-1 decode with a LoRA adapter against the base model
 (CUDA graphs) and against the base run eagerly as LoRA runs; a batch under a JSON constraint against the same batch
-unconstrained; beam search against greedy decoding. A table, and $OUT/gpu_features_bench.json.
+unconstrained, and against itself without asynchronous scheduling; beam search against greedy decoding. A table, and $OUT/gpu_features_bench.json.
 
     python3 scripts/gpu_features_bench.py [--config scripts/models/qwen2.5-7b/config.json] [--layers N]
                                           [--tokens 128] [--batch 32] [--lora-rank 16] [--beam-width 4]
@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             # JSON without whitespace limits runs on random weights; the work per token is the same
             run("batch_json", res, a.device, model, batch(StructuredOutputsParams(json_object=True)))
+            # the same without asynchronous scheduling: what reading the step in flight before the masks saves
+            run("batch_json_sync", res, a.device, model, batch(StructuredOutputsParams(json_object=True)),
+                async_scheduling=False)
 
         beams = BeamSearchParams(beam_width=a.beam_width, max_tokens=a.tokens, ignore_eos=True)
         run("beam_search", res, a.device, model, lambda llm: {"beams": len(llm.beam_search([prompt], beams)[0]
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
             ("LoRA b1 TPOT / base eager", "lora_b1", "base_eager_b1", "tpot_ms"),
             ("base eager TPOT / base (graphs)", "base_eager_b1", "base_b1", "tpot_ms"),
             ("JSON batch tok/s / plain", "batch_json", "batch_plain", "tok_per_s"),
+            ("JSON batch tok/s, async / sync scheduling", "batch_json", "batch_json_sync", "tok_per_s"),
             ("beam search wall / greedy wall", "beam_search", "greedy_same_prompt", "wall_s")]
     print(f"{'ratio':40s} value")
     for label, x, y, key in rows:
