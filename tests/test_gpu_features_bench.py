@@ -19,6 +19,6 @@ def test_cpu_end_to_end(tmp_path):
     res = bench.main(["--config", str(cfg), "--device", "cpu", "--tokens", "6", "--batch", "3", "--lora-rank", "4",
                       "--beam-width", "2", "--out", str(tmp_path / "out")])
     saved = json.loads((tmp_path / "out" / "gpu_features_bench.json").read_text())
-    assert saved["ratios"] == res["ratios"] and len(res["ratios"]) == 5
-    assert res["beam_search"]["beams"] == 2 and res["batch_json"]["tokens"] > 0
+    assert saved["ratios"] == res["ratios"] and len(res["ratios"]) == 6
+    assert res["beam_search"]["beams"] == 2 and res["batch_json"]["tokens"] == res["batch_json_sync"]["tokens"] > 0
     assert all(v > 0 for v in res["ratios"].values())
