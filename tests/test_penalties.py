@@ -98,6 +98,28 @@ def test_token_counts_per_row():
     assert counts.tolist() == [[0, 1, 0, 0, 2, 0], [0] * 6, [1, 0, 3, 0, 1, 0]]
 
 
+def test_along_drafts_equals_one_row_per_position():
+    """Speculative verification counts each sequence once and adds its drafts per row: the same logits as the
+    plain penalties on one row per position holding the sequence's tokens and the drafts before it."""
+    from nvllm.layers.penalties import apply_penalties, apply_penalties_along_drafts
+
+    gen = torch.Generator().manual_seed(3)
+    params = [SamplingParams(repetition_penalty=1.7, frequency_penalty=0.5, presence_penalty=0.3),
+              SamplingParams(), SamplingParams(frequency_penalty=-1.0), SamplingParams(repetition_penalty=0.8)]
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 5, 12, 7)]
+    prompts = [4, 5, 3, 7]  # the last sequence has generated nothing yet
+    drafts = [[3, 3, 8], [1], [], [seqs[3][0], 2]]
+    logits = torch.randn(sum(len(d) + 1 for d in drafts), VOCAB, generator=gen)
+    per_position = [SampleRow(p, None, [], [*ids, *d[:j]] if p.penalized else None, n)
+                    for p, ids, n, d in zip(params, seqs, prompts, drafts) for j in range(len(d) + 1)]
+    want = logits.clone()
+    apply_penalties(want, per_position)
+    got = logits.clone()
+    apply_penalties_along_drafts(got, [SampleRow(p, None, [], ids if p.penalized else None, n)
+                                       for p, ids, n in zip(params, seqs, prompts)], drafts)
+    assert torch.equal(got, want) and not torch.equal(got, logits)
+
+
 def test_a_batch_without_penalties_builds_nothing_for_them(monkeypatch):
     """The plain path (greedy argmax, or the Gumbel draw) never reaches the penalty code."""
     def forbidden(*a, **k):

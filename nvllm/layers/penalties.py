@@ -56,14 +56,58 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow], pending: torch.
         out_ids = torch.where(out_ids < 0, pending[(-1 - out_ids).clamp(min=0)], out_ids)
     counts = token_counts(out_ids, [len(rows[i].token_ids) - rows[i].num_prompt_tokens for i in want], vocab)
     ps = [rows[i].params for i in want]
-    whole = len(want) == logits.shape[0]
-    idx = None if whole else _tensor(want, torch.long, dev)
-    x = logits if whole else logits[idx]
+    in_prompt = _prompt_counts(rows, want, vocab, dev) if any(p.repetition_penalty != 1.0 for p in ps) else None
+    _penalize(logits, want, counts, in_prompt, ps)
+
+
+def apply_penalties_along_drafts(logits: torch.Tensor, rows: list[SampleRow], drafts: list[list[int]]) -> None:
+    """Speculative verification: ``rows`` holds one row per request (its sequence's tokens), and request b owns
+    ``len(drafts[b]) + 1`` consecutive rows of ``logits``, its row j penalized as if ``drafts[b][:j]`` had been
+    generated. Each sequence's tokens are counted once; the drafts are added per row."""
+    want = [b for b, r in enumerate(rows) if r.token_ids is not None and r.params.penalized]
+    if not want:
+        return
+    dev, vocab = logits.device, logits.shape[-1]
+    starts = [0]
+    for d in drafts:
+        starts.append(starts[-1] + len(d) + 1)
+    output: list[int] = []
+    for b in want:
+        output += rows[b].token_ids[rows[b].num_prompt_tokens:]
+    base = token_counts(_tensor(output, torch.long, dev),
+                        [len(rows[b].token_ids) - rows[b].num_prompt_tokens for b in want], vocab)
+    spans = [len(drafts[b]) + 1 for b in want]
+    of_row = torch.repeat_interleave(torch.arange(len(want), device=dev), _tensor(spans, torch.long, dev),
+                                     output_size=sum(spans))
+    counts = base[of_row]
+    extra = [(sum(spans[:i]) + j, t) for i, b in enumerate(want) for j in range(1, spans[i])
+             for t in drafts[b][:j]]
+    if extra:
+        r_idx, t_idx = (_tensor(list(x), torch.long, dev) for x in zip(*extra))
+        counts.index_put_((r_idx, t_idx), torch.ones(len(extra), dtype=counts.dtype, device=dev), accumulate=True)
+    ps = [rows[b].params for b, n in zip(want, spans) for _ in range(n)]
+    in_prompt = None
     if any(p.repetition_penalty != 1.0 for p in ps):
-        prompt: list[int] = []
-        for i in want:
-            prompt += rows[i].token_ids[:rows[i].num_prompt_tokens]
-        in_prompt = token_counts(_tensor(prompt, torch.long, dev), [rows[i].num_prompt_tokens for i in want], vocab)
+        in_prompt = _prompt_counts(rows, want, vocab, dev)[of_row]
+    _penalize(logits, [starts[b] + j for b, n in zip(want, spans) for j in range(n)], counts, in_prompt, ps)
+
+
+def _prompt_counts(rows: list[SampleRow], want: list[int], vocab: int, dev: torch.device) -> torch.Tensor:
+    prompt: list[int] = []
+    for i in want:
+        prompt += rows[i].token_ids[:rows[i].num_prompt_tokens]
+    return token_counts(_tensor(prompt, torch.long, dev), [rows[i].num_prompt_tokens for i in want], vocab)
+
+
+def _penalize(logits: torch.Tensor, idx: list[int], counts: torch.Tensor, in_prompt: torch.Tensor | None,
+              ps: list) -> None:
+    """The penalties of rows ``idx`` of ``logits`` (in place): ``counts`` [len(idx), vocab] of their output tokens,
+    ``in_prompt`` of their prompts' (needed for a repetition penalty), ``ps`` their SamplingParams."""
+    dev = logits.device
+    whole = len(idx) == logits.shape[0]
+    rows = None if whole else _tensor(idx, torch.long, dev)
+    x = logits if whole else logits[rows]
+    if in_prompt is not None:
         seen = (counts > 0) | (in_prompt > 0)
         rep = torch.where(seen, _tensor([p.repetition_penalty for p in ps], x.dtype, dev)[:, None], 1.0)
         x = torch.where(x > 0, x / rep, x * rep)
@@ -74,7 +118,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow], pending: torch.
     if whole:
         logits.copy_(x)
     else:
-        logits[idx] = x
+        logits[rows] = x
 
 
 def token_counts(ids: torch.Tensor, lens: list[int], vocab: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 
 from nvllm.engine.structured_output import apply_draft_grammar_masks
 from nvllm.kernels import report
-from nvllm.layers.penalties import apply_logit_bias, apply_penalties, needs_processing
+from nvllm.layers.penalties import apply_logit_bias, apply_penalties_along_drafts, needs_processing
 from nvllm.layers.sampler import SampleRow, apply_banned, apply_top_k_top_p_min_p, host_tensor, token_logprobs
 from nvllm.layers.token_masks import apply_allowed_token_ids, bad_word_bans
 from nvllm.sampling_params import SamplingParams
@@ -166,10 +166,10 @@ class RejectionSampler:
         apply_allowed_token_ids(logits, [(s + j, r.allowed) for s, r, k in zip(starts, reqs, counts) if r.allowed
                                          for j in range(k + 1)])
         apply_banned(logits, self.banned_pairs(reqs, starts), bool(runs) or any(r.allowed for r in reqs))
-        rows = self.penalty_rows(reqs)
+        rows = [SampleRow(r.params, None, [], r.token_ids, r.num_prompt_tokens) for r in reqs]  # one a request
         if needs_processing(rows):
-            apply_logit_bias(logits, rows)
-            apply_penalties(logits, rows)
+            apply_logit_bias(logits, [row for row, k in zip(rows, counts) for _ in range(k + 1)])
+            apply_penalties_along_drafts(logits, rows, [r.draft_ids for r in reqs])
         greedy = [r.params.greedy for r in reqs]
         draft = host_tensor([t for r in reqs for t in (*r.draft_ids, 0)], torch.long, dev)
         target_argmax = logits.argmax(dim=-1)
@@ -213,18 +213,6 @@ class RejectionSampler:
                 pairs += [(s + j, t) for j in range(k + 1)
                           for t in bad_word_bans(r.bad_words, [*r.generated, *r.draft_ids[:j]])]
         return pairs
-
-    @staticmethod
-    def penalty_rows(reqs: list[VerifyRequest]) -> list[SampleRow]:
-        """One sampler row per verified position, for logit_bias and the penalties: row j of a request sees its
-        sequence's tokens and its drafts[:j] (the tokens before that position, had the drafts been drawn by the
-        target), as the plain sampler would at that point."""
-        rows = []
-        for r in reqs:
-            for j in range(len(r.draft_ids) + 1):
-                ids = None if r.token_ids is None else [*r.token_ids, *r.draft_ids[:j]]
-                rows.append(SampleRow(r.params, None, [], ids, r.num_prompt_tokens))
-        return rows
 
     def _synthetic(self, p, target_argmax, counts, greedy, dev, drawable) -> tuple[list[int], list[int]]:
         """Benchmark mode: accepted drafts per request from independent Bernoulli(rate) trials (stopping at
