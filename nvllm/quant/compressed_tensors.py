@@ -177,7 +177,7 @@ class GPTQView:
             raise ValueError(f"{module}: weight_shape {shape.tolist()} does not match weight_packed "
                              f"{tuple(packed.shape)} ({bits}-bit: inputs in whole words)")
         groups = scale.shape[-1] if scale.dim() == 2 else 0
-        if scale.dim() != 2 or scale.shape[0] != out_f or in_f % groups:
+        if scale.dim() != 2 or scale.shape[0] != out_f or groups == 0 or in_f % groups:
             raise ValueError(f"{module}.weight_scale has shape {tuple(scale.shape)}, expected [{out_f}, groups]")
         qweight = packed.t().contiguous()
         scales = scale.t().to(torch.float16).contiguous()
