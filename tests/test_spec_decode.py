@@ -250,6 +250,15 @@ def joint_first_two(llm, prompt_ids: list[int], temperature: float) -> dict[tupl
     return {(a, b): pa * pb for a, pa in top3(prompt_ids).items() for b, pb in top3(prompt_ids + [a]).items()}
 
 
+def first_two_chi2(outs, joint: dict[tuple[int, int], float]) -> float:
+    """χ² of the samples' first two tokens against their joint law (every pair drawn must be one of its keys)."""
+    keys = list(joint)
+    counts = torch.zeros(len(keys))
+    for c in outs:
+        counts[keys.index(tuple(c.token_ids[:2]))] += 1
+    return chi2(counts, torch.tensor([joint[k] for k in keys]))
+
+
 @pytest.mark.parametrize("draft", ["none", "truncated", "truncated chained", "ngram"])
 def test_sampled_tokens_follow_the_target_distribution(draft, drafts, demo_dir):
     """Also through the draft chain's sampled mode (batches of 8: its sampled graphs' limit)."""
@@ -264,11 +273,7 @@ def test_sampled_tokens_follow_the_target_distribution(draft, drafts, demo_dir):
         llm = plain if draft == "none" else make_llm(demo_dir, speculative=spec_of(draft, drafts, 2))
     params = SamplingParams(temperature=temperature, top_k=3, max_tokens=4, n=n, seed=1000, ignore_eos=True)
     outs = llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0].outputs
-    keys = list(joint)
-    counts = torch.zeros(len(keys))
-    for c in outs:
-        counts[keys.index(tuple(c.token_ids[:2]))] += 1
-    assert chi2(counts, torch.tensor([joint[k] for k in keys])) < CHI2_999[8]
+    assert first_two_chi2(outs, joint) < CHI2_999[8]
     if draft != "none":  # the second token came out of verification for every sample, some drafts rejected
         s = llm.engine.stats.spec
         assert s.num_drafts >= n // 5 and 0.05 < s.acceptance_rate < 0.95

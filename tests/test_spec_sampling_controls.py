@@ -14,8 +14,8 @@ import torch
 
 from nvllm import SamplingParams, StructuredOutputsParams as S
 from tests.conftest import make_llm
-from tests.test_spec_decode import spec_of, truncated_copy
-from tests.test_spec_units import CHI2_999, chi2
+from tests.test_spec_decode import first_two_chi2, spec_of, truncated_copy
+from tests.test_spec_units import CHI2_999
 
 PROMPTS = ["Once upon a time", "Lily had a ball. She loved the ball. She", "Tom the dog was happy"]
 
@@ -80,11 +80,7 @@ def test_sampled_penalized_tokens_follow_the_penalized_target(drafts, plain, dem
                             frequency_penalty=1.5, presence_penalty=0.5, logit_bias={boosted: 1.0})
     spec = make_llm(demo_dir, speculative=spec_of("truncated", drafts, 2))
     outs = spec.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0].outputs
-    keys = list(joint)
-    counts = torch.zeros(len(keys))
-    for c in outs:
-        counts[keys.index(tuple(c.token_ids[:2]))] += 1
-    assert chi2(counts, torch.tensor([joint[k] for k in keys])) < CHI2_999[8]
+    assert first_two_chi2(outs, joint) < CHI2_999[8]
     s = spec.engine.stats.spec
     assert s.num_drafts >= n // 5 and 0.05 < s.acceptance_rate < 0.95
 

@@ -134,7 +134,7 @@ class GPTQView:
     them have arrived (shards may split a module)."""
 
     def __init__(self, scheme: dict[str, Any], keys: set[str]):
-        self.bits, self.group_size, self.sym = scheme["bits"], scheme["group_size"], scheme["sym"]
+        self.bits, self.sym = scheme["bits"], scheme["sym"]
         self.needs = {"weight_packed", "weight_scale"} | ({"weight_g_idx"} if scheme["actorder"] == "group" else
                                                           set()) | (set() if self.sym else {"weight_zero_point"})
         self.stored: dict[str, set[str]] = {}  # module → its compressed-tensors tensors in the checkpoint
