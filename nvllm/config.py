@@ -94,7 +94,7 @@ class EngineConfig:
     # request's structured outputs constraint applies from its end on (vLLM's --reasoning-parser)
     reasoning_parser: str | None = None
     # LoRA adapters (vLLM's --enable-lora): at most max_loras on the device at once, of rank up to max_lora_rank;
-    # the forward runs eagerly (no CUDA graphs), on one rank, without speculative decoding
+    # decode steps replay CUDA graphs that read each row's adapter slot; on one rank, without speculative decoding
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 64
@@ -159,7 +159,6 @@ class EngineConfig:
                               "tensor_parallel_size > 1")
         if self.speculative is not None:
             raise ConfigError("LoRA adapters do not combine with speculative decoding")
-        self.enforce_eager = True  # the adapters' rows change every step: no captured graphs
 
     def _check_async_scheduling(self) -> None:
         if self.async_scheduling and self.speculative is not None:

@@ -12,6 +12,7 @@ import torch
 from nvllm import SamplingParams
 from nvllm.engine import cuda_graph as CG
 from nvllm.layers.attention import AttentionMetadata
+from nvllm.lora.layers import LoRAMapping, lora_mapping
 from tests.conftest import make_llm
 from tests.test_spec_decode import drafts, prompts, spec_of  # noqa: F401  (drafts: a module fixture)
 
@@ -25,8 +26,9 @@ class RowGraphs:
         self.model, self.kv_caches, self.max_batch = model, kv_caches, max_batch
         self.fresh_tokens = fresh_tokens   # the attention's promise (DecodeGraphs); 0: none
         self.rows_seen: list[int] = []
+        self.lora_rows_seen: list[list[int] | None] = []
 
-    def run(self, input_ids, positions, slots, block_tables, context_lens):
+    def run(self, input_ids, positions, slots, block_tables, context_lens, lora_slots=None):
         b = len(input_ids)
         assert len(block_tables) == len(context_lens) == b
         self.rows_seen.append(b)
@@ -38,7 +40,10 @@ class RowGraphs:
             context_lens=torch.tensor(context_lens, dtype=torch.int32), max_query_len=1,
             max_context_len=max(context_lens))
         ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids)   # draft: on the device
-        return self.model(ids, torch.tensor(positions), self.kv_caches, meta)
+        self.lora_rows_seen.append(lora_slots)
+        mapping = None if lora_slots is None else LoRAMapping(slots=torch.tensor(lora_slots))
+        with lora_mapping(mapping):   # as the graphs captured with LoRA read their staged slots
+            return self.model(ids, torch.tensor(positions), self.kv_caches, meta)
 
 
 def with_row_graphs(llm, fresh_tokens: int | None = 0) -> RowGraphs:

@@ -84,6 +84,24 @@ def test_adapters_and_the_base_in_one_batch_match_peft(setup):
     check_against_peft(llm, hf_model(base), adapters)
 
 
+def test_decode_graph_rows_apply_each_rows_adapter_slot(setup):
+    """The runner's decode-graph path: a stand-in for DecodeGraphs (tests/test_graph_rows.py) runs the model on the
+    rows and LoRA slots a replay would stage; adapters beside the base model still match PEFT, and steps of the base
+    model alone replay the graphs without LoRA."""
+    from tests.test_graph_rows import with_row_graphs
+
+    _, base, adapters = setup
+    llm = make_llm(str(base), enable_lora=True)
+    graphs = with_row_graphs(llm)
+    check_against_peft(llm, hf_model(base), adapters)
+    seen = [s for s in graphs.lora_rows_seen if s is not None]
+    decodes = [s for s in seen if len(s) == len(PROMPTS) * (len(adapters) + 1)]  # (prompts ran as rows too)
+    assert len(decodes) >= N - 1 and all(set(s) == {-1, 0, 1} for s in seen)  # the base's rows −1; two slots
+    assert all(sorted(s) == sorted([-1, 0, 1] * len(PROMPTS)) for s in decodes)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert graphs.lora_rows_seen[-1] is None
+
+
 def test_adapters_on_a_gptq_base_match_peft_on_its_dequantized_weights(setup):
     root, base, adapters = setup
     deq = write_by_hand(base, root / "gptq", "gptq", bits=4, group=32)

@@ -122,7 +122,7 @@ class ModelRunner:
             verify_rows = (spec.num_speculative_tokens + 1,) if spec is not None and not spec.auto else ()
             self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
                                        -(-self.max_model_len // self.block_size), self.device, verify_rows,
-                                       fresh_tokens=self.fresh_tokens)
+                                       fresh_tokens=self.fresh_tokens, lora=self.lora is not None)
             self.graphs.capture()
             self.piecewise = PiecewiseGraphs(self.model, self.kv_caches,
                                              min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS), self.device,
@@ -324,9 +324,8 @@ class ModelRunner:
                 result.prompt_logprobs.setdefault(id(seq), []).append((p + 1, tok, info))
 
         if self.workers is None:
-            mapping = self.lora.mapping([seq.lora_id for seq, n in scheduled for _ in range(n)]) if self.lora else None
-            with lora_mapping(mapping):
-                result.verify_logits, logits = self.run_model(step, record_prompt_logprobs)
+            lora_ids = [seq.lora_id for seq, n in scheduled for _ in range(n)] if self.lora else None
+            result.verify_logits, logits = self.run_model(step, record_prompt_logprobs, lora_ids)
         else:
             with self.workers.guard():
                 self.tp.broadcast_message(step.pack())
@@ -385,22 +384,27 @@ class ModelRunner:
         return step, sample_owner, plp
 
     @torch.inference_mode()
-    def run_model(self, step: StepInputs, on_prompt_logits: Callable[[int, torch.Tensor], None] | None = None
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def run_model(self, step: StepInputs, on_prompt_logits: Callable[[int, torch.Tensor], None] | None = None,
+                  lora_ids: list[int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The forward of one step and its LM-head calls, on every rank. Returns (verify logits, logits of the
         rows to sample) — on rank 0; None, None elsewhere. Prompt-logprob rows go through the LM head in chunks
-        of bounded size, each handed to ``on_prompt_logits(first row index, logits)`` on rank 0."""
+        of bounded size, each handed to ``on_prompt_logits(first row index, logits)`` on rank 0. ``lora_ids``: each
+        token's LoRA adapter (0: none), with enable_lora."""
         dev = self.device
-        if (self.graphs is not None and step.max_query_len <= graph_query_len(self.graphs.fresh_tokens)
-                and not step.prompt_rows and len(step.input_ids) <= self.graphs.max_batch):
+        promise = self.graphs.fresh_tokens if self.graphs is not None else self.fresh_tokens
+        short = step.max_query_len <= graph_query_len(promise) and not step.prompt_rows
+        if self.graphs is not None and short and len(step.input_ids) <= self.graphs.max_batch:
             tables, ctx = step.block_tables, step.context_lens
             if step.max_query_len > 1:  # one graph row per token, attending to the positions up to its own
                 qsl = step.query_start_loc
                 tables = [t for t, a, b in zip(step.block_tables, qsl, qsl[1:]) for _ in range(b - a)]
                 ctx = [p + 1 for p in step.positions]
-            hidden = self.graphs.run(step.input_ids, step.positions, step.slots, tables, ctx)
+            lora_slots = self.lora.slots(lora_ids) if lora_ids else None
+            hidden = self.graphs.run(step.input_ids, step.positions, step.slots, tables, ctx, lora_slots)
         else:
-            piecewise = self.piecewise is not None and self.piecewise.fits(len(step.positions))
+            # short steps apply adapters per token, as the decode graphs do; steps with prompt chunks per adapter
+            mapping = self.lora.mapping(lora_ids, per_token=short) if lora_ids else None
+            piecewise = mapping is None and self.piecewise is not None and self.piecewise.fits(len(step.positions))
             meta = AttentionMetadata(
                 slot_mapping=step.slots if piecewise else host_tensor(step.slots, torch.long, dev),
                 block_tables=host_tensor(step.block_tables, torch.int32, dev),
@@ -411,8 +415,9 @@ class ModelRunner:
             if piecewise:
                 hidden = self.piecewise.run(ids, step.positions, meta)
             else:
-                hidden = self.model(ids if isinstance(ids, torch.Tensor) else host_tensor(ids, torch.long, dev),
-                                    host_tensor(step.positions, torch.long, dev), self.kv_caches, meta)
+                with lora_mapping(mapping):
+                    hidden = self.model(ids if isinstance(ids, torch.Tensor) else host_tensor(ids, torch.long, dev),
+                                        host_tensor(step.positions, torch.long, dev), self.kv_caches, meta)
 
         verify = self._logits(hidden, step.verify_rows) if step.verify_rows else None
         for c in range(0, len(step.prompt_rows), _PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] temporaries

@@ -1,8 +1,8 @@
-"""The model runner's LoRA adapters: the decoder linears wrapped once (``LoRALinear``); adapters read and checked
-when a request names them (``register``: a bad checkpoint is that request's error) and kept in host memory; put on
-the device when the scheduler admits one of their sequences (``activate``), at most ``max_loras`` at once, an
-adapter no running sequence uses making room, least recently used first (a sequence whose adapter finds no slot
-waits, as in vLLM); and each step's mapping of tokens to adapters."""
+"""The model runner's LoRA adapters: the decoder linears wrapped once (``LoRALinear``, with their device slots);
+adapters read and checked when a request names them (``register``: a bad checkpoint is that request's error) and
+kept in host memory; put in a device slot when the scheduler admits one of their sequences (``activate``), at most
+``max_loras`` at once, an adapter no running sequence uses making room, least recently used first (a sequence
+whose adapter finds no slot waits, as in vLLM); and each step's mapping of tokens to slots."""
 
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ class LoRAManager:
         self.linears: dict[str, LoRALinear] = {}
         for i, layer in enumerate(model.layers):
             for attr in _LINEARS:
-                wrapped = LoRALinear(getattr(layer, attr))
+                wrapped = LoRALinear(getattr(layer, attr), max_loras, max_lora_rank, dtype, device)
                 setattr(layer, attr, wrapped)
                 self.linears[f"layers.{i}.{attr}"] = wrapped
         # id → (request, host copy, salt), least recently used first
         self.known: OrderedDict[int, tuple[LoRARequest, dict[str, LoRAWeights], bytes]] = OrderedDict()
-        self.loaded: OrderedDict[int, None] = OrderedDict()  # on the device, least recently used first
+        self.loaded: OrderedDict[int, int] = OrderedDict()  # id → its device slot, least recently used first
 
     def register(self, request: LoRARequest, in_use: set[int]) -> bytes:
         """Read and check the adapter (unless known) and return its prefix-cache salt. ConfigError for a bad
@@ -80,10 +80,12 @@ class LoRAManager:
                 return False
             self._drop(idle)
         request, weights, _ = self.known[lora_id]
-        for name, w in weights.items():
-            self.linears[name].adapters[lora_id] = LoRAWeights(w.a.to(self.device), w.b.to(self.device))
-        self.loaded[lora_id] = None
-        logger.info("LoRA adapter %r on the device (id %d, %d linears)", request.lora_name, lora_id, len(weights))
+        slot = min(set(range(self.max_loras)) - set(self.loaded.values()))
+        for name, linear in self.linears.items():
+            linear.load(slot, weights.get(name))
+        self.loaded[lora_id] = slot
+        logger.info("LoRA adapter %r on the device (id %d, slot %d, %d linears)", request.lora_name, lora_id, slot,
+                    len(weights))
         return True
 
     def forget(self, lora_id: int) -> bool:
@@ -92,21 +94,28 @@ class LoRAManager:
         return self.known.pop(lora_id, None) is not None
 
     def _drop(self, lora_id: int) -> None:
-        if lora_id in self.loaded:
-            del self.loaded[lora_id]
-            for linear in self.linears.values():
-                linear.adapters.pop(lora_id, None)
+        self.loaded.pop(lora_id, None)  # its slot's weights stay until the next adapter there overwrites them
 
-    def mapping(self, token_lora_ids: list[int]) -> LoRAMapping | None:
-        """The step's rows of each adapter (id 0, the base model, has none); None when no token runs one."""
-        rows: dict[int, list[int]] = {}
-        for row, lora_id in enumerate(token_lora_ids):
-            if lora_id:
-                rows.setdefault(lora_id, []).append(row)
-        if not rows:
+    def slots(self, token_lora_ids: list[int]) -> list[int] | None:
+        """Each token's device slot, −1 for the base model (id 0); None when no token runs an adapter."""
+        if not any(token_lora_ids):
             return None
-        return LoRAMapping({i: torch.tensor(r, dtype=torch.long).to(self.device, non_blocking=True)
-                            for i, r in rows.items()})
+        return [self.loaded[i] if i else -1 for i in token_lora_ids]
+
+    def mapping(self, token_lora_ids: list[int], per_token: bool) -> LoRAMapping | None:
+        """The step's mapping (None when no token runs an adapter): each token's slot (``per_token``: decode steps),
+        else each slot's rows."""
+        slots = self.slots(token_lora_ids)
+        if slots is None:
+            return None
+        if per_token:
+            return LoRAMapping(slots=torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True))
+        rows: dict[int, list[int]] = {}
+        for row, slot in enumerate(slots):
+            if slot >= 0:
+                rows.setdefault(slot, []).append(row)
+        return LoRAMapping(rows={s: torch.tensor(r, dtype=torch.long).to(self.device, non_blocking=True)
+                                 for s, r in rows.items()})
 
 
 def _salt(request: LoRARequest) -> bytes:
