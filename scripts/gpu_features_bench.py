@@ -48,7 +48,8 @@ def model_dir(config: Path, layers: int | None, work: Path) -> Path:
 
 
 def write_adapter(model: Path, rank: int, out: Path) -> Path:
-    """A PEFT LoRA on every decoder projection, random A and B (B small: the outputs stay sane)."""
+    """A PEFT LoRA on every decoder projection, random A and B (B small, the outputs stay sane, yet large enough
+    to change the greedy tokens)."""
     from safetensors.torch import save_file
 
     cfg = json.loads((model / "config.json").read_text())
@@ -64,7 +65,7 @@ def write_adapter(model: Path, rank: int, out: Path) -> Path:
         for name, (fan_in, fan_out) in shapes.items():
             key = f"base_model.model.model.layers.{i}.{name}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g).to(torch.bfloat16) / fan_in ** .5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g).to(torch.bfloat16) * 1e-3
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g).to(torch.bfloat16) * 1e-2
     out.mkdir(parents=True)
     save_file(tensors, out / "adapter_model.safetensors")
     (out / "adapter_config.json").write_text(json.dumps({

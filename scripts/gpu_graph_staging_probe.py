@@ -29,7 +29,7 @@ def main() -> None:
         t = [time.perf_counter()]
         g.copied.synchronize(); t.append(time.perf_counter())
         x = torch.tensor([ids, pos, slots]); t.append(time.perf_counter())
-        g.host_meta[:, :b] = x; t.append(time.perf_counter())
+        g.host_meta[:3, :b] = x; t.append(time.perf_counter())   # row 3, the LoRA slots, stays -1
         g.host_meta[:2, b:bs] = 0; g.host_meta[2, b:bs] = -1; t.append(time.perf_counter())
         g.host_ctx[:b] = torch.tensor(ctx, dtype=torch.int32); g.host_ctx[b:bs] = 0; t.append(time.perf_counter())
         g.host_tables[:b, :16] = torch.tensor(tables, dtype=torch.int32); t.append(time.perf_counter())

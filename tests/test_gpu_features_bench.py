@@ -22,4 +22,4 @@ def test_cpu_end_to_end(tmp_path):
     assert saved["ratios"] == res["ratios"] and len(res["ratios"]) == 6
     assert res["beam_search"]["beams"] == 2 and res["batch_json"]["tokens"] == res["batch_json_sync"]["tokens"] > 0
     assert all(v > 0 for v in res["ratios"].values())
-    assert res["lora_graphs_tokens_equal_eager"]
+    assert res["lora_graphs_tokens_equal_eager"] and res["lora_tokens_differ_from_base"]

@@ -25,6 +25,7 @@ triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload unde
 
 K_CHUNK = 512    # inputs per shrink program: 7 programs a token for a 3584-wide input
 R_STEP = 32      # ranks per step of the expand's loop (it runs up to the slot's rank only)
+BLOCK_N = 64     # outputs per expand program
 
 
 @_jit
@@ -103,8 +104,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     ws = torch.empty(chunks * T * block_r, device=x.device, dtype=torch.float32)
     _shrink_kernel[(T, chunks)](x, a, slots, ranks, ws, T, K, x.stride(0), a.stride(0), a.stride(1),
                                 K_CHUNK=K_CHUNK, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
-    block_n = 64
-    _expand_kernel[(T, triton.cdiv(N, block_n))](y, b, slots, ranks, ws, T, N, chunks, y.stride(0), b.stride(0),
-                                                 b.stride(1), BLOCK_R=block_r, BLOCK_N=block_n, R_STEP=R_STEP,
+    _expand_kernel[(T, triton.cdiv(N, BLOCK_N))](y, b, slots, ranks, ws, T, N, chunks, y.stride(0), b.stride(0),
+                                                 b.stride(1), BLOCK_R=block_r, BLOCK_N=BLOCK_N, R_STEP=R_STEP,
                                                  num_warps=4)
     return y
