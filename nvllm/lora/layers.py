@@ -68,9 +68,9 @@ class LoRALinear(nn.Module):
     def load(self, slot: int, w: LoRAWeights | None) -> None:
         """Put an adapter's weights for this linear in ``slot`` (None: the adapter leaves this linear alone)."""
         r = 0 if w is None else w.a.shape[0]
-        if r:
-            self.a[slot, :r].copy_(w.a)
-            self.b[slot, :, :r].copy_(w.b)
+        if r:  # in stream order: after every step already queued, before the next (non-blocking from pinned memory)
+            self.a[slot, :r].copy_(w.a, non_blocking=True)
+            self.b[slot, :, :r].copy_(w.b, non_blocking=True)
         self.ranks[slot] = r
         self.slot_ranks[slot] = r
 

@@ -59,6 +59,8 @@ class LoRAManager:
             raise
         except Exception as e:  # noqa: BLE001 - a damaged file, an adapter of another model: this request's error
             raise ConfigError(f"cannot load LoRA adapter {request.lora_path}: {first_line(e)}") from None
+        if self.device.type == "cuda":  # pinned: putting it in a slot later does not wait for the step in flight
+            weights = {name: LoRAWeights(w.a.pin_memory(), w.b.pin_memory()) for name, w in weights.items()}
         self.known[request.lora_int_id] = (request, weights, _salt(request))
         while len(self.known) > self.max_cpu_loras:  # host memory: drop the least recently used idle adapter
             idle = next((i for i in self.known if i not in in_use and i != request.lora_int_id), None)
