@@ -54,7 +54,7 @@ def check_against_peft(llm, reference_base, adapters: dict[str, Path], logprob_t
             want, lp = peft_greedy(reference_base, adapters.get(n), prompt)
             tokens, got_lp = got[(tuple(prompt), n)]
             assert tokens[:len(want)] == want, (n, prompt)  # HF stops at EOS; ignore_eos goes on
-            assert got_lp == pytest.approx(lp, abs=logprob_tol)
+            assert got_lp == pytest.approx(lp, abs=logprob_tol), (n, prompt, got_lp, lp)
     assert len({tuple(v[0]) for v in got.values()}) > len(PROMPTS)  # the adapters do change the output
 
 

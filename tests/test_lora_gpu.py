@@ -1,6 +1,8 @@
 """LoRA on a GPU (skipped elsewhere; run there with ``TRITON_INTERPRET=0``): the compiled slot kernels against their
 torch reference at a 7B's shapes, and the engine whose decode steps replay the CUDA graphs captured with LoRA
-against the same engine run eagerly, against one that must swap adapters through a single slot, and against PEFT."""
+against the same engine run eagerly, against one that must swap adapters through a single slot, and against PEFT.
+The engines run in float32, as PEFT's reference does: a bf16 engine's first logprobs differ from it by more than any
+tolerance that would still catch a wrong slot (the kernels' bf16 path is the first test's, at a 7B's shapes)."""
 
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ def test_lora_decode_graphs_equal_eager_and_peft(setup):
     runs = {}
     replays = {}
     for name, kw in (("graphs", {}), ("eager", {"enforce_eager": True}), ("one slot", {"max_loras": 1})):
-        llm = make_llm(str(base), device="cuda", enable_lora=True, **kw)
+        llm = make_llm(str(base), device="cuda", dtype="float32", enable_lora=True, **kw)
         graphs = llm.engine.runner.graphs
         assert (graphs is None) == (name == "eager")
         if graphs is not None:
