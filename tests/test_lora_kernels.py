@@ -1,7 +1,8 @@
 """The stacked-slot LoRA kernels (``nvllm.kernels.lora``) against their torch reference on the CPU under the Triton
 interpreter, and the reference against the per-token formula written out: slots of different ranks, a slot of rank 0,
-base-model tokens (slot −1) left bit for bit, inputs longer than one shrink chunk with a ragged tail, ranks over one
-expand step, and stack entries beyond a slot's rank holding NaN, which nothing may read."""
+base-model tokens (slot −1) left bit for bit, inputs longer than one shrink chunk with a ragged tail (short and long
+inputs, which launch different chunk and block sizes at a small batch), ranks over one expand step, and stack
+entries beyond a slot's rank holding NaN, which nothing may read."""
 
 import os
 
@@ -12,10 +13,11 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from nvllm.kernels.lora import K_CHUNK, lora_apply, lora_apply_reference  # noqa: E402
+from nvllm.kernels.lora import launch_sizes, lora_apply, lora_apply_reference  # noqa: E402
 
 
-def case(dtype, T=6, K=K_CHUNK * 2 + 77, N=130, R=40, ranks=(40, 7, 0), slots=(0, -1, 2, 0, 1, -1), seed=0):
+def case(dtype, T=6, K=launch_sizes(6, 1)[0] * 2 + 77, N=130, R=40, ranks=(40, 7, 0), slots=(0, -1, 2, 0, 1, -1),
+         seed=0):
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(len(ranks), R, K, generator=g) / K ** 0.5
     b = torch.randn(len(ranks), N, R, generator=g)
@@ -45,10 +47,12 @@ def test_reference_is_the_per_token_formula(dtype):
     torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5)
 
 
+@pytest.mark.parametrize("K", [launch_sizes(6, 1)[0] * 2 + 77, 4096 + launch_sizes(6, 8192)[0] + 77],
+                         ids=["short", "long"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kernels_equal_the_reference(dtype, monkeypatch):
+def test_kernels_equal_the_reference(dtype, K, monkeypatch):
     monkeypatch.setenv("NVLLM_KERNELS", "triton")
-    y, x, a, b, ranks, slots = case(dtype)
+    y, x, a, b, ranks, slots = case(dtype, K=K)
     want = lora_apply_reference(y.clone(), x, a, b, ranks, slots)
     got = y.clone()
     assert lora_apply(got, x, a, b, ranks, slots) is got

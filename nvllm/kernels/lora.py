@@ -5,7 +5,7 @@ The adapters on the device sit in fixed slots of one stack per linear (``LoRALin
 A step's tokens name their slot (``slots[t]``, −1: the base model), so one pair of kernels serves every adapter in
 the batch and the launch does not depend on which adapters run — the shape vLLM's punica kernels have:
 
-* ``shrink``: ``xa[t] = A[slots[t]] x[t]`` (fp32), K split in chunks of ``K_CHUNK`` over a second grid axis so
+* ``shrink``: ``xa[t] = A[slots[t]] x[t]`` (fp32), K split in chunks (``launch_sizes``) over a second grid axis so
   that one token's row still spreads over many SMs; each chunk writes its partial to a workspace.
 * ``expand``: ``y[t] += B[slots[t]] xa[t]``, summing the chunks' partials as it reads them, in fp32, rounded once
   into ``y`` (the base linear's finished output, changed in place).
@@ -23,9 +23,18 @@ from nvllm.kernels.backend import eager_triton, use_triton
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
-K_CHUNK = 512    # inputs per shrink program: 7 programs a token for a 3584-wide input
-R_STEP = 32      # ranks per step of the expand's loop (it runs up to the slot's rank only)
-BLOCK_N = 64     # outputs per expand program
+R_STEP = 32  # ranks per step of the expand's loop (it runs up to the slot's rank only)
+K_CHUNK: int | None = None  # set both to fix the sizes (scripts/gpu_lora_bench.py sweeps them); None: launch_sizes
+BLOCK_N: int | None = None
+
+
+def launch_sizes(tokens: int, k: int) -> tuple[int, int]:
+    """(inputs per shrink program, outputs per expand program) for ``tokens`` rows of a linear of ``k`` inputs: the
+    best of the sizes measured at a 7B's projections on the H200 (docs/PERF.md run EE). Up to 8 rows, short inputs
+    go in chunks of 256 (14 programs a row for 3584), which spreads a row over more SMs; longer inputs (down_proj's
+    18944) and larger batches in chunks of 512, with wider expand programs, which then sum fewer copies of the
+    chunks' partials."""
+    return (256, 64) if tokens <= 8 and k <= 4096 else (512, 128)
 
 
 @_jit
@@ -98,13 +107,14 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     if T == 0:
         return y
     assert y.stride(1) == 1 and x.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1 and ranks.is_contiguous()
+    k_chunk, block_n = (K_CHUNK, BLOCK_N) if K_CHUNK else launch_sizes(T, K)
     block_r = max(16, triton.next_power_of_2(a.shape[1]))
-    block_k = min(K_CHUNK, max(16, 8192 // block_r))
-    chunks = triton.cdiv(K, K_CHUNK)
+    block_k = min(k_chunk, max(16, 8192 // block_r))
+    chunks = triton.cdiv(K, k_chunk)
     ws = torch.empty(chunks * T * block_r, device=x.device, dtype=torch.float32)
     _shrink_kernel[(T, chunks)](x, a, slots, ranks, ws, T, K, x.stride(0), a.stride(0), a.stride(1),
-                                K_CHUNK=K_CHUNK, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
-    _expand_kernel[(T, triton.cdiv(N, BLOCK_N))](y, b, slots, ranks, ws, T, N, chunks, y.stride(0), b.stride(0),
-                                                 b.stride(1), BLOCK_R=block_r, BLOCK_N=BLOCK_N, R_STEP=R_STEP,
+                                K_CHUNK=k_chunk, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    _expand_kernel[(T, triton.cdiv(N, block_n))](y, b, slots, ranks, ws, T, N, chunks, y.stride(0), b.stride(0),
+                                                 b.stride(1), BLOCK_R=block_r, BLOCK_N=block_n, R_STEP=R_STEP,
                                                  num_warps=4)
     return y
