@@ -154,9 +154,6 @@ class EngineConfig:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if not self.enable_lora:
             return
-        if self.tensor_parallel_size > 1:
-            raise ConfigError("LoRA adapters run on one rank; enable_lora does not combine with "
-                              "tensor_parallel_size > 1")
         if self.speculative is not None:
             raise ConfigError("LoRA adapters do not combine with speculative decoding")
 

@@ -2,7 +2,8 @@
 
 A worker joins the group, builds its ModelRunner (its shard of the weights, its KV cache, its CUDA graphs —
 the same start-up as rank 0's, collective for collective), then runs every step rank 0 broadcasts: the same
-forward and the same LM-head calls, never sampling. An empty message ends the loop. Any exception is sent to
+forward and the same LM-head calls, never sampling. Before a step, rank 0 may send the LoRA adapters it put in
+slots, which the worker puts in the same slots. An empty message ends the loop. Any exception is sent to
 rank 0 through the pipe (pickled when it can be, so a ConfigError arrives as a ConfigError) before the process
 exits; a worker whose parent dies exits too.
 """
@@ -59,6 +60,7 @@ def worker_main(rank: int, size: int, port: int, config, conn, num_threads: int)
         from nvllm.distributed.group import STORE_TIMEOUT, TPGroup
         from nvllm.engine.model_runner import ModelRunner
         from nvllm.engine.step_inputs import StepInputs
+        from nvllm.lora.manager import read_loads_message
 
         torch.set_num_threads(num_threads)
         logger = logging.getLogger("nvllm")  # rank 0 logs for everyone; a worker only adds its errors
@@ -75,7 +77,13 @@ def worker_main(rank: int, size: int, port: int, config, conn, num_threads: int)
         group = TPGroup.connect(rank, size, store, device)
         runner = ModelRunner(config, tp=group)
         while True:
-            step = StepInputs.unpack(group.broadcast_message())
+            message = group.broadcast_message()
+            loads = read_loads_message(message)
+            if loads is not None:
+                for slot, request in loads:
+                    runner.lora.put(slot, request)
+                continue
+            step = StepInputs.unpack(message)
             if step is None:
                 break
             runner.run_model(step)

@@ -35,7 +35,7 @@ from nvllm.layers.attention import (AttentionMetadata, allocate_kv_caches, kv_ca
 from nvllm.layers.linear import interleave_gate_ups
 from nvllm.layers.sampler import Sampler, SampleRow, batch_token_logprobs, host_tensor
 from nvllm.lora.layers import lora_mapping
-from nvllm.lora.manager import LoRAManager
+from nvllm.lora.manager import LoRAManager, loads_message
 from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model, quantization_plan
 from nvllm.models.registry import resolve_architecture
 
@@ -108,7 +108,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.sampler = Sampler(config.seed)
         self.lora = LoRAManager(self.model, self.dtype, self.device, config.max_loras, config.max_lora_rank,
-                                config.allow_pickle, config.max_cpu_loras) if config.enable_lora else None
+                                config.allow_pickle, config.max_cpu_loras, mirrored=self.tp.size > 1
+                                ) if config.enable_lora else None
         if self.device.type == "cuda":
             self.tp.enable_one_shot(self.dtype, self.device)  # before any graph captures an all-reduce
             self._gemm_choices()
@@ -323,11 +324,15 @@ class ModelRunner:
             for (seq, p), tok, info in zip(chunk, toks, infos):
                 result.prompt_logprobs.setdefault(id(seq), []).append((p + 1, tok, info))
 
+        if self.lora is not None:
+            step.lora_slots = self.lora.slots([seq.lora_id for seq, n in scheduled for _ in range(n)])
         if self.workers is None:
-            lora_ids = [seq.lora_id for seq, n in scheduled for _ in range(n)] if self.lora else None
-            result.verify_logits, logits = self.run_model(step, record_prompt_logprobs, lora_ids)
+            result.verify_logits, logits = self.run_model(step, record_prompt_logprobs)
         else:
             with self.workers.guard():
+                if self.lora is not None and self.lora.pending:  # adapters put in slots since the last step
+                    self.tp.broadcast_message(loads_message(self.lora.pending))
+                    self.lora.pending.clear()
                 self.tp.broadcast_message(step.pack())
                 result.verify_logits, logits = self.run_model(step, record_prompt_logprobs)
         pending = prev_tokens if drafts is None else None  # what penalized rows' placeholders stand for
@@ -384,12 +389,12 @@ class ModelRunner:
         return step, sample_owner, plp
 
     @torch.inference_mode()
-    def run_model(self, step: StepInputs, on_prompt_logits: Callable[[int, torch.Tensor], None] | None = None,
-                  lora_ids: list[int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def run_model(self, step: StepInputs, on_prompt_logits: Callable[[int, torch.Tensor], None] | None = None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The forward of one step and its LM-head calls, on every rank. Returns (verify logits, logits of the
         rows to sample) — on rank 0; None, None elsewhere. Prompt-logprob rows go through the LM head in chunks
-        of bounded size, each handed to ``on_prompt_logits(first row index, logits)`` on rank 0. ``lora_ids``: each
-        token's LoRA adapter (0: none), with enable_lora."""
+        of bounded size, each handed to ``on_prompt_logits(first row index, logits)`` on rank 0. With LoRA the step
+        names each token's slot (``step.lora_slots``)."""
         dev = self.device
         promise = self.graphs.fresh_tokens if self.graphs is not None else self.fresh_tokens
         short = step.max_query_len <= graph_query_len(promise) and not step.prompt_rows
@@ -399,11 +404,10 @@ class ModelRunner:
                 qsl = step.query_start_loc
                 tables = [t for t, a, b in zip(step.block_tables, qsl, qsl[1:]) for _ in range(b - a)]
                 ctx = [p + 1 for p in step.positions]
-            lora_slots = self.lora.slots(lora_ids) if lora_ids else None
-            hidden = self.graphs.run(step.input_ids, step.positions, step.slots, tables, ctx, lora_slots)
+            hidden = self.graphs.run(step.input_ids, step.positions, step.slots, tables, ctx, step.lora_slots)
         else:
             # short steps apply adapters per token, as the decode graphs do; steps with prompt chunks per adapter
-            mapping = self.lora.mapping(lora_ids, per_token=short) if lora_ids else None
+            mapping = self.lora.mapping(step.lora_slots, per_token=short) if self.lora is not None else None
             piecewise = mapping is None and self.piecewise is not None and self.piecewise.fits(len(step.positions))
             meta = AttentionMetadata(
                 slot_mapping=step.slots if piecewise else host_tensor(step.slots, torch.long, dev),

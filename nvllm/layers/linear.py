@@ -72,16 +72,24 @@ class Linear(nn.Module):
             return gemm_silu_and_mul(x, self.weight, self.bias, self.interleave)
         return silu_and_mul(self(x))
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, partial: bool = False,
+                reduce: bool = True) -> torch.Tensor:
         """``out``: an optional destination (contiguous rows), e.g. a CUDA-graph piece's static buffer.
         ``partial`` is ``QuantLinear``'s (dense GEMMs finish their outputs: always a tensor). ``x`` may be a split
-        decode attention's unmerged partials (o_proj), merged first."""
+        decode attention's unmerged partials (o_proj), merged first. ``reduce=False``: a row-parallel layer returns
+        this rank's partial output, for ``sum_over_ranks`` to finish (LoRA adds to it first)."""
         x = finished_attention(x)
         if self.tp is None or self.tp.size == 1:
             return gemm(x, self.weight, self.bias, out=out)
-        y = self.tp.all_reduce(gemm(x, self.weight))
-        y = y if self.bias is None else y + self.bias
-        return y if out is None else out.copy_(y)
+        y = gemm(x, self.weight)
+        return sum_over_ranks(self, y, out) if reduce else y
+
+
+def sum_over_ranks(layer: nn.Module, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A row-parallel layer's output from this rank's partial ``y``: the sum over the ranks, then the bias once."""
+    y = layer.tp.all_reduce(y)
+    y = y if layer.bias is None else y + layer.bias
+    return y if out is None else out.copy_(y)
 
 
 GATE_UP_BLOCK = 4

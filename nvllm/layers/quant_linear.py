@@ -32,6 +32,7 @@ from nvllm.distributed.partition import LinearShard, Part, take_shard
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.partial_sum import PartialSum
 from nvllm.kernels.quant_gemm import quant_linear
+from nvllm.layers.linear import sum_over_ranks
 from nvllm.quant.formats import QuantWeight, awq_to_gptq, default_g_idx
 from nvllm.quant.plan import QuantScheme
 
@@ -221,17 +222,17 @@ class QuantLinear(nn.Module):
         """``SiLU(gate) · up`` of this gate/up layer's output (a GEMV's split-K sum finished by SiLU·mul)."""
         return silu_and_mul(self(x, partial=True))
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                partial: bool = False) -> torch.Tensor | PartialSum:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, partial: bool = False,
+                reduce: bool = True) -> torch.Tensor | PartialSum:
         """``out``: an optional destination (copied into: the quantized kernels write fresh tensors).
         ``partial``: a GEMV call may return its unfinished ``PartialSum`` for the consumer to finish (not with
-        ``out`` or tensor parallelism)."""
+        ``out`` or tensor parallelism). ``reduce=False``: a row-parallel layer returns this rank's partial output,
+        for ``sum_over_ranks`` to finish."""
         if self.tp is None or self.tp.size == 1:
             y = quant_linear(x, self.quant_weight(), self.bias, partial=partial and out is None)
-        else:
-            y = self.tp.all_reduce(quant_linear(x, self.quant_weight()))  # partial sums of this rank's inputs
-            y = y if self.bias is None else y + self.bias
-        return y if out is None else out.copy_(y)
+            return y if out is None else out.copy_(y)
+        y = quant_linear(x, self.quant_weight())  # partial sums of this rank's inputs
+        return sum_over_ranks(self, y, out) if reduce else y
 
     def extra_repr(self) -> str:
         layout = " (in the GPTQ layout)" if self._repacked else ""

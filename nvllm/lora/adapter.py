@@ -116,18 +116,28 @@ def _tensors(path: str, allow_pickle: bool) -> dict[str, torch.Tensor]:
 
 
 def _fuse(linear, shards, scale: float, dtype, device, path: str) -> LoRAWeights:
-    """Stack the A's and place the B's of one fused linear's projections (shard None: an unfused linear)."""
+    """Stack the A's and place the B's of one fused linear's projections (shard None: an unfused linear). With tensor
+    parallelism each rank keeps its piece: a column-parallel linear's B rows of its outputs, a row-parallel linear's
+    A columns of its inputs (its partial B·A·x joins the ranks' sum of the base output)."""
     base = getattr(linear, "base", linear)
+    split = base.shard  # this rank's piece of the linear; None: it is whole
     ranks = sum(a.shape[0] for _, a, _ in shards)
     a_cat = torch.zeros(ranks, base.in_features, dtype=torch.float32)
     b_cat = torch.zeros(base.out_features, ranks, dtype=torch.float32)
     col = 0
     for shard, a, b in sorted(shards, key=lambda s: -1 if s[0] is None else s[0]):
         rows = base.shard_slice(shard)
-        want_b = (rows.stop - rows.start, a.shape[0])
-        if a.shape[1] != base.in_features or tuple(b.shape) != want_b:
+        cols = split.inputs if split is not None and split.row_parallel else None
+        outs = split.outputs[shard or 0] if split is not None and not split.row_parallel else None
+        want_in = cols.total if cols else base.in_features
+        want_b = (outs.total if outs else rows.stop - rows.start, a.shape[0])
+        if a.shape[1] != want_in or tuple(b.shape) != want_b:
             raise ConfigError(f"LoRA adapter {path}: shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit a "
-                              f"linear of {base.in_features} inputs and {want_b[0]} outputs")
+                              f"linear of {want_in} inputs and {want_b[0]} outputs")
+        if cols:
+            a = a.narrow(1, cols.start, cols.size)
+        if outs:
+            b = b.narrow(0, outs.start, outs.size)
         a_cat[col:col + a.shape[0]] = a.float()
         b_cat[rows, col:col + a.shape[0]] = b.float() * scale
         col += a.shape[0]

@@ -12,7 +12,8 @@ step's ``LoRAMapping``:
 
 Tokens of the base model pay nothing in the second form; a step with no adapter token has no mapping at all. The
 base keeps its own kernel (its ``gemm`` / ``quant_gemm``); its output is finished here (no split-K partial sums,
-no SiLU in its epilogue)."""
+no SiLU in its epilogue). With tensor parallelism the slots hold this rank's piece (``nvllm.lora.adapter``), and a
+row-parallel linear adds B·(A x) for its slice of the inputs to its partial output before the ranks' sum."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch import nn
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.attention_partials import finished_attention
 from nvllm.kernels.lora import lora_apply
+from nvllm.layers.linear import sum_over_ranks
 from nvllm.lora.adapter import LoRAWeights
 
 
@@ -76,7 +78,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x, out: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor:
         x = finished_attention(x)  # o_proj's input may be a split decode attention's unmerged partials
-        y = self.base(x)
+        split = self.base.tp is not None and self.base.tp.size > 1  # row-parallel: add to this rank's partial
+        y = self.base(x, reduce=False) if split else self.base(x)
         mapping = _current
         if mapping is not None and mapping.slots is not None:
             lora_apply(y, x, self.a, self.b, self.ranks, mapping.slots)
@@ -85,6 +88,8 @@ class LoRALinear(nn.Module):
                 r = self.slot_ranks[slot]
                 if r:
                     y.index_add_(0, rows, (x.index_select(0, rows) @ self.a[slot, :r].T) @ self.b[slot, :, :r].T)
+        if split:
+            return sum_over_ranks(self.base, y, out)
         return y if out is None else out.copy_(y)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

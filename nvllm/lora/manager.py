@@ -2,11 +2,16 @@
 adapters read and checked when a request names them (``register``: a bad checkpoint is that request's error) and
 kept in host memory; put in a device slot when the scheduler admits one of their sequences (``activate``), at most
 ``max_loras`` at once, an adapter no running sequence uses making room, least recently used first (a sequence
-whose adapter finds no slot waits, as in vLLM); and each step's mapping of tokens to slots."""
+whose adapter finds no slot waits, as in vLLM); and each step's mapping of tokens to slots.
+
+Tensor parallelism: rank 0's manager decides; every slot it fills is queued (``pending``) and rank 0 broadcasts the
+queue before the next step (``loads_message``); each worker reads the adapter from the same path into the same slot
+(``put``), its own piece of each linear, and the step carries each token's slot."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from collections import OrderedDict
@@ -25,7 +30,7 @@ _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 class LoRAManager:
     def __init__(self, model, dtype: torch.dtype, device: torch.device, max_loras: int, max_lora_rank: int,
-                 allow_pickle: bool = False, max_cpu_loras: int | None = None):
+                 allow_pickle: bool = False, max_cpu_loras: int | None = None, mirrored: bool = False):
         self.model, self.dtype, self.device = model, dtype, device
         self.max_loras, self.max_lora_rank, self.allow_pickle = max_loras, max_lora_rank, allow_pickle
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
@@ -38,6 +43,8 @@ class LoRAManager:
         # id → (request, host copy, salt), least recently used first
         self.known: OrderedDict[int, tuple[LoRARequest, dict[str, LoRAWeights], bytes]] = OrderedDict()
         self.loaded: OrderedDict[int, int] = OrderedDict()  # id → its device slot, least recently used first
+        self.mirrored = mirrored  # tensor parallelism: the workers fill the same slots
+        self.pending: list[tuple[int, LoRARequest]] = []  # (slot, adapter) filled since the workers last heard
 
     def register(self, request: LoRARequest, in_use: set[int]) -> bytes:
         """Read and check the adapter (unless known) and return its prefix-cache salt. ConfigError for a bad
@@ -83,12 +90,28 @@ class LoRAManager:
             self._drop(idle)
         request, weights, _ = self.known[lora_id]
         slot = min(set(range(self.max_loras)) - set(self.loaded.values()))
-        for name, linear in self.linears.items():
-            linear.load(slot, weights.get(name))
+        self._fill(slot, weights)
         self.loaded[lora_id] = slot
+        if self.mirrored:
+            self.pending.append((slot, request))
         logger.info("LoRA adapter %r on the device (id %d, slot %d, %d linears)", request.lora_name, lora_id, slot,
                     len(weights))
         return True
+
+    def _fill(self, slot: int, weights: dict[str, LoRAWeights]) -> None:
+        for name, linear in self.linears.items():
+            linear.load(slot, weights.get(name))
+
+    def put(self, slot: int, request: LoRARequest) -> None:
+        """A worker's side of rank 0's ``activate``: the adapter into ``slot`` (read again when its files changed)."""
+        have = self.known.get(request.lora_int_id)
+        if have is None or have[0] != request or have[2] != _salt(request):
+            self.forget(request.lora_int_id)
+            self.register(request, set())
+        self._fill(slot, self.known[request.lora_int_id][1])
+        for lora_id in [i for i, s in self.loaded.items() if s == slot]:
+            del self.loaded[lora_id]
+        self.loaded[request.lora_int_id] = slot
 
     def forget(self, lora_id: int) -> bool:
         """Remove an adapter (its device and host copies); the caller makes sure no sequence still uses it."""
@@ -104,10 +127,9 @@ class LoRAManager:
             return None
         return [self.loaded[i] if i else -1 for i in token_lora_ids]
 
-    def mapping(self, token_lora_ids: list[int], per_token: bool) -> LoRAMapping | None:
-        """The step's mapping (None when no token runs an adapter): each token's slot (``per_token``: decode steps),
-        else each slot's rows."""
-        slots = self.slots(token_lora_ids)
+    def mapping(self, slots: list[int] | None, per_token: bool) -> LoRAMapping | None:
+        """The step's mapping from each token's slot (``slots``; None when no token runs an adapter): the slots
+        themselves (``per_token``: decode steps), else each slot's rows."""
         if slots is None:
             return None
         if per_token:
@@ -118,6 +140,24 @@ class LoRAManager:
                 rows.setdefault(slot, []).append(row)
         return LoRAMapping(rows={s: torch.tensor(r, dtype=torch.long).to(self.device, non_blocking=True)
                                  for s, r in rows.items()})
+
+
+_LOADS = -1  # a control message's first word: adapters to put in slots (a step's first word is its token count)
+
+
+def loads_message(loads: list[tuple[int, LoRARequest]]) -> torch.Tensor:
+    """``pending`` as one int64 tensor for the control group: the marker, the byte count, then JSON in 8-byte words."""
+    data = json.dumps([[slot, r.lora_name, r.lora_int_id, r.lora_path] for slot, r in loads]).encode()
+    words = torch.frombuffer(bytearray(data + b"\0" * (-len(data) % 8)), dtype=torch.int64)
+    return torch.cat([torch.tensor([_LOADS, len(data)], dtype=torch.int64), words])
+
+
+def read_loads_message(message: torch.Tensor) -> list[tuple[int, LoRARequest]] | None:
+    """The inverse of ``loads_message``; None for any other message (a step's, the shutdown's)."""
+    if message.numel() < 2 or int(message[0]) != _LOADS:
+        return None
+    data = message[2:].numpy().tobytes()[:int(message[1])]
+    return [(slot, LoRARequest(name, lora_id, path)) for slot, name, lora_id, path in json.loads(data)]
 
 
 def _salt(request: LoRARequest) -> bytes:

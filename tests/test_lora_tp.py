@@ -1,0 +1,75 @@
+"""LoRA with tensor parallelism on the CPU: real worker processes joined by gloo. Each rank holds its piece of every
+adapter — B's rows of a column-parallel linear, A's columns of a row-parallel one, whose B·(A x) joins the partial
+output before the ranks' sum (and before a bias added once) — and two ranks give PEFT's greedy tokens and
+first-token logprobs: over a dense Llama with biases in its row-parallel layers, and over an AWQ Qwen2 whose two
+adapters take turns in a single slot, which the workers fill as rank 0 does."""
+
+from __future__ import annotations
+
+import torch
+
+from nvllm import LoRARequest
+from nvllm.engine.step_inputs import StepInputs
+from nvllm.lora.manager import loads_message, read_loads_message
+from tests.conftest import build_tiny_model, make_llm
+from tests.lora_utils import check_against_peft, make_adapter
+from tests.quant_utils import hf_model, write_by_hand
+
+
+def adapters_of(base, root) -> dict:
+    return {"all": make_adapter(base, root / "all", 1, r=8, lora_alpha=16),
+            "attn": make_adapter(base, root / "attn", 2, r=4, lora_alpha=4, use_rslora=True,
+                                 target_modules=["q_proj", "v_proj", "o_proj"])}
+
+
+def test_two_ranks_match_peft_over_a_dense_base_with_biases(tmp_path):
+    base = build_tiny_model("llama", tmp_path / "base", intermediate_size=128, mlp_bias=True)
+    adapters = adapters_of(base, tmp_path)
+    with make_llm(str(base), enable_lora=True, tensor_parallel_size=2) as llm:
+        check_against_peft(llm, hf_model(base), adapters)
+        assert llm.engine.runner.lora.pending == []  # every slot filled was sent to the worker
+
+
+def test_two_ranks_swap_adapters_through_one_slot_over_an_awq_base(tmp_path):
+    base = build_tiny_model("qwen2", tmp_path / "base", intermediate_size=128)
+    adapters = adapters_of(base, tmp_path)
+    deq = write_by_hand(base, tmp_path / "awq", "awq", group=32)
+    with make_llm(str(tmp_path / "awq"), enable_lora=True, tensor_parallel_size=2, max_loras=1) as llm:
+        check_against_peft(llm, hf_model(base, deq), adapters)
+
+
+def test_the_workers_messages_round_trip():
+    loads = [(0, LoRARequest("sql", 3, "/adapters/sql")), (1, LoRARequest("ünï", 7, "/a b/c"))]
+    message = loads_message(loads)
+    assert message.dtype == torch.int64 and int(message[0]) == -1
+    assert read_loads_message(message) == loads
+    step = StepInputs([5, 6], [0, 1], [16, 17], [0, 1, 2], [1, 2], [[1], [2]], logit_rows=[0, 1], max_query_len=1,
+                      max_context_len=2, lora_slots=[-1, 0])
+    assert read_loads_message(step.pack()) is None
+    assert StepInputs.unpack(step.pack()) == step
+    step.lora_slots = None
+    assert StepInputs.unpack(step.pack()) == step
+
+
+def test_a_rank_keeps_its_piece_of_each_adapter(tmp_path):
+    """The ranks' pieces put together are the whole adapter: A whole and B's rows split per projection for q/k/v
+    and gate/up; A's columns split and B whole for o and down."""
+    from nvllm.lora.adapter import load_adapter
+    from tests.test_tensor_parallel import rank_models
+
+    base = build_tiny_model("llama", tmp_path / "base", intermediate_size=128)
+    path = str(adapters_of(base, tmp_path)["all"])
+    full, ranks = rank_models(str(base))
+    whole = load_adapter(path, full, torch.float32, torch.device("cpu"), 8)
+    pieces = [load_adapter(path, r, torch.float32, torch.device("cpu"), 8) for r in ranks]
+    assert set(whole) == {f"layers.{i}.{n}" for i in range(2) for n in ("qkv_proj", "o_proj", "gate_up_proj",
+                                                                          "down_proj")}
+    for name, w in whole.items():
+        a, b = [p[name].a for p in pieces], [p[name].b for p in pieces]
+        if name.endswith(("o_proj", "down_proj")):
+            assert torch.equal(torch.cat(a, 1), w.a) and all(torch.equal(x, w.b) for x in b)
+            continue
+        assert all(torch.equal(x, w.a) for x in a)
+        sizes = ranks[0].get_submodule(name).output_sizes  # each rank's [q_r, k_r, v_r] or [gate_r, up_r]
+        per_rank = [x.split(sizes) for x in b]
+        assert torch.equal(torch.cat([piece[j] for j in range(len(sizes)) for piece in per_rank]), w.b)
