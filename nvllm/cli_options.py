@@ -69,8 +69,7 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "reasoning_parser": _opt(None, Optional[str], "a thinking model's <think> block: qwen3 | deepseek_r1 (DeepSeek-R1, "
                              "QwQ, Qwen3-Thinking); served in reasoning_content, and structured outputs apply after "
                              "it"),
-    "enable_lora": _opt(False, bool, "serve LoRA adapters on top of the model (PEFT checkpoints; any tensor-parallel "
-                        "size, no speculative decoding)"),
+    "enable_lora": _opt(False, bool, "serve LoRA adapters on top of the model (PEFT checkpoints)"),
     "max_loras": _opt(4, int, "LoRA adapters held on the device at once"),
     "max_lora_rank": _opt(64, int, "largest LoRA rank accepted"),
     "max_cpu_loras": _opt(None, Optional[int], "LoRA adapters kept in host memory (default: --max-loras)"),

@@ -152,10 +152,6 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         if self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
-        if not self.enable_lora:
-            return
-        if self.speculative is not None:
-            raise ConfigError("LoRA adapters do not combine with speculative decoding")
 
     def _check_async_scheduling(self) -> None:
         if self.async_scheduling and self.speculative is not None:

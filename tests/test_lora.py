@@ -152,8 +152,6 @@ def test_bad_adapters_and_settings_are_one_clear_error(setup, tmp_path):
             llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), lora_request=request, use_tqdm=False)
     with pytest.raises(ValueError, match="enable_lora"):
         make_llm(str(base)).generate([PROMPTS[0]], lora_request=cases[1][0], use_tqdm=False)
-    with pytest.raises(ConfigError, match="speculative decoding"):
-        EngineConfig(model=str(base), enable_lora=True, speculative="k=2", device="cpu")
     assert [(r.lora_name, r.lora_int_id) for r in parse_lora_modules(["a=/x,b=/y", '{"name": "c", "path": "/z"}'])] \
         == [("a", 1), ("b", 2), ("c", 3)]
     for bad, message in ((["a"], "name=path"), (["a=/x", "a=/y"], "given twice")):

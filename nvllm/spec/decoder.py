@@ -51,7 +51,8 @@ def check_draft_vocab(draft_dir: str, draft_vocab: int, target_vocab: int, token
 def load_draft_runner(config: EngineConfig, target, tokenizer):
     """The draft's ModelRunner: same block count and block size as the target's cache, same device (rank 0's
     under tensor parallelism: the draft is not split), dtype rule, KV-cache dtype and seed; its own
-    max_model_len (the pair's minimum is what the engine enforces)."""
+    max_model_len (the pair's minimum is what the engine enforces). No LoRA: adapters change the target alone, whose
+    verification keeps each request's output its adapter's."""
     from nvllm.engine.model_runner import ModelRunner
     from nvllm.models.hub import resolve_model_path
     from nvllm.models.loader import load_hf_config
@@ -64,7 +65,7 @@ def load_draft_runner(config: EngineConfig, target, tokenizer):
     draft_config = dataclasses.replace(  # the draft runs whole on rank 0, also when the target is split
         config, model=path, tokenizer=path if has_tok else config.tokenizer, num_kv_blocks=target.num_blocks,
         kv_cache_memory=None, max_model_len=min(target.max_model_len, limit), speculative=None, hf_overrides={},
-        tensor_parallel_size=1)
+        tensor_parallel_size=1, enable_lora=False)  # LoRA adapters are the target's: the draft proposes without
     try:
         return ModelRunner(draft_config, draft=True)
     except torch.cuda.OutOfMemoryError:
