@@ -2,15 +2,19 @@
 adapter — B's rows of a column-parallel linear, A's columns of a row-parallel one, whose B·(A x) joins the partial
 output before the ranks' sum (and before a bias added once) — and two ranks give PEFT's greedy tokens and
 first-token logprobs: over a dense Llama with biases in its row-parallel layers, and over an AWQ Qwen2 whose two
-adapters take turns in a single slot, which the workers fill as rank 0 does."""
+adapters take turns in a single slot, which the workers fill as rank 0 does, with the weights rank 0 read."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from nvllm import LoRARequest
+from nvllm.config import ConfigError
 from nvllm.engine.step_inputs import StepInputs
-from nvllm.lora.manager import loads_message, read_loads_message
+from nvllm.lora.manager import _salt, loads_message, read_loads_message
 from tests.conftest import build_tiny_model, make_llm
 from tests.lora_utils import check_against_peft, make_adapter
 from tests.quant_utils import hf_model, write_by_hand
@@ -39,7 +43,7 @@ def test_two_ranks_swap_adapters_through_one_slot_over_an_awq_base(tmp_path):
 
 
 def test_the_workers_messages_round_trip():
-    loads = [(0, LoRARequest("sql", 3, "/adapters/sql")), (1, LoRARequest("ünï", 7, "/a b/c"))]
+    loads = [(0, LoRARequest("sql", 3, "/adapters/sql"), b"\x00\xffsalt"), (1, LoRARequest("ünï", 7, "/a b/c"), b"")]
     message = loads_message(loads)
     assert message.dtype == torch.int64 and int(message[0]) == -1
     assert read_loads_message(message) == loads
@@ -73,3 +77,25 @@ def test_a_rank_keeps_its_piece_of_each_adapter(tmp_path):
         sizes = ranks[0].get_submodule(name).output_sizes  # each rank's [q_r, k_r, v_r] or [gate_r, up_r]
         per_rank = [x.split(sizes) for x in b]
         assert torch.equal(torch.cat([piece[j] for j in range(len(sizes)) for piece in per_rank]), w.b)
+
+
+def test_a_worker_loads_the_weights_rank0_read_or_refuses(tmp_path):
+    """``put`` (a worker's side of rank 0's slot choice) fills the slot from its host copy or the files; files
+    changed on disk since rank 0 read them are a ConfigError, never other weights in the slot."""
+    base = build_tiny_model("qwen2", tmp_path / "base")
+    path = adapters_of(base, tmp_path)["all"]
+    lora = make_llm(str(base), enable_lora=True).engine.runner.lora
+    request = LoRARequest("all", 1, str(path))
+    salt = _salt(request)
+    lora.put(1, request, salt)
+    qkv = lora.linears["layers.0.qkv_proj"]
+    assert dict(lora.loaded) == {1: 1} and qkv.slot_ranks[1] == 24 and qkv.a[1, :24].abs().sum() > 0
+    lora.put(0, request, salt)  # the host copy, into another slot
+    assert dict(lora.loaded) == {1: 0} and torch.equal(qkv.a[0], qkv.a[1])
+    weights = path / "adapter_model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    lora.put(1, request, salt)  # still rank 0's weights: the host copy
+    lora.forget(1)
+    with pytest.raises(ConfigError, match="changed on disk after rank 0 read it"):
+        lora.put(1, request, salt)

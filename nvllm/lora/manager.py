@@ -44,7 +44,7 @@ class LoRAManager:
         self.known: OrderedDict[int, tuple[LoRARequest, dict[str, LoRAWeights], bytes]] = OrderedDict()
         self.loaded: OrderedDict[int, int] = OrderedDict()  # id → its device slot, least recently used first
         self.mirrored = mirrored  # tensor parallelism: the workers fill the same slots
-        self.pending: list[tuple[int, LoRARequest]] = []  # (slot, adapter) filled since the workers last heard
+        self.pending: list[tuple[int, LoRARequest, bytes]] = []  # (slot, adapter, salt) since the workers last heard
 
     def register(self, request: LoRARequest, in_use: set[int]) -> bytes:
         """Read and check the adapter (unless known) and return its prefix-cache salt. ConfigError for a bad
@@ -93,7 +93,7 @@ class LoRAManager:
         self._fill(slot, weights)
         self.loaded[lora_id] = slot
         if self.mirrored:
-            self.pending.append((slot, request))
+            self.pending.append((slot, request, self.known[lora_id][2]))
         logger.info("LoRA adapter %r on the device (id %d, slot %d, %d linears)", request.lora_name, lora_id, slot,
                     len(weights))
         return True
@@ -102,10 +102,14 @@ class LoRAManager:
         for name, linear in self.linears.items():
             linear.load(slot, weights.get(name))
 
-    def put(self, slot: int, request: LoRARequest) -> None:
-        """A worker's side of rank 0's ``activate``: the adapter into ``slot`` (read again when its files changed)."""
+    def put(self, slot: int, request: LoRARequest, salt: bytes) -> None:
+        """A worker's side of rank 0's ``activate``: the adapter into ``slot``, the weights rank 0 read (``salt``
+        names their file's size and time); files changed since then are a ConfigError, never other weights."""
         have = self.known.get(request.lora_int_id)
-        if have is None or have[0] != request or have[2] != _salt(request):
+        if have is None or have[0] != request or have[2] != salt:
+            if _salt(request) != salt:
+                raise ConfigError(f"LoRA adapter {request.lora_path} changed on disk after rank 0 read it; the "
+                                  "tensor-parallel ranks cannot load the same weights")
             self.forget(request.lora_int_id)
             self.register(request, set())
         self._fill(slot, self.known[request.lora_int_id][1])
@@ -145,19 +149,20 @@ class LoRAManager:
 _LOADS = -1  # a control message's first word: adapters to put in slots (a step's first word is its token count)
 
 
-def loads_message(loads: list[tuple[int, LoRARequest]]) -> torch.Tensor:
+def loads_message(loads: list[tuple[int, LoRARequest, bytes]]) -> torch.Tensor:
     """``pending`` as one int64 tensor for the control group: the marker, the byte count, then JSON in 8-byte words."""
-    data = json.dumps([[slot, r.lora_name, r.lora_int_id, r.lora_path] for slot, r in loads]).encode()
+    data = json.dumps([[slot, r.lora_name, r.lora_int_id, r.lora_path, salt.hex()] for slot, r, salt in loads]).encode()
     words = torch.frombuffer(bytearray(data + b"\0" * (-len(data) % 8)), dtype=torch.int64)
     return torch.cat([torch.tensor([_LOADS, len(data)], dtype=torch.int64), words])
 
 
-def read_loads_message(message: torch.Tensor) -> list[tuple[int, LoRARequest]] | None:
+def read_loads_message(message: torch.Tensor) -> list[tuple[int, LoRARequest, bytes]] | None:
     """The inverse of ``loads_message``; None for any other message (a step's, the shutdown's)."""
     if message.numel() < 2 or int(message[0]) != _LOADS:
         return None
     data = message[2:].numpy().tobytes()[:int(message[1])]
-    return [(slot, LoRARequest(name, lora_id, path)) for slot, name, lora_id, path in json.loads(data)]
+    return [(slot, LoRARequest(name, lora_id, path), bytes.fromhex(salt))
+            for slot, name, lora_id, path, salt in json.loads(data)]
 
 
 def _salt(request: LoRARequest) -> bytes:
