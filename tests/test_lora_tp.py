@@ -11,12 +11,12 @@ import os
 import pytest
 import torch
 
-from nvllm import LoRARequest
+from nvllm import LoRARequest, SamplingParams
 from nvllm.config import ConfigError
 from nvllm.engine.step_inputs import StepInputs
 from nvllm.lora.manager import _salt, loads_message, read_loads_message
 from tests.conftest import build_tiny_model, make_llm
-from tests.lora_utils import check_against_peft, make_adapter
+from tests.lora_utils import PROMPTS, check_against_peft, make_adapter
 from tests.quant_utils import hf_model, write_by_hand
 
 
@@ -99,3 +99,23 @@ def test_a_worker_loads_the_weights_rank0_read_or_refuses(tmp_path):
     lora.forget(1)
     with pytest.raises(ConfigError, match="changed on disk after rank 0 read it"):
         lora.put(1, request, salt)
+
+
+def test_adapters_touched_on_disk_keep_serving_on_every_rank(tmp_path):
+    """One slot and host room for two adapters: rank 0 and the worker keep different host copies, so the worker
+    reads an adapter from disk that rank 0 holds; after its file's time changed (same weights) the ranks still load
+    the same weights — rank 0 reads it again too — and the output is the adapter's."""
+    base = build_tiny_model("qwen2", tmp_path / "base")
+    paths = {**adapters_of(base, tmp_path), "c": make_adapter(base, tmp_path / "c", 3, r=2)}
+    requests = {n: LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(paths.items())}
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with make_llm(str(base), enable_lora=True, tensor_parallel_size=2, max_loras=1, max_cpu_loras=2) as llm:
+        def run(name):
+            out = llm.generate([PROMPTS[0]], params, lora_request=requests[name], use_tqdm=False)
+            return out[0].outputs[0].token_ids
+        first = {n: run(n) for n in ("all", "attn")}
+        assert run("all") == first["all"] and run("c") != first["all"]
+        weights = paths["all"] / "adapter_model.safetensors"
+        st = weights.stat()
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        assert run("all") == first["all"] and run("attn") == first["attn"]

@@ -24,7 +24,7 @@ from nvllm.kernels.backend import eager_triton, use_triton
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
 R_STEP = 32  # ranks per step of the expand's loop (it runs up to the slot's rank only)
-K_CHUNK: int | None = None  # set both to fix the sizes (scripts/gpu_lora_bench.py sweeps them); None: launch_sizes
+K_CHUNK: int | None = None  # fixed sizes (scripts/gpu_lora_bench.py sweeps them); None: launch_sizes
 BLOCK_N: int | None = None
 
 
@@ -107,7 +107,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     if T == 0:
         return y
     assert y.stride(1) == 1 and x.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1 and ranks.is_contiguous()
-    k_chunk, block_n = (K_CHUNK, BLOCK_N) if K_CHUNK else launch_sizes(T, K)
+    k_chunk, block_n = launch_sizes(T, K)
+    k_chunk, block_n = K_CHUNK or k_chunk, BLOCK_N or block_n
     block_r = max(16, triton.next_power_of_2(a.shape[1]))
     block_k = min(k_chunk, max(16, 8192 // block_r))
     chunks = triton.cdiv(K, k_chunk)

@@ -59,6 +59,16 @@ class LoRAManager:
                     raise ConfigError(f"LoRA adapter {other.lora_name!r} (id {lora_id}) is in use; "
                                       f"{request.lora_name!r} (id {request.lora_int_id}) cannot take its name or id")
                 self.forget(lora_id)
+        self.known[request.lora_int_id] = (request, self._read(request), _salt(request))
+        while len(self.known) > self.max_cpu_loras:  # host memory: drop the least recently used idle adapter
+            idle = next((i for i in self.known if i not in in_use and i != request.lora_int_id), None)
+            if idle is None:
+                break
+            self.forget(idle)
+        return self.known[request.lora_int_id][2]
+
+    def _read(self, request: LoRARequest) -> dict[str, LoRAWeights]:
+        """The adapter's host copy, read from its files; ConfigError for a bad checkpoint."""
         try:
             weights = load_adapter(request.lora_path, self.model, self.dtype, torch.device("cpu"), self.max_lora_rank,
                                    self.allow_pickle)
@@ -68,13 +78,7 @@ class LoRAManager:
             raise ConfigError(f"cannot load LoRA adapter {request.lora_path}: {first_line(e)}") from None
         if self.device.type == "cuda":  # pinned: putting it in a slot later does not wait for the step in flight
             weights = {name: LoRAWeights(w.a.pin_memory(), w.b.pin_memory()) for name, w in weights.items()}
-        self.known[request.lora_int_id] = (request, weights, _salt(request))
-        while len(self.known) > self.max_cpu_loras:  # host memory: drop the least recently used idle adapter
-            idle = next((i for i in self.known if i not in in_use and i != request.lora_int_id), None)
-            if idle is None:
-                break
-            self.forget(idle)
-        return self.known[request.lora_int_id][2]
+        return weights
 
     def activate(self, lora_id: int, in_use: set[int]) -> bool:
         """Have the adapter on the device for a sequence being admitted; False when every slot holds an adapter of
@@ -88,12 +92,16 @@ class LoRAManager:
             if idle is None:
                 return False
             self._drop(idle)
-        request, weights, _ = self.known[lora_id]
+        request, weights, salt = self.known[lora_id]
+        if self.mirrored and _salt(request) != salt:  # a worker without a host copy reads the files as they are now
+            logger.warning("LoRA adapter %r changed on disk since it was read; reading it again", request.lora_name)
+            weights, salt = self._read(request), _salt(request)
+            self.known[lora_id] = (request, weights, salt)
         slot = min(set(range(self.max_loras)) - set(self.loaded.values()))
         self._fill(slot, weights)
         self.loaded[lora_id] = slot
-        if self.mirrored:
-            self.pending.append((slot, request, self.known[lora_id][2]))
+        if self.mirrored:  # what the workers put in this slot before the next step; an earlier load there is void
+            self.pending = [p for p in self.pending if p[0] != slot] + [(slot, request, salt)]
         logger.info("LoRA adapter %r on the device (id %d, slot %d, %d linears)", request.lora_name, lora_id, slot,
                     len(weights))
         return True
@@ -106,7 +114,9 @@ class LoRAManager:
         """A worker's side of rank 0's ``activate``: the adapter into ``slot``, the weights rank 0 read (``salt``
         names their file's size and time); files changed since then are a ConfigError, never other weights."""
         have = self.known.get(request.lora_int_id)
-        if have is None or have[0] != request or have[2] != salt:
+        if have is not None and have[0] == request and have[2] == salt:
+            self.known.move_to_end(request.lora_int_id)
+        else:
             if _salt(request) != salt:
                 raise ConfigError(f"LoRA adapter {request.lora_path} changed on disk after rank 0 read it; the "
                                   "tensor-parallel ranks cannot load the same weights")
