@@ -1,8 +1,9 @@
 """LoRA with tensor parallelism on the CPU: real worker processes joined by gloo. Each rank holds its piece of every
 adapter — B's rows of a column-parallel linear, A's columns of a row-parallel one, whose B·(A x) joins the partial
 output before the ranks' sum (and before a bias added once) — and two ranks give PEFT's greedy tokens and
-first-token logprobs: over a dense Llama with biases in its row-parallel layers, and over an AWQ Qwen2 whose two
-adapters take turns in a single slot, which the workers fill as rank 0 does, with the weights rank 0 read."""
+first-token logprobs: over a dense Llama with biases in its row-parallel layers, and over an AWQ Qwen2 (one KV
+head, replicated) whose two adapters take turns in a single slot, which the workers fill as rank 0 does, with the
+weights rank 0 read."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def test_two_ranks_match_peft_over_a_dense_base_with_biases(tmp_path):
 
 
 def test_two_ranks_swap_adapters_through_one_slot_over_an_awq_base(tmp_path):
-    base = build_tiny_model("qwen2", tmp_path / "base", intermediate_size=128)
+    """One KV head: both ranks hold it, and the k/v adapters' B rows whole."""
+    base = build_tiny_model("qwen2", tmp_path / "base", intermediate_size=128, num_key_value_heads=1)
     adapters = adapters_of(base, tmp_path)
     deq = write_by_hand(base, tmp_path / "awq", "awq", group=32)
     with make_llm(str(tmp_path / "awq"), enable_lora=True, tensor_parallel_size=2, max_loras=1) as llm:
