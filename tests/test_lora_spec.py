@@ -1,7 +1,7 @@
 """LoRA adapters with speculative decoding on the CPU: the draft (a model, or prompt lookup) proposes without the
 adapters, the target verifies each chunk through its request's adapter, so every request's greedy output and
 logprobs are those of plain decoding with its adapter — PEFT's, for the first tokens — with several adapters and the
-base in one batch, fixed and self-tuning k, and adapters swapped through one slot."""
+base in one batch, fixed and self-tuning k, adapters swapped through one slot, and a target split over two ranks."""
 
 from __future__ import annotations
 
@@ -29,17 +29,18 @@ def outputs(llm, adapters):
 
 
 @pytest.mark.parametrize("spec,options", [("k=3,draft={base}", {}), ("k=auto,draft={base}", {"max_loras": 1}),
-                                          ("k=3,method=ngram", {})], ids=["draft", "auto-one-slot", "ngram"])
+                                          ("k=3,method=ngram", {}), ("k=3,draft={base}", {"tensor_parallel_size": 2})],
+                         ids=["draft", "auto-one-slot", "ngram", "draft-two-ranks"])
 def test_each_request_keeps_its_adapters_output(setup, spec, options):
     _, base, adapters = setup
     want = outputs(make_llm(str(base), enable_lora=True), adapters)
-    llm = make_llm(str(base), enable_lora=True, speculative=spec.format(base=base), **options)
-    got = outputs(llm, adapters)
+    with make_llm(str(base), enable_lora=True, speculative=spec.format(base=base), **options) as llm:
+        got = outputs(llm, adapters)
+        if not options:
+            check_against_peft(llm, hf_model(base), adapters)
     assert llm.engine.spec.draft_runner is None or llm.engine.spec.draft_runner.lora is None
     assert llm.engine.stats.spec.num_drafts > 0
     for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
         assert tokens == want_tokens
         assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-4
     assert len({tuple(t) for t, _ in want}) > len(PROMPTS) * 2  # the adapters change the output
-    if not options:
-        check_against_peft(llm, hf_model(base), adapters)
