@@ -94,7 +94,8 @@ class EngineConfig:
     # request's structured outputs constraint applies from its end on (vLLM's --reasoning-parser)
     reasoning_parser: str | None = None
     # LoRA adapters (vLLM's --enable-lora): at most max_loras on the device at once, of rank up to max_lora_rank;
-    # decode steps replay CUDA graphs that read each row's adapter slot; on one rank, without speculative decoding
+    # decode steps replay CUDA graphs that read each row's adapter slot; any tensor-parallel size, with or without
+    # speculative decoding (the draft proposes without adapters)
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 64
