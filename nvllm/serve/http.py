@@ -62,7 +62,7 @@ def json_object(body: bytes) -> dict:
     that is not Unicode (a lone surrogate escape such as \\ud800, which no tokenizer or reply can encode)."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more digits than int() takes
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply", code="invalid_json") from None
