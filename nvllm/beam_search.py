@@ -11,6 +11,7 @@ running a step."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from nvllm.sampling_params import SamplingParams
@@ -30,6 +31,8 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
 
 
 @dataclass
@@ -88,7 +91,7 @@ class BeamSearch:
         self.steps += 1
 
     def result(self, decode) -> BeamSearchOutput:
-        """The best beam_width beams, their text decoded (``decode(token ids)``)."""
+        """The best beam_width beams, their text decoded (``decode(token ids)``) as what follows the prompt."""
         for beam in self.live:
             beam.finish_reason = "length"
         best = sorted(self.complete + self.live, key=self._score, reverse=True)[:self.params.beam_width]
@@ -96,9 +99,24 @@ class BeamSearch:
             out = beam.output_token_ids
             if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 out = out[:-1]
-            beam.text = decode(out)
+            beam.text = _continuation(decode, beam.tokens[max(0, beam.num_prompt_tokens - _CONTEXT):
+                                                          beam.num_prompt_tokens], out)
         return BeamSearchOutput(best)
 
     def _score(self, beam: BeamSearchSequence) -> float:
+        """A key that orders beams as ``cum_logprob / n**length_penalty`` does, taken in log space so that no length
+        penalty overflows or divides by zero: −(log(−cum_logprob) − length_penalty·log n), +inf for a sure beam."""
         n = len(beam.tokens) - (1 if beam.tokens[-1] in self.eos else 0)
-        return beam.cum_logprob / (n ** self.params.length_penalty)
+        if beam.cum_logprob >= 0.0:
+            return math.inf
+        return self.params.length_penalty * math.log(n) - math.log(-beam.cum_logprob)
+
+
+_CONTEXT = 5  # prompt tokens decoded with a beam's tokens, as the incremental detokenizer keeps them
+
+
+def _continuation(decode, context: list[int], out: list[int]) -> str:
+    """The text ``out`` adds after the prompt's last tokens (``context``): a SentencePiece word's leading space
+    included, as sampling's incremental detokenizer gives it; the tokens alone where the two do not line up."""
+    head, full = decode(context), decode(context + out)
+    return full[len(head):] if full.startswith(head) else decode(out)

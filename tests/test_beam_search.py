@@ -54,6 +54,10 @@ def test_eos_ends_a_beam_as_vllm_ends_it(tmp_path):
             assert len(s.logprobs) == len(s.output_token_ids) and s.cum_logprob == pytest.approx(sum(s.logprobs))
     stopped = [s for s in out.sequences if s.finish_reason == "stop"]
     assert stopped  # with the raw sum (length_penalty 0), beams that ended early come first
+    for penalty in (1000.0, -1000.0):  # n**penalty overflows a float; the ranking is taken in log space
+        far = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=12, length_penalty=penalty))[0]
+        lengths = [len(s.tokens) - (s.finish_reason == "stop") for s in far.sequences]
+        assert len(lengths) == 3 and lengths == sorted(lengths, reverse=penalty > 0)
     kept = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=12, length_penalty=0.0,
                                                       include_stop_str_in_output=True))[0]
     assert [s.text for s in kept.sequences if s.finish_reason == "stop"] == [
@@ -64,6 +68,20 @@ def test_eos_ends_a_beam_as_vllm_ends_it(tmp_path):
     assert [len(s.output_token_ids) for s in short.sequences] == [1, 1]
     with pytest.raises(ValueError, match="beam_width must be at least 1"):
         BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))
+
+
+def test_a_beams_text_reads_on_from_the_prompt():
+    """SentencePiece drops a text's leading space: a beam's text is decoded after the prompt's last tokens, so a
+    beam of one is greedy sampling's text, word space included, and echo gives the prompt's text + the beam's."""
+    from nvllm.sampling_params import SamplingParams
+
+    llm = make_llm(demo_model_path())
+    greedy = llm.generate(["Once upon"], SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0]
+    beam = llm.beam_search(["Once upon"], BeamSearchParams(beam_width=1, max_tokens=8))[0].sequences[0]
+    assert beam.output_token_ids == list(greedy.token_ids)
+    assert beam.text == greedy.text and beam.text.startswith(" ")
 
 
 def test_server_beams_are_the_offline_beams(tmp_path):

@@ -79,7 +79,7 @@ class SamplingRequest(OpenAIModel):
     guided_grammar: str | None = None
     # beam search (vLLM's extension; nvllm.serve.beam): n beams, ranked by cum_logprob / len**length_penalty
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
     # vLLM's: blocks of the prefix cache are shared only among requests with the same salt (multi-tenant privacy)
     cache_salt: str | None = Field(None, min_length=1)
 
