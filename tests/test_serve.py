@@ -351,6 +351,18 @@ BAD_REQUESTS = [
     ("no API key", "/v1/models", None, {"Authorization": ""}, 401),
     ("unknown route", "/v1/nothing", {"prompt": "hi"}, None, 404),
     ("bad detokenize ids", "/detokenize", {"tokens": [-1]}, None, 400),
+    ("an integer of 5000 digits", "/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", None,
+     400),
+    ("repetition_penalty below float32's range", "/v1/completions", {"prompt": "hi", "repetition_penalty": 1e-40},
+     None, 400),
+    ("length_penalty not a number", "/v1/completions",
+     b'{"prompt": "hi", "use_beam_search": true, "n": 2, "length_penalty": NaN}', None, 400),
+    ("Responses text.format not an object", "/v1/responses", {"input": "hi", "text": {"format": "json"}}, None,
+     400),
+    ("tool parameters with a $defs not an object", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": 5}}}]},
+     None, 400),
 ]
 
 

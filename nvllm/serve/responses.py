@@ -142,6 +142,9 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest
             raise bad_request("tool_choice must be none, auto, required or {type: function, name}", "tool_choice")
         choice = {"type": "function", "function": {"name": choice["name"]}}
     fmt = (req.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object: {type: text}, {type: json_object} or {type: json_schema, "
+                          "name, schema}", "text")
     response_format = None
     if fmt and fmt.get("type") == "json_schema":
         response_format = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"),

@@ -105,7 +105,10 @@ def required_schema(schemas: dict[str, dict], parallel: bool) -> dict:
     variants = []
     for name, params in schemas.items():
         params = dict(params)
-        for key, d in params.pop("$defs", {}).items():
+        tool_defs = params.pop("$defs", {})
+        if not isinstance(tool_defs, dict):
+            raise bad_request(f"the parameters of tool {name!r} have a $defs that is not an object", "tools")
+        for key, d in tool_defs.items():
             if defs.setdefault(key, d) != d:
                 raise bad_request(f"the tools define $defs/{key} differently; with tool_choice \"required\" their "
                                   "definitions share one namespace", "tools")
