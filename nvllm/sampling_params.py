@@ -10,6 +10,7 @@ from typing import Any
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 1024
+_F32_TINY, _F32_MAX = 2.0 ** -126, (2.0 - 2.0 ** -23) * 2.0 ** 127  # float32's smallest normal and largest
 MAX_LOGIT_BIAS = 100.0  # a bias is clamped to [-100, 100], as vLLM and OpenAI do
 
 
@@ -121,9 +122,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
-        if not 0.0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be a finite number greater than 0, got "
-                             f"{self.repetition_penalty}")
+        if not _F32_TINY <= self.repetition_penalty <= _F32_MAX:  # the penalties run in float32 (or narrower)
+            raise ValueError(f"repetition_penalty must be a number greater than 0 within float32's range "
+                             f"[{_F32_TINY:.3g}, {_F32_MAX:.3g}], got {self.repetition_penalty}")
         self.logit_bias = _checked_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             ids = list(self.allowed_token_ids)

@@ -138,9 +138,12 @@ def test_a_batch_without_penalties_builds_nothing_for_them(monkeypatch):
     (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5"),
     (dict(frequency_penalty=-2.01), "frequency_penalty must be in [-2, 2], got -2.01"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty must be in [-2, 2]"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number greater than 0, got 0.0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be a number greater than 0 within float32's range "
+     "[1.18e-38, 3.4e+38], got 0.0"),
     (dict(repetition_penalty=-1.0), "repetition_penalty must be"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty must be"),
+    (dict(repetition_penalty=1e-40), "repetition_penalty must be"),  # 0 or a subnormal once in float32
+    (dict(repetition_penalty=1e39), "repetition_penalty must be"),  # inf in float32
     (dict(logit_bias={"5": 1.0}), "logit_bias keys must be non-negative integer token ids, got '5'"),
     (dict(logit_bias={-1: 1.0}), "logit_bias keys must be"),
     (dict(logit_bias={True: 1.0}), "logit_bias keys must be"),
@@ -162,6 +165,19 @@ def test_neutral_values_and_clamping():
     assert SamplingParams(logit_bias={}).logit_bias is None
     assert SamplingParams(logit_bias={3: 250, 4: -1e9, 5: 0.5}).logit_bias == {3: 100.0, 4: -100.0, 5: 0.5}
     assert SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01).penalized
+
+
+def test_a_penalty_far_from_one_keeps_the_logits_finite():
+    """Dividing by 2e-38 takes a logit of 10 past float32's range: it stays the largest finite value (+inf would
+    make the softmax NaN and the draw ignore allowed_token_ids); banned tokens stay −inf."""
+    logits = torch.full((1, VOCAB), -3.0)
+    logits[0, 5], logits[0, 9] = 10.0, 9.0
+    p = SamplingParams(temperature=1.0, seed=0, repetition_penalty=2e-38, allowed_token_ids=[5, 9])
+    got = logits.clone()
+    token = Sampler().sample(got, [_row(p, prompt=list(range(VOCAB)))])
+    big = torch.finfo(torch.float32).max
+    assert got[0, 5] == big and got[0, 9] == big and not got.isnan().any()
+    assert token.item() in (5, 9)
 
 
 # ---- end to end on the demo model ----------------------------------------------------------------------------

@@ -110,7 +110,10 @@ def _penalize(logits: torch.Tensor, idx: list[int], counts: torch.Tensor, in_pro
     if in_prompt is not None:
         seen = (counts > 0) | (in_prompt > 0)
         rep = torch.where(seen, _tensor([p.repetition_penalty for p in ps], x.dtype, dev)[:, None], 1.0)
-        x = torch.where(x > 0, x / rep, x * rep)
+        # a penalty far from 1 may take a finite logit past the dtype's range: keep it at the largest finite value
+        # (an infinite logit would make the softmax NaN and every mask moot); banned tokens' −inf stay as they are
+        big = torch.finfo(x.dtype).max
+        x = torch.where(x.isfinite(), torch.where(x > 0, x / rep, x * rep).clamp(-big, big), x)
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in ps):
         freq = _tensor([p.frequency_penalty for p in ps], x.dtype, dev)[:, None]
         pres = _tensor([p.presence_penalty for p in ps], x.dtype, dev)[:, None]
