@@ -134,7 +134,7 @@ class DisaggWorker:
         ctx.check_model(req.model)
         if not self.engine.is_running:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
-        _, requests, _ = handler.prepare(req)
+        _, requests, _ = await handler.prompts.off_loop(handler.prepare, req)
         limit = self.cfg.max_prefill_length
         for r in requests:
             if limit is not None and len(r.prompt_ids) > limit:
@@ -214,7 +214,7 @@ class DisaggWorker:
                               "group", "prefill")
 
         async def start(req):
-            request_id, requests, prompt_ids = handler.prepare(req)
+            request_id, requests, prompt_ids = await handler.prompts.off_loop(handler.prepare, req)
             if len(requests) != len(prefill.requests):
                 raise _mismatch(f"the handoff has {len(prefill.requests)} prompts; the request {len(requests)}")
             stream = self.engine.open_stream()

@@ -224,14 +224,18 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send exactly one of prompt and messages", "prompt")
-        if req.messages is not None:
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            text = prompts.render_chat(req.messages, req.add_generation_prompt, tools=tools)
-            special = prompts.fallback_template if req.add_special_tokens is None else req.add_special_tokens
-        else:
-            text, special = req.prompt, True if req.add_special_tokens is None else req.add_special_tokens
-        ids = prompts.tokenizer.encode(text, add_special_tokens=special)
-        strs = prompts.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+
+        def encode() -> tuple[list[int], list[str] | None]:
+            if req.messages is not None:
+                tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+                text = prompts.render_chat(req.messages, req.add_generation_prompt, tools=tools)
+                special = prompts.fallback_template if req.add_special_tokens is None else req.add_special_tokens
+            else:
+                text, special = req.prompt, True if req.add_special_tokens is None else req.add_special_tokens
+            ids = prompts.tokenizer.encode(text, add_special_tokens=special)
+            return ids, prompts.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+
+        ids, strs = await prompts.off_loop(encode)
         return TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=ids, token_strs=strs)
 
     @api.post("/detokenize")

@@ -58,7 +58,7 @@ class ChatHandler:
     schema = ChatCompletionRequest
 
     async def start(self, req: ChatCompletionRequest) -> tuple[str, OutputStream, list[int]]:
-        request_id, requests, ids = self.prepare(req)
+        request_id, requests, ids = await self.prompts.off_loop(self.prepare, req)
         return request_id, await submit(self.engine, requests), ids
 
     def prepare(self, req: ChatCompletionRequest, beam: bool = False) -> tuple[str, list[EngineRequest], list[int]]:
@@ -86,7 +86,7 @@ class ChatHandler:
     async def beam(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
         """use_beam_search: the best n beams (nvllm.serve.beam), each a choice."""
         check_beam_request(req)
-        request_id, requests, ids = self.prepare(req, beam=True)
+        request_id, requests, ids = await self.prompts.off_loop(self.prepare, req, beam=True)
         params, lora = requests[0].params, requests[0].lora
         decode = functools.partial(self.prompts.tokenizer.decode, skip_special_tokens=req.skip_special_tokens)
         (out,) = await search_all(self.engine, [ids], [beam_params(req, params)], lora, decode, req.cache_salt)

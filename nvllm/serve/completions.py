@@ -54,7 +54,7 @@ class CompletionHandler:
 
     async def start(self, req: CompletionRequest) -> tuple[str, OutputStream, list[list[int]]]:
         """Validate everything, then queue one engine request per prompt (all or none)."""
-        request_id, requests, prompt_ids = self.prepare(req)
+        request_id, requests, prompt_ids = await self.prompts.off_loop(self.prepare, req)
         return request_id, await submit(self.engine, requests), prompt_ids
 
     def prepare(self, req: CompletionRequest, beam: bool = False) -> tuple[str, list[EngineRequest], list[list[int]]]:
@@ -101,7 +101,7 @@ class CompletionHandler:
     async def beam(self, req: CompletionRequest) -> CompletionResponse:
         """use_beam_search: the best n beams of each prompt (nvllm.serve.beam)."""
         check_beam_request(req)
-        request_id, requests, prompt_ids = self.prepare(req, beam=True)
+        request_id, requests, prompt_ids = await self.prompts.off_loop(self.prepare, req, beam=True)
         decode = functools.partial(self.prompts.tokenizer.decode, skip_special_tokens=req.skip_special_tokens)
         outs = await search_all(self.engine, prompt_ids, [beam_params(req, r.params) for r in requests],
                                 requests[0].lora, decode, req.cache_salt)

@@ -4,6 +4,10 @@ max_model_len. Uses the server's own tokenizer instance: the engine thread's is 
 
 from __future__ import annotations
 
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
 from nvllm.chat_template import ChatTemplateError, encode_chat, load_chat_template, render_chat
 from nvllm.serve.errors import bad_request
 from nvllm.serve.protocol import ChatMessage
@@ -17,6 +21,14 @@ class PromptProcessor:
         self.max_model_len = max_model_len
         self.chat_template, self.fallback_template = load_chat_template(tokenizer, chat_template)
         self._token_texts: dict[int, str] = {}
+        # a request's tokenization and chat template run here, one at a time (as vLLM's single tokenizer thread):
+        # a prompt of megabytes takes seconds, during which the event loop keeps every other request and stream going
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvllm-tokenize")
+
+    async def off_loop(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the tokenizer thread, awaited; what it raises (a 400) is raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor,
+                                                                functools.partial(fn, *args, **kwargs))
 
     # ---- completions ---------------------------------------------------------------------------------
     def completion_prompts(self, prompt, truncate: int | None = None) -> list[list[int]]:
