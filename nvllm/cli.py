@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -13,6 +15,7 @@ from nvllm.config import EngineConfig
 from nvllm.disagg.config import DisaggConfig
 from nvllm.bench.cli import bench_app
 from nvllm.generate_cli import generate
+from nvllm.output_file import check_output_file
 from nvllm.disagg.options import disagg_options
 
 app = typer.Typer(help="nvllm: fast, checked LLM inference on one engine.", no_args_is_help=True,
@@ -22,6 +25,19 @@ app = typer.Typer(help="nvllm: fast, checked LLM inference on one engine.", no_a
 @app.callback()
 def main_callback() -> None:
     """nvllm: fast, checked LLM inference — quantize, serve, bench and eval on one engine."""
+    _exit_on_sigterm()
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM (a job scheduler's stop, `kill`) ends a command through its clean-up, as Ctrl-C does: an interrupted
+    quantize removes its temporary output, a tensor-parallel engine stops its workers. Python's default would end
+    the process at once. The server installs its own handlers while it serves (a graceful shutdown)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 # ---- nvllm generate (the command: nvllm/generate_cli.py) ----------------------------------------------
@@ -158,6 +174,8 @@ def eval_command(
     _check_thresholds(max_drop, max_drop_rel)
     runner.quiet_libraries()
     try:
+        if output_json is not None:
+            check_output_file(output_json, "--output-json")
         spec = runner.EvalSpec(tasks.split(","), num_fewshot, limit, data_dir, max_gen_toks, max_length)
         results, rows, notes = runner.run_eval(engine_config, spec, baseline, max_drop, max_drop_rel, progress,
                                                lora)
@@ -165,8 +183,11 @@ def eval_command(
         fail(str(e))
     runner.print_eval(console(), results, rows, max_drop, max_drop_rel)
     gate = runner.gate_summary(results, rows, max_drop, max_drop_rel) if baseline is not None else None
-    if output_json:
-        runner.write_json(output_json, runner.report_json(results, spec, engine_config, notes, gate))
+    if output_json is not None:
+        try:
+            runner.write_json(output_json, runner.report_json(results, spec, engine_config, notes, gate))
+        except ValueError as e:
+            fail(str(e))
         console().print(f"results written to {output_json}", highlight=False)
     if gate is not None and not gate["passed"]:
         fail(f"regression gate failed: {', '.join(gate['failed'])}", code=1)
@@ -178,7 +199,8 @@ _CAL = "Calibration"
 
 @app.command()
 def quantize(
-    model: Annotated[Optional[str], typer.Option(help="full-precision HF model directory (default: the demo model)")] = None,
+    model: Annotated[Optional[str], typer.Option(help="full-precision HF model directory or Hub id (default: the demo "
+                                                 "model)")] = None,
     out: Annotated[Optional[str], typer.Option(help="output directory (must not exist unless --overwrite)")] = None,
     method: Annotated[Optional[str], typer.Option(help="awq | gptq | rtn")] = None,
     bits: Annotated[Optional[int], typer.Option(help="4 | 8 (default 4; awq: 4 only)")] = None,

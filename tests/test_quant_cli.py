@@ -108,6 +108,26 @@ def test_bad_input(tmp_path, args, message):
     assert not (tmp_path / "out").exists()
 
 
+def test_unreadable_calibration_files_are_one_line(tmp_path):
+    whole = gzip.compress(b'{"text": "Once upon a time there was a cat."}\n' * 50)
+    for name, data in (("garbage.jsonl.gz", b"not gzip at all"), ("cut.jsonl.gz", whole[:len(whole) // 2])):
+        (tmp_path / name).write_bytes(data)
+        code, out = run("--method", "rtn", "--group-size", "32", "--calib-dataset", str(tmp_path / name),
+                        "--out", str(tmp_path / "q"), "--no-progress")
+        assert code == 2 and f"cannot read calibration file {tmp_path / name}: " in out, out
+        assert "Traceback" not in out and "Aborted" not in out and not (tmp_path / "q").exists()
+    (tmp_path / "r.yaml").write_bytes("method: rtn # caf\xe9\n".encode("latin-1"))
+    code, out = run("--recipe", str(tmp_path / "r.yaml"), "--out", str(tmp_path / "q"), "--no-progress")
+    assert code == 2 and f"cannot read recipe {tmp_path / 'r.yaml'}: " in out, out
+
+
+def test_a_hub_id_is_fetched_or_named(tmp_path, monkeypatch):
+    """--model takes a Hub id as the other commands do; offline the error names the Hub, not a missing folder."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out = run("--method", "rtn", "--model", "Qwen/Qwen2.5-0.5B", "--out", str(tmp_path / "q"), *FAST)
+    assert code == 2 and "'Qwen/Qwen2.5-0.5B' could not be fetched from the Hugging Face Hub" in out, out
+
+
 def test_already_quantized_and_existing_output(tmp_path, quantized_dir):
     code, out = run("--method", "gptq", "--model", str(quantized_dir), "--out", str(tmp_path / "again"), *FAST)
     assert code == 2 and "is already quantized (gptq); quantize the full-precision model" in out
@@ -133,6 +153,49 @@ def test_output_never_replaces_the_model(tmp_path):
     (tmp_path / "file").write_text("x")
     code, text = run("--method", "rtn", "--group-size", "32", "--out", str(tmp_path / "file" / "q"), *FAST)
     assert code == 2 and f"{tmp_path / 'file'} is not a writable directory" in text, text
+
+
+def test_an_empty_or_enclosing_output_never_replaces_the_current_directory(tmp_path, monkeypatch):
+    """--out "" resolves to the current directory, and "." or a parent of it would replace what the user stands in:
+    refused before anything is written, even with --overwrite."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("keep")
+    monkeypatch.chdir(work)
+    for out, overwrite in (("", []), ("", ["--overwrite"]), (".", ["--overwrite"]), ("..", ["--overwrite"])):
+        code, text = run("--method", "rtn", "--group-size", "32", "--out", out, *overwrite, *FAST)
+        assert code == 2 and "Traceback" not in text, text
+        assert ("--out is empty" in text) if out == "" else ("is the current directory or holds it" in text)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["notes.txt", "work"]
+
+
+_TERMINATED_WHILE_WRITING = """
+import os, signal, sys, time
+import safetensors.torch
+from nvllm.cli import app
+
+def save_file(tensors, path, metadata=None):  # half a weights file, then the scheduler's SIGTERM
+    open(path, "wb").write(b"x" * 1000)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+
+safetensors.torch.save_file = save_file
+app(sys.argv[1:])
+"""
+
+
+def test_sigterm_while_writing_leaves_nothing(tmp_path):
+    """SIGTERM (a job scheduler's stop) in the middle of writing the checkpoint: the temporary directory is removed,
+    as on Ctrl-C, and the command exits 143."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out" / "q"
+    proc = subprocess.run([sys.executable, "-c", _TERMINATED_WHILE_WRITING, "quantize", "--method", "rtn",
+                           "--group-size", "32", "--out", str(out), *FAST], capture_output=True, text=True,
+                          timeout=300, cwd=str(REPO))
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 def test_calibration_sources(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ import gzip
 import json
 import os
 import socket
+import zlib
 from pathlib import Path
 
 import torch
@@ -80,8 +81,8 @@ def read_texts(path: str | os.PathLike) -> list[str]:
         else:
             raise CalibrationError(f"unsupported calibration file {path}: use .jsonl, .jsonl.gz, .json.gz, .json "
                                    f"or .txt")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CalibrationError(f"cannot read calibration file {path}: {e}") from e
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as e:  # EOFError: a cut .gz
+        raise CalibrationError(f"cannot read calibration file {path}: {first_line(e)}") from e
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise CalibrationError(f"calibration file {path} holds no text")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nvllm.config import ConfigError, EngineConfig, resolve_device
+from nvllm.models.hub import resolve_model_path
 from nvllm.quant.awq import AWQOptions
 from nvllm.quant.calibration import calibration_windows, load_texts
 from nvllm.quant.quant_config import awq_quantization_config, gptq_quantization_config
@@ -153,8 +154,7 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     from nvllm.models.loader import checkpoint_dtype, load_model
 
     t0 = time.perf_counter()
-    if not os.path.isdir(model_dir):
-        raise QuantizeError(f"model directory not found: {model_dir}")
+    model_dir = resolve_model_path(model_dir)  # a directory, or a Hub id fetched when the network allows
     check_out_dir(out_dir, overwrite, model_dir)
     hf_config, arch, shape = _check_model(model_dir)
     device = torch.device(resolve_device(cfg.device))

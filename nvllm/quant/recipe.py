@@ -169,11 +169,11 @@ def load_recipe(path: str) -> dict[str, Any]:
     import yaml
 
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise RecipeError(f"recipe not found: {path}") from None
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise RecipeError(f"cannot read recipe {path}: {first_line(e)}") from e
     return parse_recipe(data, path)
 

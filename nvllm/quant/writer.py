@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from nvllm.output_file import unwritable_parent
 from nvllm.quant.compressed_tensors import pack_compressed_tensors
 from nvllm.quant.formats import GroupQuant, pack_awq, pack_gptq
 
@@ -34,10 +35,15 @@ class OutputExistsError(ValueError):
 
 
 def check_out_dir(out_dir: str, overwrite: bool, src_dir: str) -> None:
-    """Before any work is done: refuse an existing output (unless ``overwrite``), an output that is the source
-    model or holds it (replacing it would delete the model; compared through links), and an output that cannot be
-    created (its nearest existing parent is not a writable directory)."""
-    out, src = Path(out_dir).resolve(), Path(src_dir).resolve()
+    """Before any work is done: refuse an empty path, an existing output (unless ``overwrite``), an output that is
+    the current directory, the source model or holds either (replacing it would delete them; compared through
+    links), and an output that cannot be created (its nearest existing parent is not a writable directory)."""
+    if not out_dir.strip():
+        raise OutputExistsError("--out is empty: name the directory to write the checkpoint to")
+    out, src, cwd = Path(out_dir).resolve(), Path(src_dir).resolve(), Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        raise OutputExistsError(f"--out {out_dir} is the current directory or holds it: replacing it would delete "
+                                "what it holds; name a new directory")
     if out == src or out in src.parents:
         raise OutputExistsError(f"--out {out_dir} is the model directory or holds it: writing there would replace "
                                 "the model being quantized")
@@ -46,8 +52,8 @@ def check_out_dir(out_dir: str, overwrite: bool, src_dir: str) -> None:
             raise OutputExistsError(f"output path {out_dir} exists and is not a directory")
         if not overwrite:
             raise OutputExistsError(f"output directory {out_dir} already exists (pass --overwrite to replace it)")
-    parent = next(p for p in out.parents if p.exists())
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    parent = unwritable_parent(out)
+    if parent is not None:
         raise OutputExistsError(f"cannot create the output directory {out_dir}: {parent} is not a writable "
                                 "directory")
 
