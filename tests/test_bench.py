@@ -368,8 +368,18 @@ def test_serve_exits_nonzero_when_all_requests_fail(fake_server, tmp_path):
     assert r["completed"] == 0 and r["mean_ttft_ms"] is None and r["request_throughput"] == 0.0
 
 
-def test_serve_bad_input(fake_server, tmp_path):
+def test_serve_bad_input(fake_server, tmp_path, monkeypatch):
+    import socket
+
+    from nvllm.bench import serve as bench_serve
+
     url, state = fake_server
+    monkeypatch.setattr(bench_serve, "QUERY_TIMEOUT_S", 0.5)
+    with socket.socket() as silent:  # accepts connections (its backlog) and never answers: no hang
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        res, _ = _bench(f"http://127.0.0.1:{silent.getsockname()[1]}", tmp_path)
+    assert res.exit_code == 2 and "did not answer properly (ReadTimeout" in said(res), said(res)
     state.reset()
     res, r = _bench(url, tmp_path, "--model", "no-such-model")
     assert res.exit_code == 2 and r is None
@@ -453,7 +463,11 @@ def test_offline_latency(tmp_path):
     bad = runner.invoke(app, ["bench", "latency", "--input-len", "500", "--output-len", "100", *OFFLINE])
     assert bad.exit_code == 2 and "max_model_len" in said(bad)
     bad = runner.invoke(app, ["bench", "latency", "--temperature", "-1", *OFFLINE])
-    assert bad.exit_code == 2 and "--temperature must be at least 0" in said(bad)
+    assert bad.exit_code == 2 and "--temperature must be a finite number of at least 0" in said(bad)
+    for path, message in ((tmp_path, "is a directory: name a file to write"),  # refused before the engine starts
+                          (out / "x.json", f"{out} is not a writable directory")):
+        bad = runner.invoke(app, ["bench", "latency", "--save-result", str(path), *OFFLINE])
+        assert bad.exit_code == 2 and message in said(bad) and len(bad.output.strip().splitlines()) == 1
     res = runner.invoke(app, ["bench", "latency", "--batch-size", "1", "--input-len", "8", "--output-len", "4",
                               "--num-iters-warmup", "0", "--num-iters", "1", "--temperature", "0",
                               "--save-result", str(out), *OFFLINE])

@@ -219,6 +219,8 @@ def test_gate_fails_on_a_2bit_copy(rtn2_model, tmp_path):
             "--data-dir", str(DATA), "--max-drop", "1.0", "--no-progress")
     assert r.exit_code == 1, r.output
     assert "FAIL" in r.output and "regression gate failed: wikitext (token_perplexity)" in " ".join(r.output.split())
+    said = " ".join(r.output.split())  # the tables hold perplexities only: no accuracy caption over them
+    assert "perplexity: lower is better; ± standard error" in said and "accuracy in %" not in said
 
 
 def test_gate_fails_on_a_nan_model_and_writes_valid_json(tmp_path):
@@ -265,12 +267,28 @@ def test_gate_refuses_different_tokenizers(tmp_path):
     (["--tasks", "wikitext", "--baseline", "/no/such/model", "--data-dir", str(DATA)], {},
      "model directory not found: /no/such/model"),
     (["--tasks", "/no/such/file.txt"], {}, "perplexity file /no/such/file.txt does not exist"),
+    (["--tasks", "wikitext", "--data-dir", str(DATA), "--output-json", str(DATA)], {},
+     f"--output-json {DATA} is a directory: name a file to write"),  # before the run, not after it
+    (["--tasks", "hellaswagg"], {"HF_HUB_OFFLINE": "1"}, "unknown task 'hellaswagg'"),  # a typo, even offline
 ])
 def test_eval_bad_input(args, env, message):
     r = cli(*args, env=env)
     assert r.exit_code == 2, r.output
     out = " ".join(r.output.split())
     assert message in out and "Traceback" not in out and len(r.output.strip().splitlines()) == 1
+
+
+def test_unreadable_perplexity_files_are_one_line(tmp_path):
+    import gzip
+
+    whole = gzip.compress(b"Once upon a time there was a cat.\n" * 50)
+    for name, data in (("garbage.txt.gz", b"not gzip at all"), ("cut.txt.gz", whole[:len(whole) // 2]),
+                       ("latin1.txt", "caf\xe9".encode("latin-1"))):
+        (tmp_path / name).write_bytes(data)
+        r = cli("--tasks", str(tmp_path / name), "--no-progress")
+        out = " ".join(r.output.split())
+        assert r.exit_code == 2 and f"cannot read {tmp_path / name}: " in out, r.output
+        assert "Traceback" not in out and len(r.output.strip().splitlines()) == 1
 
 
 # ---- `--model nvllm` in lm-eval's own command line -------------------------------------------------------
@@ -331,6 +349,15 @@ def test_pipeline_bad_input_fails_before_quantizing(tmp_path, args, message):
     r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["pipeline", "--device", "cpu", "--out", str(tmp_path / "q"),
                                                        *args])
     assert r.exit_code == 2 and message in " ".join(r.output.split()) and not (tmp_path / "q").exists()
+
+
+def test_pipeline_report_that_cannot_be_written_fails_before_quantizing(tmp_path):
+    (tmp_path / "r.md").mkdir()
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, [
+        "pipeline", "--device", "cpu", "--method", "rtn", "--out", str(tmp_path / "q"), "--tasks", "wikitext",
+        "--data-dir", str(DATA), "--report", str(tmp_path / "r")])
+    assert r.exit_code == 2 and f"--report {tmp_path / 'r.md'} is a directory" in " ".join(r.output.split())
+    assert not (tmp_path / "q").exists()
 
 
 def test_no_git_complaint_outside_a_repository(tmp_path, monkeypatch, capfd):

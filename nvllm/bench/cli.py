@@ -9,10 +9,29 @@ import typer
 
 from nvllm.cli_options import USER_ERRORS, engine_options, fail
 from nvllm.config import EngineConfig
+from nvllm.output_file import check_output_file
 
 bench_app = typer.Typer(help="Benchmarks: serving (any OpenAI-compatible server), offline throughput and "
                              "latency, compare, and the disaggregation advisor.", no_args_is_help=True)
 _DATA = "Dataset"
+
+
+def _check_save(path: str | None) -> None:
+    """--save-result checked before the benchmark runs: a path that cannot take the file fails now."""
+    if path is not None:
+        try:
+            check_output_file(path, "--save-result")
+        except ValueError as e:
+            fail(str(e))
+
+
+def _finish(result: dict, path: str | None) -> None:
+    from nvllm.bench import report
+
+    try:
+        report.finish(result, path)
+    except ValueError as e:  # the file system refused after the check (full, removed): the table was printed
+        fail(str(e))
 
 
 @bench_app.command("serve")
@@ -52,9 +71,10 @@ def bench_serve(
     from pathlib import Path
 
     from nvllm.assets import demo_model_path
-    from nvllm.bench import datasets, metrics, report, serve
+    from nvllm.bench import datasets, metrics, serve
     from nvllm.engine.llm_engine import load_tokenizer
 
+    _check_save(save_result)
     if more_slos and not goodput:
         fail(f"unexpected argument {more_slos[0]!r}")
     try:
@@ -70,7 +90,7 @@ def bench_serve(
         result = serve.run_serve_benchmark(opts, requests, tok)
     except (serve.BenchError, *USER_ERRORS) as e:
         fail(str(e))
-    report.finish(result, save_result)
+    _finish(result, save_result)
     if result["completed"] == 0:
         fail(f"all {result['failed']} requests failed", code=1)
 
@@ -104,6 +124,7 @@ def bench_advise(
     from nvllm.engine.llm_engine import load_tokenizer
     from nvllm.logger import console
 
+    _check_save(save_result)
     if num_gpus is not None and num_gpus < 1:
         fail("--num-gpus must be at least 1")
     try:
@@ -118,7 +139,10 @@ def bench_advise(
     for table in tables(workload, rec):
         console().print(table)
     if save_result:
-        report.save_result(result, save_result)
+        try:
+            report.save_result(result, save_result)
+        except ValueError as e:
+            fail(str(e))
         console().print(f"saved {save_result}", highlight=False)
 
 
@@ -140,14 +164,15 @@ def bench_throughput(
     *, engine_config: EngineConfig,
 ) -> None:
     """Offline throughput through the engine: requests/s, output tok/s, total tok/s."""
-    from nvllm.bench import offline, report
+    from nvllm.bench import offline
 
+    _check_save(save_result)
     try:
         result = offline.run_throughput(engine_config, dataset, dataset_path, num_prompts, input_len, output_len,
                                         random_range_ratio, ignore_eos, progress)
     except USER_ERRORS as e:
         fail(str(e))
-    report.finish(result, save_result)
+    _finish(result, save_result)
 
 
 @bench_app.command("latency")
@@ -165,15 +190,16 @@ def bench_latency(
     *, engine_config: EngineConfig,
 ) -> None:
     """Offline latency of one batch: per-iteration latency percentiles, TTFT and TPOT."""
-    from nvllm.bench import metrics, offline, report
+    from nvllm.bench import metrics, offline
 
+    _check_save(save_result)
     try:
         result = offline.run_latency(engine_config, batch_size, input_len, output_len, num_iters_warmup, num_iters,
                                      metrics.parse_percentiles(metric_percentiles), progress,
                                      temperature=temperature)
     except USER_ERRORS as e:
         fail(str(e))
-    report.finish(result, save_result)
+    _finish(result, save_result)
 
 
 @bench_app.command("compare")

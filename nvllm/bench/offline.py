@@ -118,8 +118,8 @@ def run_latency(config: EngineConfig, batch_size: int = 8, input_len: int = 32, 
                          ("num-iters", num_iters, 1), ("num-iters-warmup", num_iters_warmup, 0)):
         if v < low:
             raise ValueError(f"--{name} must be at least {low}, got {v}")
-    if not temperature >= 0:
-        raise ValueError(f"--temperature must be at least 0, got {temperature}")
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"--temperature must be a finite number of at least 0, got {temperature}")
     percentiles = percentiles or [99.0]
     llm = llm or LLM.from_config(config)
     if input_len + output_len > llm.engine.max_model_len:

@@ -6,14 +6,13 @@ A statistic that was not measured (None in the result) prints as "n/a", never as
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
+from nvllm import output_file
 from nvllm.bench.metrics import METRICS
 
 
@@ -137,21 +136,8 @@ def print_result(result: dict[str, Any], console=None) -> None:
 
 
 def save_result(result: dict[str, Any], path: str) -> None:
-    """Write the JSON atomically: a complete file or none, with the mode a plain open() would give it (mkstemp's
-    0600 would outlive the rename)."""
-    target = Path(path).expanduser()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2, allow_nan=False)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write the JSON whole or not at all (``nvllm.output_file``)."""
+    output_file.write_json(path, result)
 
 
 def load_result(path: str) -> dict[str, Any]:

@@ -148,8 +148,12 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
 
 
 # ---- server side: models, kernel report, Prometheus counters ---------------------------------------------
+QUERY_TIMEOUT_S = 30.0
+"""How long the model list, the kernel report and /metrics may take: a server that accepts connections but never
+answers fails the run at its start instead of hanging it (the requests themselves get ``timeout_s``)."""
+
 async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
-    resp = await client.get(f"{base_url}/v1/models")
+    resp = await client.get(f"{base_url}/v1/models", timeout=QUERY_TIMEOUT_S)
     if resp.status_code != 200:
         raise BenchError(f"{base_url}/v1/models answered {_error_message(resp.status_code, resp.content)}")
     try:
@@ -164,7 +168,7 @@ async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
 async def kernel_report(client: httpx.AsyncClient, base_url: str) -> dict[str, dict[str, int]] | None:
     """The server's kernel report {op: {impl: calls}}, or None where it has none."""
     try:
-        resp = await client.get(f"{base_url}/v1/kernel_report")
+        resp = await client.get(f"{base_url}/v1/kernel_report", timeout=QUERY_TIMEOUT_S)
         data = resp.json() if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
@@ -182,7 +186,7 @@ async def prometheus_counters(client: httpx.AsyncClient, base_url: str) -> dict[
     """Every `*_total`, `*_sum` and `*_count` sample of GET /metrics (labels kept in the key): the counters and
     histogram totals whose change over a run means something; None where the server has no /metrics."""
     try:
-        resp = await client.get(f"{base_url}/metrics")
+        resp = await client.get(f"{base_url}/metrics", timeout=QUERY_TIMEOUT_S)
     except httpx.HTTPError:
         return None
     if resp.status_code != 200:
@@ -238,6 +242,7 @@ async def benchmark(opts: ServeOptions, requests: list[SampleRequest], tokenizer
     async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
         try:
             model = opts.model or await first_model(client, base)
+            console().print(f"[dim]test request to {url} (model {model!r})[/]", highlight=False)
             first = requests[0]
             probe = await send_request(client, url, build_payload(first, model, opts), first.prompt_len,
                                        opts.chat, tokenizer)

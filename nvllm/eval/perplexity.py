@@ -19,8 +19,11 @@ import gzip
 import json
 import math
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from nvllm.config import first_line
 
 PPL_TASKS = ("wikitext", "c4")
 _HEADING = re.compile(r"^ = [^=].* = $")
@@ -57,8 +60,11 @@ def split_wikitext(text: str) -> list[str]:
 
 
 def _read_text(path: Path) -> str:
-    data = path.read_bytes()
-    return (gzip.decompress(data) if path.suffix == ".gz" else data).decode("utf-8")
+    try:
+        data = path.read_bytes()
+        return (gzip.decompress(data) if path.suffix == ".gz" else data).decode("utf-8")
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:  # EOFError: a cut .gz
+        raise PerplexityError(f"cannot read {path}: {first_line(e)}") from None
 
 
 def _json_texts(path: Path) -> list[str]:

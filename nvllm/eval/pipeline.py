@@ -12,8 +12,8 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
+from nvllm import output_file
 from nvllm.config import EngineConfig
 from nvllm.eval import runner
 
@@ -129,6 +129,10 @@ def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bo
     from nvllm.quant.report import summary_lines
 
     model = engine_config.model
+    prefix = report_prefix or f"{out.rstrip('/')}-report"
+    report_files = [f"{prefix}.json", f"{prefix}.md"]
+    for path in report_files:  # a report that cannot be written fails now, not after the whole run
+        output_file.check_output_file(path, "--report")
     if spec.ppl_tasks:  # missing data fails now, not after a long quantization
         from nvllm.eval.perplexity import PerplexityError, load_corpus
 
@@ -151,11 +155,7 @@ def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bo
               "eval": runner.report_json(results, spec, engine_config, notes, None),
               "gate": runner.gate_summary(results, rows, max_drop, max_drop_rel), "bench": bench_results,
               "engine": {k: v for k, v in engine_config.to_dict().items() if k not in ("model", "tokenizer")}}
-    prefix = report_prefix or f"{out.rstrip('/')}-report"
-    report["report_files"] = [f"{prefix}.json", f"{prefix}.md"]
+    report["report_files"] = report_files
     runner.write_json(report["report_files"][0], report)
-    md = Path(report["report_files"][1])
-    tmp = md.with_name(f".{md.name}.tmp")
-    tmp.write_text(markdown(report, summary_lines(summary)))
-    tmp.replace(md)
+    output_file.write_text(report["report_files"][1], markdown(report, summary_lines(summary)))
     return report

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from nvllm import output_file
 from nvllm.config import ConfigError, EngineConfig
 
 TASK_HELP = "gsm8k, mmlu, mmlu_<category|subject>, wikitext, c4 or a text file path"
@@ -94,13 +95,13 @@ def task_manager(spec: EvalSpec):
                 raise EvalError(str(e)) from e
             yield TaskManager(include_path=tmp, include_defaults=False), notes
         return
-    if not hub_reachable():
-        raise EvalError("the Hugging Face hub is unreachable and no --data-dir was given: pass --data-dir DIR "
-                        "with local copies (gsm8k/test.jsonl, mmlu/test/*.csv, ...)")
-    manager = TaskManager()
+    manager = TaskManager()  # lm-eval's own task index, on disk: a name it lacks is unknown, online or not
     unknown = [t for t in spec.harness_tasks if t not in manager.all_tasks]
     if unknown:
         raise EvalError(f"unknown task {unknown[0]!r}; choose from {TASK_HELP}")
+    if not hub_reachable():
+        raise EvalError("the Hugging Face hub is unreachable and no --data-dir was given: pass --data-dir DIR "
+                        "with local copies (gsm8k/test.jsonl, mmlu/test/*.csv, ...)")
     yield manager, {t: "lm-eval task (hub)" for t in spec.harness_tasks}
 
 
@@ -287,7 +288,11 @@ def _tree(r: dict, name: str) -> list[str]:
 def results_table(result: dict, title: str):
     from rich.table import Table
 
-    table = Table(title=title, caption="accuracy in %, ± standard error")
+    better = [hb for t in result["tasks"].values() for hb in
+              (t.get("higher_is_better", {}).get(key, True) for key in t["metrics"])]
+    caption = "; ".join(part for part, shown in (("accuracy in %", any(better)),
+                                                  ("perplexity: lower is better", not all(better))) if shown)
+    table = Table(title=title, caption=f"{caption}; ± standard error")
     for col, just in (("task", "left"), ("metric", "left"), ("n", "right"), ("shots", "right"),
                       ("value", "right")):
         table.add_column(col, justify=just)
@@ -324,13 +329,9 @@ def progress_bar(enabled: bool = True):
 
 
 def write_json(path: str, data: dict) -> None:
-    """Write through a temporary file and a rename: never a half-written result. A score that is not a number
-    (a NaN perplexity) is written as null, so the file stays valid JSON."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(_finite(data), indent=2, default=str, allow_nan=False) + "\n")
-    os.replace(tmp, target)
+    """Write whole or not at all (``nvllm.output_file``). A score that is not a number (a NaN perplexity) is written
+    as null, so the file stays valid JSON."""
+    output_file.write_json(path, _finite(data))
 
 
 def _finite(value):
