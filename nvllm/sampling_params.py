@@ -95,8 +95,8 @@ class SamplingParams:
             self.top_k = -1
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:  # NaN too: it passed "< 0" and sampled garbage
+            raise ValueError(f"temperature must be a non-negative finite number, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

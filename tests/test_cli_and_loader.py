@@ -35,7 +35,8 @@ def test_generate_demo_model_default():
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/dir"], "model directory not found"),
-    (["--temperature", "-1"], "temperature must be non-negative"),
+    (["--temperature", "-1"], "temperature must be a non-negative finite number"),
+    (["--temperature", "nan"], "temperature must be a non-negative finite number, got nan"),
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--max-tokens", "0"], "max_tokens must be at least 1"),
     (["--dtype", "int3"], "unknown dtype"),
@@ -43,8 +44,11 @@ def test_generate_demo_model_default():
     (["--device", "tpu"], "unknown device 'tpu'; use auto, cpu, cuda or cuda:N"),
     (["--device", "cuda:99"], "device cuda:99 requested but"),
     (["--logprobs", "513"], "logprobs must be at most the vocabulary size 512, got 513"),
-    (["--repetition-penalty", "0"], "repetition_penalty must be a finite number greater than 0, got 0.0"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be a number greater than 0 within float32's range"),
     (["--presence-penalty", "3"], "presence_penalty must be in [-2, 2], got 3.0"),
+    (["--hf-overrides", '{"num_hidden_layers": "abc"}'], "--hf-overrides: "),
+    (["--hf-overrides", '{"max_position_embeddings": -5}'],
+     "config.json: max_position_embeddings must be a positive integer, got -5"),
 ])
 def test_generate_bad_input(args, message):
     r = nvllm("generate", *args)

@@ -34,6 +34,10 @@ STACKED = {
 }
 
 
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings"}
+
+
 class ModelShape:
     """The numbers the decoder needs, read once from the HF config: the checkpoint's (``num_heads``, …) and,
     for a rank of ``tp_size``, its own (``num_local_heads``, ``num_local_kv_heads``, ``local_intermediate_size``).
@@ -57,6 +61,11 @@ class ModelShape:
         self.o_bias = architecture != "Qwen2ForCausalLM" and bool(getattr(c, "attention_bias", False))
         self.qk_norm = architecture == "Qwen3ForCausalLM"
         self.mlp_bias = bool(getattr(c, "mlp_bias", False))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"config.json: {_HF_NAMES.get(name, name)} must be a positive integer, got {v!r}")
         act = getattr(c, "hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} is not supported (only silu)")
