@@ -7,6 +7,7 @@ A script that builds one must guard its top level with `if __name__ == "__main__
 from __future__ import annotations
 
 import numbers
+import threading
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -34,12 +35,14 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_options)
         self.engine = LLMEngine(self.config)
         self._chat_template: tuple[str, bool] | None = None  # (template, is_fallback), loaded by the first chat
+        self._lock = threading.RLock()  # one call runs the engine at a time (threads sharing an LLM wait)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
         setup_logging()
         llm = cls.__new__(cls)
         llm.config, llm.engine, llm._chat_template = config, LLMEngine(config), None
+        llm._lock = threading.RLock()
         return llm
 
     def get_tokenizer(self):
@@ -135,6 +138,13 @@ class LLM:
     def _generate(self, prompts: list, sampling_params, use_tqdm: bool, texts: list[str] | None = None,
                   lora_request=None, log: bool = True, cache_salts: list[str | None] | None = None
                   ) -> list[RequestOutput]:
+        """Queue the prompts and run the engine until they finish, one call at a time: the engine steps every
+        request it holds, so two threads stepping it at once would corrupt its state. A call that ends otherwise
+        (an exception, Ctrl-C) aborts its requests: nothing it queued is left for the next call to run."""
+        with self._lock:
+            return self._generate_locked(prompts, sampling_params, use_tqdm, texts, lora_request, log, cache_salts)
+
+    def _generate_locked(self, prompts, sampling_params, use_tqdm, texts, lora_request, log, cache_salts):
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -153,9 +163,15 @@ class LLM:
             self.engine.load_lora(lora)
         texts = texts or [None] * len(prompts)
         salts = cache_salts or [None] * len(prompts)
-        ids = [self.engine.add_request(None, p, sp, prompt_text=t, lora_request=lr, cache_salt=salt)
-               for p, sp, t, lr, salt in zip(prompts, params, texts, loras, salts)]
-        return self._run(ids, use_tqdm, log)
+        ids: list[str] = []
+        try:
+            for p, sp, t, lr, salt in zip(prompts, params, texts, loras, salts):
+                ids.append(self.engine.add_request(None, p, sp, prompt_text=t, lora_request=lr, cache_salt=salt))
+            return self._run(ids, use_tqdm, log)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
 
     def _run(self, request_ids: list[str], use_tqdm: bool, log: bool = True) -> list[RequestOutput]:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

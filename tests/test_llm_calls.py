@@ -1,0 +1,62 @@
+"""The offline LLM API's calls as units of work: threads sharing one LLM take turns (each gets what it would get
+alone), and a call that ends in an exception or Ctrl-C aborts what it queued, leaving the engine as it found it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from nvllm import SamplingParams
+from tests.conftest import make_llm
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily went to the park"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(demo_dir):
+    return make_llm(demo_dir)
+
+
+def _texts(outs) -> list[str]:
+    return [o.outputs[0].text for o in outs]
+
+
+def test_threads_sharing_an_llm_take_turns(llm):
+    alone = _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    results, errors = {}, []
+
+    def call(i: int) -> None:
+        try:
+            results[i] = _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and results == {0: alone, 1: alone, 2: alone}
+    assert not llm.engine.has_unfinished_requests() and llm.engine.requests == {}
+
+
+def test_an_interrupted_call_aborts_what_it_queued(llm, monkeypatch):
+    step, calls = llm.engine.step, []
+
+    def interrupted(*args, **kwargs):  # Ctrl-C during the third step
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS * 4, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    assert llm.engine.requests == {}
+    free = llm.engine.scheduler.bm.num_free_blocks
+    out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)  # runs only its own request
+    assert _texts(out) == _texts(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False))
+    assert llm.engine.scheduler.bm.num_free_blocks == free
