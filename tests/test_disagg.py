@@ -144,6 +144,9 @@ def _wait_pool_empty(url: str, timeout: float = 20) -> dict:
     (["serve", "--prefill-max-num-seqs", "4"], "goes with --disaggregate"),
     (["router"], "--prefill and --decode"),
     (["router", "--prefill", "http://a:1", "--decode", "b:2"], "not an http(s):// URL"),
+    (["router", "--mixed", "http://127.0.0.1:99999,http://a:1"], "has port 99999; ports are 1-65535"),
+    (["router", "--mixed", "http://a:port"], "is not a valid URL"),
+    (["router", "--mixed", "http://:80"], "names no host"),
     (["router", "--mixed", "http://a:1", "--prefill", "http://b:1", "--decode", "http://c:1"], "not both"),
     (["router", "--mixed", "http://a:1", "--fd", "-1"], "--fd must be a file descriptor"),
     (["router", "--mixed", "http://a:1", "--shutdown-timeout", "-1"], "--shutdown-timeout must be non-negative"),
@@ -461,3 +464,27 @@ def test_decode_worker_death_fails_its_requests_cleanly(deployment):
     assert sum(v for k, v in m.items() if k.startswith("nvllm:router_failures_total")) >= 2
     assert m["nvllm:router_requests_total[outcome=failed]"] >= 2
     assert httpx.get(f"{urls['router']}/health").status_code == 503
+
+
+def test_a_worker_the_socket_layer_refuses_is_marked_down_and_polling_goes_on():
+    """A URL the socket layer refuses past httpx (port 99999: OverflowError) marks that worker down; the other
+    worker's poll still runs, and so does the next round (the router's poll loop never dies)."""
+    from nvllm.disagg.worker_pool import WorkerPool
+
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url))
+        if request.url.port == 99999:
+            raise OverflowError("connect(): port must be 0-65535")
+        return httpx.Response(200)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            pool = WorkerPool([], [], ["http://127.0.0.1:99999", "http://127.0.0.1:8001"], client)
+            for _ in range(2):
+                await pool.poll_all()
+            return [w.up for w in pool.workers]
+
+    assert asyncio.run(main()) == [False, True]
+    assert seen.count("http://127.0.0.1:8001/health") == 2

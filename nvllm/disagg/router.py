@@ -40,10 +40,20 @@ _IDLE_S = 2.0
 
 
 def parse_urls(text: str | None, flag: str) -> list[str]:
+    """Comma-separated worker URLs, each an http(s) URL with a host and a valid port (httpx parses them as the
+    router's client will)."""
     urls = [u.strip().rstrip("/") for u in (text or "").split(",") if u.strip()]
     for u in urls:
         if not u.startswith(("http://", "https://")):
             raise ConfigError(f"{flag}: {u!r} is not an http(s):// URL")
+        try:
+            url = httpx.URL(u)
+        except httpx.InvalidURL as e:
+            raise ConfigError(f"{flag}: {u!r} is not a valid URL ({e})") from None
+        if not url.host:
+            raise ConfigError(f"{flag}: {u!r} names no host")
+        if url.port is not None and not 0 < url.port <= 65535:
+            raise ConfigError(f"{flag}: {u!r} has port {url.port}; ports are 1-65535")
     return urls
 
 
@@ -279,7 +289,10 @@ class Router:
         """Poll the workers; log a line every log_interval seconds."""
         last = time.monotonic()
         while True:
-            await self.pool.poll_all()
+            try:
+                await self.pool.poll_all()
+            except Exception:  # noqa: BLE001 - polling must outlive any one failure, or no worker comes back up
+                logger.exception("polling the workers failed; polling again in %.1f s", self.cfg.poll_interval)
             if self.cfg.log_interval > 0 and time.monotonic() - last >= self.cfg.log_interval:
                 self.metrics.log_line()
                 last = time.monotonic()

@@ -107,7 +107,7 @@ class WorkerPool:
         path = "/health" if w.role == "mixed" else "/internal/info"
         try:
             r = await self.client.get(w.url + path, headers=self.headers, timeout=2.0)
-        except httpx.HTTPError as e:
+        except Exception as e:  # noqa: BLE001 - httpx's errors, and what the socket layer raises past them
             self._down(w, f"unreachable: {type(e).__name__}")
             return
         if r.status_code != 200:
