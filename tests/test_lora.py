@@ -103,6 +103,28 @@ def test_reloading_a_name_never_reuses_the_old_adapters_cache(setup):
     assert first[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
 
 
+def test_an_adapter_unloaded_in_use_finishes_its_requests_and_then_goes(setup):
+    """vLLM's runtime swap: unload a name while a request runs with it, load other weights under the same name
+    (a new id) at once; the running request ends on its own weights, new requests get the new ones, and the old
+    adapter is forgotten once idle."""
+    _, base, adapters = setup
+    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+    old, new = LoRARequest("x", 1, str(adapters["all"])), LoRARequest("x", 2, str(adapters["attn"]))
+    alone = {r.lora_int_id: make_llm(str(base), enable_lora=True).generate(
+        [PROMPTS[0]], params, lora_request=r, use_tqdm=False)[0].outputs[0].token_ids for r in (old, new)}
+    engine = make_llm(str(base), enable_lora=True).engine
+    running = engine.add_request(None, PROMPTS[0], params, lora_request=old)
+    engine.step()
+    assert not engine.unload_lora(1)  # in use: it goes later
+    later = engine.add_request(None, PROMPTS[0], params, lora_request=new)  # its name, another id: no refusal
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert done == {running: alone[1], later: alone[2]}
+    engine.step()
+    assert set(engine.runner.lora.known) == {2}
+
+
 def test_peft_variants_load_as_peft_reads_them(setup, tmp_path):
     root, base, adapters = setup
     # no lora_alpha in the config (PEFT's default 8), keys carrying the adapter's name, a pickle-only checkpoint

@@ -71,6 +71,7 @@ class LLMEngine:
                                    lookahead=self.spec.lookahead if self.spec is not None else None)
         if self.runner.lora is not None:
             self.scheduler.activate_lora = self.runner.lora.activate
+        self._unload_when_idle: set[int] = set()  # adapters unloaded while sequences ran with them
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.outputs = OutputBuilder(self.tokenizer)
@@ -174,16 +175,29 @@ class LLMEngine:
             return None
         if self.runner.lora is None:
             raise ValueError("LoRA adapters need the engine started with enable_lora (--enable-lora)")
+        self._unload_idle_loras()
         try:
             return self.runner.lora.register(lora_request, self._loras_in_use())
         except ConfigError as e:  # a bad checkpoint is this request's fault here, not the engine's
             raise ValueError(str(e)) from None
 
     def unload_lora(self, lora_id: int) -> bool:
-        """Forget an adapter unless a sequence still runs with it (a later load of its name then replaces it)."""
-        if self.runner.lora is None or lora_id in self._loras_in_use():
+        """Forget an adapter; one that sequences still run with is forgotten once they end (False until then).
+        Meanwhile a new adapter may take its name (under another id), as vLLM's runtime loading allows."""
+        if self.runner.lora is None:
             return False
+        if lora_id in self._loras_in_use():
+            self._unload_when_idle.add(lora_id)
+            return False
+        self._unload_when_idle.discard(lora_id)
         return self.runner.lora.forget(lora_id)
+
+    def _unload_idle_loras(self) -> None:
+        if self._unload_when_idle:
+            idle = self._unload_when_idle - self._loras_in_use()
+            for lora_id in idle:
+                self.runner.lora.forget(lora_id)
+            self._unload_when_idle -= idle
 
     def _loras_in_use(self) -> set[int]:
         return {s.lora_id for seqs in self.requests.values() for s in seqs if s.lora_id and not s.finished}
@@ -224,6 +238,7 @@ class LLMEngine:
         read late had one more position computed for nothing; one certain to finish (its length limit) is held
         out of the step. A step with a constrained sequence reads the step before once its own forward is queued,
         before sampling: the grammar mask needs that token."""
+        self._unload_idle_loras()
         if self.spec is not None:
             self.spec.begin_step(len(self.scheduler.running))
             sched = self.scheduler.schedule()

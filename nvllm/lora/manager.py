@@ -48,17 +48,18 @@ class LoRAManager:
 
     def register(self, request: LoRARequest, in_use: set[int]) -> bytes:
         """Read and check the adapter (unless known) and return its prefix-cache salt. ConfigError for a bad
-        checkpoint, or an id or a name another adapter holds while sequences use it (an idle one is replaced)."""
+        checkpoint, or an id another adapter holds while sequences use it. An idle adapter of the same id or name is
+        replaced; one in use under the same name (another id) stays until its sequences end."""
         have = self.known.get(request.lora_int_id)
         if have is not None and have[0] == request:
             self.known.move_to_end(request.lora_int_id)
             return have[2]
         for lora_id, (other, _, _) in list(self.known.items()):
-            if lora_id == request.lora_int_id or other.lora_name == request.lora_name:
-                if lora_id in in_use:
-                    raise ConfigError(f"LoRA adapter {other.lora_name!r} (id {lora_id}) is in use; "
-                                      f"{request.lora_name!r} (id {request.lora_int_id}) cannot take its name or id")
-                self.forget(lora_id)
+            if lora_id == request.lora_int_id and lora_id in in_use:  # the id is what sequences and slots name
+                raise ConfigError(f"LoRA adapter {other.lora_name!r} (id {lora_id}) is in use; "
+                                  f"{request.lora_name!r} cannot take its id")
+            if (lora_id == request.lora_int_id or other.lora_name == request.lora_name) and lora_id not in in_use:
+                self.forget(lora_id)  # replaced; one in use under the same name finishes on its own weights
         self.known[request.lora_int_id] = (request, self._read(request), _salt(request))
         while len(self.known) > self.max_cpu_loras:  # host memory: drop the least recently used idle adapter
             idle = next((i for i in self.known if i not in in_use and i != request.lora_int_id), None)
