@@ -74,6 +74,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N log-probabilities of each generated token (plus the chosen one)
     prompt_logprobs: int | None = None  # same for every prompt token after the first
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, text "" (vLLM's; no stop strings then)
     # vLLM's semantics (nvllm.layers.penalties): presence and frequency count the generated tokens only,
     # repetition_penalty every token of the prompt and the output; logit_bias (token id -> bias) comes first
     presence_penalty: float = 0.0
@@ -112,6 +113,8 @@ class SamplingParams:
         # every stop string is searched after every token, and the longest one holds back streamed text
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in self.stop):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LEN} characters")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (without text there is nothing to search)")
         if len(self.stop_token_ids) > MAX_STOP_STRINGS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_STRINGS} ids")
         for name in ("logprobs", "prompt_logprobs"):

@@ -60,3 +60,14 @@ def test_an_interrupted_call_aborts_what_it_queued(llm, monkeypatch):
     out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)  # runs only its own request
     assert _texts(out) == _texts(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False))
     assert llm.engine.scheduler.bm.num_free_blocks == free
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
+    """vLLM's SamplingParams(detokenize=False): token ids only; stop strings, which need the text, are refused."""
+    with_text = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    ids_only = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                    detokenize=False), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ids_only] == [o.outputs[0].token_ids for o in with_text]
+    assert [o.outputs[0].text for o in ids_only] == [""] * len(PROMPTS) and all(_texts(with_text))
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["."], detokenize=False)

@@ -81,7 +81,8 @@ class Admission:
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
             seq = Sequence(request_id, i, list(ids), len(ids), params, metrics, gen)
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            if params.detokenize:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             seq.cache_salt, seq.lora_id = salt, lora_id
             seq.bad_words = bad_words
             if params.structured_outputs is not None:

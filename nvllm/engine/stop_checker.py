@@ -11,13 +11,14 @@ def check_stop(seq: Sequence, tok: int, length: int, eos_token_ids: set[int], ma
     """``tok`` is the sequence's newest token; ``length``: its tokens up to and including it. Appends the token's
     text (a stop token's only with include_stop_str_in_output, as vLLM gives it) and sets the finish."""
     p = seq.params
+    detokenize = seq.detokenizer.step if seq.detokenizer is not None else _no_text  # detokenize=False: ids only
     eos = tok in eos_token_ids and not p.ignore_eos
     if eos or tok in p.stop_token_ids:
         seq.finish_reason, seq.stop_reason = "stop", None if eos else tok
         if p.include_stop_str_in_output:  # EOS's text is special: empty unless skip_special_tokens is off
-            seq.text += seq.detokenizer.step([tok])
+            seq.text += detokenize([tok])
         return
-    new_text = seq.detokenizer.step([tok])
+    new_text = detokenize([tok])
     seq.text += new_text
     n_out = length - seq.num_prompt_tokens
     if n_out == p.min_tokens:
@@ -32,6 +33,10 @@ def check_stop(seq: Sequence, tok: int, length: int, eos_token_ids: set[int], ma
         seq.finish_reason = "length"
     elif length >= max_model_len:
         seq.finish_reason = "length"
+
+
+def _no_text(ids: list[int]) -> str:
+    return ""
 
 
 def find_stop(text: str, new_len: int, stops: list[str], floor: int = 0) -> tuple[int, str] | None:
