@@ -347,6 +347,13 @@ def test_router_in_front_of_mixed_replicas(deployment, tmp_path):
         assert [m.id for m in c.models.list().data] == [MODEL]
         with pytest.raises(openai.BadRequestError):
             c.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+        auth = {"Authorization": f"Bearer {KEY}"}  # /tokenize and /detokenize: any replica's answer, relayed
+        for path, body in (("/tokenize", {"prompt": PROMPTS[20]}), ("/detokenize", {"tokens": [1, 45, 67]}),
+                           ("/detokenize", {"tokens": [-1]})):
+            got = httpx.post(url + path, json=body, headers=auth)
+            want = httpx.post(deployment["urls"]["mixed"] + path, json=body, headers=auth)
+            assert (got.status_code, got.json()) == (want.status_code, want.json())
+        assert httpx.post(url + "/tokenize", json={"prompt": "x"}).status_code == 401
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

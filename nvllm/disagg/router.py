@@ -269,16 +269,21 @@ class Router:
                                    headers=headers, timeout=5.0)
 
     # ---- the rest ----------------------------------------------------------------------------------------
-    async def models(self, request: Request) -> Response:
+    async def any_worker(self, request: Request, path: str) -> Response:
+        """A request any worker answers alike (the model list, /tokenize, /detokenize: every worker serves the same
+        model and tokenizer), relayed from the first worker up that answers; 503 when none does."""
         check_api_key(request, self.cfg.api_key)
+        body = await read_body(request, self.cfg.max_request_bytes) if request.method == "POST" else None
         for role in ("mixed", "prefill", "decode"):
             for worker in self.pool.candidates(role):
                 try:
-                    r = await self.client.get(worker.url + "/v1/models", headers=_forwarded(request), timeout=10.0)
+                    r = await self.client.request(request.method, worker.url + path, headers=_forwarded(request),
+                                                  content=body, timeout=10.0)
                 except httpx.HTTPError as e:
-                    self._failed(worker, "models", e)
+                    self._failed(worker, path.rsplit("/", 1)[-1], e)
                     continue
-                return Response(r.content, status_code=r.status_code, media_type="application/json")
+                return Response(r.content, status_code=r.status_code,
+                                media_type=r.headers.get("content-type", "application/json"))
         raise APIError(503, "no worker is up", code="no_worker_available")
 
     def healthy(self) -> bool:
@@ -349,7 +354,15 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return await router.models(request)
+        return await router.any_worker(request, "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await router.any_worker(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await router.any_worker(request, "/detokenize")
 
     @app.get("/health")
     async def health() -> Response:
