@@ -220,6 +220,38 @@ def test_logprobs(client):
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob for t in content)
 
 
+def test_prompt_logprobs_are_the_engines(client, http):
+    """vLLM's prompt_logprobs extension: None for the first prompt token, then the token and the top k at each
+    position, by token id, as the offline LLM computes them (with echo + logprobs asking the engine for more, the
+    reply still holds k); the chat reply carries them once, beside its choices; a stream may not ask for them."""
+    from nvllm import SamplingParams
+    from nvllm.assets import demo_model_path
+    from tests.conftest import make_llm
+
+    ids = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
+    want = make_llm(demo_model_path()).generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=2),
+                                                use_tqdm=False)[0]
+    assert len(want.prompt_token_ids) == ids
+    for extra in ({}, {"echo": True, "logprobs": 4}):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
+                                               "prompt_logprobs": 2, **extra}).json()
+        got = r["choices"][0]["prompt_logprobs"]
+        assert got[0] is None and len(got) == ids
+        for tok, d, w in zip(want.prompt_token_ids[1:], got[1:], want.prompt_logprobs[1:]):
+            assert str(tok) in d and {int(t) for t in d} == {t for t, lp in w.items() if lp.rank <= 2 or t == tok}
+            for t, lp in d.items():
+                assert lp["rank"] == w[int(t)].rank and lp["decoded_token"]
+                assert lp["logprob"] == pytest.approx(w[int(t)].logprob, abs=1e-4)
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                   "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(d) == 1 for d in chat["prompt_logprobs"][1:])
+    plain = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    bad = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "stream": True, "prompt_logprobs": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_echo_with_logprobs_whole_and_streamed(client):
     """The prompt's tokens then the completion's, their text offsets running on without a step back, and the
     same logprobs streamed (the echo chunk carries the prompt's) as answered whole."""

@@ -21,6 +21,8 @@ def check_beam_request(req) -> None:
         raise bad_request("streaming is not supported with use_beam_search", "stream")
     if req.logprobs:
         raise bad_request("logprobs are not supported with use_beam_search", "logprobs")
+    if req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs are not supported with use_beam_search", "prompt_logprobs")
     if getattr(req, "tools", None) or constrains_reply(req):
         raise bad_request("use_beam_search does not combine with tools or structured outputs", "use_beam_search")
     for name in ("allowed_token_ids", "bad_words"):  # beams are ranked by the raw logprobs, which no mask changes

@@ -11,8 +11,8 @@ from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, resolve_max_tokens, submit,
-                                sampling_params, usage)
+from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, prompt_logprobs_json,
+                                requested_prompt_logprobs, resolve_max_tokens, submit, sampling_params, usage)
 from nvllm.serve.beam import beam_params, beam_usage, check_beam_request, search_all
 from nvllm.serve.models import ServedModels
 from nvllm.serve.prompts import PromptProcessor
@@ -76,7 +76,7 @@ class ChatHandler:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(ids), self.prompts.max_model_len, param,
                                         self.defaults.get("max_tokens"))
-        params = sampling_params(req, max_tokens, num_top, defaults=self.defaults)
+        params = sampling_params(req, max_tokens, num_top, requested_prompt_logprobs(req), defaults=self.defaults)
         params.structured_outputs = plan.constraint() or params.structured_outputs
         if plan.mode == "auto" and plan.parser.keep_special_tokens:
             params.skip_special_tokens = False
@@ -114,8 +114,11 @@ class ChatHandler:
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                                       logprobs=None if num_top is None else chat_logprobs(
                                           c.token_ids, c.logprobs or [], num_top, self.prompts.token_text)))
+        plp = None
+        if req.prompt_logprobs is not None and final.prompt_logprobs is not None:
+            plp = prompt_logprobs_json(prompt_ids, final.prompt_logprobs, req.prompt_logprobs, self.prompts.token_text)
         return ChatCompletionResponse(id=request_id, model=self.models.response_name(req.model), choices=choices,
-                                      usage=usage([final], [len(prompt_ids)]))
+                                      usage=usage([final], [len(prompt_ids)]), prompt_logprobs=plp)
 
     async def chunks(self, req: ChatCompletionRequest, request_id: str, stream: OutputStream,
                      prompt_ids: list[int]) -> AsyncIterator[str]:

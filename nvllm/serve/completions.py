@@ -11,8 +11,8 @@ from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, resolve_max_tokens, submit,
-                                sampling_params, usage)
+from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, prompt_logprobs_json,
+                                requested_prompt_logprobs, resolve_max_tokens, submit, sampling_params, usage)
 from nvllm.serve.beam import beam_params, beam_usage, check_beam_request, search_all
 from nvllm.serve.models import ServedModels
 from nvllm.serve.prompts import PromptProcessor
@@ -68,9 +68,11 @@ class CompletionHandler:
             raise bad_request("best_of must equal n (no server-side ranking of samples)", "best_of")
         self.prompts.check_ids(req.stop_token_ids or [], "stop_token_ids")
         check_logprobs(req.logprobs, "logprobs")
+        asked = requested_prompt_logprobs(req)
         prompt_ids = self.prompts.completion_prompts(req.prompt, req.truncate_prompt_tokens)
         max_len = self.prompts.max_model_len
-        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        echoed = req.logprobs if req.echo and req.logprobs is not None else None
+        prompt_logprobs = max((k for k in (echoed, asked) if k is not None), default=None)
         default_max = self.defaults.get("max_tokens")
         params = [sampling_params(req, resolve_max_tokens(req.max_tokens, len(ids), max_len, "max_tokens",
                                                           default_max), req.logprobs, prompt_logprobs, self.defaults)
@@ -129,8 +131,13 @@ class CompletionHandler:
                                               _end(echo_lps, echo_text), self.prompts.token_text)
                     if echo_lps is not None:
                         lps = _join(echo_lps, lps)
+                plp = None
+                if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    plp = prompt_logprobs_json(prompt_ids[i], out.prompt_logprobs, req.prompt_logprobs,
+                                               self.prompts.token_text)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=echo_text + c.text, logprobs=lps,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=plp))
         return CompletionResponse(id=request_id, model=self.models.response_name(req.model), choices=choices,
                                   usage=usage(final, [len(p) for p in prompt_ids]))
 

@@ -11,7 +11,7 @@ from nvllm.outputs import CompletionOutput, RequestOutput
 from nvllm.lora.request import LoRARequest
 from nvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nvllm.serve.errors import bad_request, from_value_error
-from nvllm.serve.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from nvllm.serve.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, UsageInfo
 
 MAX_LOGPROBS = 20
 
@@ -62,6 +62,25 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
 def check_logprobs(value: int | None, param: str) -> None:
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
         raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param)
+
+
+def requested_prompt_logprobs(req: SamplingRequest) -> int | None:
+    """vLLM's prompt_logprobs of a request, checked: None when not asked for, or asked for 0 on a stream (vLLM
+    accepts and drops that); a stream that asks for more is a 400, as in vLLM (a chunk has no place for them)."""
+    check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    if req.stream and req.prompt_logprobs:
+        raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    return None if req.stream else req.prompt_logprobs
+
+
+def prompt_logprobs_json(prompt_ids: list[int], dicts: list, k: int, token_text) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: for each prompt token after the first, the token itself and the top k at its position
+    (the engine may have computed more, for echo), by token id."""
+    out: PromptLogprobs = [None]
+    for tok, d in zip(prompt_ids[1:], dicts[1:]):
+        out.append({str(t): PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank, decoded_token=token_text(t))
+                    for t, lp in sorted(d.items(), key=lambda kv: kv[1].rank) if lp.rank <= k or t == tok})
+    return out
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -69,6 +69,8 @@ class SamplingRequest(OpenAIModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, le=_INT32)
+    # vLLM's: each prompt token's log-probability and the top k at its position (not with stream)
+    prompt_logprobs: int | None = None
     # structured outputs (nvllm.serve.params.structured_outputs): OpenAI's response_format, vLLM's
     # structured_outputs object, or its older guided_* fields
     response_format: dict[str, Any] | None = None
@@ -196,12 +198,24 @@ class CompletionLogProbs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's Logprob, as its prompt_logprobs carry one per token id (rank 1: the most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # None at the first prompt token, as vLLM gives it
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -249,6 +263,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class _Delta(OpenAIModel):
