@@ -82,8 +82,9 @@ class ReasoningStream:
         self.parser = parser
         self.sent = 0
 
-    def delta(self, text: str, finished: bool) -> tuple[str | None, str]:
+    def delta(self, text: str, finished: bool) -> tuple[str | None, str | None]:
+        """(the reasoning the new text adds, the content so far: None while the block is open or undecided)."""
         reasoning, content = self.parser.split(text, finished)
         reasoning = reasoning or ""
         new, self.sent = reasoning[self.sent:], max(self.sent, len(reasoning))
-        return (new or None), (content or "")
+        return (new or None), content

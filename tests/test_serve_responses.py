@@ -43,6 +43,7 @@ def test_text_and_a_continued_conversation_match_the_chat_endpoint(client):
     history = [first[1], {"role": "assistant", "content": r.output_text}, {"role": "user", "content": "And then?"}]
     assert again.output_text == chat_text(client, history, 8)  # the instructions are not carried over, as OpenAI's
     assert client.responses.retrieve(r.id).output_text == r.output_text
+    assert r.id.startswith("resp_") and r.output[0].id.startswith("msg_")  # OpenAI's id shapes
 
 
 def test_streamed_events_add_up_to_the_response(client):
@@ -86,6 +87,7 @@ def test_bad_input_is_a_clear_error(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=MODEL, **kw)
         assert e.value.body["param"] == param
+        assert "max_completion_tokens" not in e.value.body["message"]  # this API's names in the text too
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope", max_output_tokens=2)
     unstored = client.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)

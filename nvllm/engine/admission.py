@@ -13,6 +13,7 @@ import torch
 from nvllm.engine.detokenizer import IncrementalDetokenizer
 from nvllm.engine.sequence import Sequence
 from nvllm.engine.structured_output import StructuredOutputs
+from nvllm.engine.think_or_constraint import ThinkOrConstraint
 from nvllm.layers.token_masks import bad_words_token_ids
 from nvllm.outputs import RequestMetrics
 from nvllm.sampling_params import SamplingParams
@@ -22,6 +23,15 @@ class Admission:
     def __init__(self, tokenizer, vocab_size: int, structured: StructuredOutputs, reasoning, device: torch.device):
         self.tokenizer, self.vocab_size, self.structured = tokenizer, vocab_size, structured
         self.reasoning, self.device = reasoning, device
+
+    def _think_open_id(self) -> int | None:
+        """The token that opens a reasoning block, where the tokenizer has one (Qwen3's ``<think>``); a model that
+        spells it in several tokens cannot open one in its first token, and its reply is constrained from the
+        start."""
+        from nvllm.reasoning_parsers import START
+
+        ids = self.tokenizer.encode(START, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def tokenize(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -89,6 +99,11 @@ class Admission:
                 seq.grammar = self.structured.matcher(params.structured_outputs)
                 seq.grammar_waits = self.reasoning is not None and self.reasoning.constraint_waits(
                     self.tokenizer.decode(ids[-16:]))
+                if seq.grammar_waits and self.reasoning.opens_itself:  # the first token decides (qwen3)
+                    open_id = self._think_open_id()
+                    seq.grammar_waits = False
+                    if open_id is not None:
+                        seq.grammar = ThinkOrConstraint(seq.grammar, open_id)
             if params.logprobs is not None:
                 seq.logprobs = []
             if params.prompt_logprobs is not None:

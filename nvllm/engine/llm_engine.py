@@ -20,6 +20,7 @@ from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.lora.request import LoRARequest
 from nvllm.engine.structured_output import StructuredOutputs
 from nvllm.engine.structured_output import advance as advance_grammar
+from nvllm.engine.think_or_constraint import ThinkOrConstraint
 from nvllm.engine.model_runner import ModelRunner
 from nvllm.engine.output_builder import OutputBuilder
 from nvllm.engine.scheduler import Scheduler
@@ -423,6 +424,8 @@ class LLMEngine:
             seq.cumulative_logprob += d[tok].logprob
             seq.logprobs.append(d)
         fits = seq.grammar is None or seq.grammar_waits or advance_grammar(seq.grammar, tok)
+        if isinstance(seq.grammar, ThinkOrConstraint):  # the reply's first token: a reasoning block, or not
+            seq.grammar_waits, seq.grammar = seq.grammar.opened, seq.grammar.inner
         check_stop(seq, tok, length, self.eos_token_ids, self.max_model_len)
         if seq.grammar_waits and self.reasoning.reasoning_ended(seq.text):
             seq.grammar_waits = False  # the constraint applies from the next token on

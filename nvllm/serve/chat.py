@@ -45,8 +45,13 @@ class ChatHandler:
         self.tool_parser = tool_parser  # --enable-auto-tool-choice's parser
         self.reasoning_parser = reasoning_parser  # --reasoning-parser's
 
-    def _reply(self, req: ChatCompletionRequest) -> ChatReply:
-        return ChatReply(req, plan_tools(req, self.tool_parser), self.reasoning_parser)
+    def _reply(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> ChatReply:
+        """How the reply splits: a prompt that closed the reasoning block itself (``enable_thinking: false``) has a
+        reply of content only, which is also where the engine applied the request's constraint from the start."""
+        parser = self.reasoning_parser
+        if parser is not None and not parser.constraint_waits(self.prompts.tokenizer.decode(prompt_ids[-16:])):
+            parser = None
+        return ChatReply(req, plan_tools(req, self.tool_parser), parser)
 
     def _num_top(self, req: ChatCompletionRequest) -> int | None:
         """The engine's logprobs count: None unless logprobs is true; then top_logprobs (default 0)."""
@@ -90,7 +95,7 @@ class ChatHandler:
         params, lora = requests[0].params, requests[0].lora
         decode = functools.partial(self.prompts.tokenizer.decode, skip_special_tokens=req.skip_special_tokens)
         (out,) = await search_all(self.engine, [ids], [beam_params(req, params)], lora, decode, req.cache_salt)
-        reply = self._reply(req)
+        reply = self._reply(req, ids)
         choices = []
         for j, s in enumerate(out.sequences):
             message, finish = reply.message(s.text, s.finish_reason)
@@ -107,7 +112,7 @@ class ChatHandler:
         finally:
             stream.close()
         num_top = self._num_top(req)
-        reply = self._reply(req)
+        reply = self._reply(req, prompt_ids)
         choices = []
         for c in final.outputs:
             message, finish = reply.message(c.text, c.finish_reason)
@@ -126,7 +131,7 @@ class ChatHandler:
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
         num_top = self._num_top(req)
-        reply = self._reply(req)
+        reply = self._reply(req, prompt_ids)
         progress = [ChoiceProgress() for _ in range(req.n)]
         replies = [reply.stream() for _ in range(req.n)]
         latest: RequestOutput | None = None

@@ -44,7 +44,9 @@ class ReplyStream:
         """The delta for the reply ``text`` so far (cumulative); None when there is nothing new to send."""
         reasoning, content = self.reasoning.delta(text, finished) if self.reasoning else (None, text)
         calls = None
-        if self.tools is not None:
+        if content is None:  # still inside the reasoning block: no content yet, and no call announced (as whole)
+            pass
+        elif self.tools is not None:
             content, calls = self.tools.delta(content, finished)
         else:
             content, self.sent = content[self.sent:] or None, max(self.sent, len(content))

@@ -14,8 +14,8 @@ _INT32 = 2**31 - 1
 MAX_N = 128  # samples per request, OpenAI's cap too
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def random_id(prefix: str, sep: str = "-") -> str:
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
 class OpenAIModel(BaseModel):

@@ -11,6 +11,7 @@ kept in memory (the latest ``STORE_SIZE``) for ``previous_response_id`` and GET,
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -25,8 +26,22 @@ from nvllm.serve.protocol import AssistantMessage, ChatCompletionRequest, OpenAI
 STORE_SIZE = 1024  # responses kept
 STORE_BYTES = 256 * 1024 * 1024  # and their JSON's size at most
 # what each API parameter of the chat request it becomes is called here, for the 400s
+_RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+            ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"), ("messages", "input"))
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "response_format": "text",
            "messages": "input"}
+
+
+def _id(prefix: str) -> str:
+    """OpenAI's ids of this API: resp_…, msg_…, fc_…, rs_…, call_…"""
+    return random_id(prefix, "_")
+
+
+def _renamed(message: str) -> str:
+    """A chat request's error message in this API's parameter names."""
+    for chat, ours in _RENAMED:
+        message = re.sub(rf"\b{re.escape(chat)}\b", ours, message)
+    return message
 
 
 class ResponsesRequest(OpenAIModel):
@@ -104,7 +119,7 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             messages.append({"role": "system" if role == "developer" else role,
                              "content": _text_of(item.get("content"))})
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or random_id("call"), "type": "function",
+            call = {"id": item.get("call_id") or _id("call"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                 messages[-1]["tool_calls"].append(call)
@@ -161,7 +176,7 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest
         return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
         message, param = validation_message(e)
-        raise bad_request(message, _PARAMS.get(param, param)) from None
+        raise bad_request(_renamed(message), _PARAMS.get(param, param)) from None
 
 
 def check_request(req: ResponsesRequest) -> None:
@@ -177,18 +192,18 @@ def check_request(req: ResponsesRequest) -> None:
 def output_items(message: AssistantMessage) -> list[dict]:
     items: list[dict] = []
     if message.reasoning_content:
-        items.append({"type": "reasoning", "id": random_id("rs"), "summary": [], "status": "completed",
+        items.append({"type": "reasoning", "id": _id("rs"), "summary": [], "status": "completed",
                       "content": [{"type": "reasoning_text", "text": message.reasoning_content}]})
     if message.content:
         items.append(_message_item(message.content, "completed"))
     for call in message.tool_calls:
-        items.append({"type": "function_call", "id": random_id("fc"), "call_id": call.id,
+        items.append({"type": "function_call", "id": _id("fc"), "call_id": call.id,
                       "name": call.function.name, "arguments": call.function.arguments, "status": "completed"})
     return items
 
 
 def _message_item(text: str, status: str, item_id: str | None = None) -> dict:
-    return {"type": "message", "id": item_id or random_id("msg"), "status": status, "role": "assistant",
+    return {"type": "message", "id": item_id or _id("msg"), "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
@@ -227,9 +242,9 @@ class ResponsesHandler:
         try:
             request_id, stream, prompt_ids = await self.chat.start(chat_req)
         except APIError as e:  # named as this API names its parameters
-            e.param = _PARAMS.get(e.param, e.param)
+            e.param, e.message = _PARAMS.get(e.param, e.param), _renamed(e.message)
             raise
-        return (random_id("resp"), chat_req, history), stream, prompt_ids
+        return (_id("resp"), chat_req, history), stream, prompt_ids
 
     def _remember(self, req: ResponsesRequest, chat_req: ChatCompletionRequest, message: AssistantMessage,
                   response_id: str, body: dict) -> None:
@@ -250,7 +265,7 @@ class ResponsesHandler:
         finally:
             stream.close()
         c = final.outputs[0]
-        message, _ = self.chat._reply(chat_req).message(c.text, c.finish_reason)
+        message, _ = self.chat._reply(chat_req, prompt_ids).message(c.text, c.finish_reason)
         status = "incomplete" if c.finish_reason == "length" else "completed"
         body = self._body(req, response_id, created, status, output_items(message),
                           self._usage(final, len(prompt_ids), message))
@@ -263,7 +278,7 @@ class ResponsesHandler:
         end. The message item holds exactly the text its deltas carried."""
         response_id, chat_req, _ = ids
         created, seq = int(time.time()), 0
-        reply = self.chat._reply(chat_req)
+        reply = self.chat._reply(chat_req, prompt_ids)
         deltas = reply.stream()
 
         def event(kind: str, **data) -> str:
@@ -291,7 +306,7 @@ class ResponsesHandler:
                     continue
                 if d.reasoning_content:
                     if reasoning_id is None:
-                        reasoning_id, reasoning_open = random_id("rs"), True
+                        reasoning_id, reasoning_open = _id("rs"), True
                         yield event("response.output_item.added", output_index=0, item={
                             "type": "reasoning", "id": reasoning_id, "summary": [], "status": "in_progress",
                             "content": []})
@@ -304,7 +319,7 @@ class ResponsesHandler:
                             for e in close_reasoning():
                                 yield e
                             reasoning_open = False
-                        msg_id = random_id("msg")
+                        msg_id = _id("msg")
                         yield event("response.output_item.added", output_index=self._msg_index(reasoning_id),
                                     item={**_message_item("", "in_progress", msg_id), "content": []})
                         yield event("response.content_part.added", item_id=msg_id,
