@@ -116,6 +116,15 @@ def test_a_cut_constraint_finishes_on_length(llm):
     (dict(json={"type": "nonsense"}), "invalid structured outputs json"),
     (dict(grammar="root ::= foo"), 'invalid structured outputs grammar: EBNF parser error at line 1, column 10: '
                                    'Rule "foo" is not defined'),
+    # keywords xgrammar compiles but does not enforce: refused, not answered with JSON that breaks them
+    (dict(json={"type": "array", "items": {"enum": [1, 2, 3]}, "uniqueItems": True}),
+     "invalid structured outputs json: the schema uses 'uniqueItems', which the grammar cannot enforce"),
+    (dict(json={"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-c]+$", "maxLength": 4}}}),
+     "invalid structured outputs json: the schema uses 'pattern' together with 'minLength'/'maxLength'"),
+    (dict(json='{"$defs": {"x": {"enum": ["a", "b"], "not": {"const": "a"}}}, "$ref": "#/$defs/x"}'),
+     "invalid structured outputs json: the schema uses 'not'"),
+    (dict(json={"allOf": [{"type": "integer"}, {"minimum": 5}]}),
+     "invalid structured outputs json: the schema uses 'allOf' with more than one schema"),
 ])
 def test_bad_constraints_are_one_clear_error(llm, constraint, message):
     with pytest.raises(ValueError) as e:
@@ -203,3 +212,15 @@ def test_one_params_object_serves_models_of_different_vocabularies(llm, tmp_path
     for engine in (llm, other, llm):  # each compiles the constraint for its own vocabulary (a grammar compiled for
         out = engine.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]  # another vocabulary would crash)
         assert out.finish_reason == "stop" and len(out.token_ids) <= 4
+
+
+def test_keywords_as_names_and_values_are_not_refused(llm):
+    """Only schema keywords count: a property called "not", or "uniqueItems" inside an enum, is fine."""
+    from nvllm.engine.structured_output import unenforced_keyword
+
+    schema = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"enum": ["uniqueItems"]}},
+              "required": ["not"], "allOf": [{"type": "object"}], "description": "if not then"}
+    assert unenforced_keyword(schema) is None
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0, structured_outputs=S(json=schema)),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason in ("stop", "length")

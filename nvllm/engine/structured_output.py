@@ -79,6 +79,10 @@ class StructuredOutputs:
         try:
             if kind in ("json", "json_object"):  # any JSON object: the schema {"type": "object"}, as vLLM has it
                 schema = params.json if kind == "json" else {"type": "object"}
+                what = unenforced_keyword(_parsed(schema))
+                if what is not None:
+                    raise ValueError(f"the schema uses {what}, which the grammar cannot enforce: a reply could "
+                                     "break the schema")
                 return compiler.compile_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
                                                     any_whitespace=not (params.disable_any_whitespace
                                                                         or self.disable_any_whitespace))
@@ -93,6 +97,49 @@ class StructuredOutputs:
     def matcher(self, params: StructuredOutputsParams):
         """A new matcher for one sequence (its tokens are fed as they come: ``advance``)."""
         return _import_xgrammar().GrammarMatcher(self.compile(params))
+
+
+_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name → schema
+_DATA = ("enum", "const", "default", "examples", "required", "title", "description")  # values, not schemas
+
+
+def unenforced_keyword(node) -> str | None:
+    """The first JSON Schema keyword in ``node`` that xgrammar compiles but does not enforce (measured with its
+    0.2 releases: the mask lets through replies that break it), or None. vLLM refuses such schemas with its
+    xgrammar backend too."""
+    if isinstance(node, list):
+        return next((w for w in map(unenforced_keyword, node) if w is not None), None)
+    if not isinstance(node, dict):
+        return None
+    found = next((k for k in _UNENFORCED if k in node), None)
+    if found is not None:
+        return f"'{found}'"
+    if node.get("uniqueItems") is True:
+        return "'uniqueItems'"
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return "'allOf' with more than one schema"
+    for key in ("pattern", "format"):
+        if key in node and ("minLength" in node or "maxLength" in node):
+            return f"'{key}' together with 'minLength'/'maxLength'"
+    for key, value in node.items():
+        if key in _DATA:
+            continue
+        found = unenforced_keyword(list(value.values()) if key in _SCHEMA_MAPS and isinstance(value, dict)
+                                   else value)
+        if found is not None:
+            return found
+    return None
+
+
+def _parsed(schema: str | dict):
+    """A schema given as text, parsed (None where it is not JSON: xgrammar's compiler then says what is wrong)."""
+    if not isinstance(schema, str):
+        return schema
+    try:
+        return json.loads(schema)
+    except ValueError:
+        return None
 
 
 def choice_grammar(choices: list[str]) -> str:
