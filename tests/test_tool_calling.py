@@ -187,3 +187,13 @@ def test_mistral_reads_both_of_its_formats():
     plan = plan_tools(request(tools=[WEATHER]), p)
     _, (call,) = plan.calls('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
     assert len(call.id) == 9 and plan.finish_reason("stop", True) == "tool_calls"
+    # named and required calls under this parser get its 9-character ids too, whole and streamed
+    named = plan_tools(request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                       p)
+    required = plan_tools(request(tools=[WEATHER], tool_choice="required"), p)
+    ids = [named.calls('{"city": "Oslo"}')[1][0].id,
+           required.calls('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')[1][0].id,
+           ToolStream(named).delta('{"city"', False)[1][0].id]
+    assert all(len(i) == 9 and i.isalnum() for i in ids), ids
+    hermes = plan_tools(request(tools=[WEATHER], tool_choice="required"), HermesToolParser())
+    assert hermes.calls('[{"name": "get_weather", "parameters": {}}]')[1][0].id.startswith("chatcmpl-tool-")

@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from nvllm.reasoning_parsers import partial_tail
+from nvllm.serve.protocol import random_id
 
 
 @dataclass
@@ -45,6 +46,11 @@ class ToolParser(ABC):
         of a tail that could be its beginning."""
         i = text.find(self.start)
         return i if i != -1 else len(text) - partial_tail(text, self.start)
+
+    @staticmethod
+    def new_call_id() -> str:
+        """An id for a call the model's text does not fix (named and required choices' calls too)."""
+        return random_id("chatcmpl-tool")
 
 
 def _call(obj, args_keys: tuple[str, ...]) -> ParsedCall:
@@ -142,8 +148,13 @@ class MistralToolParser(ToolParser):
             return text, []
         for c in calls:  # the model's own id when it wrote one, else a fresh one of the length templates check
             if not (c.id and len(c.id) == 9 and c.id.isalnum()):
-                c.id = "".join(secrets.choice(_ALNUM) for _ in range(9))
+                c.id = self.new_call_id()
         return (content if content.strip() else None), calls
+
+    @staticmethod
+    def new_call_id() -> str:
+        """Nine letters and digits: Mistral's chat templates refuse a conversation whose call ids are not."""
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
 _ALNUM = string.ascii_letters + string.digits

@@ -16,13 +16,14 @@ comes."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nvllm.sampling_params import StructuredOutputsParams
 from nvllm.serve.errors import bad_request
 from nvllm.serve.params import constrains_reply
 from nvllm.serve.protocol import (ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall, FunctionCall,
-                                  NamedToolChoice, ToolCall, random_id)
+                                  NamedToolChoice, ToolCall)
 from nvllm.serve.tool_parsers import ToolParser
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -35,6 +36,7 @@ class ToolPlan:
     parser: ToolParser | None = None  # auto
     parallel: bool = True
     schemas: dict[str, dict] = field(default_factory=dict)  # function name → its parameters' schema
+    new_id: Callable[[], str] = ToolParser.new_call_id  # the server's parser's ids (Mistral's 9 characters)
 
     def constraint(self) -> StructuredOutputsParams | None:
         if self.mode == "named":
@@ -46,11 +48,11 @@ class ToolPlan:
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A finished reply as (content, calls). A reply that does not parse (cut by max_tokens) stays content."""
         if self.mode == "named":
-            return None, [ToolCall(function=FunctionCall(name=self.name, arguments=text))]
+            return None, [ToolCall(id=self.new_id(), function=FunctionCall(name=self.name, arguments=text))]
         if self.mode == "required":
             try:
                 items = json.loads(text)
-                calls = [ToolCall(function=FunctionCall(name=it["name"], arguments=json.dumps(
+                calls = [ToolCall(id=self.new_id(), function=FunctionCall(name=it["name"], arguments=json.dumps(
                     it["parameters"], ensure_ascii=False))) for it in items]
             except (ValueError, TypeError, KeyError):
                 return text, []
@@ -79,18 +81,19 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: ToolParser | None) -> To
         raise bad_request("tool_choice needs tools", "tool_choice")
     schemas = {t.function.name: t.function.parameters or _NO_PARAMETERS for t in tools}
     parallel = req.parallel_tool_calls is not False
+    ids = {"new_id": auto_parser.new_call_id} if auto_parser is not None else {}
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in schemas:
             raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not among the "
                               "tools", "tool_choice")
-        plan = ToolPlan("named", choice.function.name, parallel=parallel, schemas=schemas)
+        plan = ToolPlan("named", choice.function.name, parallel=parallel, schemas=schemas, **ids)
     elif choice == "required":
-        plan = ToolPlan("required", parallel=parallel, schemas=schemas)
+        plan = ToolPlan("required", parallel=parallel, schemas=schemas, **ids)
     else:
         if auto_parser is None:
             raise bad_request('"auto" tool choice (the default when tools are given) needs the server started with '
                               "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
-        return ToolPlan("auto", parser=auto_parser, parallel=parallel, schemas=schemas)
+        return ToolPlan("auto", parser=auto_parser, parallel=parallel, schemas=schemas, **ids)
     if constrains_reply(req):
         raise bad_request("a named or required tool_choice constrains the reply itself; it cannot be combined with "
                           "response_format or structured outputs", "tool_choice")
@@ -138,7 +141,7 @@ class ToolStream:
         if mode == "named":
             new, self.sent = text[self.sent:], len(text)
             if self.call_id is None:
-                self.call_id = random_id("chatcmpl-tool")
+                self.call_id = self.plan.new_id()
                 return None, [DeltaToolCall(index=0, id=self.call_id, type="function",
                                             function=DeltaFunctionCall(name=self.plan.name, arguments=new))]
             return None, ([DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new))] if new else None)
