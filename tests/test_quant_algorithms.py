@@ -63,6 +63,23 @@ def test_gptq_group_spanning_blocks_and_dead_inputs():
     assert relative_error(w, gq.dequantize(), h) < relative_error(w, rtn.dequantize(), h)
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_a_group_of_zeros_or_of_tiny_weights_keeps_a_scale(sym):
+    """A pruned head or 32 dead inputs give a group of zeros: its scale must survive float16 (a 0 scale made codes
+    of 0 / 0, NaN in GPTQ's updates and a failed Cholesky in the next layer); tiny weights round to small codes."""
+    w, _, h = problem()
+    w[0, :32] = 0
+    w[1, :32] = 1e-7 * torch.arange(32)
+    grid = Grid(4, sym, zero_min=0 if sym else 1)
+    scale, _ = find_params(w.reshape(48, 4, 32), grid)
+    assert (scale > 0).all() and scale.min() == F.MIN_SCALE
+    for gq in (F.quantize_rtn(w, 4, 32, sym=sym, zero_min=grid.zero_min), gptq_quantize(w, h, grid, 32)):
+        deq = gq.dequantize()
+        assert torch.isfinite(deq).all() and gq.q.min() >= 0 and gq.q.max() <= 15
+        assert (deq[0, :32] == 0).all() and (deq[1, :32] - w[1, :32]).abs().max() <= F.MIN_SCALE
+        assert relative_error(w, deq, h) < 0.05
+
+
 def test_awq_search_never_worse_than_rtn_and_clip_helps():
     w, x, h = problem(seed=1)
     opts = AWQOptions()

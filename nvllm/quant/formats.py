@@ -139,17 +139,22 @@ def resolve_group_size(group_size: int, in_features: int) -> int:
     return g
 
 
+MIN_SCALE = 2.0 ** -14
+"""The smallest scale: float16's smallest normal number. A group of zeros (a pruned head, GPTQ's dead inputs) or of
+weights ~1e-7 would otherwise get a scale that rounds to 0 in the stored float16, and codes of 0 / 0."""
+
+
 def group_scale_zero(w: torch.Tensor, bits: int, sym: bool, zero_min: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point of each group of ``w [..., g]`` (float32, the scale not yet rounded to its
     storage dtype); the rules are ``quantize_rtn``'s."""
     w = w.float()
     maxq = 2**bits - 1
     if sym:
-        scales = 2 * w.abs().amax(dim=-1).clamp(min=1e-8) / maxq
+        scales = (2 * w.abs().amax(dim=-1) / maxq).clamp(min=MIN_SCALE)
         return scales, torch.full_like(scales, float((maxq + 1) // 2))
     wmin = w.amin(dim=-1).clamp(max=0)
     wmax = w.amax(dim=-1).clamp(min=0)
-    scales = ((wmax - wmin) / maxq).clamp(min=1e-8)
+    scales = ((wmax - wmin) / maxq).clamp(min=MIN_SCALE)
     zeros = torch.round(-wmin / scales)
     raised = zeros < zero_min
     zeros = zeros.clamp(min=zero_min, max=maxq)
