@@ -36,6 +36,10 @@ def test_quantize_cli_writes_a_servable_model(tmp_path):
     assert "size 1020.50 KiB →" in out and f"written to {tmp_path / 'q'}" in out
     cfg = json.loads((tmp_path / "q" / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "gptq"
+    # the MLP stays dense (172 fits no packing): vLLM reads the dynamic exclusions, transformers / optimum the
+    # modules to quantize (GPTQConfig's modules_in_block_to_quantize: a list of lists of names inside a layer)
+    blocks = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"]]
+    assert cfg["quantization_config"]["modules_in_block_to_quantize"] == blocks
 
 
 def test_recipe_and_flag_override(tmp_path):

@@ -6,7 +6,8 @@ shapes, calibration data), loads the model with the engine's loader, quantizes i
 
 Linears whose shapes the scheme cannot store (a group size that does not divide the input size, an output
 size that is not a whole number of packed words) stay in full precision: listed in the checkpoint's config
-(``modules_to_not_convert``; GPTQ also ``dynamic`` ``-:`` entries, as GPTQModel writes for vLLM) and in the
+(AWQ: ``modules_to_not_convert``; GPTQ: ``dynamic`` ``-:`` entries, as GPTQModel writes for vLLM, and the
+block's quantized modules in ``modules_in_block_to_quantize``, which transformers and optimum read) and in the
 summary. A group size that fits none of the model's linears is an error.
 
 ``quantize_lm_head`` (GPTQ / RTN, GPTQModel's ``lm_head=True``) quantizes the LM head as well, after the last
@@ -129,7 +130,8 @@ def kept_modules(quantize: set[str]) -> list[list[str]]:
 def quantization_config(cfg: QuantizeConfig, out_dir: str, kept: list[list[str]]) -> dict:
     """``quantization_config`` as AutoAWQ / AutoGPTQ write it, plus what stays in full precision: AWQ's
     ``modules_to_not_convert`` (substrings of module names), GPTQ's ``dynamic`` ``-:REGEX`` exclusions
-    (GPTQModel's per-module override, which vLLM reads)."""
+    (GPTQModel's per-module override, which vLLM reads) and ``modules_in_block_to_quantize`` (the modules of a
+    decoder layer that are quantized, what transformers / optimum read; the same in every layer)."""
     if cfg.writes == "awq":
         return awq_quantization_config(cfg.group_size, 4, True, [n for names in kept for n in names] or None)
     if cfg.writes == "compressed-tensors":  # every layer's kept modules by name, and the head unless quantized
@@ -143,6 +145,11 @@ def quantization_config(cfg: QuantizeConfig, out_dir: str, kept: list[list[str]]
         qc["lm_head"] = True          # GPTQModel's key; vLLM's GPTQ config reads it (lm_head_quantized)
     if kept:
         qc["dynamic"] = {f"-:.*\\.({'|'.join(re.escape(n) for n in names)})$": {} for names in kept}
+        # transformers / optimum read neither: they convert the block modules this list names (all others kept)
+        kept_names = {n for names in kept for n in names}
+        qc["modules_in_block_to_quantize"] = [
+            [f"{parent}.{s}" for s in shards] for parent, shards in (FUSED_MODULES[fused] for fused in LINEARS)
+            if f"{parent}.{shards[0]}" not in kept_names]
     return qc
 
 
