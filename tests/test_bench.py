@@ -144,9 +144,18 @@ def test_file_datasets(tok, tmp_path):
         {"from": "gpt", "value": "Once upon a time there was a dog. " * (i + 1)}]} for i in range(8)]))
     reqs = datasets.load_requests("sharegpt", tok, 4, str(share), seed=0)
     assert len(reqs) == 4 and all(r.expected_output_len >= 8 for r in reqs)  # output lengths from the replies
+    # counted as vLLM counts them (special tokens included); a conversation without a reply is skipped, as vLLM does
+    for r in reqs:
+        i = int(r.prompt.split("number ")[1].split()[0])
+        assert r.expected_output_len == len(tok.encode("Once upon a time there was a dog. " * (i + 1)))
+    mixed = tmp_path / "mixed.json"
+    mixed.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Hello there, how are you?"}]},
+                                 {"conversations": [{"from": "human", "value": "And you, friend?"},
+                                                    {"from": "gpt", "value": ""}]}] + json.loads(share.read_text())))
+    assert len(datasets.load_requests("sharegpt", tok, 9, str(mixed), seed=0)) == 9  # the 8 with replies, repeated
     no_reply = tmp_path / "prompts_only.json"
     no_reply.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Hello there, how are you?"}]}]))
-    with pytest.raises(datasets.DatasetError, match="--output-len"):
+    with pytest.raises(datasets.DatasetError, match="without a reply .*--output-len"):
         datasets.load_requests("sharegpt", tok, 1, str(no_reply))
     assert datasets.load_requests("sharegpt", tok, 3, str(no_reply), output_len=7)[2].expected_output_len == 7
     bad = tmp_path / "bad.jsonl"
@@ -181,6 +190,7 @@ class FakeState:
         self.usage = usage
         self.eos = eos  # the last token is EOS: a step later, a chunk with no text and finish_reason "stop"
         self.inflight = self.peak = 0  # streams open at once, and the most seen
+        self.temperatures = []  # each request's, as sent
 
 
 def _fake_app(state: FakeState):
@@ -212,6 +222,7 @@ def _fake_app(state: FakeState):
         if body.get("model") != "fake-model":
             return err(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
         state.count += 1
+        state.temperatures.append(body.get("temperature"))
         n = body.get("max_completion_tokens" if chat else "max_tokens") or 16
         fail = (state.fail_every and state.count % state.fail_every == 0) or \
                (state.fail_after is not None and state.count > state.fail_after)
@@ -324,6 +335,7 @@ def test_serve_against_fake_server(fake_server, tmp_path):
     assert all(len(itl) == 4 for itl in r["itls"]) and r["generated_texts"][0] == " t0 t1 t2 t3 t4"
     assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # generous SLOs: every request good
     assert state.peak <= 4  # --max-concurrency held, as the server saw it
+    assert set(state.temperatures) == {0.0}  # greedy unless --temperature, as vLLM's benchmark sends
     # vLLM's figure counts the requests active in a one-second bucket: at least those in flight at once
     assert state.peak <= r["max_concurrent_requests"] <= 12
     assert r["kernel_report"] == {"gemm": {"fake cuBLAS": 120}, "attention.decode": {"fake paged": 24}}

@@ -59,7 +59,8 @@ def bench_serve(
     burstiness: Annotated[float, typer.Option(help="gamma shape of the gaps; 1 = Poisson")] = 1.0,
     max_concurrency: Annotated[Optional[int], typer.Option(help="cap on requests in flight")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="ask the server to ignore EOS (vLLM extension)")] = False,
-    temperature: Annotated[Optional[float], typer.Option(help="default: the server's")] = None,
+    temperature: Annotated[float, typer.Option(help="sampling temperature of every request (0: greedy, as vLLM's "
+                                               "benchmark sends by default)")] = 0.0,
     goodput: Annotated[Optional[list[str]], typer.Option(help="SLOs in ms, e.g. --goodput ttft:200 tpot:20")] = None,
     metric_percentiles: Annotated[str, typer.Option(help="e.g. 50,90,99")] = "99",
     seed: Annotated[int, typer.Option(help="dataset and arrival seed")] = 0,

@@ -70,9 +70,10 @@ def load_requests(name: str, tokenizer, num_prompts: int, path: str | None = Non
         messages = prompt if isinstance(prompt, list) else None
         text = _render(tokenizer, messages) if messages else prompt
         prompt_len = len(tokenizer.encode(text))
-        n_out = output_len or own_len or (len(tokenizer.encode(completion, add_special_tokens=False))
-                                          if completion else None)
+        n_out = output_len or own_len or (len(tokenizer.encode(completion)) if completion else None)
         if n_out is None:
+            if name == "sharegpt":  # a conversation without a reply: vLLM's loader skips it too
+                continue
             raise DatasetError(f"{path} holds no replies to take output lengths from; give --output-len")
         if name == "sharegpt" and not _sharegpt_valid(prompt_len, n_out, fixed=output_len is not None):
             continue
@@ -80,7 +81,9 @@ def load_requests(name: str, tokenizer, num_prompts: int, path: str | None = Non
         if len(out) == num_prompts:
             break
     if not out:
-        raise DatasetError(f"no usable prompt in {path} (all too long or too short)")
+        why = "too long, too short, or without a reply to take an output length from (--output-len)" \
+            if name == "sharegpt" and not output_len else "too long or too short"
+        raise DatasetError(f"no usable prompt in {path} (all {why})")
     if len(out) < num_prompts:
         logger.warning("%s gives %d usable prompts; repeating them to reach %d", path, len(out), num_prompts)
         out = [out[i % len(out)] for i in range(num_prompts)]

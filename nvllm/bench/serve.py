@@ -45,7 +45,7 @@ class ServeOptions:
     burstiness: float = 1.0
     max_concurrency: int | None = None
     ignore_eos: bool = False
-    temperature: float | None = None  # None: the server's default, as vLLM's client sends none
+    temperature: float = 0.0  # greedy unless asked, as vLLM's benchmark sends it: the same tokens to compare
     percentiles: list[float] = field(default_factory=lambda: [99.0])
     goodput: dict[str, float] = field(default_factory=dict)
     seed: int = 0
@@ -86,8 +86,7 @@ def build_payload(req: SampleRequest, model: str, opts: ServeOptions) -> dict[st
         payload["max_tokens"] = req.expected_output_len
     if opts.ignore_eos:
         payload["ignore_eos"] = True
-    if opts.temperature is not None:
-        payload["temperature"] = opts.temperature
+    payload["temperature"] = opts.temperature
     return payload
 
 
