@@ -40,6 +40,8 @@ def test_metrics_parse(http):
         assert count > 0
     m = metrics(http)
     assert m["nvllm:generation_tokens_total"] > 0 and m["nvllm:prefix_cache_queries_total"] > 0
+    assert {"stop", "length", "abort"} <= {k[len("nvllm:request_success_total["):-1] for k in m
+                                           if k.startswith("nvllm:request_success_total[")}  # there from the start
     assert json.loads(json.dumps(m))  # plain numbers
 
 
@@ -67,5 +69,9 @@ def test_per_request_histograms_as_vllm_exports_them(http):
     phases = {n: added[f"request_{n}_time_seconds"][1] for n in ("queue", "prefill", "decode", "inference")}
     assert all(v >= 0 for v in phases.values()) and phases["inference"] >= phases["decode"]
     assert abs(added["request_time_per_output_token_seconds"][1] - phases["decode"] / 5) < 1e-6
+    tpot = hist("request_time_per_output_token_seconds")  # a one-token request counts, at 0, as vLLM records it
+    http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    assert hist("request_time_per_output_token_seconds") == (tpot[0] + 1, tpot[1])
     info = families["nvllm:cache_config_info"].samples[0]
     assert info.value == 1 and int(info.labels["block_size"]) > 0 and int(info.labels["num_gpu_blocks"]) > 0

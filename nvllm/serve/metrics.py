@@ -134,6 +134,8 @@ class ServerMetrics:
                              lbl, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
         self._success = Counter("nvllm:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):  # at 0 from the start, as vLLM's: rate() sees the first one
+            self._success.labels(model_name, reason)
         self.phases = {name: Histogram(f"nvllm:request_{name}_time_seconds", doc, lbl, buckets=PHASE_BUCKETS,
                                        registry=self.registry).labels(model_name)
                        for name, doc, _, _ in PHASES}
@@ -185,6 +187,8 @@ class ServerMetrics:
         generated = sum(lengths)
         if max(lengths, default=0) > 1 and m.first_token_time is not None and m.last_token_time is not None:
             self.tpot.observe(max(0.0, m.last_token_time - m.first_token_time) / (max(lengths) - 1))
+        else:  # no decode step: 0, as vLLM records it (the count stays the finished requests')
+            self.tpot.observe(0.0)
         for name, value in (("prompt_tokens", len(out.prompt_token_ids)), ("generation_tokens", generated),
                             ("max_num_generation_tokens", max(lengths, default=0)), ("params_n", len(lengths))):
             self.sizes[name].observe(value)
