@@ -157,9 +157,14 @@ def test_perplexity_matches_direct_hf_computation(nv):
     assert len(corpus.raw) == 2 and corpus.raw[1].startswith(" = Du Fu = \n")
     res = perplexity.evaluate_perplexity(nv, corpus, limit=1)
     model = AutoModelForCausalLM.from_pretrained(demo_model_path(), dtype=torch.float32).eval()
-    tokens = nv.tokenizer.encode(corpus.scored[0], add_special_tokens=False)
+    tokens = nv.tokenizer.encode(corpus.scored[0])  # as lm-eval's hf backend: the tokenizer's BOS included
     ll = hf_direct_loglik(model, tokens, nv.tokenizer.bos_token_id, WINDOW)
-    assert len(tokens) > 4 * WINDOW and res["n_tokens"] == len(tokens)
+    assert tokens[0] == nv.tokenizer.bos_token_id and len(tokens) > 4 * WINDOW and res["n_tokens"] == len(tokens)
+    # `nvllm eval --tasks wikitext` and lm-eval's loglikelihood_rolling through the nvllm backend: one number
+    from types import SimpleNamespace
+
+    assert nv.loglikelihood_rolling([SimpleNamespace(args=(corpus.scored[0],))]) == \
+        [pytest.approx(res["per_doc"]["loglikelihood"][0], abs=1e-6)]
     assert res["metrics"]["token_perplexity"] == pytest.approx(math.exp(-ll / len(tokens)), rel=1e-4)
     assert res["metrics"]["bits_per_byte"] == pytest.approx(-ll / len(corpus.raw[0].encode()) / math.log(2),
                                                             rel=1e-4)
@@ -216,8 +221,11 @@ def test_gate_passes_on_the_same_model_and_writes_the_report(tmp_path):
 
 def test_gate_fails_on_a_2bit_copy(rtn2_model, tmp_path):
     r = cli("--model", rtn2_model, "--baseline", demo_model_path(), "--tasks", "wikitext", "--limit", "1",
-            "--data-dir", str(DATA), "--max-drop", "1.0", "--no-progress")
+            "--data-dir", str(DATA), "--max-drop", "1.0", "--max-drop-rel", "1000", "--no-progress")
     assert r.exit_code == 1, r.output
+    # the results on stdout (what `> file` keeps, as lm-eval prints them), the relative drop beside Δ
+    assert "regression gate" in r.stdout and "token_perplexity" in r.stdout and "drop %" in r.stdout
+    assert "drop %" not in r.stderr and "regression gate failed" in r.stderr  # the verdict line is an error
     assert "FAIL" in r.output and "regression gate failed: wikitext (token_perplexity)" in " ".join(r.output.split())
     said = " ".join(r.output.split())  # the tables hold perplexities only: no accuracy caption over them
     assert "perplexity: lower is better; ± standard error" in said and "accuracy in %" not in said

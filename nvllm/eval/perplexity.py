@@ -1,9 +1,11 @@
 """Perplexity on WikiText-2, C4 or any text file, through the engine's prompt log-probabilities.
 
-Each document is scored whole over disjoint rolling windows (`NvllmLM.rolling_windows`: every token predicted
-once, the first conditioned on BOS, each later window with max_length tokens of context), and
+Each document is tokenized and scored exactly as `NvllmLM.loglikelihood_rolling` (lm-eval's hf backend) does it: the
+tokenizer's own special tokens (a Llama-style BOS is then the first token, predicted after the BOS prefix, as lm-eval
+scores it), disjoint windows of max_length predictions (`NvllmLM.rolling_windows`: every token predicted once, each
+conditioned on the tokens of its window before it and on the one token before the window), and
 
-    token_perplexity = exp(-sum log p / tokens)      (tokens without BOS; the primary number)
+    token_perplexity = exp(-sum log p / tokens)      (every token predicted; the primary number)
     word_perplexity  = exp(-sum log p / words)       byte_perplexity = exp(-sum log p / bytes)
     bits_per_byte    = -sum log p / bytes / ln 2     (words and bytes as lm-eval's wikitext task counts them)
 
@@ -135,7 +137,7 @@ def _hub_wikitext() -> list[str]:
 def evaluate_perplexity(lm, corpus: Corpus, limit: int | None = None) -> dict:
     """Score the corpus (its first `limit` documents) with an NvllmLM; metrics plus per-document numbers."""
     raw, scored = corpus.raw[:limit], corpus.scored[:limit]
-    tokens = [lm.tok_encode(text, add_special_tokens=False) for text in scored]
+    tokens = [lm.tok_encode(text) for text in scored]  # as loglikelihood_rolling: the same numbers as lm-eval's
     per_doc = [lm.rolling_windows(t) for t in tokens]
     flat = [w for windows in per_doc for w in windows]
     scores = iter(lm.score_windows(flat, f"{corpus.name} perplexity"))
