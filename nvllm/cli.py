@@ -163,7 +163,7 @@ def eval_command(
     """Accuracy (GSM8K, MMLU through lm-evaluation-harness) and perplexity on nvllm's engine; with --baseline,
     a regression gate that exits 1 when a task drops more than allowed."""
     from nvllm.eval import runner
-    from nvllm.logger import console
+    from nvllm.logger import console, results_console
 
     runner.require_lm_eval()
 
@@ -181,7 +181,7 @@ def eval_command(
                                                lora)
     except (runner.EvalError, *USER_ERRORS) as e:
         fail(str(e))
-    runner.print_eval(console(), results, rows, max_drop, max_drop_rel)
+    runner.print_eval(results_console(), results, rows, max_drop, max_drop_rel)
     gate = runner.gate_summary(results, rows, max_drop, max_drop_rel) if baseline is not None else None
     if output_json is not None:
         try:

@@ -33,3 +33,17 @@ def console():
 
 
 _console = None
+
+
+def results_console():
+    """A Rich console on stdout, for a command's results (eval's and bench's tables): what a user redirects to a
+    file or pipes on, as lm-eval and vLLM's benchmark print theirs; logs and progress stay on stderr."""
+    from rich.console import Console
+
+    global _results_console
+    if _results_console is None:
+        _results_console = Console()
+    return _results_console
+
+
+_results_console = None

@@ -120,9 +120,9 @@ def error_summary(result: dict[str, Any], limit: int = 5) -> list[str]:
 
 def print_result(result: dict[str, Any], console=None) -> None:
     from nvllm.kernels.report import format_table
-    from nvllm.logger import console as default_console
+    from nvllm.logger import results_console
 
-    out = console or default_console()
+    out = console or results_console()
     out.print(results_table(result))
     if result.get("mode") == "serve" and result.get("failed"):
         out.print(f"[bold red]{result['failed']} of {result['num_prompts']} requests failed:[/]", highlight=False)

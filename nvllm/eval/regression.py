@@ -128,11 +128,15 @@ def gate_table(rows: list[Row], max_drop: float | None, max_drop_rel: float | No
               f"max drop {max_drop_rel:g}%" if max_drop_rel is not None else ""]
     table = Table(title="regression gate: " + ", ".join(x for x in limits if x),
                   caption="accuracy in points (x100); perplexity in its own units; Δ ± paired standard error")
+    relative = max_drop_rel is not None  # the drop the relative limit judges, beside the one in points
     for col, just in (("task", "left"), ("metric", "left"), ("n", "right"), ("baseline", "right"),
-                      ("candidate", "right"), ("Δ", "right"), ("result", "left")):
+                      ("candidate", "right"), ("Δ", "right"), *((("drop %", "right"),) if relative else ()),
+                      ("result", "left")):
         table.add_column(col, justify=just)
     for r in rows:
         verdict = "[bold red]FAIL[/]" if r.failed else "[green]ok[/]"
+        rel = (("n/a" if r.drop_rel is None or not math.isfinite(r.drop_rel) else f"{r.drop_rel:.2f}"),) \
+            if relative else ()
         table.add_row(r.task, r.metric, str(r.n), _pm(r.baseline, r.baseline_se), _pm(r.candidate, r.candidate_se),
-                      _pm(r.delta, r.delta_se, signed=True), verdict)
+                      _pm(r.delta, r.delta_se, signed=True), *rel, verdict)
     return table
