@@ -44,10 +44,11 @@ class ReasoningParser:
 
 
     @staticmethod
-    def constraint_waits(prompt_tail: str) -> bool:
-        """Whether a constrained reply starts inside a reasoning block: not when the prompt closed one already
-        (Qwen3 with ``enable_thinking: false`` ends its prompt with an empty ``<think></think>``)."""
-        return not prompt_tail.rstrip().endswith(END)
+    def constraint_waits(tokenizer, prompt_ids: list[int]) -> bool:
+        """Whether the reply starts inside (or may open) a reasoning block, so that a constraint waits for its end:
+        not when the prompt closed one already (Qwen3 with ``enable_thinking: false`` ends its prompt with an empty
+        ``<think></think>``; then the whole reply is content). The engine and the chat reply both ask this."""
+        return not tokenizer.decode(prompt_ids[-16:]).rstrip().endswith(END)
 
     @staticmethod
     def reasoning_ended(text: str) -> bool:

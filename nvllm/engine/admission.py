@@ -97,8 +97,7 @@ class Admission:
             seq.bad_words = bad_words
             if params.structured_outputs is not None:
                 seq.grammar = self.structured.matcher(params.structured_outputs)
-                seq.grammar_waits = self.reasoning is not None and self.reasoning.constraint_waits(
-                    self.tokenizer.decode(ids[-16:]))
+                seq.grammar_waits = self.reasoning is not None and self.reasoning.constraint_waits(self.tokenizer, ids)
                 if seq.grammar_waits and self.reasoning.opens_itself:  # the first token decides (qwen3)
                     open_id = self._think_open_id()
                     seq.grammar_waits = False

@@ -49,7 +49,7 @@ class ChatHandler:
         """How the reply splits: a prompt that closed the reasoning block itself (``enable_thinking: false``) has a
         reply of content only, which is also where the engine applied the request's constraint from the start."""
         parser = self.reasoning_parser
-        if parser is not None and not parser.constraint_waits(self.prompts.tokenizer.decode(prompt_ids[-16:])):
+        if parser is not None and not parser.constraint_waits(self.prompts.tokenizer, prompt_ids):
             parser = None
         return ChatReply(req, plan_tools(req, self.tool_parser), parser)
 
