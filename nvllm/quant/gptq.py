@@ -6,7 +6,8 @@ For one linear ``W [out, in]`` with calibration inputs ``x``: ``H = 2/n Σ x x�
 ``U`` of ``H⁻¹`` gives, for column ``i`` with rounding error ``e = (w_i − q_i) / U_ii``, the update
 ``W[:, j] −= e · U_ij`` for the columns ``j > i``. Updates stay inside a block of ``block_size`` columns and are
 applied to the rest of the matrix once per block (lazy batch updates). Scales and zero points are found for
-each group of ``group_size`` columns when its first column comes up, from the weights as updated so far.
+each group of ``group_size`` columns when its first column comes up, from the weights as updated by the blocks
+before (the updates within the current block are not seen), as AutoGPTQ and GPTQModel find them.
 
 Act-order (``desc_act``) processes the columns by decreasing ``H_ii``. With static groups the group
 parameters are computed once, up front, on the original column order, so groups stay contiguous (``g_idx`` is
@@ -81,17 +82,16 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, grid: Grid, group
         w1 = w[:, b0:b1].clone()
         err1 = torch.zeros_like(w1)
         u1 = u[b0:b1, b0:b1]
-        # without static groups the block is split at each group start, whose parameters come from the
-        # current (updated) weights
+        # without static groups the block is split at each group start, whose parameters come from the weights
+        # as the block found them (columns past the block: as the blocks before left them), as AutoGPTQ's
+        # find_params(W[:, i:i + g]) takes them: the in-block updates reach w only at the block's end
         cuts = {0, b1 - b0} if static is not None else \
             {0, b1 - b0, *(i for i in range(b1 - b0) if (b0 + i) % g == 0)}
         bounds = sorted(cuts)
         for s0, s1 in zip(bounds[:-1], bounds[1:]):
             col = b0 + s0
             if static is None and col % g == 0:
-                rest = g - (b1 - b0 - s0)       # columns of the group beyond this block, if any
-                span = w1[:, s0:s0 + g] if rest <= 0 else torch.cat([w1[:, s0:], w[:, b1:b1 + rest]], dim=1)
-                scales[col // g], zeros[col // g] = find_params(span, grid)
+                scales[col // g], zeros[col // g] = find_params(w[:, col:col + g], grid)
             gptq_block(w1, u1, codes[:, b0:b1], err1, scales, zeros, col_groups[b0:b1], s0, s1, grid.maxq)
         w[:, b1:] -= err1 @ u[b0:b1, b1:]
 
