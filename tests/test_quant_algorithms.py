@@ -7,10 +7,11 @@ import copy
 import pytest
 import torch
 
-from nvllm.quant import formats as F
+from nvllm.quant import formats as F, methods as M
 from nvllm.quant.awq import AWQOptions, GRID4, apply_scales, scale_groups, search_clip, search_scales
 from nvllm.quant.gptq import gptq_quantize
 from nvllm.quant.replay import layer_forward, model_logits
+from nvllm.quant.sequential import quantize_layers
 from nvllm.quant.rtn import Grid, fake_quantize, find_params, relative_error, round_to_grid
 from tests.conftest import build_tiny_model
 from tests.quant_utils import hf_logits, load_nvllm_model
@@ -144,6 +145,40 @@ def test_awq_folding_keeps_the_full_precision_function(tmp_path):
     # GQA: o_proj's input (4 heads) is wider than v (2 heads): no o ← v group
     gqa = load_nvllm_model(build_tiny_model("llama", tmp_path / "gqa")).layers[0]
     assert "o_proj" not in [g.linear for g in scale_groups(gqa, {"qkv_proj", "o_proj"})]
+
+
+@pytest.mark.parametrize("method, full_precision", [("awq", True), ("gptq", False)])
+def test_next_layer_calibrated_on_the_activations_its_method_expects(tmp_path, monkeypatch, method, full_precision):
+    """AWQ calibrates every layer on the full-precision model's activations (AutoAWQ); GPTQ layer i + 1 on the
+    outputs of the already quantized layer i."""
+    path = build_tiny_model("llama", tmp_path / "m", num_hidden_layers=3, intermediate_size=128)
+    model = load_nvllm_model(path)
+    ids = torch.randint(3, 500, (4, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24)
+    x = model.embed_tokens(ids)
+    want = []   # mean |x| of q/k/v's inputs in the full-precision model, layer by layer
+    with torch.no_grad():
+        for layer in model.layers:
+            want.append(layer.input_layernorm(x.reshape(-1, 64)).abs().mean(0))
+            x = layer_forward(layer, x, pos)
+    seen = []
+    cls = M.AWQMethod if method == "awq" else M.GPTQMethod
+    run = cls.quantize_stage
+
+    def spy(self, layer, names, stats):
+        if "qkv_proj" in names:
+            seen.append(stats["qkv_proj"].mean_abs.clone())
+        return run(self, layer, names, stats)
+
+    monkeypatch.setattr(cls, "quantize_stage", spy)
+    names = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    sizes = {n: 32 for n in names}
+    m = M.AWQMethod(GRID4, sizes) if method == "awq" else M.GPTQMethod(Grid(4, True), sizes)
+    quantize_layers(model, ids, m, {i: names for i in range(3)}, torch.device("cpu"), batch=2)
+    torch.testing.assert_close(seen[0], want[0])
+    for got, fp in zip(seen[1:], want[1:]):
+        rel = float((got - fp).norm() / fp.norm())
+        assert rel < 1e-5 if full_precision else rel > 1e-3, rel
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama3-rope"])

@@ -62,6 +62,7 @@ def quantize_linear(linear, h: torch.Tensor, quantize: Callable[[torch.Tensor], 
 
 class RTNMethod:
     stages = (("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),)   # inputs only measure the error
+    calibrates_on_quantized = True
 
     def __init__(self, grid: Grid, group_sizes: dict[str, int]):
         self.grid, self.group_sizes = grid, group_sizes
@@ -75,6 +76,7 @@ class RTNMethod:
 class GPTQMethod:
     # true-sequential: each stage's inputs come from the layer with the earlier stages already quantized
     stages = (("qkv_proj",), ("o_proj",), ("gate_up_proj",), ("down_proj",))
+    calibrates_on_quantized = True   # the next layer's inputs too come from the quantized layers (GPTQ's order)
 
     def __init__(self, grid: Grid, group_sizes: dict[str, int], damp: float = 0.01, block_size: int = 128,
                  act_order: bool = False, static_groups: bool = True):
@@ -93,9 +95,12 @@ class GPTQMethod:
 
 class AWQMethod:
     """All four linears' inputs come from one pass of the full-precision layer; scales are searched for every
-    group first, then folded, then each linear is clipped and rounded (the order AutoAWQ uses)."""
+    group first, then folded, then each linear is clipped and rounded (the order AutoAWQ uses). The next layer's
+    inputs are the full-precision layer's outputs, as in AutoAWQ: the whole model is calibrated on full-precision
+    activations."""
 
     stages = (("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),)
+    calibrates_on_quantized = False
 
     def __init__(self, grid: Grid, group_sizes: dict[str, int], opts: AWQOptions = AWQOptions()):
         if grid.bits != 4 or grid.sym:

@@ -7,11 +7,13 @@
    in place — later stages see the already-quantized earlier ones.
 3. The quantized layer is replayed once more: its outputs are the next layer's inputs, and comparing them
    with a full-precision copy of the layer gives the layer's relative output error (on the first
-   ``ERROR_WINDOWS`` windows: the diagnostic does not need a second full replay of every window).
+   ``ERROR_WINDOWS`` windows: the diagnostic does not need a second full replay of every window). A method
+   whose ``calibrates_on_quantized`` is false (AWQ, as AutoAWQ does it) takes the full-precision copy's outputs
+   as the next layer's inputs instead: every layer is then calibrated on the full-precision model's activations.
 4. The working copy (quantized weights dequantized, plus whatever the method folded into norms or dense
    linears) is written back into the CPU model, which then holds the model as it will be served.
 5. With ``head``, the LM head is quantized last: its inputs are the last layer's outputs (those of the
-   quantized model) through the model's final norm, and the method quantizes it as one more linear (for GPTQ
+   quantized model, or of the full-precision one as in 3.) through the model's final norm, and the method quantizes it as one more linear (for GPTQ
    its Hessian comes from these inputs; groups split the hidden size, its input).
 """
 
@@ -103,14 +105,16 @@ def quantize_layers(model, calib_ids: torch.Tensor, method, quantized: dict[int,
             progress(i, "outputs")
         num = den = 0.0
         seen = 0
+        on_quantized = method.calibrates_on_quantized
         for k, x in enumerate(xs):
-            y = layer_forward(work, x, positions)
-            if seen < ERROR_WINDOWS:
-                y_ref = layer_forward(ref, x, positions)
+            measure = seen < ERROR_WINDOWS
+            y = layer_forward(work, x, positions) if measure or on_quantized else None
+            y_ref = layer_forward(ref, x, positions) if measure or not on_quantized else None
+            if measure:
                 num += float((y - y_ref).pow(2).sum())
                 den += float(y_ref.pow(2).sum())
                 seen += x.shape[0]
-            xs[k] = y
+            xs[k] = y if on_quantized else y_ref
         rep.layer_error = num / max(den, 1e-30)
         layer.load_state_dict(work.state_dict())     # copied back in the model's dtype, on the CPU
         del work, ref
