@@ -35,6 +35,11 @@ def test_parser_forms():
     assert isinstance(EngineConfig(speculative="k=2,method=ngram").speculative, SpeculativeConfig)
     vllm_style = parse_speculative({"method": "draft_model", "model": "/d", "num_speculative_tokens": 3})
     assert (vllm_style.method, vllm_style.draft_model, vllm_style.num_speculative_tokens) == ("draft", "/d", 3)
+    # a config dump's nulls leave those options at their defaults
+    c = parse_speculative('{"method": "ngram", "num_speculative_tokens": null, "prompt_lookup_min": null, '
+                          '"prompt_lookup_max": null, "draft_model": null, "disable_by_batch_size": null}')
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 4, 1, 3)
+    assert parse_speculative({"method": "ngram", "num_speculative_tokens": 3.0}).num_speculative_tokens == 3
 
 
 @pytest.mark.parametrize("text, message", [
@@ -42,6 +47,9 @@ def test_parser_forms():
     ("k=0,draft=/d", "between 1 and 8"),
     ("k=9,draft=/d", "between 1 and 8"),
     ("k=four,draft=/d", "must be an integer"),
+    ('{"method": "ngram", "num_speculative_tokens": 2.7}', "must be an integer, got 2.7"),
+    ('{"method": "ngram", "prompt_lookup_max": 1.5}', "must be an integer"),
+    ('{"num_speculative_tokens": 3, "method": null}', "needs a draft model"),
     ("k=3,method=ngram,draft=/d", "takes no draft model"),
     ("k=3,method=magic", "unknown"),
     ("k=3,colour=red,method=ngram", "unknown speculative option 'colour'"),

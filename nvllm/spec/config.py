@@ -4,7 +4,8 @@ Accepted forms (CLI `--speculative`, `LLM(speculative=...)`, `EngineConfig(specu
   "k=4,draft=DIR"            a draft model proposes 4 tokens per step
   "k=3,method=ngram"         prompt lookup: no draft model
   "k=auto,draft=DIR"         k tuned per request from its recent acceptance (1..8)
-  '{"draft_model": "DIR", "num_speculative_tokens": 4}'   JSON (also "method", "prompt_lookup_min/max")
+  '{"draft_model": "DIR", "num_speculative_tokens": 4}'   JSON (also "method", "prompt_lookup_min/max"; null
+                                                          leaves an option at its default)
   a dict of the JSON keys, or a SpeculativeConfig.
   "...,disable_by_batch_size=16"   no drafting while 16 or more sequences run (large batches are compute-bound:
                                    verifying k + 1 positions per sequence costs more than it saves)
@@ -81,7 +82,7 @@ class SpeculativeConfig:
 
 
 def _int(key: str, value: Any) -> int:
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
         raise ConfigError(f"speculative {key} must be an integer, got {value!r}")
     try:
         return int(value)
@@ -99,7 +100,8 @@ def _from_mapping(items: dict[str, Any]) -> SpeculativeConfig:
                               "prompt_lookup_min/max, disable_by_batch_size)")
         if name in fields:
             raise ConfigError(f"speculative option {key!r} given twice")
-        fields[name] = value
+        if value is not None:   # JSON null (as config dumps write unset options): the default
+            fields[name] = value
     k = fields.get("num_speculative_tokens")
     if isinstance(k, str) and k.strip().lower() == "auto":
         fields["num_speculative_tokens"], fields["auto"] = 4, True
