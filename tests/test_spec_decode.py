@@ -141,6 +141,25 @@ def test_draft_chain_drafts_what_the_step_by_step_loop_drafts(draft, drafts, alo
     assert proposer._chains(many, {id(x): 4 for x in many}, [(x, 5, [1]) for x in many])
 
 
+def test_a_draft_with_fewer_positions_leaves_the_target_its_length(demo_dir, drafts):
+    """The random draft takes 256 positions, the target 512: prompts longer than 256 tokens are accepted, sequences
+    past the draft's positions decode without drafts (their prompts mirrored into the draft only up to them,
+    through block tables cut to its width), and greedy outputs equal plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    tok = make_llm(demo_dir).get_tokenizer()
+    long_prompt = tok.decode(tok.encode("Once upon a time there was a little dog. " * 40)[:300])
+    ps = [long_prompt, "Once upon a time", "The cat sat"]
+    plain = make_llm(demo_dir, block_size=8)
+    want = [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
+    want_far = plain.generate(["Lily"], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    llm = make_llm(demo_dir, block_size=8, max_num_batched_tokens=64, speculative=spec_of("random", drafts, 3))
+    assert llm.engine.max_model_len == 512 and llm.engine.spec.draft_limit == 256
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)] == want
+    far = llm.generate(["Lily"], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False)
+    assert far[0].outputs[0].token_ids == want_far
+
+
 def test_draft_chain_runs_to_the_model_length(demo_dir, drafts):
     """Near the end of the model's length (here its max_position_embeddings) the last steps' k is cut: the chain still
     drafts them, and outputs equal plain decoding's. (That the steps after a sequence's last used draft are padding

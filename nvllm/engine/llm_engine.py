@@ -65,7 +65,6 @@ class LLMEngine:
             from nvllm.spec.decoder import SpecDecoder
 
             self.spec = SpecDecoder(config, self.runner, self.tokenizer, self.eos_token_ids)
-            self.max_model_len = self.spec.max_model_len
         self._fit_max_model_len_to_cache()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

@@ -51,7 +51,7 @@ def check_draft_vocab(draft_dir: str, draft_vocab: int, target_vocab: int, token
 def load_draft_runner(config: EngineConfig, target, tokenizer):
     """The draft's ModelRunner: same block count and block size as the target's cache, same device (rank 0's
     under tensor parallelism: the draft is not split), dtype rule, KV-cache dtype and seed; its own
-    max_model_len (the pair's minimum is what the engine enforces). No LoRA: adapters change the target alone, whose
+    max_model_len (sequences longer than it decode without drafts; the engine keeps the target's). No LoRA: adapters change the target alone, whose
     verification keeps each request's output its adapter's."""
     from nvllm.engine.model_runner import ModelRunner
     from nvllm.models.hub import resolve_model_path
@@ -92,20 +92,21 @@ class SpecDecoder:
                            sc.synthetic_acceptance)
         self.device = target.device
         self.max_model_len = target.max_model_len
+        self.draft_limit = self.max_model_len   # positions the draft takes: longer sequences decode without drafts
         self.draft_runner = None
         self._pending: dict[int, list[int]] = {}  # n-gram proposals made while scheduling
         self.drafting = True  # False in a step that disable_by_batch_size turns speculation off for
         if sc.method == "draft":
             self.draft_runner = load_draft_runner(config, target, tokenizer)
-            self.max_model_len = min(target.max_model_len, self.draft_runner.max_model_len)
-            if self.max_model_len < target.max_model_len:
-                logger.warning("speculative decoding: max_model_len is %d, the draft model's limit (the target "
-                               "alone allows %d)", self.max_model_len, target.max_model_len)
+            self.draft_limit = self.draft_runner.max_model_len
+            if self.draft_limit < self.max_model_len:
+                logger.warning("speculative decoding: the draft model takes %d positions; sequences longer than "
+                               "that decode without drafts (max_model_len %d)", self.draft_limit, self.max_model_len)
             self.proposer = DraftModelProposer(self.draft_runner, self.vocab_size, self.banned,
                                                chain_k=0 if sc.auto else sc.num_speculative_tokens)
         else:
             self.proposer = NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max)
-        logger.info("speculative decoding: %s; max_model_len %d", sc.describe(), self.max_model_len)
+        logger.info("speculative decoding: %s", sc.describe())
 
     # ---- scheduling ------------------------------------------------------------------------------------
     def banned(self, seq: Sequence) -> tuple[int, list[int]]:
@@ -137,7 +138,7 @@ class SpecDecoder:
         than the request can still use: the step emits up to k + 1 tokens."""
         if seq.wants_prompt_logprobs or not self.drafting:
             return 0
-        k = min(self.target_k(seq), self.max_model_len - seq.num_tokens - 1)
+        k = min(self.target_k(seq), self.draft_limit - seq.num_tokens - 1)
         if seq.params.max_tokens is not None:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:

@@ -119,8 +119,9 @@ class DraftModelProposer:
             step.query_start_loc.append(step.query_start_loc[-1] + len(ids))
             step.context_lens.append(end)
             last.append(step.query_start_loc[-1] - 1)
-        width = max(len(seq.block_table) for seq, _, _ in items)
-        step.block_tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _, _ in items]
+        # the blocks of the draft's positions only (a sequence the target holds longer has more)
+        width = min(max(len(seq.block_table) for seq, _, _ in items), -(-self.runner.max_model_len // bs))
+        step.block_tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table)) for seq, _, _ in items]
         step.max_query_len = max(len(ids) for _, _, ids in items)
         step.max_context_len = max(step.context_lens)
         step.logit_rows = [last[i] for i in want]
@@ -160,9 +161,10 @@ class DraftModelProposer:
         """plan: id(seq) → k for the sequences that speculate this step (their last real token is the only
         one the target has yet to compute). Every scheduled chunk is mirrored into the draft's cache."""
         items, spec_seqs, want = [], [], []
-        for seq, n in scheduled:
+        limit = self.runner.max_model_len   # the draft's positions: past them a sequence is not mirrored (and never
+        for seq, n in scheduled:            # drafts: SpecDecoder.lookahead)
             k = plan.get(id(seq), 0)
-            end = seq.num_tokens if k else seq.num_computed_tokens + n
+            end = seq.num_tokens if k else min(seq.num_computed_tokens + n, limit)
             start = min(seq.num_draft_computed, end - 1) if k else seq.num_draft_computed
             if end > start:
                 if k:
