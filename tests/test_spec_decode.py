@@ -441,6 +441,25 @@ def test_k_auto_follows_acceptance(draft, want_k, drafts, demo_dir):
     for drafted, accepted in [(2, 2), (2, 2), (3, 1), (3, 0), (2, 1), (2, 1)]:
         unit.update(st, drafted, accepted)
     assert st.k == 2  # up (100%), down (1/6), then 50% holds
+    if draft == "random":   # a draft that never agrees pauses: 16 + 32 + 64 plain steps between probe windows
+        assert e.stats.spec.num_drafts < 60, e.stats.spec.num_drafts
+
+
+def test_k_auto_pauses_a_useless_draft_and_probes_again():
+    unit = AdaptiveK(start=1, window=2, min_pause=3, max_pause=6)
+    st = unit.new_state()
+    ks = []
+    for _ in range(20):
+        k = unit.k_now(st)
+        ks.append(k)
+        if k:
+            unit.update(st, k, 0)           # nothing accepted
+    assert ks == [1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0]   # pauses of 3, 6, then 6 again
+    while st.paused:
+        unit.k_now(st)
+    for _ in range(2):                      # acceptance returns: k grows, and a later failure pauses 3 steps again
+        unit.update(st, 1, 1)
+    assert (st.pause, st.k, unit.k_now(st)) == (0, 2, 2)
 
 
 def test_synthetic_acceptance_benchmark_mode(drafts, demo_dir):

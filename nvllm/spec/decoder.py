@@ -122,7 +122,7 @@ class SpecDecoder:
             return self.spec_config.num_speculative_tokens
         if seq.spec_state is None:
             seq.spec_state = self.adaptive.new_state()
-        return seq.spec_state.k
+        return self.adaptive.k_now(seq.spec_state)
 
     def begin_step(self, num_running: int) -> None:
         """Before scheduling: a batch of ``disable_by_batch_size`` running sequences or more decodes plainly."""
