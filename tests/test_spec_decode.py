@@ -431,18 +431,26 @@ def test_mismatched_vocabularies_rejected(tmp_path, demo_dir):
 def test_k_auto_follows_acceptance(draft, want_k, drafts, demo_dir):
     llm = make_llm(demo_dir, speculative=spec_of(draft, drafts, "auto"))
     e = llm.engine
-    e.add_request("r", "Once upon a time", SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    fed = []   # tokens of each forward the draft model ran
+    forward = e.spec.proposer._forward
+    e.spec.proposer._forward = lambda items, *a, **kw: fed.append(sum(len(ids) for _, _, ids in items)) or \
+        forward(items, *a, **kw)
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    e.add_request("r", "Once upon a time", params)
     seq = e.requests["r"][0]
     while e.has_unfinished_requests():
         e.step()
     assert seq.spec_state.k == want_k
+    assert seq.output_token_ids == make_llm(demo_dir).generate(["Once upon a time"], params,
+                                                               use_tqdm=False)[0].outputs[0].token_ids
     unit = AdaptiveK(start=2, window=2)
     st = unit.new_state()
     for drafted, accepted in [(2, 2), (2, 2), (3, 1), (3, 0), (2, 1), (2, 1)]:
         unit.update(st, drafted, accepted)
     assert st.k == 2  # up (100%), down (1/6), then 50% holds
-    if draft == "random":   # a draft that never agrees pauses: 16 + 32 + 64 plain steps between probe windows
-        assert e.stats.spec.num_drafts < 60, e.stats.spec.num_drafts
+    if draft == "random":   # a draft that never agrees pauses: 16 + 32 + 64 plain steps between probe windows,
+        assert e.stats.spec.num_drafts < 60, e.stats.spec.num_drafts   # whose tokens the draft takes in one
+        assert len(fed) < 80, len(fed)                                  # catch-up forward (51 here, 144 if mirrored)
 
 
 def test_k_auto_pauses_a_useless_draft_and_probes_again():

@@ -103,7 +103,8 @@ class SpecDecoder:
                 logger.warning("speculative decoding: the draft model takes %d positions; sequences longer than "
                                "that decode without drafts (max_model_len %d)", self.draft_limit, self.max_model_len)
             self.proposer = DraftModelProposer(self.draft_runner, self.vocab_size, self.banned,
-                                               chain_k=0 if sc.auto else sc.num_speculative_tokens)
+                                               chain_k=0 if sc.auto else sc.num_speculative_tokens,
+                                               paused=lambda seq: bool(seq.spec_state and seq.spec_state.paused))
         else:
             self.proposer = NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max)
         logger.info("speculative decoding: %s", sc.describe())

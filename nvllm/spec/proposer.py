@@ -88,12 +88,14 @@ class NgramProposer:
 
 class DraftModelProposer:
     def __init__(self, runner, vocab_size: int, banned: Callable[[Sequence], tuple[int, list[int]]],
-                 chain_k: int = 0):
+                 chain_k: int = 0, paused: Callable[[Sequence], bool] = lambda seq: False):
         """runner: the draft's ModelRunner (its model, KV cache and CUDA graphs are used, not its sampler);
         vocab_size: the target's (draft logits are cut or padded to it); banned(seq) → (rows, token ids);
         chain_k: the fixed k, if any — drafts then run their catch-up and their k steps as one ``DraftChain`` (with
-        the runner's CUDA graphs only)."""
+        the runner's CUDA graphs only); paused(seq): whether k=auto paused the sequence's drafting — its decoded
+        tokens then wait for its next draft's catch-up instead of being mirrored step by step."""
         self.runner = runner
+        self.paused = paused
         self.block_size = runner.block_size
         self.vocab_size = vocab_size
         self.banned = banned
@@ -164,6 +166,8 @@ class DraftModelProposer:
         limit = self.runner.max_model_len   # the draft's positions: past them a sequence is not mirrored (and never
         for seq, n in scheduled:            # drafts: SpecDecoder.lookahead)
             k = plan.get(id(seq), 0)
+            if not k and seq.num_computed_tokens >= seq.num_prompt_tokens and self.paused(seq):
+                continue
             end = seq.num_tokens if k else min(seq.num_computed_tokens + n, limit)
             start = min(seq.num_draft_computed, end - 1) if k else seq.num_draft_computed
             if end > start:
