@@ -52,7 +52,7 @@ def watch_registers() -> dict[str, str]:
 
     def watched(*args, **kw):
         k = run(*args, **kw)
-        key = ",".join(f"{c}={kw.get(c)}" for c in ("X_SPAN", "EARLY", "MERGE", "STAGES", "TMA"))
+        key = ",".join(f"{c}={kw.get(c)}" for c in ("X_SPAN", "EARLY", "MERGE", "STAGES"))
         seen[key] = f"{k.n_regs} registers, {k.n_spills} spilled"
         return k
 
