@@ -13,8 +13,9 @@
 4. The working copy (quantized weights dequantized, plus whatever the method folded into norms or dense
    linears) is written back into the CPU model, which then holds the model as it will be served.
 5. With ``head``, the LM head is quantized last: its inputs are the last layer's outputs (those of the
-   quantized model, or of the full-precision one as in 3.) through the model's final norm, and the method quantizes it as one more linear (for GPTQ
-   its Hessian comes from these inputs; groups split the hidden size, its input).
+   quantized model, or of the full-precision one as in 3.) through the model's final norm, and the method
+   quantizes it as one more linear (for GPTQ its Hessian comes from these inputs; groups split the hidden size,
+   its input).
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ def check_draft_vocab(draft_dir: str, draft_vocab: int, target_vocab: int, token
 def load_draft_runner(config: EngineConfig, target, tokenizer):
     """The draft's ModelRunner: same block count and block size as the target's cache, same device (rank 0's
     under tensor parallelism: the draft is not split), dtype rule, KV-cache dtype and seed; its own
-    max_model_len (sequences longer than it decode without drafts; the engine keeps the target's). No LoRA: adapters change the target alone, whose
-    verification keeps each request's output its adapter's."""
+    max_model_len (sequences longer than it decode without drafts; the engine keeps the target's). No LoRA:
+    adapters change the target alone, whose verification keeps each request's output its adapter's."""
     from nvllm.engine.model_runner import ModelRunner
     from nvllm.models.hub import resolve_model_path
     from nvllm.models.loader import load_hf_config
