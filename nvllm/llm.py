@@ -32,18 +32,20 @@ class LLM:
             if engine_options.get("speculative") is not None:
                 raise ValueError("give speculative or speculative_config, not both")
             engine_options["speculative"] = engine_options.pop("speculative_config")
-        self.config = EngineConfig(model=model, **engine_options)
-        self.engine = LLMEngine(self.config)
-        self._chat_template: tuple[str, bool] | None = None  # (template, is_fallback), loaded by the first chat
-        self._lock = threading.RLock()  # one call runs the engine at a time (threads sharing an LLM wait)
+        self._start(EngineConfig(model=model, **engine_options))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
         setup_logging()
         llm = cls.__new__(cls)
-        llm.config, llm.engine, llm._chat_template = config, LLMEngine(config), None
-        llm._lock = threading.RLock()
+        llm._start(config)
         return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine = LLMEngine(config)
+        self._chat_template: tuple[str, bool] | None = None  # (template, is_fallback), loaded by the first chat
+        self._lock = threading.RLock()  # one call runs the engine at a time (threads sharing an LLM wait)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

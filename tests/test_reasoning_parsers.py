@@ -129,12 +129,12 @@ def test_qwen3s_first_token_opens_the_block_or_starts_the_constrained_reply(monk
     params = SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(
         regex="[0-9]{3}"))
     qwen3 = make_llm(demo_model_path(), reasoning_parser="qwen3")
-    assert qwen3.engine.admission._think_open_id() is None  # several tokens: constrained from the start
+    assert qwen3.engine.admission._think_open_id is None  # several tokens: constrained from the start
     assert re.fullmatch("[0-9]{3}", qwen3.generate(["Once upon a"], params, use_tqdm=False)[0].outputs[0].text)
     preferred = qwen3.generate(["Once upon a"], SamplingParams(max_tokens=1, temperature=0),
                                use_tqdm=False)[0].outputs[0].token_ids[0]
     for open_id, opens in ((preferred, True), (3, False)):
-        monkeypatch.setattr(Admission, "_think_open_id", lambda self, i=open_id: i)
+        monkeypatch.setattr(Admission, "_think_open_id", property(lambda self, i=open_id: i))
         out = qwen3.generate(["Once upon a"], params, use_tqdm=False)[0].outputs[0]
         if opens:  # the 'block' never closes: the reply stays unconstrained, as a thought cut by max_tokens
             assert out.token_ids[0] == preferred and out.finish_reason == "length"

@@ -5,6 +5,7 @@ logprob lists). Nothing here changes the engine's state: a bad request is a Valu
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Sequence as Seq
 
@@ -24,10 +25,11 @@ class Admission:
         self.tokenizer, self.vocab_size, self.structured = tokenizer, vocab_size, structured
         self.reasoning, self.device = reasoning, device
 
+    @functools.cached_property
     def _think_open_id(self) -> int | None:
         """The token that opens a reasoning block, where the tokenizer has one (Qwen3's ``<think>``); a model that
         spells it in several tokens cannot open one in its first token, and its reply is constrained from the
-        start."""
+        start. Asked once, by the first constrained request that could open a block."""
         from nvllm.reasoning_parsers import START
 
         ids = self.tokenizer.encode(START, add_special_tokens=False)
@@ -99,7 +101,7 @@ class Admission:
                 seq.grammar = self.structured.matcher(params.structured_outputs)
                 seq.grammar_waits = self.reasoning is not None and self.reasoning.constraint_waits(self.tokenizer, ids)
                 if seq.grammar_waits and self.reasoning.opens_itself:  # the first token decides (qwen3)
-                    open_id = self._think_open_id()
+                    open_id = self._think_open_id
                     seq.grammar_waits = False
                     if open_id is not None:
                         seq.grammar = ThinkOrConstraint(seq.grammar, open_id)
