@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -208,6 +209,7 @@ def test_gate_passes_on_the_same_model_and_writes_the_report(tmp_path):
             "--data-dir", str(DATA), "--output-json", str(report), "--no-progress")
     assert r.exit_code == 0, r.output
     assert "regression gate" in r.output and "FAIL" not in r.output
+    assert not re.search(r"\| *\d+/\d+ \[", r.output), "a progress bar under --no-progress"  # lm-eval's tqdm
     data = json.loads(report.read_text())
     assert data["gate"]["passed"] and [m["label"] for m in data["models"]] == ["baseline", "candidate"]
     assert data["max_gen_toks"] is None and data["limit"] == 1  # the run's settings

@@ -3,6 +3,7 @@ the hub is reachable), perplexity through perplexity.py, one result dict per mod
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -16,6 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 from nvllm import output_file
 from nvllm.config import ConfigError, EngineConfig
@@ -143,9 +145,10 @@ def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "
                  "quantization_config": quantization_config(config.model), "max_length": lm.max_length,
                  "tasks": {}, "samples": {}, "hashes": {}}
     if spec.harness_tasks:
-        r = lm_eval.simple_evaluate(model=lm, tasks=list(spec.harness_tasks), task_manager=manager,
-                                    num_fewshot=spec.num_fewshot, limit=spec.limit, log_samples=True,
-                                    gen_kwargs={"max_gen_toks": spec.max_gen_toks} if spec.max_gen_toks else None)
+        with _harness_bars(progress is not None and not progress.disable):
+            r = lm_eval.simple_evaluate(model=lm, tasks=list(spec.harness_tasks), task_manager=manager,
+                                        num_fewshot=spec.num_fewshot, limit=spec.limit, log_samples=True,
+                                        gen_kwargs={"max_gen_toks": spec.max_gen_toks} if spec.max_gen_toks else None)
         for name in spec.harness_tasks:
             out["tasks"][name], out["samples"][name], out["hashes"][name] = harness_entry(r, name)
         out["lm_eval_version"] = r.get("lm_eval_version")
@@ -361,6 +364,19 @@ def quiet_libraries() -> None:
     # lm-eval records the working directory's git commit by running git with the terminal as its stderr: outside
     # a repository every run printed "fatal: not a git repository". The same lookup, git's complaint discarded.
     lm_eval.evaluator.get_git_commit_hash = _git_commit_quietly
+
+
+@contextmanager
+def _harness_bars(enabled: bool):
+    """lm-eval builds each task's contexts under a tqdm bar of its own, with no switch to turn it off: with
+    --no-progress that bar is the one left on the terminal. Off, the same bar is built disabled."""
+    import lm_eval.api.task
+
+    if enabled or not hasattr(lm_eval.api.task, "tqdm"):
+        yield
+        return
+    with mock.patch.object(lm_eval.api.task, "tqdm", functools.partial(lm_eval.api.task.tqdm, disable=True)):
+        yield
 
 
 def _git_commit_quietly() -> str | None:
