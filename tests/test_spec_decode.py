@@ -470,6 +470,29 @@ def test_k_auto_pauses_a_useless_draft_and_probes_again():
     assert (st.pause, st.k, unit.k_now(st)) == (0, 2, 2)
 
 
+@pytest.mark.parametrize("draft", ["self", "truncated"])
+def test_a_long_catch_up_runs_within_the_token_budget(draft, drafts, demo_dir):
+    """After drafting was off (disable_by_batch_size), the long request's draft cache lacks its whole prompt and
+    output so far: the draft takes them in forwards of at most max_num_batched_tokens, not in one — outputs equal
+    plain decoding's."""
+    ps = ["He liked to play with his ball. He liked to play with his ball and the dog ran in the park all day.",
+          *prompts(3)]
+    params = [SamplingParams(temperature=0, max_tokens=60 if i == 0 else 30, ignore_eos=True) for i in range(4)]
+    want = [o.outputs[0].token_ids for o in make_llm(demo_dir).generate(ps, params, use_tqdm=False)]
+    llm = make_llm(demo_dir, max_num_batched_tokens=16, speculative=spec_of(draft, drafts) + ",disable_by_batch_size=2")
+    runner = llm.engine.spec.proposer.runner
+    sizes, run_model = [], runner.run_model
+
+    def recording(step, *a, **kw):
+        sizes.append(len(step.input_ids))
+        return run_model(step, *a, **kw)
+
+    runner.run_model = recording
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)] == want
+    assert max(sizes) <= 16, sizes   # the catch-up of 30-odd tokens took two forwards, not one of 32
+    assert llm.engine.stats.spec.num_drafts > 0
+
+
 def test_synthetic_acceptance_benchmark_mode(drafts, demo_dir):
     """The benchmark mode overrides the models: a self-draft (naturally 100%) accepts at the set rate."""
     assert parse_speculative("k=4,method=ngram,synthetic_acceptance=0.5").synthetic_acceptance == 0.5

@@ -178,6 +178,9 @@ class DraftModelProposer:
                 seq.num_draft_computed = end
         if not items:
             return Drafts()
+        items, want = self._within_budget(items, want)
+        if not items:
+            return Drafts()
         catch_up = [items[i] for i in want]
         if self._chains(spec_seqs, plan, catch_up):
             mirror = [it for it in items if plan.get(id(it[0]), 0) == 0]
@@ -195,6 +198,35 @@ class DraftModelProposer:
         if logits is None:
             return Drafts()
         return self._draft(logits, spec_seqs, plan, gen)
+
+    def _within_budget(self, items: list[tuple[Sequence, int, list[int]]],
+                       want: list[int]) -> tuple[list[tuple[Sequence, int, list[int]]], list[int]]:
+        """A step's draft forward no larger than the scheduler's token budget (what the runner's memory profile ran):
+        a catch-up after a pause (k=auto, disable_by_batch_size) or a preemption may be far longer. Its leading
+        tokens are mirrored first, in forwards of at most the budget; the step's own forward keeps the last token of
+        each item that drafts (``want``: their indices, returned renumbered)."""
+        budget = self.runner.config.max_num_batched_tokens
+        if sum(len(ids) for _, _, ids in items) <= budget:
+            return items, want
+        ahead, left, drafting = [], [], set(want)
+        for i, (seq, start, ids) in enumerate(items):
+            cut = len(ids) - 1 if i in drafting else len(ids)
+            if cut:
+                ahead.append((seq, start, ids[:cut]))
+            if i in drafting:
+                left.append((seq, start + cut, ids[cut:]))
+        batch, room = [], budget
+        for seq, start, ids in ahead:
+            while ids:
+                piece, ids = ids[:room], ids[room:]
+                batch.append((seq, start, piece))
+                start, room = start + len(piece), room - len(piece)
+                if not room:
+                    self._forward(batch, [])
+                    batch, room = [], budget
+        if batch:
+            self._forward(batch, [])
+        return left, list(range(len(left)))
 
     def _draft(self, logits: torch.Tensor, seqs: list[Sequence], plan: dict[int, int],
                gen: torch.Generator) -> Drafts:
