@@ -359,6 +359,53 @@ def test_router_in_front_of_mixed_replicas(deployment, tmp_path):
         assert proc.wait(30) == 0
 
 
+def test_responses_follow_ups_reach_the_worker_that_stored_them(deployment, tmp_path):
+    """The Responses API through the router, over two mixed replicas and over the disaggregated deployment's two
+    decode workers: every follow-up (previous_response_id), streamed or not, and every GET reaches the worker that
+    holds the response; a stream ends as the server's own does (no [DONE])."""
+    urls = deployment["urls"]
+    log = tmp_path / "router_two.log"
+    proc, url = start_server(["--mixed", f"{urls['mixed']},{urls['decode0']}", "--api-key", KEY,
+                              "--uvicorn-log-level", "warning"], log, command="router")
+    try:
+        for base in (url, urls["router"]):
+            c = _client(base)
+            kw = dict(model=MODEL, max_output_tokens=4, temperature=0)
+            ids = [c.responses.create(input="Once upon a time", **kw).id]
+            for turn in range(4):
+                if turn % 2:
+                    events = list(c.responses.create(input="And then?", previous_response_id=ids[-1], stream=True,
+                                                     **kw))
+                    assert events[-1].type == "response.incomplete", events[-1]   # max_output_tokens
+                    ids.append(events[-1].response.id)
+                else:
+                    ids.append(c.responses.create(input="And then?", previous_response_id=ids[-1], **kw).id)
+            assert [c.responses.retrieve(i).id for i in ids] == ids
+            with pytest.raises(openai.NotFoundError):
+                c.responses.retrieve("resp_unknown")
+            with pytest.raises(openai.NotFoundError):
+                c.responses.create(input="x", previous_response_id="resp_unknown", **kw)
+            assert httpx.post(base + "/v1/responses", json={"model": MODEL, "input": "x"}).status_code == 401
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_response_owners_keep_the_latest_ids():
+    from nvllm.disagg.response_owners import ResponseOwners
+
+    owners = ResponseOwners(size=2)
+    owners.note_body(b'{"id": "resp_a", "object": "response"}', "http://a")
+    assert not owners.note_event('event: response.output_text.delta\ndata: {"type": "response.output_text.delta"}\n\n',
+                                 "http://b")
+    assert owners.note_event('event: response.created\ndata: {"type": "response.created", "response": {"id": '
+                             '"resp_b"}}\n\n', "http://b")
+    owners.note_body(b"not json", "http://c")
+    assert (owners.owner("resp_a"), owners.owner("resp_b"), owners.owner(None)) == ("http://a", "http://b", None)
+    owners.note("resp_c", "http://c")
+    assert owners.owner("resp_a") is None and owners.owner("resp_c") == "http://c"   # the oldest went
+
+
 # ---- the benchmark and the advisor --------------------------------------------------------------------------
 def test_bench_serve_reports_the_disaggregation_split(deployment):
     from nvllm.bench import datasets, serve

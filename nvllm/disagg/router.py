@@ -11,6 +11,10 @@ A worker that fails is marked down and counted; a stream cut by a dying decode w
 and [DONE]; every other failure is an OpenAI error JSON (503), and the router serves on with the workers left.
 
 Mixed (--mixed URLS): each request goes whole to the least-loaded replica.
+
+The Responses API (POST /v1/responses) goes whole to one worker, a mixed replica or a decode worker (which prefills it
+itself): its stored responses live in that worker's memory, so a follow-up that names one (previous_response_id), and
+GET /v1/responses/{id}, go to the worker that made it (nvllm.disagg.response_owners).
 """
 
 from __future__ import annotations
@@ -20,71 +24,26 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nvllm.config import ConfigError
+from nvllm.disagg.response_owners import ResponseOwners
+from nvllm.disagg.router_config import RouterConfig
 from nvllm.disagg.router_metrics import RouterMetrics
 from nvllm.disagg.worker_pool import Worker, WorkerPool
 from nvllm.serve.errors import APIError, install_error_handlers
 from nvllm.serve.http import SSE_DONE, ClientGone, check_api_key, json_object, read_body, sse, until_disconnect
+from nvllm.serve.responses import error_event
 
 logger = logging.getLogger("nvllm")
+# The events that end a Responses stream (it has no [DONE]).
+_RESPONSES_LAST = ("event: response.completed", "event: response.incomplete", "event: response.failed", "event: error")
 # The router drops a connection to a worker after this long idle: well inside any server's keep-alive (uvicorn's
 # default is 5 s), so it never sends a request on a connection that the worker is closing at that moment.
 _IDLE_S = 2.0
-
-
-def parse_urls(text: str | None, flag: str) -> list[str]:
-    """Comma-separated worker URLs, each an http(s) URL with a host and a valid port (httpx parses them as the
-    router's client will)."""
-    urls = [u.strip().rstrip("/") for u in (text or "").split(",") if u.strip()]
-    for u in urls:
-        if not u.startswith(("http://", "https://")):
-            raise ConfigError(f"{flag}: {u!r} is not an http(s):// URL")
-        try:
-            url = httpx.URL(u)
-        except httpx.InvalidURL as e:
-            raise ConfigError(f"{flag}: {u!r} is not a valid URL ({e})") from None
-        if not url.host:
-            raise ConfigError(f"{flag}: {u!r} names no host")
-        if url.port is not None and not 0 < url.port <= 65535:
-            raise ConfigError(f"{flag}: {u!r} has port {url.port}; ports are 1-65535")
-    return urls
-
-
-@dataclass
-class RouterConfig:
-    prefill: list[str] = field(default_factory=list)
-    decode: list[str] = field(default_factory=list)
-    mixed: list[str] = field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_request_bytes: int = 16 * 1024 * 1024
-    poll_interval: float = 1.0
-    log_interval: float = 10.0
-    log_level: str = "info"
-    fd: int | None = None  # an inherited, bound socket to serve on instead of host:port (as `nvllm serve --fd`)
-    shutdown_timeout: int = 30  # seconds in-flight requests get on SIGINT/SIGTERM (as `nvllm serve`'s)
-
-    def __post_init__(self) -> None:
-        if self.mixed and (self.prefill or self.decode):
-            raise ConfigError("give either --mixed replicas or --prefill and --decode workers, not both")
-        if not self.mixed and not (self.prefill and self.decode):
-            raise ConfigError("the router needs --prefill and --decode worker URLs (or --mixed replica URLs)")
-        if len(set(self.prefill + self.decode + self.mixed)) != len(self.prefill + self.decode + self.mixed):
-            raise ConfigError("a worker URL is listed twice")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        if self.poll_interval <= 0:
-            raise ConfigError("--poll-interval must be positive")
-        if self.shutdown_timeout < 0:
-            raise ConfigError("--shutdown-timeout must be non-negative")
 
 
 class Router:
@@ -95,6 +54,7 @@ class Router:
                                                             keepalive_expiry=_IDLE_S))
         self.pool = WorkerPool(cfg.prefill, cfg.decode, cfg.mixed, self.client, cfg.poll_interval, cfg.api_key)
         self.metrics = RouterMetrics(self.pool)
+        self.responses = ResponseOwners()
 
     # ---- a request ---------------------------------------------------------------------------------------
     async def route(self, endpoint: str, request: Request) -> Response:
@@ -150,11 +110,54 @@ class Router:
             self.metrics.handoff.observe(time.perf_counter() - t1)
         return await self._answer(upstream, worker, data, request, t0, release)
 
-    async def _open(self, role: str, path: str, body: str, headers: dict,
-                    request: Request) -> tuple[httpx.Response, Worker]:
-        """Send the request to the least-loaded worker of the role that accepts a connection; the response is
-        open (stream) and counted in the worker's in-flight until _answer closes it."""
-        for worker in self.pool.candidates(role):
+    async def respond(self, request: Request) -> Response:
+        """POST /v1/responses: whole to a mixed replica or a decode worker; a follow-up to the worker that holds the
+        response it continues (if that worker is down, another answers that it does not know the id)."""
+        try:
+            check_api_key(request, self.cfg.api_key)
+            data = json_object(await read_body(request, self.cfg.max_request_bytes))
+        except APIError:
+            self.metrics.outcome("client_error")
+            raise
+        t0 = time.perf_counter()
+        upstream, worker = await self._open(self._whole_role, "/v1/responses", json.dumps(data), _forwarded(request),
+                                            request, self.responses.owner(data.get("previous_response_id")))
+        return await self._answer(upstream, worker, data, request, t0, responses=True)
+
+    async def stored_response(self, request: Request, response_id: str) -> Response:
+        """GET /v1/responses/{id}: from the worker that made it; an id the router has not seen, from the first
+        worker that knows it (404 when none does)."""
+        check_api_key(request, self.cfg.api_key)
+        owner = self.responses.owner(response_id)
+        workers = [w for w in self.pool.candidates(self._whole_role) if owner is None or w.url == owner]
+        if not workers:
+            raise APIError(503, f"the {self._whole_role} worker holding response {response_id!r} is down",
+                           code="no_worker_available")
+        for worker in workers:
+            try:
+                r = await self.client.get(f"{worker.url}/v1/responses/{response_id}", headers=_forwarded(request),
+                                          timeout=10.0)
+            except httpx.HTTPError as e:
+                self._failed(worker, "responses", e)
+                continue
+            if r.status_code != 404 or worker is workers[-1]:
+                return Response(r.content, status_code=r.status_code,
+                                media_type=r.headers.get("content-type", "application/json"))
+        raise APIError(503, "no worker answered", code="no_worker_available")
+
+    @property
+    def _whole_role(self) -> str:
+        """The workers that take a request whole."""
+        return "decode" if self.pool.disaggregated else "mixed"
+
+    async def _open(self, role: str, path: str, body: str, headers: dict, request: Request,
+                    prefer: str | None = None) -> tuple[httpx.Response, Worker]:
+        """Send the request to the least-loaded worker of the role that accepts a connection (the worker at URL
+        ``prefer`` first, if it is up); the response is open (stream) and counted in the worker's in-flight until
+        _answer closes it."""
+        workers = self.pool.candidates(role)
+        workers.sort(key=lambda w: w.url != prefer)
+        for worker in workers:
             worker.in_flight += 1
             try:
                 req = self.client.build_request("POST", worker.url + path, content=body, headers=headers)
@@ -175,8 +178,9 @@ class Router:
         raise APIError(503, f"no {role} worker is up", code="no_worker_available")
 
     async def _answer(self, upstream: httpx.Response, worker: Worker, data: dict, request: Request,
-                      t0: float, release=None) -> Response:
-        """Relay the worker's answer; release(): called when the worker fails before it is complete."""
+                      t0: float, release=None, responses: bool = False) -> Response:
+        """Relay the worker's answer; release(): called when the worker fails before it is complete; responses:
+        a Responses API answer, whose id is noted as the worker's."""
         if upstream.status_code != 200:
             try:
                 await upstream.aread()
@@ -194,7 +198,7 @@ class Router:
                     worker.in_flight -= 1
                     await upstream.aclose()
 
-            return _RelayResponse(self._relay(upstream, worker, t0, close, release), close)
+            return _RelayResponse(self._relay(upstream, worker, t0, close, release, responses), close)
         try:
             body = await until_disconnect(request, upstream.aread())
         except ClientGone:
@@ -211,11 +215,16 @@ class Router:
             worker.in_flight -= 1
         self.metrics.outcome("ok")
         self.metrics.e2e.observe(time.perf_counter() - t0)
+        if responses:
+            self.responses.note_body(body, worker.url)
         return Response(body, media_type="application/json")
 
-    async def _relay(self, upstream: httpx.Response, worker: Worker, t0: float, close, release=None):
-        """The worker's SSE events, whole; a stream cut short ends with an error event and [DONE]."""
-        done, error, event, start = False, None, [], t0
+    async def _relay(self, upstream: httpx.Response, worker: Worker, t0: float, close, release=None,
+                     responses: bool = False):
+        """The worker's SSE events, whole; a stream cut short ends with an error event and [DONE] (a Responses
+        stream, which has no [DONE], with its own error event)."""
+        done, error, event, start, watch = False, None, [], t0, responses
+        last = _RESPONSES_LAST if responses else ("data: [DONE]",)
         try:
             async for line in upstream.aiter_lines():
                 if line:
@@ -224,8 +233,10 @@ class Router:
                 if not event:
                     continue
                 text, event = "\n".join(event) + "\n\n", []
-                if not done and text.startswith("data: [DONE]"):
+                if not done and text.startswith(last):
                     done = True
+                if watch and self.responses.note_event(text, worker.url):
+                    watch = False
                 if t0:
                     self.metrics.ttft.observe(time.perf_counter() - t0)
                     t0 = 0.0
@@ -246,8 +257,11 @@ class Router:
         if release is not None:
             await release()
         why = _describe(error) if error is not None else "the stream ended early"
-        yield sse({"error": {"message": f"the {worker.role} worker failed mid-stream: {why}", "type": "server_error",
-                             "param": None, "code": "worker_failed"}})
+        message = f"the {worker.role} worker failed mid-stream: {why}"
+        if responses:
+            yield error_event("worker_failed", message, None)
+            return
+        yield sse({"error": {"message": message, "type": "server_error", "param": None, "code": "worker_failed"}})
         yield SSE_DONE
 
     def _relay_error(self, resp: httpx.Response, worker: Worker, role: str) -> Response:
@@ -351,6 +365,14 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await router.route("chat", request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await router.respond(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return await router.stored_response(request, response_id)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

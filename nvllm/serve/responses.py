@@ -373,10 +373,10 @@ async def response_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         async for chunk in chunks:
             yield chunk
     except APIError as e:
-        yield _error_event(e.code, e.message, e.param)
+        yield error_event(e.code, e.message, e.param)
     except Exception as e:  # noqa: BLE001 - the status line is long gone; report inside the stream
-        yield _error_event("server_error", f"{type(e).__name__}: {e}", None)
+        yield error_event("server_error", f"{type(e).__name__}: {e}", None)
 
 
-def _error_event(code: str | None, message: str, param: str | None) -> str:
+def error_event(code: str | None, message: str, param: str | None) -> str:
     return f"event: error\ndata: {json.dumps({'type': 'error', 'code': code, 'message': message, 'param': param})}\n\n"

@@ -1,0 +1,57 @@
+"""`nvllm router`'s settings: the worker URLs it fronts, where it listens, and its limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import httpx
+
+from nvllm.config import ConfigError
+
+
+def parse_urls(text: str | None, flag: str) -> list[str]:
+    """Comma-separated worker URLs, each an http(s) URL with a host and a valid port (httpx parses them as the
+    router's client will)."""
+    urls = [u.strip().rstrip("/") for u in (text or "").split(",") if u.strip()]
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise ConfigError(f"{flag}: {u!r} is not an http(s):// URL")
+        try:
+            url = httpx.URL(u)
+        except httpx.InvalidURL as e:
+            raise ConfigError(f"{flag}: {u!r} is not a valid URL ({e})") from None
+        if not url.host:
+            raise ConfigError(f"{flag}: {u!r} names no host")
+        if url.port is not None and not 0 < url.port <= 65535:
+            raise ConfigError(f"{flag}: {u!r} has port {url.port}; ports are 1-65535")
+    return urls
+
+
+@dataclass
+class RouterConfig:
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    mixed: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_bytes: int = 16 * 1024 * 1024
+    poll_interval: float = 1.0
+    log_interval: float = 10.0
+    log_level: str = "info"
+    fd: int | None = None  # an inherited, bound socket to serve on instead of host:port (as `nvllm serve --fd`)
+    shutdown_timeout: int = 30  # seconds in-flight requests get on SIGINT/SIGTERM (as `nvllm serve`'s)
+
+    def __post_init__(self) -> None:
+        if self.mixed and (self.prefill or self.decode):
+            raise ConfigError("give either --mixed replicas or --prefill and --decode workers, not both")
+        if not self.mixed and not (self.prefill and self.decode):
+            raise ConfigError("the router needs --prefill and --decode worker URLs (or --mixed replica URLs)")
+        if len(set(self.prefill + self.decode + self.mixed)) != len(self.prefill + self.decode + self.mixed):
+            raise ConfigError("a worker URL is listed twice")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.poll_interval <= 0:
+            raise ConfigError("--poll-interval must be positive")
+        if self.shutdown_timeout < 0:
+            raise ConfigError("--shutdown-timeout must be non-negative")
