@@ -13,7 +13,7 @@ import pytest
 
 from nvllm import SamplingParams, StructuredOutputsParams as S
 from nvllm.assets import demo_model_path
-from nvllm.engine.structured_output import choice_grammar
+from nvllm.engine.structured_output import choice_grammar, is_lark
 from nvllm.kernels import report
 from tests.conftest import make_llm
 
@@ -62,6 +62,23 @@ def test_regex_choice_and_grammar_outputs_match(llm):
     for c in gen(llm, S(grammar='root ::= ("yes" | "no") ", " [0-9] [0-9]'), n=2, temperature=1.0, seed=3):
         assert re.fullmatch(r"(yes|no), \d\d", c.text)
     assert report.snapshot()["structured_output"]["xgrammar token bitmask"] > 0
+
+
+LARK = '''
+start: answer ", " DIGIT DIGIT
+answer: "yes" | "no"
+%import common.DIGIT
+'''
+
+
+def test_lark_grammars_constrain_as_vllm_takes_them(llm):
+    for c in gen(llm, S(grammar=LARK), n=3, temperature=1.0, seed=4):
+        assert re.fullmatch(r"(yes|no), \d\d", c.text) and c.finish_reason == "stop", c.text
+    assert is_lark(LARK) and is_lark("?start: x\nx: /[a-z]+/") and is_lark("%import common.WS\nstart: WS")
+    for ebnf in ('root ::= ("yes" | "no")', 'root ::= "a:b" rest\nrest ::= [0-9]', "root ::= [a-z]+ # note: x"):
+        assert not is_lark(ebnf)
+    with pytest.raises(ValueError, match="invalid structured outputs grammar: Lark error at line 2"):
+        gen(llm, S(grammar="start: answer\nanswer: : 'x'"))
 
 
 def test_choice_grammar_escapes_every_literal():

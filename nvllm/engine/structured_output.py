@@ -1,5 +1,5 @@
 """Structured outputs through xgrammar, vLLM's default backend: JSON schemas, any JSON object, regular expressions,
-fixed choices and EBNF grammars (nvllm.sampling_params.StructuredOutputsParams).
+fixed choices and grammars, EBNF or Lark (nvllm.sampling_params.StructuredOutputsParams).
 
 A request's constraint is compiled once against the tokenizer's vocabulary (xgrammar's compiler caches it; the
 server compiles it off the engine thread before the request is queued, so a bad schema is a 400 and a slow one does
@@ -90,6 +90,8 @@ class StructuredOutputs:
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(params.choice))
+            if is_lark(params.grammar):
+                return compiler.compile_grammar(_import_xgrammar().Grammar.from_lark(params.grammar))
             return compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"invalid structured outputs {kind}: {_message(e)}") from None
@@ -140,6 +142,16 @@ def _parsed(schema: str | dict):
         return json.loads(schema)
     except ValueError:
         return None
+
+
+_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][A-Za-z0-9_]*(\.-?\d+)?\s*:(?!:=)", re.M)
+
+
+def is_lark(grammar: str) -> bool:
+    """Whether a grammar is written in Lark (rules ``name: ...``, as vLLM accepts them) rather than in EBNF
+    (``name ::= ...``): a grammar with no ``::=`` and a Lark rule or ``%`` directive at the start of a line."""
+    return "::=" not in grammar and bool(_LARK_RULE.search(grammar) or re.search(r"^\s*%(import|ignore)\b", grammar,
+                                                                                   re.M))
 
 
 def choice_grammar(choices: list[str]) -> str:
