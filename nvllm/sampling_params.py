@@ -18,7 +18,8 @@ MAX_LOGIT_BIAS = 100.0  # a bias is clamped to [-100, 100], as vLLM and OpenAI d
 class StructuredOutputsParams:
     """Constrain the generated text (vLLM's StructuredOutputsParams): exactly one of a JSON schema (a dict or its
     JSON text), any JSON object, a regular expression, one of fixed strings, or a grammar: EBNF (xgrammar's
-    dialect, GBNF-like: ``root ::= ...``) or Lark (``start: ...``, with ``%import common.…`` and ``%ignore``). The tokens that would break the constraint are masked before every draw
+    dialect, GBNF-like: ``root ::= ...``) or Lark (``start: ...``, with ``%import common.…`` and
+    ``%ignore``). The tokens that would break the constraint are masked before every draw
     (nvllm.engine.structured_output); the sequence ends once the constraint is complete."""
 
     json: str | dict | None = None
