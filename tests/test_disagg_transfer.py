@@ -319,3 +319,39 @@ def test_decode_side_recomputes_and_aborts_cleanly():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         decode.add_prefilled_request("d", prompt, p, 0.0, [PrefilledSample(10**6)])
     assert "d" not in decode.requests
+    seeded = SamplingParams(max_tokens=4, temperature=0.8, seed=1)
+    with pytest.raises(ValueError, match="generator state"):  # a foreign handoff: nothing stays registered
+        decode.add_prefilled_request("d", prompt, seeded, 0.0, [PrefilledSample(5, generator_state=torch.zeros(
+            7, dtype=torch.uint8))])
+    assert "d" not in decode.requests and not decode.has_unfinished_requests()
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+def test_transfer_thread_runs_its_periodic_work_under_a_steady_stream_of_jobs():
+    """The prefill side expires unfetched KV handles from ``periodic``: a queue that is never empty for a whole
+    interval must not hold it off."""
+    from nvllm.disagg.metrics import TransferLogger, TransferStats
+    from nvllm.disagg.transfer_thread import TransferThread
+
+    class Ticking(TransferThread):
+        interval = 0.05
+
+        def __init__(self):
+            self.ticks, self.jobs = 0, 0
+            super().__init__(KVLayout(_filled_caches(torch.float32, "auto", 0)), TransferLogger(TransferStats(), "prefill",
+                                                                                               0), "test-ticking")
+
+        def handle(self, job, stream) -> None:
+            self.jobs += 1
+
+        def periodic(self) -> None:
+            self.ticks += 1
+
+    t = Ticking()
+    end = time.monotonic() + 0.6
+    while time.monotonic() < end:  # a job every 10 ms: the queue is never idle for an interval
+        t.submit(object())
+        time.sleep(0.01)
+    t.stop()
+    t._thread.join(5)
+    assert t.jobs > 20 and t.ticks >= 5, (t.jobs, t.ticks)

@@ -37,7 +37,7 @@ class SendJob:
 
 
 class KVSender(TransferThread):
-    idle_timeout = 1.0  # handles are expired between jobs, at least once a second
+    interval = 1.0  # handles are expired between jobs, once a second
 
     def __init__(self, engine: AsyncLLMEngine, group: TransferGroup, layout: KVLayout, stats: TransferStats,
                  handle_timeout: float, log_interval: float):
@@ -46,7 +46,7 @@ class KVSender(TransferThread):
         self.buffer = MessageBuffer(group.device)
         super().__init__(layout, TransferLogger(stats, "prefill", log_interval), "nvllm-kv-sender")
 
-    def on_idle(self) -> None:
+    def periodic(self) -> None:
         self._expire()
 
     def handle(self, job: SendJob, stream) -> None:

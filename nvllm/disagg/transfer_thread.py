@@ -2,12 +2,13 @@
 
 Request handlers queue jobs (``submit``); ``stop`` queues the end. On a GPU the thread works on a CUDA stream
 of its own at the highest priority, so staging copies do not wait behind the engine's kernels. Subclasses say what one job is
-(``handle``) and, with ``idle_timeout``, what to do when no job came for that long (``on_idle``)."""
+(``handle``) and, with ``interval``, what to do between jobs at least that often, busy or not (``periodic``)."""
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -16,8 +17,11 @@ from nvllm.disagg.metrics import TransferLogger
 from nvllm.disagg.staging import KVLayout
 
 
+_NO_JOB = object()
+
+
 class TransferThread(ABC):
-    idle_timeout: float | None = None  # seconds without a job before on_idle() runs; None: wait forever
+    interval: float | None = None  # seconds between periodic() calls, whether jobs come or not; None: never
 
     def __init__(self, layout: KVLayout, log: TransferLogger, name: str):
         """Call last in the subclass's __init__: the thread starts at once."""
@@ -40,8 +44,8 @@ class TransferThread(ABC):
     def handle(self, job, stream: torch.cuda.Stream | None) -> None:
         """Run one job on this thread (``stream``: the thread's CUDA stream, None on the CPU)."""
 
-    def on_idle(self) -> None:
-        pass
+    def periodic(self) -> None:
+        """Runs between jobs every ``interval`` seconds."""
 
     def _run(self) -> None:
         stream = None
@@ -50,11 +54,16 @@ class TransferThread(ABC):
             # the highest priority: the staging copies' blocks go ahead of the engine's queued kernels instead of
             # waiting for a busy GPU (one 2000-token transfer took 45-70 ms at normal priority, PERF run Y)
             stream = torch.cuda.Stream(self.layout.device, priority=-100)  # clamped to the highest the GPU has
+        due = None if self.interval is None else time.monotonic() + self.interval
         while True:
             try:
-                job = self._jobs.get(timeout=self.idle_timeout)
+                job = self._jobs.get(timeout=None if due is None else max(due - time.monotonic(), 0.0))
             except queue.Empty:
-                self.on_idle()
+                job = _NO_JOB
+            if due is not None and time.monotonic() >= due:  # also under a steady stream of jobs
+                self.periodic()
+                due = time.monotonic() + self.interval
+            if job is _NO_JOB:
                 continue
             if job is None:
                 return

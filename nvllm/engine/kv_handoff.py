@@ -109,6 +109,13 @@ class KVHandoff:
         bad = [s.first_token for s in samples if not 0 <= s.first_token < e.vocab_size]
         if bad:
             raise ValueError(f"first token id {bad[0]} is outside the vocabulary (size {e.vocab_size})")
+        for s in samples:  # a state the sequences' generators would refuse, refused before anything is registered
+            if s.generator_state is not None and params.seed is not None:
+                try:
+                    torch.Generator(device=e.runner.device).set_state(s.generator_state)
+                except (RuntimeError, TypeError) as err:
+                    raise ValueError(f"the prefilled sample's generator state is not one this engine's generators "
+                                     f"take: {str(err).splitlines()[0]}") from None
         metrics = RequestMetrics(arrival_time=arrival_time)
         metrics.first_scheduled_time = min((s.first_scheduled_time for s in samples if s.first_scheduled_time),
                                            default=None)
