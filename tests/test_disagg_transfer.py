@@ -338,8 +338,8 @@ def test_transfer_thread_runs_its_periodic_work_under_a_steady_stream_of_jobs():
 
         def __init__(self):
             self.ticks, self.jobs = 0, 0
-            super().__init__(KVLayout(_filled_caches(torch.float32, "auto", 0)), TransferLogger(TransferStats(), "prefill",
-                                                                                               0), "test-ticking")
+            layout = KVLayout(_filled_caches(torch.float32, "auto", 0))
+            super().__init__(layout, TransferLogger(TransferStats(), "prefill", 0), "test-ticking")
 
         def handle(self, job, stream) -> None:
             self.jobs += 1

@@ -1,8 +1,8 @@
 """The thread a worker runs its KV transfers on, one at a time, in the order they were queued.
 
-Request handlers queue jobs (``submit``); ``stop`` queues the end. On a GPU the thread works on a CUDA stream
-of its own at the highest priority, so staging copies do not wait behind the engine's kernels. Subclasses say what one job is
-(``handle``) and, with ``interval``, what to do between jobs at least that often, busy or not (``periodic``)."""
+Request handlers queue jobs (``submit``); ``stop`` queues the end. On a GPU the thread works on a CUDA stream of its
+own at the highest priority, so staging copies do not wait behind the engine's kernels. Subclasses say what one job
+is (``handle``) and, with ``interval``, what to do between jobs that often, busy or not (``periodic``)."""
 
 from __future__ import annotations
 
