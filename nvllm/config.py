@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +125,11 @@ class EngineConfig:
             raise ConfigError("num_kv_blocks must be at least 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_memory is not None and not (0 < self.kv_cache_memory and math.isfinite(self.kv_cache_memory)):
+            raise ConfigError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory}")
+        if not (self.log_stats_interval >= 0 and math.isfinite(self.log_stats_interval)):
+            raise ConfigError(f"log_stats_interval must be a non-negative number of seconds (0: off), got "
+                              f"{self.log_stats_interval}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be at least 1")
         self._check_hf_overrides()

@@ -38,6 +38,8 @@ def test_generate_demo_model_default():
     (["--temperature", "-1"], "temperature must be a non-negative finite number"),
     (["--temperature", "nan"], "temperature must be a non-negative finite number, got nan"),
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--kv-cache-memory", "nan"], "kv_cache_memory must be a positive number of GiB, got nan"),
+    (["--log-stats-interval", "inf"], "log_stats_interval must be a non-negative number of seconds (0: off), got inf"),
     (["--max-tokens", "0"], "max_tokens must be at least 1"),
     (["--dtype", "int3"], "unknown dtype"),
     (["--max-model-len", "8", "Once upon a time there was a big dog"], "max_model_len is 8"),

@@ -150,6 +150,11 @@ def _wait_pool_empty(url: str, timeout: float = 20) -> dict:
     (["router", "--mixed", "http://a:1", "--prefill", "http://b:1", "--decode", "http://c:1"], "not both"),
     (["router", "--mixed", "http://a:1", "--fd", "-1"], "--fd must be a file descriptor"),
     (["router", "--mixed", "http://a:1", "--shutdown-timeout", "-1"], "--shutdown-timeout must be non-negative"),
+    (["router", "--mixed", "http://a:1", "--poll-interval", "nan"], "--poll-interval must be a positive number"),
+    (["router", "--mixed", "http://a:1", "--log-interval", "inf"], "--log-interval must be a non-negative number"),
+    (["serve", "--role", "prefill", "--kv-rank", "0", "--kv-world-size", "2", "--kv-master", "h:1",
+      "--kv-transfer-timeout", "inf"], "--kv-transfer-timeout must be a positive number of seconds, got inf"),
+    (["serve", "--kv-handle-timeout", "nan"], "--kv-handle-timeout must be a positive number of seconds, got nan"),
 ])
 def test_cli_mistakes(args, message):
     from typer.testing import CliRunner

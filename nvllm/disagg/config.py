@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -50,8 +51,10 @@ class DisaggConfig:
             raise ConfigError("--max-prefill-length must be at least 1")
         if self.prefill_max_num_seqs is not None and self.prefill_max_num_seqs < 1:
             raise ConfigError("--prefill-max-num-seqs must be at least 1")
-        if self.kv_handle_timeout <= 0 or self.kv_transfer_timeout <= 0:
-            raise ConfigError("--kv-handle-timeout and --kv-transfer-timeout must be positive")
+        for flag, seconds in (("--kv-handle-timeout", self.kv_handle_timeout),
+                              ("--kv-transfer-timeout", self.kv_transfer_timeout)):
+            if not (seconds > 0 and math.isfinite(seconds)):
+                raise ConfigError(f"{flag} must be a positive number of seconds, got {seconds}")
         group = (self.kv_rank, self.kv_world_size, self.kv_master)
         if self.disaggregate is not None:
             parse_xpyd(self.disaggregate)

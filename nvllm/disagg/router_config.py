@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import httpx
@@ -51,7 +52,10 @@ class RouterConfig:
             raise ConfigError("a worker URL is listed twice")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        if self.poll_interval <= 0:
-            raise ConfigError("--poll-interval must be positive")
+        if not (self.poll_interval > 0 and math.isfinite(self.poll_interval)):
+            raise ConfigError(f"--poll-interval must be a positive number of seconds, got {self.poll_interval}")
+        if not (self.log_interval >= 0 and math.isfinite(self.log_interval)):
+            raise ConfigError(f"--log-interval must be a non-negative number of seconds (0: off), got "
+                              f"{self.log_interval}")
         if self.shutdown_timeout < 0:
             raise ConfigError("--shutdown-timeout must be non-negative")
