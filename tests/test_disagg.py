@@ -396,6 +396,21 @@ def test_responses_follow_ups_reach_the_worker_that_stored_them(deployment, tmp_
         assert proc.wait(30) == 0
 
 
+def test_stream_given_as_a_string_is_what_the_workers_parse(deployment):
+    """pydantic reads "stream": "false" as False: the router relays what the worker answers, JSON or events."""
+    body = {"model": MODEL, "prompt": PROMPTS[20], "max_tokens": 5, "temperature": 0}
+    want = httpx.post(deployment["urls"]["mixed"] + "/v1/completions", json=body, headers=AUTH, timeout=60).json()
+    for flag, events in (("false", False), ("0", False), ("true", True)):
+        r = httpx.post(deployment["urls"]["router"] + "/v1/completions", json={**body, "stream": flag}, headers=AUTH,
+                       timeout=60)
+        assert r.status_code == 200 and r.headers["content-type"].startswith(
+            "text/event-stream" if events else "application/json"), (flag, r.text)
+        if not events:
+            assert r.json()["choices"][0]["text"] == want["choices"][0]["text"]
+        else:
+            assert r.text.rstrip().endswith("data: [DONE]") and "error" not in r.text
+
+
 def test_response_owners_keep_the_latest_ids():
     from nvllm.disagg.response_owners import ResponseOwners
 

@@ -69,7 +69,7 @@ class Router:
         if not self.pool.disaggregated:
             path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
             upstream, worker = await self._open("mixed", path, json.dumps(data), headers, request)
-            return await self._answer(upstream, worker, data, request, t0)
+            return await self._answer(upstream, worker, request, t0)
         prefill = self.pool.pick("prefill")
         if prefill is None or self.pool.pick("decode") is None:  # nothing to prefill for
             self.metrics.outcome("failed")
@@ -106,9 +106,9 @@ class Router:
             raise
         if upstream.status_code != 200:
             await release()
-        elif data.get("stream"):
+        elif _streams(upstream):
             self.metrics.handoff.observe(time.perf_counter() - t1)
-        return await self._answer(upstream, worker, data, request, t0, release)
+        return await self._answer(upstream, worker, request, t0, release)
 
     async def respond(self, request: Request) -> Response:
         """POST /v1/responses: whole to a mixed replica or a decode worker; a follow-up to the worker that holds the
@@ -122,7 +122,7 @@ class Router:
         t0 = time.perf_counter()
         upstream, worker = await self._open(self._whole_role, "/v1/responses", json.dumps(data), _forwarded(request),
                                             request, self.responses.owner(data.get("previous_response_id")))
-        return await self._answer(upstream, worker, data, request, t0, responses=True)
+        return await self._answer(upstream, worker, request, t0, responses=True)
 
     async def stored_response(self, request: Request, response_id: str) -> Response:
         """GET /v1/responses/{id}: from the worker that made it; an id the router has not seen, from the first
@@ -177,7 +177,7 @@ class Router:
         self.metrics.outcome("failed")
         raise APIError(503, f"no {role} worker is up", code="no_worker_available")
 
-    async def _answer(self, upstream: httpx.Response, worker: Worker, data: dict, request: Request,
+    async def _answer(self, upstream: httpx.Response, worker: Worker, request: Request,
                       t0: float, release=None, responses: bool = False) -> Response:
         """Relay the worker's answer; release(): called when the worker fails before it is complete; responses:
         a Responses API answer, whose id is noted as the worker's."""
@@ -188,7 +188,7 @@ class Router:
                 await upstream.aclose()
                 worker.in_flight -= 1
             return self._relay_error(upstream, worker, worker.role)
-        if data.get("stream"):
+        if _streams(upstream):
             closed = False
 
             async def close() -> None:  # once: when the relay ends, or when the client left before it began
@@ -331,6 +331,12 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._close()
+
+
+def _streams(upstream: httpx.Response) -> bool:
+    """Whether the worker answers with events: what it parsed the request's ``stream`` as (pydantic takes "false"
+    and 0 for False, where the JSON value's truth would not)."""
+    return upstream.headers.get("content-type", "").startswith("text/event-stream")
 
 
 def _forwarded(request: Request) -> dict:
