@@ -396,6 +396,29 @@ def test_responses_follow_ups_reach_the_worker_that_stored_them(deployment, tmp_
         assert proc.wait(30) == 0
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_worker_waiting_for_its_group_stops_on_a_signal(tmp_path, sig):
+    """A prefill worker whose decode worker never comes waits in the group's rendezvous, says so, and still stops on
+    SIGTERM or Ctrl-C (the wait blocks in the store's C++ code, where signal handlers cannot run)."""
+    from tests.server_utils import free_port
+
+    log = tmp_path / "alone.log"
+    proc, _ = spawn("serve", [*COMMON, "--role", "prefill", "--kv-rank", "0", "--kv-world-size", "2",
+                              "--kv-master", f"127.0.0.1:{free_port()}"], log)
+    try:
+        deadline = time.monotonic() + 120
+        while "joining the KV transfer group" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        time.sleep(1)
+        proc.send_signal(sig)
+        assert proc.wait(15) in (0, 128 + sig), log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_stream_given_as_a_string_is_what_the_workers_parse(deployment):
     """pydantic reads "stream": "false" as False: the router relays what the worker answers, JSON or events."""
     body = {"model": MODEL, "prompt": PROMPTS[20], "max_tokens": 5, "temperature": 0}

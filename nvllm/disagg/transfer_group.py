@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,33 @@ class TransferGroup:
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = device if backend == "nccl" else torch.device("cpu")
         self.timeout = datetime.timedelta(seconds=transfer_timeout)
+        logger.info("joining the KV transfer group at %s:%d as rank %d of %d (it waits for every rank)", *master,
+                    rank, world_size)
+        store = _off_the_main_thread(lambda: self._rendezvous(rank, world_size, master, info, join_timeout,
+                                                             store_external))
+        mine = info["layout"]
+        other = next((r for r, p in self.peers.items() if p["layout"] != mine), None)
+        if other is not None:
+            raise ConfigError(f"KV transfer group: rank {other}'s KV cache layout differs from this worker's "
+                              f"(rank {rank}): {self.peers[other]['layout']} vs {mine}; every worker must serve the "
+                              "same model with the same dtype, block size and KV cache type")
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            opts.is_high_priority_stream = True  # transfers go ahead of the engine's kernels (see transfer_thread)
+            opts.global_ranks_in_group = list(range(world_size))
+            opts.group_name = "nvllm_kv"
+            self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self._store), rank, world_size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self._store), rank, world_size, self.timeout)
+        self._store_ref = store  # the store (rank 0's, or the connection to it) lives as long as the group
+        logger.info("joined the KV transfer group: rank %d of %d (%s), %s", rank, world_size, backend,
+                    ", ".join(f"{r}={p['role']}" for r, p in sorted(self.peers.items())))
+
+    def _rendezvous(self, rank: int, world_size: int, master: tuple[str, int], info: dict, join_timeout: float,
+                    store_external: bool):
+        """Connect to the store, publish this worker's info and read everyone's (blocks until every rank has);
+        returns the store."""
         host, port = master
         serves = rank == 0 and not store_external
         try:
@@ -68,24 +96,7 @@ class TransferGroup:
         except Exception as e:  # noqa: BLE001 - a rank that died or never came: one line
             raise ConfigError(f"KV transfer group at {host}:{port}: the rendezvous failed for rank {rank} "
                               f"({first_line(e)[:200]})") from None
-        mine = info["layout"]
-        other = next((r for r, p in self.peers.items() if p["layout"] != mine), None)
-        if other is not None:
-            raise ConfigError(f"KV transfer group: rank {other}'s KV cache layout differs from this worker's "
-                              f"(rank {rank}): {self.peers[other]['layout']} vs {mine}; every worker must serve the "
-                              "same model with the same dtype, block size and KV cache type")
-        if backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
-            opts.is_high_priority_stream = True  # transfers go ahead of the engine's kernels (see transfer_thread)
-            opts.global_ranks_in_group = list(range(world_size))
-            opts.group_name = "nvllm_kv"
-            self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self._store), rank, world_size, opts)
-        else:
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self._store), rank, world_size, self.timeout)
-        self._store_ref = store  # the store (rank 0's, or the connection to it) lives as long as the group
-        logger.info("joined the KV transfer group: rank %d of %d (%s), %s", rank, world_size, backend,
-                    ", ".join(f"{r}={p['role']}" for r, p in sorted(self.peers.items())))
+        return store
 
     def ranks(self, role: str) -> list[int]:
         return [r for r, p in self.peers.items() if p["role"] == role]
@@ -139,3 +150,28 @@ class MessageBuffer:
             size = -(-need // (1 << 20)) << 20  # whole MiB
             self._buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self._buf[:need]
+
+
+def _off_the_main_thread(join):
+    """Run the rendezvous on a thread of its own: the store's calls block in C++, where SIGINT/SIGTERM handlers
+    cannot run, and a worker waiting for ranks that never come must still stop on a signal. A line every 30 s says
+    it is still waiting."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["store"] = join()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="nvllm-kv-join", daemon=True)
+    thread.start()
+    waited = 0
+    while thread.is_alive():
+        thread.join(30)
+        if thread.is_alive():
+            waited += 30
+            logger.info("still waiting for the other ranks of the KV transfer group (%d s)", waited)
+    if "error" in box:
+        raise box["error"]
+    return box["store"]
