@@ -117,7 +117,7 @@ def router(
     shutdown_timeout: Annotated[int, typer.Option(help="seconds in-flight requests get on SIGINT/SIGTERM")] = 30,
 ) -> None:
     """One OpenAI endpoint in front of prefill and decode workers (`nvllm serve --role …`) or mixed replicas."""
-    from nvllm.disagg.router import run_router
+    from nvllm.disagg.router_app import run_router
     from nvllm.disagg.router_config import RouterConfig, parse_urls
 
     try:

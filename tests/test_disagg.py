@@ -5,6 +5,7 @@ client on both; then a worker's death; and `nvllm serve --disaggregate 1P1D` sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 import signal
@@ -331,6 +332,33 @@ def test_disconnected_clients_free_blocks_on_both_sides(deployment):
     asyncio.run(main())
     for u in (urls["prefill"], urls["decode0"], urls["decode1"]):
         _wait_pool_empty(u)
+
+
+def test_clients_that_give_up_at_any_moment_leave_no_held_kv(deployment):
+    """Clients whose timeouts fall anywhere from the prefill to the first tokens, streamed or not, n=4: whatever the
+    moment, the prefill worker's handles are released at once (not after --kv-handle-timeout's 60 s here), also when
+    the handoff was already on its way to the router."""
+    import random
+
+    urls = deployment["urls"]
+    expired = _info(urls["prefill"])["transfer"]["expired"]
+    rng = random.Random(0)
+
+    async def one(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"{PROMPTS[i % 12]} and", "max_tokens": 50, "n": 4, "temperature": 1.0,
+                "stream": bool(i % 2)}
+        with contextlib.suppress(httpx.HTTPError):
+            async with httpx.AsyncClient(timeout=rng.uniform(0.01, 0.3), headers=AUTH) as c:
+                await c.post(urls["router"] + "/v1/completions", json=body)
+
+    async def main():
+        for k in range(3):
+            await asyncio.gather(*(one(8 * k + i) for i in range(8)))
+
+    asyncio.run(main())
+    for u in (urls["prefill"], urls["decode0"], urls["decode1"]):
+        _wait_pool_empty(u, timeout=10)
+    assert _info(urls["prefill"])["transfer"]["expired"] == expired
 
 
 def test_router_and_workers_keep_idle_connections(deployment):

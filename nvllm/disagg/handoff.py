@@ -13,7 +13,7 @@ import base64
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from nvllm.engine.sequence import PrefilledSample
 from nvllm.outputs import Logprob, LogprobsDict
@@ -56,6 +56,9 @@ class PrefillResult(Message):
 class PrefillCall(Message):
     endpoint: Endpoint
     request: dict
+    # the router's name for this call: the prefill's engine requests are named after it, so the router can release
+    # their handles (ReleaseCall.calls) when its client left before the handoff reached it
+    call_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_]{1,64}$")
 
 
 class DecodeCall(Message):
@@ -77,7 +80,8 @@ class SendAccepted(Message):
 
 
 class ReleaseCall(Message):
-    handles: list[str]
+    handles: list[str] = []
+    calls: list[str] = []  # every handle of these prefill calls (PrefillCall.call_id)
 
 
 # ---- conversions --------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from nvllm.cli_options import ENGINE_OPTIONS
 from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.disagg.config import DisaggConfig, parse_xpyd
-from nvllm.disagg.router import run_router
+from nvllm.disagg.router_app import run_router
 from nvllm.disagg.router_config import RouterConfig
 from nvllm.serve.api_server import ServerConfig, bind_socket, listen_socket
 

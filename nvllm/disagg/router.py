@@ -24,17 +24,17 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 
 import httpx
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 
 from nvllm.disagg.response_owners import ResponseOwners
 from nvllm.disagg.router_config import RouterConfig
 from nvllm.disagg.router_metrics import RouterMetrics
 from nvllm.disagg.worker_pool import Worker, WorkerPool
-from nvllm.serve.errors import APIError, install_error_handlers
+from nvllm.serve.errors import APIError
 from nvllm.serve.http import SSE_DONE, ClientGone, check_api_key, json_object, read_body, sse, until_disconnect
 from nvllm.serve.responses import error_event
 
@@ -55,6 +55,7 @@ class Router:
         self.pool = WorkerPool(cfg.prefill, cfg.decode, cfg.mixed, self.client, cfg.poll_interval, cfg.api_key)
         self.metrics = RouterMetrics(self.pool)
         self.responses = ResponseOwners()
+        self._tasks: set[asyncio.Task] = set()  # background releases, referenced until they end
 
     # ---- a request ---------------------------------------------------------------------------------------
     async def route(self, endpoint: str, request: Request) -> Response:
@@ -75,13 +76,15 @@ class Router:
             self.metrics.outcome("failed")
             raise APIError(503, f"no {'prefill' if prefill is None else 'decode'} worker is up",
                            code="no_worker_available")
+        call_id = uuid.uuid4().hex
         try:
             with self.pool.busy(prefill):
                 resp = await until_disconnect(request, self.client.post(
                     prefill.url + "/internal/prefill", headers=headers,
-                    content=json.dumps({"endpoint": endpoint, "request": data})))
-        except ClientGone:  # the prefill worker saw the disconnect too and released what it held
-            self.metrics.outcome("client_gone")
+                    content=json.dumps({"endpoint": endpoint, "request": data, "call_id": call_id})))
+        except ClientGone:  # the prefill worker sees the disconnect too, unless its handoff was already on the way:
+            self.metrics.outcome("client_gone")   # what it holds for this call is released by name
+            await self._release(prefill, [], headers, calls=[call_id])
             return Response(status_code=499)
         except httpx.HTTPError as e:
             self._failed(prefill, "prefill", e)
@@ -179,8 +182,9 @@ class Router:
 
     async def _answer(self, upstream: httpx.Response, worker: Worker, request: Request,
                       t0: float, release=None, responses: bool = False) -> Response:
-        """Relay the worker's answer; release(): called when the worker fails before it is complete; responses:
-        a Responses API answer, whose id is noted as the worker's."""
+        """Relay the worker's answer; release(): called when the worker fails or the client leaves before it is
+        complete (the prefill worker's handles that the decode worker has not taken yet); responses: a Responses API
+        answer, whose id is noted as the worker's."""
         if upstream.status_code != 200:
             try:
                 await upstream.aread()
@@ -191,18 +195,22 @@ class Router:
         if _streams(upstream):
             closed = False
 
-            async def close() -> None:  # once: when the relay ends, or when the client left before it began
-                nonlocal closed
+            async def close(complete: bool = False) -> None:  # once: when the relay ends, or when the client left
+                nonlocal closed                                     # before it began
                 if not closed:
                     closed = True
                     worker.in_flight -= 1
                     await upstream.aclose()
+                    if not complete and release is not None:
+                        self._background(release())  # not awaited: the client's task may be cancelled here
 
             return _RelayResponse(self._relay(upstream, worker, t0, close, release, responses), close)
         try:
             body = await until_disconnect(request, upstream.aread())
         except ClientGone:
             self.metrics.outcome("client_gone")
+            if release is not None:
+                await release()
             return Response(status_code=499)
         except httpx.HTTPError as e:
             self._failed(worker, worker.role, e)
@@ -248,14 +256,12 @@ class Router:
             self.metrics.outcome("client_gone")
             raise
         finally:
-            await close()
+            await close(done)  # not done: what the decode worker did not take is released
         if done:
             self.metrics.outcome("ok")
             self.metrics.e2e.observe(time.perf_counter() - start)
             return
         self.metrics.outcome("failed")
-        if release is not None:
-            await release()
         why = _describe(error) if error is not None else "the stream ended early"
         message = f"the {worker.role} worker failed mid-stream: {why}"
         if responses:
@@ -263,6 +269,11 @@ class Router:
             return
         yield sse({"error": {"message": message, "type": "server_error", "param": None, "code": "worker_failed"}})
         yield SSE_DONE
+
+    def _background(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _relay_error(self, resp: httpx.Response, worker: Worker, role: str) -> Response:
         if resp.status_code >= 500:
@@ -275,11 +286,12 @@ class Router:
         self.metrics.failures.labels(worker.role, worker.url, stage).inc()
         self.pool.failed(worker, error if isinstance(error, str) else _describe(error))
 
-    async def _release(self, prefill: Worker, handles: list[str], headers: dict) -> None:
-        if not handles:
+    async def _release(self, prefill: Worker, handles: list[str], headers: dict, calls: list[str] = ()) -> None:
+        if not handles and not calls:
             return
         with contextlib.suppress(httpx.HTTPError):
-            await self.client.post(prefill.url + "/internal/kv/release", json={"handles": handles},
+            await self.client.post(prefill.url + "/internal/kv/release", json={"handles": handles,
+                                                                               "calls": list(calls)},
                                    headers=headers, timeout=5.0)
 
     # ---- the rest ----------------------------------------------------------------------------------------
@@ -346,91 +358,3 @@ def _forwarded(request: Request) -> dict:
 
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-
-def build_router_app(cfg: RouterConfig) -> FastAPI:
-    router = Router(cfg)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        task = asyncio.create_task(router.background())
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await router.client.aclose()
-
-    app = FastAPI(title="nvllm router", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.router = router
-    install_error_handlers(app)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.route("completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await router.route("chat", request)
-
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        return await router.respond(request)
-
-    @app.get("/v1/responses/{response_id}")
-    async def stored_response(request: Request, response_id: str) -> Response:
-        return await router.stored_response(request, response_id)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await router.any_worker(request, "/v1/models")
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await router.any_worker(request, "/tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await router.any_worker(request, "/detokenize")
-
-    @app.get("/health")
-    async def health() -> Response:
-        if router.healthy():
-            return Response(status_code=200)
-        return JSONResponse({"status": "waiting for workers",
-                             "workers": [w.public() for w in router.pool.workers]}, status_code=503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        await router.pool.poll_all()  # the workers' counters as of now, not of the last poll
-        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/router/workers")
-    async def workers(request: Request) -> dict:
-        check_api_key(request, cfg.api_key)
-        return {"workers": [w.public() for w in router.pool.workers]}
-
-    return app
-
-
-def run_router(cfg: RouterConfig, sock=None) -> None:
-    """Serve until SIGINT/SIGTERM; sock: the listening socket when the caller bound it already."""
-    from nvllm.logger import setup_logging
-    from nvllm.serve.api_server import KEEP_ALIVE_S, _exit_quietly_after_signals, listen_socket
-
-    setup_logging()
-    sock = sock or listen_socket(cfg.host, cfg.port, cfg.fd)
-    try:
-        app = build_router_app(cfg)
-        host, port = sock.getsockname()[:2]
-        logger.info("router at http://%s:%d/v1: %s", host, port,
-                    f"mixed {', '.join(cfg.mixed)}" if cfg.mixed else
-                    f"prefill {', '.join(cfg.prefill)}; decode {', '.join(cfg.decode)}")
-        server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, timeout_keep_alive=KEEP_ALIVE_S,
-                                               timeout_graceful_shutdown=cfg.shutdown_timeout))
-        with _exit_quietly_after_signals():
-            server.run(sockets=[sock])
-    finally:
-        sock.close()
-    logger.info("router stopped")

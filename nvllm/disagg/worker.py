@@ -120,7 +120,7 @@ class DisaggWorker:
             @r.post("/internal/kv/release")
             async def kv_release(request: Request) -> dict:
                 call = await parse_body(request, ReleaseCall, limit)
-                return {"released": await self._release(call.handles, exported=False)}
+                return {"released": await self._release(call.handles, exported=False, calls=call.calls)}
         else:
             @r.post("/internal/decode")
             async def decode(request: Request) -> Response:
@@ -135,12 +135,14 @@ class DisaggWorker:
         if not self.engine.is_running:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         _, requests, _ = await handler.prompts.off_loop(handler.prepare, req)
+        if call.call_id is not None:  # named after the router's call: it can release them unread (ReleaseCall.calls)
+            requests = [r._replace(request_id=f"{call.call_id}-{k}") for k, r in enumerate(requests)]
         limit = self.cfg.max_prefill_length
         for r in requests:
             if limit is not None and len(r.prompt_ids) > limit:
-                raise bad_request(f"the prompt has {len(r.prompt_ids)} tokens; this deployment's prefill workers take prompts "
-                                  f"of at most {limit} tokens (--max-prefill-length). Shorten the prompt, or send it "
-                                  "to a deployment with a higher limit.",
+                raise bad_request(f"the prompt has {len(r.prompt_ids)} tokens; this deployment's prefill workers take "
+                                  f"prompts of at most {limit} tokens (--max-prefill-length). Shorten the prompt, or "
+                                  "send it to a deployment with a higher limit.",
                                   "messages" if call.endpoint == "chat" else "prompt", code="prompt_too_long")
         handles = [kv_handle_id(r.request_id, i) for r in requests for i in range(r.params.n)]
         stream = self.engine.open_stream()
@@ -150,9 +152,11 @@ class DisaggWorker:
                                  cache_salt=r.cache_salt)
             finals = await until_disconnect(request, _collect(stream))
         except ValueError as e:
+            stream.close()  # the abort first: a step between a release and the abort could hold a sample again
             await self._release(handles)
             raise from_value_error(e) from None
         except ClientGone:
+            stream.close()
             await self._release(handles)
             return Response(status_code=499)
         except EngineDeadError as e:
@@ -197,10 +201,15 @@ class DisaggWorker:
         self.sender.submit(SendJob(call.handle, blocks, call.dst_rank, call.tag))
         return _json(SendAccepted(num_blocks=len(blocks), nbytes=self.layout.nbytes(len(blocks))))
 
-    async def _release(self, handles: list[str], exported: bool = True) -> int:
+    async def _release(self, handles: list[str], exported: bool = True, calls: list[str] = ()) -> int:
+        """Free the handles (and every handle of the router's ``calls``); exported=False leaves those a transfer
+        has taken."""
+        def release(e) -> int:
+            mine = [h for h in list(e.handoff.held) if h.split("-", 1)[0] in calls] if calls else []
+            return sum(e.handoff.release(h, exported) for h in [*handles, *mine])
+
         try:
-            return await asyncio.wrap_future(self.engine.call(
-                lambda e: sum(e.handoff.release(h, exported) for h in handles)))
+            return await asyncio.wrap_future(self.engine.call(release))
         except EngineDeadError:
             return 0
 
