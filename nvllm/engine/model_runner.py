@@ -202,9 +202,12 @@ class ModelRunner:
         s, c = self.model.shape, self.hf_config
         limit = s.max_position
         window = getattr(c, "sliding_window", None)
-        layer_types = getattr(c, "layer_types", None) or []
-        uses_window = window and (getattr(c, "use_sliding_window", True) is not False
-                                  or "sliding_attention" in layer_types)
+        layer_types = getattr(c, "layer_types", None)
+        if layer_types:  # the layers' kinds, as transformers derives them (Qwen2/3: from max_window_layers)
+            uses_window = window and "sliding_attention" in layer_types
+        else:            # Mistral; Qwen2 configs of older transformers: layers from max_window_layers on slide
+            uses_window = window and getattr(c, "use_sliding_window", True) is not False \
+                and (getattr(c, "max_window_layers", None) or 0) < s.num_layers
         if self.config.max_model_len is not None:
             if self.config.max_model_len > limit:
                 raise ConfigError(f"max_model_len {self.config.max_model_len} exceeds the model's "

@@ -20,15 +20,24 @@ def rope_parameters(hf_config) -> tuple[float, dict[str, Any] | None]:
     `rope_theta` + `rope_scaling` attributes."""
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and params:
-        theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+        theta = _theta(params.get("rope_theta", getattr(hf_config, "rope_theta", None)))
         rtype = params.get("rope_type", params.get("type", "default"))
         return theta, (None if rtype == "default" else dict(params, rope_type=rtype))
-    theta = float(getattr(hf_config, "rope_theta", 10000.0))
+    theta = _theta(getattr(hf_config, "rope_theta", None))
     scaling = getattr(hf_config, "rope_scaling", None)
     if scaling:
         rtype = scaling.get("rope_type", scaling.get("type", "default"))
         return theta, (None if rtype == "default" else dict(scaling, rope_type=rtype))
     return theta, None
+
+
+def _theta(value) -> float:
+    """rope_theta (10000 where a config gives none, as transformers' default)."""
+    if value is None:
+        return 10000.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"config.json: rope_theta must be a positive number, got {value!r}")
+    return float(value)
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

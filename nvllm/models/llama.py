@@ -9,6 +9,7 @@ so they are the same on every rank."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -34,6 +35,11 @@ STACKED = {
 }
 
 
+logger = logging.getLogger("nvllm")
+
+_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # the architectures whose HF code reads attention_bias
+_MLP_BIAS = ("LlamaForCausalLM",)                             # and mlp_bias
+
 _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
              "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings"}
 
@@ -56,18 +62,20 @@ class ModelShape:
         self.max_position = c.max_position_embeddings
         self.rope_theta, self.rope_scaling = rope_parameters(c)
         self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
-        self.qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(c, "attention_bias", False))
-        # HF gives o_proj a bias with attention_bias too (Llama, Mistral, Qwen3), never Qwen2's
-        self.o_bias = architecture != "Qwen2ForCausalLM" and bool(getattr(c, "attention_bias", False))
+        # the biases as HF's modeling code builds them: attention_bias counts for Llama and Qwen3 (q/k/v and o),
+        # mlp_bias for Llama only; Qwen2 always has q/k/v biases; Mistral has none, whatever its config says
+        attention_bias = architecture in _ATTENTION_BIAS and bool(getattr(c, "attention_bias", False))
+        self.qkv_bias = architecture == "Qwen2ForCausalLM" or attention_bias
+        self.o_bias = attention_bias
         self.qk_norm = architecture == "Qwen3ForCausalLM"
-        self.mlp_bias = bool(getattr(c, "mlp_bias", False))
+        self.mlp_bias = architecture in _MLP_BIAS and bool(getattr(c, "mlp_bias", False))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"config.json: {_HF_NAMES.get(name, name)} must be a positive integer, got {v!r}")
         act = getattr(c, "hidden_act", "silu")
-        if act != "silu":
+        if act not in ("silu", "swish"):  # transformers' names for the same function
             raise ConfigError(f"hidden_act {act!r} is not supported (only silu)")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of "
@@ -90,8 +98,9 @@ def make_linear(in_features: int, out_features: int, bias: bool, output_sizes: l
 
 class DecoderLayer(nn.Module):
     def __init__(self, s: ModelShape, dtype: torch.dtype, quant: dict[str, QuantScheme] | None = None,
-                 tp: TPGroup | None = None):
-        """``quant``: scheme of each of this layer's quantized linears ("qkv_proj", …); the others are dense."""
+                 tp: TPGroup | None = None, rotary: RotaryEmbedding | None = None):
+        """``quant``: scheme of each of this layer's quantized linears ("qkv_proj", …); the others are dense.
+        ``rotary``: the cos/sin tables every layer shares (built here if not given)."""
         super().__init__()
         self.s = s
         quant = quant or {}
@@ -106,7 +115,7 @@ class DecoderLayer(nn.Module):
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype)
-        self.rotary = RotaryEmbedding(s.head_dim, s.max_position, s.rope_theta, s.rope_scaling)
+        self.rotary = rotary or RotaryEmbedding(s.head_dim, s.max_position, s.rope_theta, s.rope_scaling)
         self.attn = Attention(s.num_local_heads, s.num_local_kv_heads, s.head_dim, s.head_dim ** -0.5)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
         self.gate_up_proj = make_linear(s.hidden_size, 2 * inter, s.mlp_bias, [inter, inter], dtype,
@@ -194,9 +203,12 @@ class LlamaForCausalLM(nn.Module):
         s = self.shape = ModelShape(hf_config, architecture, tp.size, tp.rank)
         self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, dtype, tp)
         plan = quant_plan or {}
+        # one pair of fp32 cos/sin tables for all layers: a pair per layer took 16 MiB a layer at Qwen2.5-7B's 32768
+        # positions (448 MiB in all), 64 MiB a layer at Llama 3.1's 131072
+        rotary = RotaryEmbedding(s.head_dim, s.max_position, s.rope_theta, s.rope_scaling)
         self.layers = nn.ModuleList(
             DecoderLayer(s, dtype, {k.rsplit(".", 1)[1]: v for k, v in plan.items() if k.startswith(f"layers.{i}.")},
-                         tp)
+                         tp, rotary)
             for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
         self.lm_head = LMHead(s.vocab_size, s.hidden_size, dtype,
@@ -234,7 +246,10 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         expected = {(n, sh) for n, p in params.items() for sh in self._shards_of(n)}
         filled: set[tuple[str, int | None]] = set()
+        tied_head = None  # a few rows of an lm_head.weight the tied head does not use
         for ckpt_name, tensor in weights:
+            if ckpt_name == "lm_head.weight" and self.shape.tie_word_embeddings:
+                tied_head = tensor[:8].clone()
             target = self.param_for(ckpt_name)
             if target is None:
                 continue
@@ -259,6 +274,20 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ConfigError(f"checkpoint is missing tensors: {', '.join(missing[:5])}{more}")
+        if tied_head is not None:
+            self._check_tied_head(tied_head)
+
+    def _check_tied_head(self, rows: torch.Tensor) -> None:
+        """config.json ties the LM head to the embeddings, and the checkpoint has an lm_head.weight too: unused, as
+        vLLM and transformers 4 leave it. Say so if it is not the embeddings (transformers 5 uses it then)."""
+        emb = self.embed_tokens
+        if emb.part.start != 0:  # the rows compared are rank 0's
+            return
+        n = min(len(rows), emb.part.size)
+        if not torch.equal(emb.weight[:n].float().cpu(), rows[:n].float()):
+            logger.warning("config.json ties the LM head to the embeddings (tie_word_embeddings), but the checkpoint's "
+                           "lm_head.weight differs from them: it is not used (as in vLLM and transformers 4; "
+                           "transformers 5 uses it). --hf-overrides '{\"tie_word_embeddings\": false}' uses it.")
 
     def _shards_of(self, pname: str) -> list[int | None]:
         owner = self.get_submodule(pname.rsplit(".", 1)[0])

@@ -32,10 +32,39 @@ def load_hf_config(model_dir: str, overrides: dict | None = None):
     if overrides:
         logger.info("config.json overridden: %s", ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
         try:
-            config.update(overrides)
+            config.update(_rope_folded(config, dict(overrides)))
+        except ConfigError:
+            raise
         except Exception as e:  # noqa: BLE001 - transformers checks field types on update (a string for a size)
             raise ConfigError(f"--hf-overrides: {first_line(e)}") from None
     return config
+
+
+def _rope_folded(config, overrides: dict) -> dict:
+    """Transformers 5 keeps rope_theta and the scaling in one dict, ``rope_parameters``, and reads only that: an
+    override of rope_theta, rope_scaling or part of rope_parameters is folded into it (as editing config.json
+    would be), keeping what it does not name. Returns the other overrides."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or not {"rope_theta", "rope_scaling", "rope_parameters"} & set(overrides):
+        return overrides
+    params = dict(params)
+    for key in ("rope_parameters", "rope_scaling"):
+        if key not in overrides:
+            continue
+        value = overrides.pop(key)
+        if value is None and key == "rope_scaling":
+            value = {"rope_type": "default"}
+        if not isinstance(value, dict):
+            raise ConfigError(f"--hf-overrides: {key} must be an object, got {value!r}")
+        if key == "rope_scaling":  # a new scaling replaces the old one; the theta stays
+            params = {"rope_theta": params.get("rope_theta")}
+        if "type" in value and "rope_type" not in value:
+            value = {("rope_type" if k == "type" else k): v for k, v in value.items()}
+        params.update(value)
+    if "rope_theta" in overrides:
+        params["rope_theta"] = overrides.pop("rope_theta")
+    config.rope_parameters = params
+    return overrides
 
 
 def checkpoint_dtype(hf_config) -> torch.dtype | None:
