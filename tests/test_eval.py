@@ -203,6 +203,21 @@ def rtn2_model(tmp_path_factory) -> str:
     return str(out)
 
 
+def test_a_drop_equal_to_the_limit_passes_whatever_the_rounding():
+    """0.25 − 0.24 is 1.0000000000000009 points in floating point: at --max-drop 1 that is within the limit; a drop
+    of 2 points is not, nor 2.01% of a 50-point baseline at --max-drop-rel 2."""
+    from nvllm.eval.regression import compare
+
+    def result(acc: float) -> dict:
+        return {"tasks": {"t": {"metrics": {"acc": acc}, "higher_is_better": {"acc": True}, "n_samples": 100}}}
+
+    assert [r.failed for k in range(1, 100) for r in compare(result(k / 100), result((k - 1) / 100), 1.0, None)] \
+        == [False] * 99
+    assert compare(result(0.25), result(0.23), 1.0, None)[0].failed
+    assert not compare(result(0.50), result(0.49), None, 2.0)[0].failed
+    assert compare(result(0.50), result(0.4899), None, 2.0)[0].failed
+
+
 def test_gate_passes_on_the_same_model_and_writes_the_report(tmp_path):
     report = tmp_path / "eval.json"
     r = cli("--baseline", demo_model_path(), "--tasks", "mmlu,wikitext", "--limit", "1", "--max-length", "128",

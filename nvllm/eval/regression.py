@@ -108,12 +108,18 @@ def compare(base: dict, cand: dict, max_drop: float | None, max_drop_rel: float 
                 dse = math.hypot(bse, cse)
             drop = (b - c) * s if hib else (c - b) * s
             rel = 100.0 * drop / abs(b * s) if b else (math.inf if drop > 0 else 0.0)
-            failed = (not math.isfinite(drop) or (max_drop is not None and drop > max_drop) or
-                      (max_drop_rel is not None and rel > max_drop_rel))
+            failed = (not math.isfinite(drop) or (max_drop is not None and _over(drop, max_drop)) or
+                      (max_drop_rel is not None and _over(rel, max_drop_rel)))
             rows.append(Row(name, key, bt.get("n_samples", 0), b * s, c * s,
                             None if bse is None else bse * s, None if cse is None else cse * s,
                             (c - b) * s, None if dse is None else dse * s, drop, rel, hib, failed))
     return rows
+
+
+def _over(drop: float, limit: float) -> bool:
+    """drop > limit, where a drop equal to the limit up to rounding (25 − 24 points computed as 1.0000000000000009
+    from 0.25 − 0.24) is within it."""
+    return drop > limit and not math.isclose(drop, limit, rel_tol=1e-9, abs_tol=1e-9)
 
 
 def _pm(value: float, se: float | None, signed: bool = False) -> str:
