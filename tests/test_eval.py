@@ -265,6 +265,26 @@ def test_gate_fails_on_a_nan_model_and_writes_valid_json(tmp_path):
     assert not data["gate"]["passed"] and data["models"][1]["tasks"]["wikitext"]["metrics"]["token_perplexity"] is None
 
 
+def test_gate_scores_both_models_in_one_window(tmp_path):
+    """The candidate takes 128 positions, the baseline 512: both are scored in windows of 126 tokens (the same
+    samples), and a --max-length the candidate cannot take is refused before the baseline is evaluated."""
+    short = tmp_path / "short"
+    shutil.copytree(demo_model_path(), short)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 128}))
+    report = tmp_path / "eval.json"
+    r = cli("--model", str(short), "--baseline", demo_model_path(), "--tasks", "wikitext", "--limit", "2",
+            "--data-dir", str(DATA), "--output-json", str(report), "--no-progress")
+    assert r.exit_code == 0, r.output
+    data = json.loads(report.read_text())
+    assert [m["max_length"] for m in data["models"]] == [126, 126]
+    rows = data["gate"]["rows"]
+    assert rows[0]["baseline"] == rows[0]["candidate"]  # the same weights, scored alike
+    r = cli("--model", str(short), "--baseline", demo_model_path(), "--tasks", "wikitext", "--max-length", "200",
+            "--data-dir", str(DATA), "--no-progress")
+    assert r.exit_code == 2 and "--max-length 200 is longer than both models take: at most 126" in r.output, r.output
+
+
 def test_gate_refuses_different_tokenizers(tmp_path):
     other = tmp_path / "other"
     shutil.copytree(demo_model_path(), other)

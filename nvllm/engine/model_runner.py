@@ -36,7 +36,7 @@ from nvllm.layers.linear import interleave_gate_ups
 from nvllm.layers.sampler import Sampler, SampleRow, batch_token_logprobs, host_tensor
 from nvllm.lora.layers import lora_mapping
 from nvllm.lora.manager import LoRAManager, loads_message
-from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model, quantization_plan
+from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model, model_len_limit, quantization_plan
 from nvllm.models.registry import resolve_architecture
 
 logger = logging.getLogger("nvllm")
@@ -199,25 +199,7 @@ class ModelRunner:
                                   self.dtype, self.config.kv_cache_dtype, self.device)
 
     def _max_model_len(self) -> int:
-        s, c = self.model.shape, self.hf_config
-        limit = s.max_position
-        window = getattr(c, "sliding_window", None)
-        layer_types = getattr(c, "layer_types", None)
-        if layer_types:  # the layers' kinds, as transformers derives them (Qwen2/3: from max_window_layers)
-            uses_window = window and "sliding_attention" in layer_types
-        else:            # Mistral; Qwen2 configs of older transformers: layers from max_window_layers on slide
-            uses_window = window and getattr(c, "use_sliding_window", True) is not False \
-                and (getattr(c, "max_window_layers", None) or 0) < s.num_layers
-        if self.config.max_model_len is not None:
-            if self.config.max_model_len > limit:
-                raise ConfigError(f"max_model_len {self.config.max_model_len} exceeds the model's "
-                                  f"max_position_embeddings {limit}")
-            limit = self.config.max_model_len
-        if uses_window and window < limit:
-            logger.warning("the model uses sliding-window attention (%d); max_model_len capped to %d, within "
-                           "which it equals full attention", window, window)
-            limit = window
-        return limit
+        return model_len_limit(self.hf_config, self.config.max_model_len)
 
     def _num_kv_blocks(self) -> int:
         """The blocks this rank's memory holds (the ranks then agree on the smallest count)."""

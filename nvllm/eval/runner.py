@@ -192,10 +192,28 @@ def run_eval(engine_config: EngineConfig, spec: EvalSpec, baseline: str | None =
         base = baseline_config(engine_config, baseline)
         regression.check_same_tokenizer(base.tokenizer, engine_config.tokenizer)
         configs = [("baseline", base, None), ("candidate", candidate, lora)]
+        window = common_window([base, candidate])  # one scoring window for both, or their samples differ
+        if spec.max_length is None:
+            spec = dataclasses.replace(spec, max_length=window)
+        elif window is not None and spec.max_length > window:  # refused before the baseline's evaluation
+            raise EvalError(f"--max-length {spec.max_length} is longer than both models take: at most {window} "
+                            "(max_model_len − 2 of the shorter)")
     with task_manager(spec) as (manager, notes), progress_bar(progress) as bar:
         results = [evaluate_model(config, spec, manager, label, bar, adapter) for label, config, adapter in configs]
     rows = regression.compare(results[0], results[1], max_drop, max_drop_rel) if baseline is not None else []
     return results, rows, notes
+
+
+def common_window(configs: list[EngineConfig]) -> int | None:
+    """The longest scoring window every model takes (NvllmLM's default: max_model_len − 2); None where a config
+    cannot be read here (the engine then says what is wrong with it)."""
+    from nvllm.models.loader import load_hf_config, model_len_limit
+
+    try:
+        return min(model_len_limit(load_hf_config(c.model, c.hf_overrides), c.max_model_len, warn=False)
+                   for c in configs) - 2
+    except (ConfigError, TypeError, ValueError, AttributeError):
+        return None
 
 
 def gate_summary(results: list[dict], rows: list, max_drop: float | None, max_drop_rel: float | None) -> dict:

@@ -67,6 +67,30 @@ def _rope_folded(config, overrides: dict) -> dict:
     return overrides
 
 
+def model_len_limit(hf_config, requested: int | None = None, warn: bool = True) -> int:
+    """The longest sequence the engine serves: max_position_embeddings, or ``requested`` (--max-model-len) within
+    it; capped to a sliding window where some layer slides (within it, sliding attention equals full attention)."""
+    c = hf_config
+    limit = c.max_position_embeddings
+    window = getattr(c, "sliding_window", None)
+    layer_types = getattr(c, "layer_types", None)
+    if layer_types:  # the layers' kinds, as transformers derives them (Qwen2/3: from max_window_layers)
+        uses_window = window and "sliding_attention" in layer_types
+    else:            # Mistral; Qwen2 configs of older transformers: layers from max_window_layers on slide
+        uses_window = window and getattr(c, "use_sliding_window", True) is not False \
+            and (getattr(c, "max_window_layers", None) or 0) < c.num_hidden_layers
+    if requested is not None:
+        if requested > limit:
+            raise ConfigError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}")
+        limit = requested
+    if uses_window and window < limit:
+        if warn:
+            logger.warning("the model uses sliding-window attention (%d); max_model_len capped to %d, within "
+                           "which it equals full attention", window, window)
+        limit = window
+    return limit
+
+
 def checkpoint_dtype(hf_config) -> torch.dtype | None:
     d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(d, str):
