@@ -181,6 +181,19 @@ def test_perplexity_on_c4_and_a_text_file(nv, tmp_path):
         assert all(math.isfinite(v) and v > 0 for v in m.values())
 
 
+def test_two_text_files_of_one_name_are_two_tasks(tmp_path):
+    """d1/doc.txt and d2/doc.txt: each its own row and gate entry (one had overwritten the other)."""
+    for d, text in (("d1", "Once upon a time, there was a little girl named Lily.\n"), ("d2", "zq xj vk wp\n" * 3)):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "doc.txt").write_text(text)
+    report = tmp_path / "eval.json"
+    names = [str(tmp_path / d / "doc.txt") for d in ("d1", "d2")]
+    r = cli("--tasks", ",".join(names), "--output-json", str(report), "--no-progress")
+    assert r.exit_code == 0, r.output
+    tasks = json.loads(report.read_text())["models"][0]["tasks"]
+    assert sorted(tasks) == names and tasks[names[0]] != tasks[names[1]]
+
+
 # ---- the command line -----------------------------------------------------------------------------------
 def cli(*args: str, env: dict | None = None):
     return CliRunner(env={"COLUMNS": "200", **(env or {})}).invoke(app, ["eval", "--device", "cpu", *args])

@@ -112,11 +112,11 @@ def load_corpus(name: str, data_dir: str | Path | None) -> Corpus:
         raise PerplexityError(f"perplexity file {path} does not exist")
     stem = path.name
     if stem.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
-        return Corpus(path.name, str(path), _json_texts(path))
+        return Corpus(name, str(path), _json_texts(path))  # named as given: two doc.txt stay two tasks
     text = _read_text(path)
     if not text.strip():
         raise PerplexityError(f"perplexity file {path} is empty")
-    return Corpus(path.name, str(path), [text])
+    return Corpus(name, str(path), [text])
 
 
 def _hub_wikitext() -> list[str]:
