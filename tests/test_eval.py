@@ -244,6 +244,7 @@ def test_gate_passes_on_the_same_model_and_writes_the_report(tmp_path):
     cand = data["models"][1]
     assert cand["model"] == demo_model_path() and "quantization_config" in cand
     assert cand["kernel_report"] and cand["tasks"]["mmlu"]["n_samples"] == 4
+    assert "attention.decode" not in cand["kernel_report"]  # scoring prefills only: the warm-up's decodes are not in
     assert set(cand["tasks"]["mmlu"]["stderr"]) == {"acc,none"}
     assert {"mmlu_abstract_algebra", "mmlu_stem"} <= set(cand["tasks"]["mmlu"]["subtasks"])
     assert all(row["delta"] == 0 for row in data["gate"]["rows"])

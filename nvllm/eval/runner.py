@@ -133,6 +133,7 @@ def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "
             raise EvalError(str(e)) from e
     start = time.time()
     llm = LLM.from_config(config)
+    report.reset()  # the kernel report of this evaluation, not of the engine's warm-up
     if progress is not None and not progress.disable:  # the bars show progress; skip the per-batch stat lines
         logging.getLogger("nvllm").setLevel(logging.WARNING)
     try:
