@@ -263,6 +263,7 @@ _Q, _E, _B = "Quantization", "Evaluation", "Benchmark"
 @app.command()
 @engine_options
 def pipeline(
+    ctx: typer.Context,
     method: Annotated[Optional[str], typer.Option(help="awq | gptq | rtn", rich_help_panel=_Q)] = None,
     bits: Annotated[Optional[int], typer.Option(help="4 | 8 (awq: 4) (default: 4)", rich_help_panel=_Q)] = None,
     group_size: Annotated[Optional[int], typer.Option(help="inputs per scale/zero group (default: 128)",
@@ -315,10 +316,12 @@ def pipeline(
     _check_thresholds(max_drop, max_drop_rel)
     runner.quiet_libraries()
     try:
+        # --seed and --device also set the calibration's seed and device, where given; else the recipe's hold
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
                            quantize_lm_head=quantize_lm_head, calib_dataset=calib_dataset,
-                           calib_samples=calib_samples, calib_seqlen=calib_seqlen, seed=engine_config.seed,
-                           device=engine_config.device)
+                           calib_samples=calib_samples, calib_seqlen=calib_seqlen,
+                           seed=engine_config.seed if _given(ctx, "seed") else None,
+                           device=engine_config.device if _given(ctx, "device") else None)
         out = out or f"{Path(engine_config.model).name}-{cfg.method}-w{cfg.bits}"
         spec = runner.EvalSpec(tasks.split(","), num_fewshot, limit, data_dir, max_gen_toks, max_length)
         bench = pipe.BenchSpec(batch_size, input_len, output_len, num_iters_warmup, num_iters, num_prompts)
@@ -329,6 +332,12 @@ def pipeline(
     console().print(f"report written to {' and '.join(result['report_files'])}", highlight=False)
     if not result["gate"]["passed"]:
         fail(f"regression gate failed: {', '.join(result['gate']['failed'])}", code=1)
+
+
+def _given(ctx: typer.Context, flag: str) -> bool:
+    """Whether the command's parameter ``flag`` came from the command line (or the environment), not a default."""
+    source = ctx.get_parameter_source(flag)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
 def _check_thresholds(max_drop: float | None, max_drop_rel: float | None) -> None:

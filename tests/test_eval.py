@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -403,11 +404,55 @@ def test_pipeline_quantizes_gates_benches_and_reports(tmp_path):
      "--quantize-lm-head applies to GPTQ and RTN only"),
     (["--method", "rtn", "--group-size", "32", "--quantize-lm-head", "--tasks", "wikitext", "--data-dir", str(DATA)],
      "the model ties its word embeddings"),
+    (["--method", "rtn", "--group-size", "32", "--tasks", "wikitext", "--data-dir", str(DATA), "--max-model-len",
+      "200"], "--input-len + --output-len = 256 exceeds max_model_len 200"),
 ])
 def test_pipeline_bad_input_fails_before_quantizing(tmp_path, args, message):
     r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["pipeline", "--device", "cpu", "--out", str(tmp_path / "q"),
                                                        *args])
     assert r.exit_code == 2 and message in " ".join(r.output.split()) and not (tmp_path / "q").exists()
+
+
+def test_pipeline_takes_the_recipes_seed_and_device_unless_given(tmp_path):
+    """A recipe's calibration seed and device hold unless --seed / --device are given (as in `nvllm quantize`)."""
+    from nvllm.eval import pipeline
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("method: rtn\ngroup_size: 32\ndevice: cuda:7\ncalibration: {dataset: calib, samples: 2, "
+                      "seqlen: 32, seed: 7}\n")
+    seen = []
+
+    def stop(model, out, cfg, *a, **kw):
+        seen.append((cfg.seed, cfg.device))
+        raise pipeline.runner.EvalError("stopped after the settings")
+
+    with mock.patch.object(pipeline, "quantize_step", stop):
+        for extra in ([], ["--seed", "3", "--device", "cpu"]):
+            r = CliRunner(env={"COLUMNS": "200"}).invoke(app, [
+                "pipeline", "--recipe", str(recipe), "--out", str(tmp_path / "q"), "--tasks", "wikitext",
+                "--data-dir", str(DATA), *(extra or ["--device", "cpu"])])
+            assert r.exit_code == 2 and "stopped after the settings" in r.output, r.output
+    assert seen == [(7, "cpu"), (3, "cpu")]
+
+
+def test_pipeline_markdown_shows_a_missing_delta_as_n_a():
+    """A NaN score's delta is null in the JSON: the Markdown says n/a (it raised a TypeError)."""
+    from nvllm.eval.pipeline import markdown
+
+    row = {"task": "wikitext", "metric": "token_perplexity", "n": 1, "baseline": 4.0, "candidate": None,
+           "delta": None, "delta_se": None, "failed": True}
+    report = {"model": "m", "date": "d", "engine": {"device": "cpu"}, "quantization": {"out_dir": "q"},
+              "gate": {"passed": False, "max_drop": 1.0, "max_drop_rel": None, "rows": [row]},
+              "bench": {"settings": {"batch_size": 1, "input_len": 4, "output_len": 2, "num_iters": 1,
+                                     "num_prompts": 1}, "rows": [], "quantized": {"latency": {}}}}
+    assert "| wikitext | token_perplexity | 1 | 4.00 | n/a | n/a | FAIL |" in markdown(report, [])
+
+
+def test_few_shot_beyond_the_split_is_one_line(tmp_path):
+    r = cli("--tasks", "mmlu_management", "--limit", "1", "--data-dir", str(DATA), "--num-fewshot", "10",
+            "--no-progress")
+    assert r.exit_code == 2 and "--num-fewshot 10 is more examples than a task's few-shot split holds" in r.output
+    assert "Traceback" not in r.output
 
 
 def test_pipeline_report_that_cannot_be_written_fails_before_quantizing(tmp_path):

@@ -102,6 +102,12 @@ def random_token_prompts(tokenizer, batch_size: int, input_len: int, seed: int) 
     return [allowed[rng.integers(0, len(allowed), size=input_len)].tolist() for _ in range(batch_size)]
 
 
+def check_lengths(input_len: int, output_len: int, max_model_len: int) -> None:
+    if input_len + output_len > max_model_len:
+        raise ValueError(f"--input-len + --output-len = {input_len + output_len} exceeds max_model_len "
+                         f"{max_model_len}")
+
+
 def run_latency(config: EngineConfig, batch_size: int = 8, input_len: int = 32, output_len: int = 128,
                 num_iters_warmup: int = 10, num_iters: int = 30, percentiles: list[float] | None = None,
                 progress: bool = True, llm=None, temperature: float = 1.0) -> dict[str, Any]:
@@ -122,9 +128,7 @@ def run_latency(config: EngineConfig, batch_size: int = 8, input_len: int = 32, 
         raise ValueError(f"--temperature must be a finite number of at least 0, got {temperature}")
     percentiles = percentiles or [99.0]
     llm = llm or LLM.from_config(config)
-    if input_len + output_len > llm.engine.max_model_len:
-        raise ValueError(f"--input-len + --output-len = {input_len + output_len} exceeds max_model_len "
-                         f"{llm.engine.max_model_len}")
+    check_lengths(input_len, output_len, llm.engine.max_model_len)
     prompts = random_token_prompts(llm.get_tokenizer(), batch_size, input_len, config.seed)
     params = SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=output_len)
     latencies, ttfts, tpots = [], [], []

@@ -86,8 +86,9 @@ def speed_rows(bench: dict) -> list[dict]:
     return rows
 
 
-def _f(v, digits: int = 2) -> str:
-    return "n/a" if v is None else f"{v:.{digits}f}"
+def _f(v, digits: int = 2, sign: str = "") -> str:
+    """A number, or n/a where the JSON holds none (a NaN or infinite score)."""
+    return "n/a" if v is None else f"{v:{sign}.{digits}f}"
 
 
 def _limits(gate: dict) -> str:
@@ -108,7 +109,7 @@ def markdown(report: dict, quant_lines: list[str]) -> str:
     for r in gate["rows"]:
         se = "" if r["delta_se"] is None else f" ± {r['delta_se']:.2f}"
         lines.append(f"| {r['task']} | {r['metric']} | {r['n']} | {_f(r['baseline'])} | {_f(r['candidate'])} | "
-                     f"{r['delta']:+.2f}{se} | {'FAIL' if r['failed'] else 'ok'} |")
+                     f"{_f(r['delta'], sign='+')}{se} | {'FAIL' if r['failed'] else 'ok'} |")
     spec = b["settings"]
     lines += ["", "## Speed", "",
               f"Latency: batch {spec['batch_size']}, {spec['input_len']} prompt + {spec['output_len']} output tokens, "
@@ -121,6 +122,18 @@ def markdown(report: dict, quant_lines: list[str]) -> str:
     for op, impls in b["quantized"]["latency"].get("kernel_report", {}).items():
         lines += [f"| {op} | {impl} | {n} |" for impl, n in impls.items()]
     return "\n".join(lines) + "\n"
+
+
+def _check_bench_lengths(config: EngineConfig, bench: BenchSpec) -> None:
+    """The benchmark's prompt + output must fit the model: checked before the quantization and evaluations."""
+    from nvllm.bench.offline import check_lengths
+    from nvllm.models.loader import load_hf_config, model_len_limit
+
+    try:
+        check_lengths(bench.input_len, bench.output_len,
+                      model_len_limit(load_hf_config(config.model, config.hf_overrides), config.max_model_len, False))
+    except ValueError as e:  # ConfigError included: the model's own problems are one line too
+        raise runner.EvalError(str(e)) from None
 
 
 def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bool, spec: runner.EvalSpec,
@@ -142,11 +155,14 @@ def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bo
             raise runner.EvalError(str(e)) from e
     with runner.task_manager(spec):  # the task data (or the hub) too
         pass
+    _check_bench_lengths(engine_config, bench)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     summary = quantize_step(model, out, quant_cfg, overwrite, console, progress)
     quantized = dataclasses.replace(engine_config, model=out, tokenizer=None)
     results, rows, notes = runner.run_eval(quantized, spec, model, max_drop, max_drop_rel, progress)
-    runner.print_eval(console, results, rows, max_drop, max_drop_rel)
+    from nvllm.logger import results_console
+
+    runner.print_eval(results_console(), results, rows, max_drop, max_drop_rel)  # the results, on stdout
     bench_results = bench_step([("original", engine_config), ("quantized", quantized)], bench, progress)
     bench_results["settings"] = dataclasses.asdict(bench)
     bench_results["rows"] = speed_rows(bench_results)

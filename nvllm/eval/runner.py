@@ -20,7 +20,7 @@ from pathlib import Path
 from unittest import mock
 
 from nvllm import output_file
-from nvllm.config import ConfigError, EngineConfig
+from nvllm.config import ConfigError, EngineConfig, first_line
 
 TASK_HELP = "gsm8k, mmlu, mmlu_<category|subject>, wikitext, c4 or a text file path"
 
@@ -146,10 +146,17 @@ def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "
                  "quantization_config": quantization_config(config.model), "max_length": lm.max_length,
                  "tasks": {}, "samples": {}, "hashes": {}}
     if spec.harness_tasks:
-        with _harness_bars(progress is not None and not progress.disable):
-            r = lm_eval.simple_evaluate(model=lm, tasks=list(spec.harness_tasks), task_manager=manager,
-                                        num_fewshot=spec.num_fewshot, limit=spec.limit, log_samples=True,
-                                        gen_kwargs={"max_gen_toks": spec.max_gen_toks} if spec.max_gen_toks else None)
+        try:
+            with _harness_bars(progress is not None and not progress.disable):
+                r = lm_eval.simple_evaluate(model=lm, tasks=list(spec.harness_tasks), task_manager=manager,
+                                            num_fewshot=spec.num_fewshot, limit=spec.limit, log_samples=True,
+                                            gen_kwargs={"max_gen_toks": spec.max_gen_toks} if spec.max_gen_toks
+                                            else None)
+        except (AssertionError, ValueError) as e:  # lm-eval's checks of the few-shot pool's size
+            if spec.num_fewshot is None or not ("available" in str(e) or "larger than population" in str(e)):
+                raise
+            raise EvalError(f"--num-fewshot {spec.num_fewshot} is more examples than a task's few-shot split "
+                            f"holds ({first_line(e)})") from None
         for name in spec.harness_tasks:
             out["tasks"][name], out["samples"][name], out["hashes"][name] = harness_entry(r, name)
         out["lm_eval_version"] = r.get("lm_eval_version")
