@@ -62,6 +62,9 @@ def test_shipped_recipes_validate():
     ("method: gptq\nbits: four\n", "bits must be an integer, got 'four'"),
     ("method: gptq\ngptq: {damp: 0.1}\n", "unknown key gptq.damp"),
     ("- gptq\n", "expected a mapping"),
+    ("method: rtn\ngptq: {damp_percent: 0.5}\n", "gptq.damp_percent applies to --method gptq, not rtn"),
+    ("method: gptq\nawq: {n_grid: 3}\n", "awq.n_grid applies to --method awq, not gptq"),
+    ("method: rtn\ncalibration: {seed: 100000000000000000000000}\n", r"seed must be in \[0, 2\^63\)"),
 ])
 def test_bad_recipes(tmp_path, body, message):
     p = tmp_path / "r.yaml"

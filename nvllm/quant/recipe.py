@@ -114,6 +114,13 @@ class QuantizeConfig:
             raise RecipeError(f"--calib-samples must be at least 1, got {self.calib_samples}")
         if self.calib_seqlen < 2:
             raise RecipeError(f"--calib-seqlen must be at least 2, got {self.calib_seqlen}")
+        if not 0 <= self.seed < 2 ** 63:
+            raise RecipeError(f"the calibration seed must be in [0, 2^63), got {self.seed}")
+        for method, section in (("gptq", _SECTIONS["gptq"]), ("awq", _SECTIONS["awq"])):
+            changed = [key for key, (name, _) in section.items()
+                       if self.method != method and getattr(self, name) != _DEFAULTS[name]]
+            if changed:  # as --desc-act is refused for other methods: a setting that would do nothing
+                raise RecipeError(f"{method}.{changed[0]} applies to --method {method}, not {self.method}")
         return self
 
 
@@ -129,6 +136,9 @@ _SECTIONS = {
     "calibration": {"dataset": ("calib_dataset", str), "samples": ("calib_samples", int),
                     "seqlen": ("calib_seqlen", int), "seed": ("seed", int)},
 }
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(QuantizeConfig)}
 
 
 def _typed(value: Any, typ: type, where: str) -> Any:
