@@ -406,6 +406,7 @@ def test_pipeline_quantizes_gates_benches_and_reports(tmp_path):
      "the model ties its word embeddings"),
     (["--method", "rtn", "--group-size", "32", "--tasks", "wikitext", "--data-dir", str(DATA), "--max-model-len",
       "200"], "--input-len + --output-len = 256 exceeds max_model_len 200"),
+    (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--report", ""], "--report is empty"),
 ])
 def test_pipeline_bad_input_fails_before_quantizing(tmp_path, args, message):
     r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["pipeline", "--device", "cpu", "--out", str(tmp_path / "q"),

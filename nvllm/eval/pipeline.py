@@ -142,7 +142,9 @@ def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bo
     from nvllm.quant.report import summary_lines
 
     model = engine_config.model
-    prefix = report_prefix or f"{out.rstrip('/')}-report"
+    if report_prefix is not None and not report_prefix.strip():
+        raise runner.EvalError("--report is empty: name the report's path (without extension)")
+    prefix = report_prefix if report_prefix is not None else f"{out.rstrip('/')}-report"
     report_files = [f"{prefix}.json", f"{prefix}.md"]
     for path in report_files:  # a report that cannot be written fails now, not after the whole run
         output_file.check_output_file(path, "--report")
