@@ -164,6 +164,7 @@ def eval_command(
     """Accuracy (GSM8K, MMLU through lm-evaluation-harness) and perplexity on nvllm's engine; with --baseline,
     a regression gate that exits 1 when a task drops more than allowed."""
     from nvllm.eval import runner
+    from nvllm.eval.quiet import quiet_libraries
     from nvllm.logger import console, results_console
 
     runner.require_lm_eval()
@@ -173,7 +174,7 @@ def eval_command(
     if baseline is not None and max_drop is None and max_drop_rel is None:
         max_drop = 1.0
     _check_thresholds(max_drop, max_drop_rel)
-    runner.quiet_libraries()
+    quiet_libraries()
     try:
         if output_json is not None:
             check_output_file(output_json, "--output-json")
@@ -306,6 +307,7 @@ def pipeline(
     report. Exits 1 when the gate fails (the report is written either way)."""
 
     from nvllm.eval import pipeline as pipe, runner
+    from nvllm.eval.quiet import quiet_libraries
     from nvllm.logger import console
     from nvllm.quant import quantize as q
     from nvllm.quant.recipe import build_config
@@ -314,7 +316,7 @@ def pipeline(
     if max_drop is None and max_drop_rel is None:
         max_drop = 1.0
     _check_thresholds(max_drop, max_drop_rel)
-    runner.quiet_libraries()
+    quiet_libraries()
     try:
         # --seed and --device also set the calibration's seed and device, where given; else the recipe's hold
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,

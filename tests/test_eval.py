@@ -470,9 +470,9 @@ def test_no_git_complaint_outside_a_repository(tmp_path, monkeypatch, capfd):
     git repository" on every `nvllm eval`. The lookup stays (None there), the complaint goes."""
     import lm_eval.evaluator
 
-    from nvllm.eval import runner
+    from nvllm.eval.quiet import quiet_libraries
 
-    runner.quiet_libraries()
+    quiet_libraries()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert lm_eval.evaluator.get_git_commit_hash() is None

@@ -127,11 +127,9 @@ def markdown(report: dict, quant_lines: list[str]) -> str:
 def _check_bench_lengths(config: EngineConfig, bench: BenchSpec) -> None:
     """The benchmark's prompt + output must fit the model: checked before the quantization and evaluations."""
     from nvllm.bench.offline import check_lengths
-    from nvllm.models.loader import load_hf_config, model_len_limit
 
     try:
-        check_lengths(bench.input_len, bench.output_len,
-                      model_len_limit(load_hf_config(config.model, config.hf_overrides), config.max_model_len, False))
+        check_lengths(bench.input_len, bench.output_len, runner.model_len(config))
     except ValueError as e:  # ConfigError included: the model's own problems are one line too
         raise runner.EvalError(str(e)) from None
 

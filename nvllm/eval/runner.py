@@ -3,7 +3,6 @@ the hub is reachable), perplexity through perplexity.py, one result dict per mod
 
 from __future__ import annotations
 
-import functools
 import gc
 import hashlib
 import json
@@ -11,16 +10,15 @@ import logging
 import math
 import os
 import socket
-import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 from nvllm import output_file
 from nvllm.config import ConfigError, EngineConfig, first_line
+from nvllm.eval.quiet import harness_bars
 
 TASK_HELP = "gsm8k, mmlu, mmlu_<category|subject>, wikitext, c4 or a text file path"
 
@@ -147,7 +145,7 @@ def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "
                  "tasks": {}, "samples": {}, "hashes": {}}
     if spec.harness_tasks:
         try:
-            with _harness_bars(progress is not None and not progress.disable):
+            with harness_bars(progress is not None and not progress.disable):
                 r = lm_eval.simple_evaluate(model=lm, tasks=list(spec.harness_tasks), task_manager=manager,
                                             num_fewshot=spec.num_fewshot, limit=spec.limit, log_samples=True,
                                             gen_kwargs={"max_gen_toks": spec.max_gen_toks} if spec.max_gen_toks
@@ -212,15 +210,19 @@ def run_eval(engine_config: EngineConfig, spec: EvalSpec, baseline: str | None =
     return results, rows, notes
 
 
+def model_len(config: EngineConfig) -> int:
+    """The max_model_len an engine built from ``config`` will have, read from config.json without loading weights."""
+    from nvllm.models.loader import load_hf_config, model_len_limit
+
+    return model_len_limit(load_hf_config(config.model, config.hf_overrides), config.max_model_len, warn=False)
+
+
 def common_window(configs: list[EngineConfig]) -> int | None:
     """The longest scoring window every model takes (NvllmLM's default: max_model_len − 2); None where a config
     cannot be read here (the engine then says what is wrong with it)."""
-    from nvllm.models.loader import load_hf_config, model_len_limit
-
     try:
-        return min(model_len_limit(load_hf_config(c.model, c.hf_overrides), c.max_model_len, warn=False)
-                   for c in configs) - 2
-    except (ConfigError, TypeError, ValueError, AttributeError):
+        return min(model_len(c) for c in configs) - 2
+    except (TypeError, ValueError, AttributeError):  # ConfigError is a ValueError
         return None
 
 
@@ -371,45 +373,6 @@ def _finite(value):
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
-
-
-def quiet_libraries() -> None:
-    """lm-eval, datasets and transformers log a lot at INFO; `nvllm eval` shows its own progress and table."""
-    for name in ("lm_eval", "lm-eval", "datasets", "evaluate"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        import datasets
-        import transformers
-
-        datasets.disable_progress_bars()
-        transformers.logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover
-        pass
-    import lm_eval.evaluator
-
-    # lm-eval records the working directory's git commit by running git with the terminal as its stderr: outside
-    # a repository every run printed "fatal: not a git repository". The same lookup, git's complaint discarded.
-    lm_eval.evaluator.get_git_commit_hash = _git_commit_quietly
-
-
-@contextmanager
-def _harness_bars(enabled: bool):
-    """lm-eval builds each task's contexts under a tqdm bar of its own, with no switch to turn it off: with
-    --no-progress that bar is the one left on the terminal. Off, the same bar is built disabled."""
-    import lm_eval.api.task
-
-    if enabled or not hasattr(lm_eval.api.task, "tqdm"):
-        yield
-        return
-    with mock.patch.object(lm_eval.api.task, "tqdm", functools.partial(lm_eval.api.task.tqdm, disable=True)):
-        yield
-
-
-def _git_commit_quietly() -> str | None:
-    try:
-        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        return None
 
 
 __all__ = ["ConfigError", "EvalError", "EvalSpec", "evaluate_model", "report_json", "results_table", "task_manager"]

@@ -31,10 +31,9 @@ def load_hf_config(model_dir: str, overrides: dict | None = None):
         raise ConfigError(f"cannot read {model_dir}/config.json: {first_line(e)}") from e
     if overrides:
         logger.info("config.json overridden: %s", ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
+        overrides = _rope_folded(config, dict(overrides))
         try:
-            config.update(_rope_folded(config, dict(overrides)))
-        except ConfigError:
-            raise
+            config.update(overrides)
         except Exception as e:  # noqa: BLE001 - transformers checks field types on update (a string for a size)
             raise ConfigError(f"--hf-overrides: {first_line(e)}") from None
     return config

@@ -176,8 +176,6 @@ class DraftModelProposer:
                     spec_seqs.append(seq)
                 items.append((seq, start, seq.token_ids[start:end]))
                 seq.num_draft_computed = end
-        if not items:
-            return Drafts()
         items, want = self._within_budget(items, want)
         if not items:
             return Drafts()
