@@ -46,6 +46,7 @@ class LLM:
         self.engine = LLMEngine(config)
         self._chat_template: tuple[str, bool] | None = None  # (template, is_fallback), loaded by the first chat
         self._lock = threading.RLock()  # one call runs the engine at a time (threads sharing an LLM wait)
+        self._closed = False
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -57,8 +58,12 @@ class LLM:
         return default_sampling_params(self.engine.generation_defaults)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent); a split engine cannot generate afterwards."""
-        self.engine.runner.shutdown()
+        """Stop the tensor-parallel workers and free the KV cache and the CUDA graphs (idempotent), so that another
+        LLM can be built in this process; waits for a call running in another thread. This LLM cannot generate
+        afterwards."""
+        with self._lock:
+            self._closed = True
+            self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -147,6 +152,8 @@ class LLM:
             return self._generate_locked(prompts, sampling_params, use_tqdm, texts, lora_request, log, cache_salts)
 
     def _generate_locked(self, prompts, sampling_params, use_tqdm, texts, lora_request, log, cache_salts):
+        if self._closed:
+            raise RuntimeError("this LLM was closed (LLM.close()); build a new one to generate")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:

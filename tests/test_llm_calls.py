@@ -3,7 +3,9 @@ alone), and a call that ends in an exception or Ctrl-C aborts what it queued, le
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 
@@ -71,3 +73,21 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
     assert [o.outputs[0].text for o in ids_only] == [""] * len(PROMPTS) and all(_texts(with_text))
     with pytest.raises(ValueError, match="stop strings need detokenize=True"):
         SamplingParams(stop=["."], detokenize=False)
+
+
+def test_close_frees_the_cache_and_refuses_later_calls(demo_dir):
+    """close() gives back the KV cache (of the draft model too), so that the next LLM built in the process has the
+    memory; the closed LLM then refuses to generate with one clear error, and a second close() is harmless."""
+    llm = make_llm(demo_dir, speculative=f"k=2,draft={demo_dir}")
+    first = _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    runners = (llm.engine.runner, llm.engine.spec.draft_runner)
+    held = [weakref.ref(t) for r in runners for kv in r.kv_caches for t in kv if t is not None]
+    assert held and all(ref() is not None for ref in held)
+    llm.close()
+    gc.collect()
+    assert all(ref() is None for ref in held)   # nothing in the engine keeps a cache tensor
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.close()
+    again = make_llm(demo_dir)
+    assert _texts(again.generate(PROMPTS, GREEDY, use_tqdm=False)) == first

@@ -227,6 +227,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None
 
+    def close(self) -> None:
+        """Stop the workers and free the device memory of the target's and the draft's runner (idempotent)."""
+        self.runner.shutdown()
+        if self.spec is not None and self.spec.draft_runner is not None:
+            self.spec.draft_runner.shutdown()
+
     # ---- the step ------------------------------------------------------------------------------------
     def step(self, partial: bool = True) -> list[RequestOutput]:
         """One scheduling + model step. Returns an output for every request that progressed, or with

@@ -162,12 +162,16 @@ class ModelRunner:
         return n
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do without them). Idempotent; no step runs afterwards.
-        The CUDA graphs go first: they hold collectives captured on the NCCL communicator that stopping aborts
-        (an abort with them alive did not return within 5 s on the H200 pair, PERF runs O, S, X)."""
+        """Stop the tensor-parallel workers and give the device back the KV cache and the CUDA graphs, so that a
+        next engine in this process can have the memory. Idempotent; no step runs afterwards. The CUDA graphs go
+        first: they hold collectives captured on the NCCL communicator that stopping aborts (an abort with them
+        alive did not return within 5 s on the H200 pair, PERF runs O, S, X)."""
+        self.graphs = self.piecewise = None  # an in-flight graph is freed when it completes: no wait here
         if self.workers is not None:
-            self.graphs = self.piecewise = None  # an in-flight graph is freed when it completes: no wait here
             self.workers.stop()
+        getattr(self, "kv_caches", []).clear()  # in place: a graph still referenced elsewhere shares the list
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _gemm_choices(self) -> None:
         """Small-batch GEMMs: load the measured cuBLAS-vs-Triton table shipped for this GPU (or the file named
