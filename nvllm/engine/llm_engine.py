@@ -128,6 +128,7 @@ class LLMEngine:
 
         console().print(report.format_table())
         self.stats = self._new_stats()
+        self.stat_logger = StatLogger(self.stat_logger.interval)  # its next line counts from zero, as the stats do
         self.step_profile = StepProfile()
 
     def _new_stats(self) -> EngineStats:
