@@ -80,7 +80,7 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, models, metrics); as a prefill or
     decode worker (--role), or as a whole disaggregated deployment (--disaggregate 1P1D)."""
     from nvllm.serve.api_server import ServerConfig, run_server
-    from nvllm.lora.request import parse_lora_modules
+    from nvllm.lora.request import check_lora_modules, parse_lora_modules
 
     try:
         config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
@@ -88,6 +88,7 @@ def serve(
                               shutdown_timeout=shutdown_timeout, log_level=uvicorn_log_level, fd=fd,
                               enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                               lora_modules=parse_lora_modules(lora_modules))
+        check_lora_modules(config.lora_modules, engine_config)  # before the port and the model: a flag's mistake
         if disagg_config.disaggregate:
             from nvllm.disagg.launcher import launch
 

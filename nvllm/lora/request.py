@@ -46,3 +46,15 @@ def parse_lora_modules(specs: list[str] | None) -> list[LoRARequest]:
     if dup is not None:
         raise ValueError(f"LoRA adapter name {dup!r} is given twice")
     return [LoRARequest(n, i + 1, p) for i, (n, p) in enumerate(items)]
+
+
+def check_lora_modules(modules: list[LoRARequest], engine_config) -> None:
+    """What can be checked of ``--lora-modules`` before the model loads: LoRA is on, and each adapter directory
+    holds a readable adapter_config.json (ConfigError otherwise). The server checks the weights as it loads them."""
+    from nvllm.config import ConfigError
+    from nvllm.lora.adapter import read_adapter_config
+
+    if modules and not engine_config.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
+    for m in modules:
+        read_adapter_config(m.lora_path)
