@@ -505,6 +505,7 @@ def test_compare(tmp_path):
                         env={"COLUMNS": "160"})
     assert res.exit_code == 0, res.output
     assert "1.500×" in said(res) and "0.500×" in said(res) and "triton w4a16" in said(res)
+    assert "1.500×" in res.stdout   # the table is the command's result: stdout, for a pipe or a file
     assert "ttfts" not in said(res)  # lists are not compared
     missing = runner.invoke(app, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "nope.json")])
     assert missing.exit_code == 2 and "does not exist" in said(missing)

@@ -508,7 +508,7 @@ def test_advisor_against_a_live_mixed_server(deployment, tmp_path):
                                    "--num-gpus", "2", "--no-progress", "--save-result", str(out)],
                              env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
-    assert "recommendation" in res.output and "Prefill share of engine time" in res.output
+    assert "recommendation" in res.stdout and "Prefill share of engine time" in res.stdout   # results on stdout
     saved = json.loads(out.read_text())
     w, rec = saved["workload"], saved["recommendation"]
     assert saved["mode"] == "advise" and w["num_requests"] == 24 and w["num_gpus"] == 2

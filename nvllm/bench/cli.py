@@ -123,7 +123,7 @@ def bench_advise(
     from nvllm.bench import advise, datasets, report, serve
     from nvllm.disagg.advisor import tables
     from nvllm.engine.llm_engine import load_tokenizer
-    from nvllm.logger import console
+    from nvllm.logger import console, results_console
 
     _check_save(save_result)
     if num_gpus is not None and num_gpus < 1:
@@ -138,7 +138,7 @@ def bench_advise(
     except (serve.BenchError, *USER_ERRORS) as e:
         fail(str(e))
     for table in tables(workload, rec):
-        console().print(table)
+        results_console().print(table)
     if save_result:
         try:
             report.save_result(result, save_result)
@@ -210,7 +210,7 @@ def bench_compare(
 ) -> None:
     """Two saved results side by side, with B / A ratios."""
     from nvllm.bench import report
-    from nvllm.logger import console
+    from nvllm.logger import console, results_console
 
     try:
         ra, rb = report.load_result(a), report.load_result(b)
@@ -219,4 +219,4 @@ def bench_compare(
     if ra.get("mode") != rb.get("mode"):
         console().print(f"[yellow]note:[/] comparing a {ra.get('mode')!r} result with a {rb.get('mode')!r} one")
     for table in report.compare_tables(ra, rb, a, b):
-        console().print(table)
+        results_console().print(table)
