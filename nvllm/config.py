@@ -11,10 +11,13 @@ from typing import Any
 
 import torch
 
+from nvllm.kernels.backend import triton_on
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8_e4m3")
+MIN_TRITON_BLOCK_SIZE = 8  # the paged attention kernels' smallest block (the torch path takes 1, 2 and 4 too)
 
 
 class ConfigError(ValueError):
@@ -117,6 +120,9 @@ class EngineConfig:
             raise ConfigError(f"unknown load format {self.load_format!r}; choose auto, safetensors, pt or dummy")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.block_size < MIN_TRITON_BLOCK_SIZE and triton_on(self.device):
+            raise ConfigError(f"block_size must be at least {MIN_TRITON_BLOCK_SIZE} on {self.device} (the Triton "
+                              f"attention kernels' smallest), got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:

@@ -59,3 +59,19 @@ def test_fused_silu_and_mul_epilogue_end_to_end(demo_dir, monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == want
     impls = report.snapshot()["silu_and_mul"]
     assert impls.get("in the gate_up GEMM's epilogue", 0) > 0 and impls.get("triton silu_and_mul", 0) > 0, impls
+
+
+def test_blocks_smaller_than_the_kernels_take_are_refused_up_front(demo_dir, monkeypatch):
+    """Blocks of 1, 2 and 4 tokens run on the torch path; where the Triton kernels would run, the config refuses
+    them in one line (the attention kernels assert a block of at least 8 deep inside the warm-up)."""
+    import pytest
+
+    from nvllm import EngineConfig
+    from nvllm.config import ConfigError
+
+    monkeypatch.setenv("NVLLM_KERNELS", "torch")
+    assert EngineConfig(model=demo_dir, device="cpu", block_size=4).block_size == 4
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    with pytest.raises(ConfigError, match="block_size must be at least 8 on cpu"):
+        EngineConfig(model=demo_dir, device="cpu", block_size=4)
+    assert EngineConfig(model=demo_dir, device="cpu", block_size=8).block_size == 8

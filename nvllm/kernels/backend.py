@@ -35,9 +35,14 @@ def eager_triton():
 
 
 def use_triton(t: torch.Tensor) -> bool:
+    return triton_on(t.device)
+
+
+def triton_on(device: torch.device | str) -> bool:
+    """Whether tensors on ``device`` run the Triton kernels (what a config checks before any tensor exists)."""
     choice = os.environ.get("NVLLM_KERNELS", "auto").lower()
     if choice == "torch":
         return False
     if choice == "triton":
         return triton_available()
-    return t.is_cuda and triton_available()
+    return torch.device(device).type == "cuda" and triton_available()
