@@ -6,7 +6,7 @@ model's −1. ``--ab FILE`` times a second copy of the kernels' module (the last
 settings. A table, and $OUT/gpu_lora_bench.json.
 
     python3 scripts/gpu_lora_bench.py [--batches 1,8,64] [--max-rank 16] [--ab OLD_LORA_PY]
-                                      [--settings 128x64,256x64,512x64,256x128,512x128]
+                                      [--settings auto,128x64,256x64,512x64,256x128,512x128]
 """
 
 from __future__ import annotations
@@ -46,11 +46,12 @@ def time_us(fn, reps: int = 10, per_graph: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--settings", default="128x64,256x64,512x64,256x128,512x128")
+    ap.add_argument("--settings", default="128x64,256x64,512x64,256x128,512x128",
+                    help="K_CHUNKxBLOCK_N sizes; auto: the shipped launch_sizes")
     ap.add_argument("--max-rank", type=int, default=16)
     ap.add_argument("--ab", default=None, help="a second copy of nvllm/kernels/lora.py to time beside it")
     a = ap.parse_args()
-    settings = [tuple(int(v) for v in s.split("x")) for s in a.settings.split(",")]
+    settings = [(None, None) if s == "auto" else tuple(int(v) for v in s.split("x")) for s in a.settings.split(",")]
     modules = {"": L}
     if a.ab:
         spec = importlib.util.spec_from_file_location("lora_ab", a.ab)
@@ -78,8 +79,9 @@ def main() -> None:
                     assert err < 1e-2, (tag, T, name, k_chunk, block_n, err)
                     yy = y.clone()
                     us = time_us(lambda: M.lora_apply(yy, x, a_, b_, ranks, slots))
-                    res["us"][f"{tag}b{T} {name} {k_chunk}x{block_n}"] = round(us, 3)
-                    line += f" | {k_chunk}x{block_n} {us:6.2f} µs"
+                    size = "auto" if k_chunk is None else f"{k_chunk}x{block_n}"
+                    res["us"][f"{tag}b{T} {name} {size}"] = round(us, 3)
+                    line += f" | {size} {us:6.2f} µs"
                 print(line, flush=True)
     out = Path(os.environ.get("OUT", "."))
     (out / "gpu_lora_bench.json").write_text(json.dumps(res, indent=1))

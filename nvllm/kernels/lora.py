@@ -10,7 +10,9 @@ the batch and the launch does not depend on which adapters run — the shape vLL
 * ``expand``: ``y[t] += B[slots[t]] xa[t]``, summing the chunks' partials as it reads them, in fp32, rounded once
   into ``y`` (the base linear's finished output, changed in place).
 
-Programs of base-model tokens return at once. The per-token programs reread their slot's A from L2 for every
+Both take ``PDL`` (nvllm.kernels.pdl): inside a decode step's chain they wait for the base linear, not for the
+launch gap; the expand reads all chunks' partials of a rank step in one load. Programs of base-model tokens return
+at once. The per-token programs reread their slot's A from L2 for every
 token, which suits decode batches; the engine's prefill steps use the per-adapter matmuls of ``LoRALinear``.
 ``lora_apply_reference`` is the torch reference: one masked matmul pair per slot, graph-safe as well.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from nvllm.kernels import pdl
 from nvllm.kernels.backend import eager_triton, use_triton
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
@@ -39,7 +42,10 @@ def launch_sizes(tokens: int, k: int) -> tuple[int, int]:
 
 @_jit
 def _shrink_kernel(x_ptr, a_ptr, slot_ptr, rank_ptr, ws_ptr, T, K, stride_x, stride_as, stride_ar,
-                   K_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   K_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     chunk = tl.program_id(1)
     s = tl.load(slot_ptr + t).to(tl.int32)
@@ -60,7 +66,11 @@ def _shrink_kernel(x_ptr, a_ptr, slot_ptr, rank_ptr, ws_ptr, T, K, stride_x, str
 
 @_jit
 def _expand_kernel(y_ptr, b_ptr, slot_ptr, rank_ptr, ws_ptr, T, N, chunks, stride_y, stride_bs, stride_bn,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, R_STEP: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, R_STEP: tl.constexpr, BLOCK_C: tl.constexpr,
+                   PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     s = tl.load(slot_ptr + t).to(tl.int32)
@@ -72,9 +82,10 @@ def _expand_kernel(y_ptr, b_ptr, slot_ptr, rank_ptr, ws_ptr, T, N, chunks, strid
         for r0 in range(0, rank, R_STEP):
             r = r0 + tl.arange(0, R_STEP)
             in_r = r < rank
-            xa = tl.zeros((R_STEP,), tl.float32)
-            for c in range(0, chunks):
-                xa += tl.load(ws_ptr + (c * T + t).to(tl.int64) * BLOCK_R + r, mask=in_r, other=0.0)
+            c = tl.arange(0, BLOCK_C)  # every chunk's partial in one load: one latency, not one a chunk
+            parts = tl.load(ws_ptr + (c[:, None] * T + t).to(tl.int64) * BLOCK_R + r[None, :],
+                            mask=(c[:, None] < chunks) & in_r[None, :], other=0.0)
+            xa = tl.sum(parts, axis=0)
             b = tl.load(b_rows + r[None, :], mask=in_n[:, None] & in_r[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(b * xa[None, :], axis=1)
         y_row = y_ptr + t.to(tl.int64) * stride_y + n
@@ -114,8 +125,10 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     chunks = triton.cdiv(K, k_chunk)
     ws = torch.empty(chunks * T * block_r, device=x.device, dtype=torch.float32)
     _shrink_kernel[(T, chunks)](x, a, slots, ranks, ws, T, K, x.stride(0), a.stride(0), a.stride(1),
-                                K_CHUNK=k_chunk, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+                                K_CHUNK=k_chunk, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+                                **pdl.launch_args(x))
     _expand_kernel[(T, triton.cdiv(N, block_n))](y, b, slots, ranks, ws, T, N, chunks, y.stride(0), b.stride(0),
                                                  b.stride(1), BLOCK_R=block_r, BLOCK_N=block_n, R_STEP=R_STEP,
-                                                 num_warps=4)
+                                                 BLOCK_C=triton.next_power_of_2(chunks), num_warps=4,
+                                                 **pdl.launch_args(x))
     return y
