@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -23,11 +24,14 @@ MAX_REQUEST_BYTES = 65536
 PROMPT = "Once upon a time"
 
 
+LOG: dict = {}  # the module server's log file
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """The server for the whole module; on teardown SIGTERM must shut it down cleanly (exit status 0). It
     schedules asynchronously, as it does by default on a GPU."""
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    log_path = LOG["path"] = tmp_path_factory.mktemp("serve") / "server.log"
     proc, base = start_server(["--api-key", KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES), "--async-scheduling",
                                "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu", "--log-stats-interval", "0",
                                "--uvicorn-log-level", "warning", "--shutdown-timeout", "1"], log_path)
@@ -327,6 +331,32 @@ def test_non_streaming_client_timeout_aborts(server, http):
                    json={"prompt": PROMPT, "max_tokens": 230, "ignore_eos": True, "n": 8, "temperature": 1.0})
     after = wait_idle(http)
     assert after["nvllm:request_success_total[abort]"] - before.get("nvllm:request_success_total[abort]", 0) == 8
+
+
+def test_client_gone_while_its_many_prompts_are_queued(server, http):
+    """A call of hundreds of prompts is queued in one trip to the engine, and a client that leaves meanwhile or
+    after aborts them all (one trip per prompt took as long as generating them, unwatched)."""
+    n, max_tokens = 600, 40
+    before = wait_idle(http)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(30.0, read=0.5),
+                   json={"prompt": [[5, 6, 7]] * n, "max_tokens": max_tokens, "ignore_eos": True})
+    after = wait_idle(http)
+    assert after["nvllm:request_success_total[abort]"] - before.get("nvllm:request_success_total[abort]", 0) == n
+    assert after["nvllm:generation_tokens_total"] - before["nvllm:generation_tokens_total"] < n * max_tokens / 4
+
+
+def test_a_client_gone_while_sending_its_body_is_no_error(server, http):
+    host, port = server.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                      b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+    assert http.get("/health").status_code == 200
+    wait_idle(http)
+    log = LOG["path"].read_text()
+    assert "Traceback" not in log and "unexpected error" not in log, log[-3000:]
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence as Seq
-from typing import Any
+from typing import Any, NamedTuple
 
 from nvllm.distributed.worker_pool import WorkerFailure
 from nvllm.engine.llm_engine import LLMEngine
@@ -29,6 +29,17 @@ from nvllm.sampling_params import SamplingParams
 logger = logging.getLogger("nvllm")
 
 OutputHook = Callable[[list[RequestOutput]], None]
+
+
+class NewRequest(NamedTuple):
+    """One request for OutputStream.add_many."""
+
+    request_id: str
+    prompt: str | Seq[int]
+    params: SamplingParams
+    lora_request: LoRARequest | None = None
+    cache_salt: str | None = None
+    prefill_only: bool = False  # LLMEngine.add_request's (disaggregated prefill)
 
 
 class EngineDeadError(RuntimeError):
@@ -51,10 +62,33 @@ class OutputStream:
         LLMEngine.add_request (disaggregated prefill)."""
         request_id = request_id or uuid.uuid4().hex
         await self._engine.precompile(params)
-        await self._add(request_id, lambda e: e.add_request(request_id, prompt, params, arrival_time or time.time(),
-                                                            prefill_only, lora_request=lora_request,
-                                                            cache_salt=cache_salt), emit=False)
+        await self._add([request_id], lambda e: e.add_request(request_id, prompt, params,
+                                                              arrival_time or time.time(), prefill_only,
+                                                              lora_request=lora_request, cache_salt=cache_salt),
+                        emit=False)
         return request_id
+
+    async def add_many(self, requests: Seq[NewRequest]) -> None:
+        """Queue the requests of one call (its prompts, its n samples) in one trip to the engine thread, all or
+        none: a ValueError (bad input) leaves nothing queued. One trip per request took as long as generating
+        them for a call of thousands of short prompts, time in which a client's disconnect went unnoticed."""
+        for params in {id(r.params): r.params for r in requests}.values():
+            await self._engine.precompile(params)
+        now = time.time()
+
+        def add(engine: LLMEngine) -> None:
+            added: list[str] = []
+            try:
+                for r in requests:
+                    engine.add_request(r.request_id, r.prompt, r.params, now, r.prefill_only,
+                                       lora_request=r.lora_request, cache_salt=r.cache_salt)
+                    added.append(r.request_id)
+            except BaseException:
+                for request_id in added:
+                    engine.abort_request(request_id)
+                raise
+
+        await self._add([r.request_id for r in requests], add, emit=False)
 
     async def add_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                             arrival_time: float, samples: list[PrefilledSample],
@@ -64,20 +98,22 @@ class OutputStream:
         add_prefilled_request); its first output (the first tokens) is in the stream at once. Returns where
         the prompt KV of each sequence still decoding goes."""
         await self._engine.precompile(params)
-        return await self._add(request_id, lambda e: e.add_prefilled_request(
+        return await self._add([request_id], lambda e: e.add_prefilled_request(
             request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs, lora_request, cache_salt),
             emit=True)
 
-    async def _add(self, request_id: str, add: Callable[[LLMEngine], Any], emit: bool) -> Any:
-        """emit: the request has output already once added (prefilled); it goes into the stream at once."""
+    async def _add(self, request_ids: list[str], add: Callable[[LLMEngine], Any], emit: bool) -> Any:
+        """add: queues request_ids on the engine (all, or none and raises). emit: the one request has output
+        already once added (prefilled); it goes into the stream at once."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._engine._submit(("add", request_id, add, emit, self, done))
+        self._engine._submit(("add", request_ids, add, emit, self, done))
         try:
             result = await asyncio.wrap_future(done)
         except asyncio.CancelledError:
-            self._engine.abort(request_id)  # the add may still land: the abort queued behind it undoes it
+            for request_id in request_ids:  # the add may still land: the aborts queued behind it undo it
+                self._engine.abort(request_id)
             raise
-        self.pending.add(request_id)
+        self.pending.update(request_ids)
         return result
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # called on the engine thread
@@ -226,7 +262,7 @@ class AsyncLLMEngine:
                 except Exception as e:  # noqa: BLE001 - the caller gets it
                     done.set_exception(e)
             return
-        _, request_id, add, emit, stream, done = command
+        _, request_ids, add, emit, stream, done = command
         if not done.set_running_or_notify_cancel():  # the caller gave up before the engine got to it
             return
         try:
@@ -234,8 +270,10 @@ class AsyncLLMEngine:
         except Exception as e:  # ValueError: bad input; the engine changed nothing
             done.set_exception(e)
             return
-        self._streams[request_id] = stream
+        for request_id in request_ids:
+            self._streams[request_id] = stream
         if emit:
+            (request_id,) = request_ids
             out = self.engine.output(request_id)
             if out.finished:
                 self._streams.pop(request_id, None)

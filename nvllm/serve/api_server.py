@@ -157,8 +157,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
             except ValueError as e:  # the search's own checks (a prompt that leaves no room)
                 raise from_value_error(e) from None
             return JSONResponse(body.model_dump())
-        try:
-            request_id, stream, prompt_ids = await (start or handler.start)(req)
+        try:  # a client gone while the prompts are tokenized and queued: nothing stays queued
+            request_id, stream, prompt_ids = await until_disconnect(request, (start or handler.start)(req))
+        except ClientGone:
+            return Response(status_code=499)
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
         if req.stream:
@@ -190,7 +192,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
         if not engine.is_running:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         try:
-            ids, stream, prompt_ids = await responses.start(req)
+            ids, stream, prompt_ids = await until_disconnect(request, responses.start(req))
+        except ClientGone:
+            return Response(status_code=499)
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
         if req.stream:

@@ -9,9 +9,10 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from nvllm.serve.protocol import ErrorInfo, ErrorResponse
 
@@ -64,6 +65,10 @@ def validation_message(e: ValidationError | RequestValidationError) -> tuple[str
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, e: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # the client left while sending its body: nobody to answer, nothing wrong
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         return error_response(e.status, e.message, e.param, e.code)

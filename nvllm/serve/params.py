@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from nvllm.engine.async_engine import NewRequest
 from nvllm.engine.generation_defaults import NEUTRAL, with_defaults
 from nvllm.outputs import CompletionOutput, RequestOutput
 from nvllm.lora.request import LoRARequest
@@ -27,12 +28,12 @@ class EngineRequest(NamedTuple):
 
 
 async def submit(engine, requests: list[EngineRequest]):
-    """Open one output stream and add the requests to it: bad input becomes the 400, and the stream is closed
-    on any failure (requests already added are aborted with it)."""
+    """Open one output stream and add the requests to it in one engine command: bad input becomes the 400 and
+    nothing is queued; the stream is closed on any failure."""
     stream = engine.open_stream()
     try:
-        for r in requests:
-            await stream.add(r.request_id, r.prompt_ids, r.params, lora_request=r.lora, cache_salt=r.cache_salt)
+        await stream.add_many([NewRequest(r.request_id, r.prompt_ids, r.params, r.lora, r.cache_salt)
+                               for r in requests])
     except ValueError as e:
         stream.close()
         raise from_value_error(e) from None
