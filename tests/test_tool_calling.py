@@ -197,3 +197,17 @@ def test_mistral_reads_both_of_its_formats():
     assert all(len(i) == 9 and i.isalnum() for i in ids), ids
     hermes = plan_tools(request(tools=[WEATHER], tool_choice="required"), HermesToolParser())
     assert hermes.calls('[{"name": "get_weather", "parameters": {}}]')[1][0].id.startswith("chatcmpl-tool-")
+
+
+def test_arguments_that_cannot_be_json_text_leave_the_reply_as_content():
+    """NaN, an overflowing number or a lone surrogate escape in the model's arguments: not JSON the API can return
+    (a lone surrogate failed the response's UTF-8 encoding: 500), so the reply stays content."""
+    for args in ('{"a": "\\ud800"}', '{"a": NaN}', '{"a": 1e999}'):
+        text = f'<tool_call>{{"name": "get_time", "arguments": {args}}}</tool_call>'
+        assert HermesToolParser().extract(text) == (text, []), args
+        s = ToolStream(plan_tools(request(tools=[TIME]), HermesToolParser()))
+        content, calls = s.delta(text, True)
+        assert content == text and not calls and not s.called
+    plan = plan_tools(request(tools=[WEATHER], tool_choice="required"), None)
+    bad = '[{"name": "get_weather", "parameters": {"city": "\\udc00"}}]'
+    assert plan.calls(bad) == (bad, [])

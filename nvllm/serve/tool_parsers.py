@@ -62,7 +62,16 @@ def _call(obj, args_keys: tuple[str, ...]) -> ParsedCall:
         args = json.loads(args)
     if not isinstance(args, dict):
         raise ValueError("tool call arguments are not an object")
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return ParsedCall(obj["name"], arguments_json(args))
+
+
+def arguments_json(args: dict) -> str:
+    """A call's arguments as the JSON text the API returns (non-ASCII kept). ValueError where they cannot be valid
+    JSON in UTF-8: NaN or infinite numbers (``1e999``), a lone surrogate escape (``"\\ud800"``); the reply then
+    stays content."""
+    text = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    text.encode("utf-8")  # UnicodeEncodeError (a ValueError) on a lone surrogate
+    return text
 
 
 class HermesToolParser(ToolParser):

@@ -24,7 +24,7 @@ from nvllm.serve.errors import bad_request
 from nvllm.serve.params import constrains_reply
 from nvllm.serve.protocol import (ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall, FunctionCall,
                                   NamedToolChoice, ToolCall)
-from nvllm.serve.tool_parsers import ToolParser
+from nvllm.serve.tool_parsers import ToolParser, arguments_json
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -52,8 +52,8 @@ class ToolPlan:
         if self.mode == "required":
             try:
                 items = json.loads(text)
-                calls = [ToolCall(id=self.new_id(), function=FunctionCall(name=it["name"], arguments=json.dumps(
-                    it["parameters"], ensure_ascii=False))) for it in items]
+                calls = [ToolCall(id=self.new_id(), function=FunctionCall(name=it["name"], arguments=arguments_json(
+                    it["parameters"]))) for it in items]
             except (ValueError, TypeError, KeyError):
                 return text, []
             return None, calls[:None if self.parallel else 1]
