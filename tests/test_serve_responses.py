@@ -75,6 +75,19 @@ def test_structured_output_and_function_calls_are_output_items(client):
     assert answer.output_text and answer.output[0].type == "message"
 
 
+def test_a_call_cut_by_max_output_tokens_is_incomplete_and_the_conversation_goes_on(client):
+    kw = dict(model=MODEL, input="Weather?", tools=[WEATHER], max_output_tokens=3, temperature=0,
+              tool_choice={"type": "function", "name": "get_weather"})
+    for r in (client.responses.create(**kw), list(client.responses.create(stream=True, **kw))[-1].response):
+        (item,) = r.output
+        assert r.status == "incomplete" and item.type == "function_call" and item.status == "incomplete"
+        with pytest.raises(ValueError):
+            json.loads(item.arguments)
+        # the cut call is history as the text it is: a follow-up is answered, not refused
+        again = client.responses.create(model=MODEL, previous_response_id=r.id, input="Go on", max_output_tokens=4)
+        assert again.status == "incomplete" and again.output_text
+
+
 def test_bad_input_is_a_clear_error(client):
     for kw, param in ((dict(input="x", tools=[{"type": "web_search"}]), "tools"),
                       (dict(input=[]), "input"),

@@ -189,17 +189,26 @@ def check_request(req: ResponsesRequest) -> None:
                           "most 512", "metadata")
 
 
-def output_items(message: AssistantMessage) -> list[dict]:
+def output_items(message: AssistantMessage, status: str = "completed") -> list[dict]:
+    """status: the message's and calls' ("incomplete" where max_output_tokens cut the reply)."""
     items: list[dict] = []
     if message.reasoning_content:
         items.append({"type": "reasoning", "id": _id("rs"), "summary": [], "status": "completed",
                       "content": [{"type": "reasoning_text", "text": message.reasoning_content}]})
     if message.content:
-        items.append(_message_item(message.content, "completed"))
+        items.append(_message_item(message.content, status))
     for call in message.tool_calls:
         items.append({"type": "function_call", "id": _id("fc"), "call_id": call.id,
-                      "name": call.function.name, "arguments": call.function.arguments, "status": "completed"})
+                      "name": call.function.name, "arguments": call.function.arguments, "status": status})
     return items
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _message_item(text: str, status: str, item_id: str | None = None) -> dict:
@@ -251,9 +260,13 @@ class ResponsesHandler:
         if not req.store:
             return
         turns = [m.model_dump(exclude_none=True) for m in chat_req.messages[1 if req.instructions else 0:]]
-        reply = {"role": "assistant", "content": message.content}
-        if message.tool_calls:
-            reply["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+        # a call cut short by max_output_tokens (arguments not JSON) is kept as the text it is: as a call it would
+        # fail every follow-up's history
+        calls = [c for c in message.tool_calls if _is_json(c.function.arguments)]
+        cut = [c.function.arguments for c in message.tool_calls if c not in calls]
+        reply = {"role": "assistant", "content": "".join([message.content or "", *cut]) or None}
+        if calls:
+            reply["tool_calls"] = [c.model_dump() for c in calls]
         self.store.put(response_id, turns + [reply], body)
 
     async def full(self, req: ResponsesRequest, ids, stream, prompt_ids) -> dict:
@@ -267,7 +280,7 @@ class ResponsesHandler:
         c = final.outputs[0]
         message, _ = self.chat._reply(chat_req, prompt_ids).message(c.text, c.finish_reason)
         status = "incomplete" if c.finish_reason == "length" else "completed"
-        body = self._body(req, response_id, created, status, output_items(message),
+        body = self._body(req, response_id, created, status, output_items(message, status),
                           self._usage(final, len(prompt_ids), message))
         self._remember(req, chat_req, message, response_id, body)
         return body
@@ -332,7 +345,8 @@ class ResponsesHandler:
             stream.close()
         c = final.outputs[0]
         message, _ = reply.message(c.text, c.finish_reason)
-        calls = [i for i in output_items(message) if i["type"] == "function_call"]
+        status = "incomplete" if c.finish_reason == "length" else "completed"
+        calls = [i for i in output_items(message, status) if i["type"] == "function_call"]
         items: list[dict] = []
         if reasoning_id is not None:
             if reasoning_open:
@@ -341,7 +355,7 @@ class ResponsesHandler:
             items.append({"type": "reasoning", "id": reasoning_id, "summary": [], "status": "completed",
                           "content": [{"type": "reasoning_text", "text": reasoning}]})
         if msg_id is not None:  # what the deltas said, even if the final parse found only whitespace before a call
-            item = _message_item(text, "completed", msg_id)
+            item = _message_item(text, status, msg_id)
             index = len(items)
             yield event("response.output_text.done", item_id=msg_id, output_index=index, content_index=0, text=text,
                         logprobs=[])
@@ -356,7 +370,6 @@ class ResponsesHandler:
                         arguments=item["arguments"])
             yield event("response.output_item.done", output_index=index, item=item)
             items.append(item)
-        status = "incomplete" if c.finish_reason == "length" else "completed"
         body = self._body(req, response_id, created, status, items, self._usage(final, len(prompt_ids), message))
         self._remember(req, chat_req, message, response_id, body)
         yield event("response.completed" if status == "completed" else "response.incomplete", response=body)
