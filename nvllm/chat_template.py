@@ -48,6 +48,10 @@ def load_chat_template(tokenizer, path: str | None) -> tuple[str, bool]:
     return FALLBACK_CHAT_TEMPLATE, True
 
 
+_RENDER_ARGUMENTS = {"conversation", "messages", "chat_template", "tokenize", "add_generation_prompt",
+                     "continue_final_message", "tools"}  # what render_chat passes itself
+
+
 def render_chat(tokenizer, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, template_kwargs: dict | None = None,
                 tools: list[dict[str, Any]] | None = None) -> str:
@@ -59,6 +63,10 @@ def render_chat(tokenizer, template: str, messages: list[dict[str, Any]], add_ge
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true",
                                 "continue_final_message")
+    taken = sorted(set(template_kwargs or {}) & _RENDER_ARGUMENTS)
+    if taken:
+        raise ChatTemplateError(f"chat_template_kwargs cannot set {taken[0]!r}: the request gives it",
+                                "chat_template_kwargs")
     conversation = [_turn(m, i) for i, m in enumerate(messages)]
     try:
         return tokenizer.apply_chat_template(

@@ -145,7 +145,8 @@ class SamplingParams:
         if t is not None and (not isinstance(t, numbers.Integral) or isinstance(t, bool) or (t < 1 and t != -1)):
             raise ValueError(f"truncate_prompt_tokens must be at least 1, or -1 (up to max_model_len), got {t!r}")
         if isinstance(self.structured_outputs, dict):
-            unknown = sorted(set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__))
+            fields = {n for n, f in StructuredOutputsParams.__dataclass_fields__.items() if f.init}
+            unknown = sorted(set(self.structured_outputs) - fields)
             if unknown:
                 raise ValueError(f"unknown structured_outputs field {unknown[0]!r}")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

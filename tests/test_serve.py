@@ -408,6 +408,11 @@ BAD_REQUESTS = [
     ("logit_bias id outside the vocabulary", "/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 5}}, None,
      400),
     ("seed out of range", "/v1/completions", {"prompt": "hi", "seed": 2**70}, None, 400),
+    ("stream_options without stream", "/v1/completions",
+     {"prompt": "hi", "stream_options": {"include_usage": True}}, None, 400),
+    ("stream_options without stream (chat)", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}, "stream": False},
+     None, 400),
     ("oversized body", "/v1/completions", {"prompt": "x" * (MAX_REQUEST_BYTES + 10)}, None, 413),
     ("wrong API key", "/v1/completions", {"prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401),
     ("no API key", "/v1/models", None, {"Authorization": ""}, 401),
@@ -426,6 +431,14 @@ BAD_REQUESTS = [
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": 5}}}]},
      None, 400),
 ]
+
+
+def test_a_bad_sampling_field_is_named_as_the_error_param(http):
+    for extra, param in (({"allowed_token_ids": []}, "allowed_token_ids"), ({"bad_words": [""]}, "bad_words"),
+                         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options")):
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 @pytest.mark.parametrize("what,path,body,headers,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])

@@ -166,6 +166,8 @@ def test_params_take_a_dict_as_vllm_does():
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == S(regex="a+")
     with pytest.raises(ValueError, match="unknown structured_outputs field 'regexp'"):
         SamplingParams(structured_outputs={"regexp": "a+"})
+    with pytest.raises(ValueError, match="unknown structured_outputs field 'compiled'"):  # the engine's, not an input
+        SamplingParams(structured_outputs={"regex": "a+", "compiled": 1})
 
 
 def test_engine_wide_whitespace_setting(llm):

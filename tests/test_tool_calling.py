@@ -156,6 +156,9 @@ def test_qwen3_template_renders_tools_calls_and_results():
         "name": "get_weather", "arguments": "{city"}}]}]
     with pytest.raises(ChatTemplateError, match=r"messages\[1\]: tool call arguments must be JSON text"):
         render_chat(tok, QWEN3_TEMPLATE, bad, tools=[WEATHER])
+    with pytest.raises(ChatTemplateError, match="chat_template_kwargs cannot set 'messages'") as e:
+        render_chat(tok, QWEN3_TEMPLATE, msgs, template_kwargs={"messages": "x", "enable_thinking": False})
+    assert e.value.param == "chat_template_kwargs"
 
 
 def test_llm_chat_gives_the_tools_to_the_template():

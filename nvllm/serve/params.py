@@ -150,6 +150,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
     """A field the request leaves null (or out) takes the model's default (``defaults``: the engine's
     generation_defaults), else the neutral value; a value the request sets wins."""
+    if req.stream_options is not None and not req.stream:  # as vLLM answers; OpenAI's too
+        raise bad_request("stream_options can only be given when stream is true", "stream_options")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     bias = logit_bias(req.logit_bias)
     sampling = with_defaults({name: getattr(req, name) for name in NEUTRAL}, defaults or {})
