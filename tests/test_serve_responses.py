@@ -164,3 +164,23 @@ def test_streamed_reasoning_text_and_a_call_after_whitespace():
     assert all("logprobs" in e for e in events if e["type"] in ("response.output_text.delta",
                                                                  "response.output_text.done"))
     assert events[-1]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+
+
+def test_the_store_counts_the_memory_it_keeps_and_drops_the_oldest():
+    from nvllm.serve.responses import ResponseStore
+
+    store = ResponseStore(size=3, max_bytes=2000)
+    body = {"id": "r0", "reasoning": {"pad": [{}] * 100}}   # a client's free-form field, nested
+    store.put("r0", [{"role": "user", "content": "hi"}], body)
+    assert store.bytes == len(json.dumps([{"role": "user", "content": "hi"}])) + len(json.dumps(body))
+    body["reasoning"]["pad"].clear()   # what is stored is a copy, and so is what comes back
+    assert len(store.get("r0")[1]["reasoning"]["pad"]) == 100
+    store.get("r0")[0].append("x")
+    assert store.get("r0")[0] == [{"role": "user", "content": "hi"}]
+    for i in range(1, 4):
+        store.put(f"r{i}", [], {"id": f"r{i}"})
+    assert list(store.items) == ["r1", "r2", "r3"]   # size: the oldest dropped first
+    store.put("big", [], {"text": "x" * 1980})
+    assert list(store.items) == ["big"] and store.bytes == len(json.dumps([])) + len(json.dumps({"text": "x" * 1980}))
+    with pytest.raises(Exception, match="not found"):
+        store.get("r1")

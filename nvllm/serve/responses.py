@@ -72,22 +72,27 @@ class ResponsesRequest(OpenAIModel):
 
 class ResponseStore:
     """The latest responses, for ``previous_response_id`` and GET: id → (the conversation through it, the body);
-    at most ``size`` of them and ``max_bytes`` of their JSON, the oldest dropped first."""
+    at most ``size`` of them and ``max_bytes`` of their JSON, the oldest dropped first. Each is kept as its JSON
+    text, so that ``max_bytes`` is the memory they take: as parsed objects a client's nested fields (``reasoning``,
+    ``text``) took about 18 times their JSON's size."""
 
     def __init__(self, size: int = STORE_SIZE, max_bytes: int = STORE_BYTES):
-        self.size, self.max_bytes, self.bytes, self.items = size, max_bytes, 0, OrderedDict()
+        self.size, self.max_bytes, self.bytes = size, max_bytes, 0
+        self.items: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
 
     def put(self, response_id: str, messages: list[dict], body: dict) -> None:
-        n = len(json.dumps(messages)) + len(json.dumps(body))
-        self.items[response_id] = (messages, body, n)
-        self.bytes += n
+        item = (json.dumps(messages).encode(), json.dumps(body).encode())
+        self.items[response_id] = item
+        self.bytes += sum(map(len, item))
         while self.items and (len(self.items) > self.size or self.bytes > self.max_bytes):
-            self.bytes -= self.items.popitem(last=False)[1][2]
+            self.bytes -= sum(map(len, self.items.popitem(last=False)[1]))
 
     def get(self, response_id: str, param: str = "previous_response_id") -> tuple[list[dict], dict]:
+        """The conversation and the body, fresh objects of their own on every call."""
         if response_id not in self.items:
             raise APIError(404, f"Response with id '{response_id}' not found.", param)
-        return self.items[response_id][:2]
+        messages, body = self.items[response_id]
+        return json.loads(messages), json.loads(body)
 
 
 def _text_of(content) -> str:
