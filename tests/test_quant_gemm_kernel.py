@@ -92,6 +92,13 @@ def test_kernel_matches_dequant_matmul(case, M, dtype):
     check(y, QG.quant_gemm_reference(x, qw, bias), LOOSE[dtype])
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=lambda c: c[0])
+def test_an_empty_batch_gives_an_empty_output(case):
+    qw = make_weight(*case)
+    y = run_kernel(torch.randn(0, qw.in_features).half(), qw)
+    assert y.shape == (0, qw.out_features) and y.dtype == torch.float16
+
+
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 @pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[5]], ids=lambda c: c[0])
 def test_split_k(case, split_k):

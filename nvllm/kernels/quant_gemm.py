@@ -264,13 +264,13 @@ def quant_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     uniform = (not act_order) and group_size % bk == 0
 
+    if M == 0:  # no tiles to split K over
+        return x.new_zeros(0, N)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     split_k, k_per_split = plan_split_k(tiles, K, bk, x.device, split_k)
     atomic = split_k > 1
 
     out = split_k_output(M, N, x, split_k)
-    if M == 0:
-        return out.to(x.dtype)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split_k)
     dummy = qweight  # placeholder pointer for absent optional tensors (never read)
     _quant_gemm_kernel[grid](
