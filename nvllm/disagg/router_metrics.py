@@ -80,10 +80,12 @@ class RouterMetrics:
         r = self.registry
         self.prefill = Histogram("nvllm:router_prefill_seconds", "Arrival to the prefill worker's handoff.",
                                  buckets=TTFT_BUCKETS, registry=r)
-        self.handoff = Histogram("nvllm:router_handoff_seconds", "Prefill handoff to the decode worker's answer (streamed requests).",
+        self.handoff = Histogram("nvllm:router_handoff_seconds",
+                                 "Prefill handoff to the decode worker's answer (streamed requests).",
                                  buckets=TTFT_BUCKETS, registry=r)
         self.ttft = Histogram("nvllm:router_time_to_first_token_seconds",
-                              "Arrival to the first event of the answer (streamed requests).", buckets=TTFT_BUCKETS, registry=r)
+                              "Arrival to the first event of the answer (streamed requests).",
+                              buckets=TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("nvllm:router_e2e_request_latency_seconds", "Arrival to the end of the answer.",
                              buckets=E2E_BUCKETS, registry=r)
         self.requests = Counter("nvllm:router_requests", "Requests by outcome (ok, client_error, failed, "
