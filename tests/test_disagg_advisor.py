@@ -107,3 +107,20 @@ def test_workload_from_a_result_without_server_counters():
     assert w.tpot_inflation == 2.5 and w.inflation_source == "client ITL p99/p50" and w.prefill_share is None
     with pytest.raises(ValueError, match="no request succeeded"):
         workload_from({**result, "errors": ["x", "y", "z"]}, 1)
+
+
+def test_a_host_without_cuda_counts_one_gpu_and_says_so(monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from nvllm.bench.advise import local_gpu_count
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    log = logging.getLogger("nvllm")  # it does not propagate: listen on it directly
+    log.addHandler(caplog.handler)
+    try:
+        assert local_gpu_count() == 1
+    finally:
+        log.removeHandler(caplog.handler)
+    assert "pass --num-gpus" in caplog.text

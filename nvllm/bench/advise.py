@@ -10,6 +10,7 @@ The verdict comes from nvllm.disagg.advisor's decision table."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 from typing import Any
 
@@ -20,11 +21,18 @@ from nvllm.bench.serve import ServeOptions, run_serve_benchmark
 from nvllm.bench.server_metrics import step_stats
 from nvllm.disagg.advisor import Recommendation, Workload, recommend
 
+logger = logging.getLogger("nvllm")
+
 
 def local_gpu_count() -> int:
+    """This host's CUDA devices; on a host with none, 1 and a warning (the advice is for the serving host)."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    logger.warning("no CUDA device on this host to count: advising for 1 GPU; pass --num-gpus with the serving "
+                   "host's count")
+    return 1
 
 
 def workload_from(result: dict[str, Any], num_gpus: int) -> Workload:
