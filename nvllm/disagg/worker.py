@@ -34,7 +34,7 @@ from nvllm.disagg.kv_sender import KVSender, SendJob
 from nvllm.disagg.metrics import TransferCollector, TransferStats
 from nvllm.disagg.staging import KVLayout
 from nvllm.disagg.transfer_group import TransferGroup
-from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, NewRequest
+from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nvllm.engine.kv_handoff import kv_handle_id
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import APIError, bad_request, from_value_error
@@ -147,8 +147,7 @@ class DisaggWorker:
         handles = [kv_handle_id(r.request_id, i) for r in requests for i in range(r.params.n)]
         stream = self.engine.open_stream()
         try:
-            await stream.add_many([NewRequest(r.request_id, r.prompt_ids, r.params, r.lora, r.cache_salt,
-                                              prefill_only=True) for r in requests])
+            await stream.add_many(requests, prefill_only=True)
             finals = await until_disconnect(request, _collect(stream))
         except ValueError as e:
             stream.close()  # the abort first: a step between a release and the abort could hold a sample again

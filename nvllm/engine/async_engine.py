@@ -31,15 +31,14 @@ logger = logging.getLogger("nvllm")
 OutputHook = Callable[[list[RequestOutput]], None]
 
 
-class NewRequest(NamedTuple):
-    """One request for OutputStream.add_many."""
+class EngineRequest(NamedTuple):
+    """One engine request of an API call (OutputStream.add_many)."""
 
     request_id: str
-    prompt: str | Seq[int]
+    prompt_ids: list[int]
     params: SamplingParams
-    lora_request: LoRARequest | None = None
-    cache_salt: str | None = None
-    prefill_only: bool = False  # LLMEngine.add_request's (disaggregated prefill)
+    lora: LoRARequest | None = None
+    cache_salt: str | None = None  # the request's prefix-cache salt (vLLM's cache_salt)
 
 
 class EngineDeadError(RuntimeError):
@@ -68,10 +67,11 @@ class OutputStream:
                         emit=False)
         return request_id
 
-    async def add_many(self, requests: Seq[NewRequest]) -> None:
+    async def add_many(self, requests: Seq[EngineRequest], prefill_only: bool = False) -> None:
         """Queue the requests of one call (its prompts, its n samples) in one trip to the engine thread, all or
         none: a ValueError (bad input) leaves nothing queued. One trip per request took as long as generating
-        them for a call of thousands of short prompts, time in which a client's disconnect went unnoticed."""
+        them for a call of thousands of short prompts, time in which a client's disconnect went unnoticed.
+        prefill_only: see LLMEngine.add_request (disaggregated prefill)."""
         for params in {id(r.params): r.params for r in requests}.values():
             await self._engine.precompile(params)
         now = time.time()
@@ -80,8 +80,8 @@ class OutputStream:
             added: list[str] = []
             try:
                 for r in requests:
-                    engine.add_request(r.request_id, r.prompt, r.params, now, r.prefill_only,
-                                       lora_request=r.lora_request, cache_salt=r.cache_salt)
+                    engine.add_request(r.request_id, r.prompt_ids, r.params, now, prefill_only,
+                                       lora_request=r.lora, cache_salt=r.cache_salt)
                     added.append(r.request_id)
             except BaseException:
                 for request_id in added:

@@ -4,12 +4,10 @@ bookkeeping that turns the engine's cumulative outputs into stream deltas."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from nvllm.engine.async_engine import NewRequest
+from nvllm.engine.async_engine import EngineRequest
 from nvllm.engine.generation_defaults import NEUTRAL, with_defaults
 from nvllm.outputs import CompletionOutput, RequestOutput
-from nvllm.lora.request import LoRARequest
 from nvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nvllm.serve.errors import bad_request, from_value_error
 from nvllm.serve.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, UsageInfo
@@ -17,23 +15,12 @@ from nvllm.serve.protocol import PromptLogprob, PromptLogprobs, PromptTokensDeta
 MAX_LOGPROBS = 20
 
 
-class EngineRequest(NamedTuple):
-    """One engine request of an API call."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    lora: LoRARequest | None = None
-    cache_salt: str | None = None  # the request's prefix-cache salt (vLLM's cache_salt)
-
-
 async def submit(engine, requests: list[EngineRequest]):
     """Open one output stream and add the requests to it in one engine command: bad input becomes the 400 and
     nothing is queued; the stream is closed on any failure."""
     stream = engine.open_stream()
     try:
-        await stream.add_many([NewRequest(r.request_id, r.prompt_ids, r.params, r.lora, r.cache_salt)
-                               for r in requests])
+        await stream.add_many(requests)
     except ValueError as e:
         stream.close()
         raise from_value_error(e) from None
