@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from nvllm.config import ConfigError, EngineConfig, first_line
+from nvllm.layers.rotary import context_length, rope_parameters
 from nvllm.models.registry import resolve_architecture
 
 logger = logging.getLogger("nvllm")
@@ -67,10 +68,11 @@ def _rope_folded(config, overrides: dict) -> dict:
 
 
 def model_len_limit(hf_config, requested: int | None = None, warn: bool = True) -> int:
-    """The longest sequence the engine serves: max_position_embeddings, or ``requested`` (--max-model-len) within
-    it; capped to a sliding window where some layer slides (within it, sliding attention equals full attention)."""
+    """The longest sequence the engine serves: max_position_embeddings (as far as a rope scaling stretches it, see
+    ``context_length``), or ``requested`` (--max-model-len) within it; capped to a sliding window where some layer
+    slides (within it, sliding attention equals full attention)."""
     c = hf_config
-    limit = c.max_position_embeddings
+    limit = context_length(c.max_position_embeddings, rope_parameters(c)[1])
     window = getattr(c, "sliding_window", None)
     layer_types = getattr(c, "layer_types", None)
     if layer_types:  # the layers' kinds, as transformers derives them (Qwen2/3: from max_window_layers)
@@ -80,7 +82,9 @@ def model_len_limit(hf_config, requested: int | None = None, warn: bool = True) 
             and (getattr(c, "max_window_layers", None) or 0) < c.num_hidden_layers
     if requested is not None:
         if requested > limit:
-            raise ConfigError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}")
+            what = ("max_position_embeddings" if limit == c.max_position_embeddings
+                    else "context length under its rope_scaling")
+            raise ConfigError(f"max_model_len {requested} exceeds the model's {what} {limit}")
         limit = requested
     if uses_window and window < limit:
         if warn:

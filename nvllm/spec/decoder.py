@@ -55,13 +55,13 @@ def load_draft_runner(config: EngineConfig, target, tokenizer):
     adapters change the target alone, whose verification keeps each request's output its adapter's."""
     from nvllm.engine.model_runner import ModelRunner
     from nvllm.models.hub import resolve_model_path
-    from nvllm.models.loader import load_hf_config
+    from nvllm.models.loader import load_hf_config, model_len_limit
 
     spec: SpeculativeConfig = config.speculative
     path = resolve_model_path(spec.draft_model)
     hf = load_hf_config(path)
     has_tok = check_draft_vocab(path, hf.vocab_size, target.model.shape.vocab_size, tokenizer)
-    limit = getattr(hf, "max_position_embeddings", None) or target.max_model_len
+    limit = model_len_limit(hf, warn=False)
     draft_config = dataclasses.replace(  # the draft runs whole on rank 0, also when the target is split
         config, model=path, tokenizer=path if has_tok else config.tokenizer, num_kv_blocks=target.num_blocks,
         kv_cache_memory=None, max_model_len=min(target.max_model_len, limit), speculative=None, hf_overrides={},
