@@ -11,12 +11,13 @@ from typing import Annotated, Optional
 import typer
 
 from nvllm.cli_options import USER_ERRORS, engine_options, fail
-from nvllm.config import EngineConfig
+from nvllm.config import ConfigError, EngineConfig
 from nvllm.disagg.config import DisaggConfig
 from nvllm.bench.cli import bench_app
 from nvllm.generate_cli import generate
 from nvllm.output_file import check_output_file
 from nvllm.disagg.options import disagg_options
+from nvllm.serve.http_options import HTTPOptions, http_options
 
 app = typer.Typer(help="nvllm: fast, checked LLM inference on one engine.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
@@ -55,6 +56,7 @@ _FD = Annotated[Optional[int], typer.Option(help="serve on the bound socket behi
 @app.command()
 @engine_options
 @disagg_options
+@http_options
 def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
@@ -75,7 +77,7 @@ def serve(
     lora_modules: Annotated[Optional[list[str]], typer.Option(help="LoRA adapters clients pick by name as their "
                                                               "model: name=PEFT_DIR (repeat, or comma-separate); "
                                                               "needs --enable-lora")] = None,
-    *, engine_config: EngineConfig, disagg_config: DisaggConfig,
+    *, engine_config: EngineConfig, disagg_config: DisaggConfig, http_options: HTTPOptions,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, models, metrics); as a prefill or
     decode worker (--role), or as a whole disaggregated deployment (--disaggregate 1P1D)."""
@@ -87,7 +89,10 @@ def serve(
                               chat_template=chat_template, max_request_bytes=max_request_bytes,
                               shutdown_timeout=shutdown_timeout, log_level=uvicorn_log_level, fd=fd,
                               enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                              lora_modules=parse_lora_modules(lora_modules))
+                              lora_modules=parse_lora_modules(lora_modules), http=http_options)
+        if http_options.tls and disagg_config.role != "mixed":
+            raise ConfigError("prefill and decode workers talk plain HTTP with each other and the router; serve "
+                              "HTTPS from `nvllm router` (or from `nvllm serve --disaggregate`, which passes it on)")
         check_lora_modules(config.lora_modules, engine_config)  # before the port and the model: a flag's mistake
         if disagg_config.disaggregate:
             from nvllm.disagg.launcher import launch
@@ -102,6 +107,7 @@ def serve(
 
 
 @app.command()
+@http_options
 def router(
     prefill: Annotated[Optional[str], typer.Option(help="prefill worker URLs, comma-separated")] = None,
     decode: Annotated[Optional[str], typer.Option(help="decode worker URLs, comma-separated")] = None,
@@ -116,6 +122,7 @@ def router(
     uvicorn_log_level: Annotated[str, typer.Option(help="uvicorn's log level")] = "info",
     fd: _FD = None,
     shutdown_timeout: Annotated[int, typer.Option(help="seconds in-flight requests get on SIGINT/SIGTERM")] = 30,
+    *, http_options: HTTPOptions,
 ) -> None:
     """One OpenAI endpoint in front of prefill and decode workers (`nvllm serve --role …`) or mixed replicas."""
     from nvllm.disagg.router_app import run_router
@@ -124,7 +131,7 @@ def router(
     try:
         run_router(RouterConfig(parse_urls(prefill, "--prefill"), parse_urls(decode, "--decode"),
                                 parse_urls(mixed, "--mixed"), host, port, api_key, max_request_bytes, poll_interval,
-                                log_interval, uvicorn_log_level, fd, shutdown_timeout))
+                                log_interval, uvicorn_log_level, fd, shutdown_timeout, http_options))
     except USER_ERRORS as e:
         fail(str(e))
 

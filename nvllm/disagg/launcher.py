@@ -176,7 +176,7 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
         run_router(RouterConfig(prefill=urls["prefill"], decode=urls["decode"], host=server.host, port=server.port,
                                 api_key=server.api_key, max_request_bytes=server.max_request_bytes,
                                 log_level=server.log_level, log_interval=engine_config.log_stats_interval,
-                                shutdown_timeout=server.shutdown_timeout), sock)
+                                shutdown_timeout=server.shutdown_timeout, http=server.http), sock)
         return 1 if failed.is_set() else 0
     finally:
         stopping.set()

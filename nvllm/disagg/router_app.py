@@ -34,6 +34,7 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
     app = FastAPI(title="nvllm router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
     install_error_handlers(app)
+    cfg.http.install(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -95,11 +96,12 @@ def run_router(cfg: RouterConfig, sock=None) -> None:
     try:
         app = build_router_app(cfg)
         host, port = sock.getsockname()[:2]
-        logger.info("router at http://%s:%d/v1: %s", host, port,
+        logger.info("router at %s://%s:%d/v1: %s", cfg.http.scheme, host, port,
                     f"mixed {', '.join(cfg.mixed)}" if cfg.mixed else
                     f"prefill {', '.join(cfg.prefill)}; decode {', '.join(cfg.decode)}")
         server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, timeout_keep_alive=KEEP_ALIVE_S,
-                                               timeout_graceful_shutdown=cfg.shutdown_timeout))
+                                               timeout_graceful_shutdown=cfg.shutdown_timeout,
+                                               **cfg.http.uvicorn_kwargs()))
         with _exit_quietly_after_signals():
             server.run(sockets=[sock])
     finally:

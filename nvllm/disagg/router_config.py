@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from nvllm.config import ConfigError
+from nvllm.serve.http_options import HTTPOptions
 
 
 def parse_urls(text: str | None, flag: str) -> list[str]:
@@ -42,6 +43,7 @@ class RouterConfig:
     log_level: str = "info"
     fd: int | None = None  # an inherited, bound socket to serve on instead of host:port (as `nvllm serve --fd`)
     shutdown_timeout: int = 30  # seconds in-flight requests get on SIGINT/SIGTERM (as `nvllm serve`'s)
+    http: HTTPOptions = field(default_factory=HTTPOptions)  # CORS and TLS (as `nvllm serve`'s)
 
     def __post_init__(self) -> None:
         if self.mixed and (self.prefill or self.decode):

@@ -33,6 +33,7 @@ from nvllm.serve.tool_parsers import TOOL_PARSERS, get_tool_parser
 from nvllm.serve.completions import CompletionHandler
 from nvllm.serve.errors import APIError, from_value_error, install_error_handlers
 from nvllm.serve.http import ClientGone, EventStreamResponse, check_api_key, parse_body, until_disconnect
+from nvllm.serve.http_options import HTTPOptions
 from nvllm.serve.metrics import ServerMetrics
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
@@ -60,6 +61,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     lora_modules: list[LoRARequest] = field(default_factory=list)  # adapters clients pick by name (--enable-lora)
+    http: HTTPOptions = field(default_factory=HTTPOptions)  # CORS and TLS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -137,6 +139,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
 
     app = FastAPI(title="nvllm", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    config.http.install(app)
 
     def authorized(request: Request) -> None:
         check_api_key(request, config.api_key)
@@ -341,10 +344,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
             worker = DisaggWorker(engine, disagg, config, f"http://{url_host}:{port}")
         app = build_app(engine, config, model_name, worker)
         host, port = sock.getsockname()[:2]
-        logger.info("serving %s at http://%s:%d/v1 (API key %s)", model_name, host, port,
+        logger.info("serving %s at %s://%s:%d/v1 (API key %s)", model_name, config.http.scheme, host, port,
                     "required" if config.api_key else "not required")
         server = _GracefulServer(uvicorn.Config(app, log_level=config.log_level, timeout_keep_alive=KEEP_ALIVE_S,
-                                                timeout_graceful_shutdown=config.shutdown_timeout + _FLUSH_S),
+                                                timeout_graceful_shutdown=config.shutdown_timeout + _FLUSH_S,
+                                                **config.http.uvicorn_kwargs()),
                                  engine, config.shutdown_timeout)
         with _exit_quietly_after_signals():
             server.run(sockets=[sock])
