@@ -211,6 +211,8 @@ _CAL = "Calibration"
 def quantize(
     model: Annotated[Optional[str], typer.Option(help="full-precision HF model directory or Hub id (default: the demo "
                                                  "model)")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="the Hub branch, tag or commit of --model (default: the "
+                                                    "main branch)")] = None,
     out: Annotated[Optional[str], typer.Option(help="output directory (must not exist unless --overwrite)")] = None,
     method: Annotated[Optional[str], typer.Option(help="awq | gptq | rtn")] = None,
     bits: Annotated[Optional[int], typer.Option(help="4 | 8 (default 4; awq: 4 only)")] = None,
@@ -257,7 +259,7 @@ def quantize(
                            calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                            seed=seed, device=device)
         summary = q.quantize_model(model or demo_model_path(), out, cfg, overwrite, progress=bar.update,
-                                   on_start=bar.start)
+                                   on_start=bar.start, revision=revision)
     except q.USER_ERRORS as e:
         bar.stop()
         fail(str(e))

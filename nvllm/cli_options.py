@@ -32,8 +32,12 @@ def _opt(default: Any, annotation: Any, help: str, *flags: str) -> tuple[Any, An
 
 
 ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
-    "model": _opt(None, Optional[str], "HF model directory (default: the embedded stories260K demo model)"),
-    "tokenizer": _opt(None, Optional[str], "tokenizer directory (default: the model's)"),
+    "model": _opt(None, Optional[str], "HF model directory or Hub id (default: the embedded stories260K demo "
+                  "model)"),
+    "tokenizer": _opt(None, Optional[str], "tokenizer directory or Hub id (default: the model's)"),
+    "revision": _opt(None, Optional[str], "the Hub branch, tag or commit of --model (default: the main branch)"),
+    "tokenizer_revision": _opt(None, Optional[str], "the Hub branch, tag or commit of --tokenizer (default: "
+                               "--revision when the tokenizer is the model's)"),
     "dtype": _opt("auto", str, "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on GPU)"),
     "device": _opt("auto", str, "auto | cpu | cuda | cuda:N"),
     "seed": _opt(0, int, "engine seed (sampling without a per-request seed, dummy weights)"),

@@ -65,6 +65,10 @@ def _json_object(value: Any, name: str, what: str) -> dict:
 class EngineConfig:
     model: str | None = None  # None: the embedded demo model
     tokenizer: str | None = None
+    # the Hub revision (branch, tag or commit) of a model given as a repo id; the tokenizer's defaults to the
+    # model's when the tokenizer is the model's (as vLLM's)
+    revision: str | None = None
+    tokenizer_revision: str | None = None
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     device: str = "auto"  # auto: cuda when available
     seed: int = 0
@@ -113,6 +117,12 @@ class EngineConfig:
         self.model = os.path.expanduser(str(self.model))
         if self.tokenizer is None:
             self.tokenizer = self.model
+            if self.tokenizer_revision is None:
+                self.tokenizer_revision = self.revision
+        for name in ("revision", "tokenizer_revision"):
+            if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
+                raise ConfigError(f"{name} must be a non-empty string (a branch, tag or commit), got "
+                                  f"{getattr(self, name)!r}")
         self.device = resolve_device(self.device)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")

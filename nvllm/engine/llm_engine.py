@@ -42,9 +42,9 @@ logger = logging.getLogger("nvllm")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, warmup: bool = True):
-        same = config.tokenizer == config.model
-        config.model = resolve_model_path(config.model)
-        config.tokenizer = config.model if same else resolve_model_path(config.tokenizer)
+        same = config.tokenizer == config.model and config.tokenizer_revision == config.revision
+        config.model = resolve_model_path(config.model, config.revision)
+        config.tokenizer = config.model if same else resolve_model_path(config.tokenizer, config.tokenizer_revision)
         self.config = config
         load_hf_config(config.model)  # a bad config.json is named as such, not as the tokenizer's failure
         # sampling defaults for requests that leave fields unset (LLM.generate without params, the server); read

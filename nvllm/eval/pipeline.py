@@ -137,9 +137,10 @@ def _check_bench_lengths(config: EngineConfig, bench: BenchSpec) -> None:
 def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bool, spec: runner.EvalSpec,
                  max_drop: float | None, max_drop_rel: float | None, bench: BenchSpec, report_prefix: str | None,
                  console, progress: bool = True) -> dict:
+    from nvllm.models.hub import resolve_model_path
     from nvllm.quant.report import summary_lines
 
-    model = engine_config.model
+    model_id = engine_config.model
     if report_prefix is not None and not report_prefix.strip():
         raise runner.EvalError("--report is empty: name the report's path (without extension)")
     prefix = report_prefix if report_prefix is not None else f"{out.rstrip('/')}-report"
@@ -155,6 +156,11 @@ def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bo
             raise runner.EvalError(str(e)) from e
     with runner.task_manager(spec):  # the task data (or the hub) too
         pass
+    model = resolve_model_path(model_id, engine_config.revision)  # a Hub id at its revision: quantized and the baseline
+    if model != model_id:
+        same = engine_config.tokenizer == model_id and engine_config.tokenizer_revision == engine_config.revision
+        engine_config = dataclasses.replace(engine_config, model=model,
+                                            tokenizer=model if same else engine_config.tokenizer)
     _check_bench_lengths(engine_config, bench)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     summary = quantize_step(model, out, quant_cfg, overwrite, console, progress)
@@ -166,7 +172,7 @@ def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bo
     bench_results = bench_step([("original", engine_config), ("quantized", quantized)], bench, progress)
     bench_results["settings"] = dataclasses.asdict(bench)
     bench_results["rows"] = speed_rows(bench_results)
-    report = {"date": started, "model": model,
+    report = {"date": started, "model": model_id,
               "quantization": {**dataclasses.asdict(summary), "config": dataclasses.asdict(summary.config)},
               "eval": runner.report_json(results, spec, engine_config, notes, None),
               "gate": runner.gate_summary(results, rows, max_drop, max_drop_rel), "bench": bench_results,

@@ -1,5 +1,7 @@
 """Model names: a local directory is used as is; anything else is taken as a Hugging Face Hub repo id and
-downloaded (config, tokenizer and safetensors only) when the network allows."""
+downloaded (config, tokenizer and safetensors only) when the network allows, at ``revision`` (a branch, tag or
+commit; the default branch when None) — from the local Hub cache when the network is off (HF_HUB_OFFLINE=1). As in
+vLLM, a revision given with a local directory has nothing to select and is ignored."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from nvllm.config import ConfigError, first_line
 _PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
-def resolve_model_path(name: str) -> str:
+def resolve_model_path(name: str, revision: str | None = None) -> str:
     if os.path.isdir(name):
         return name
     if os.path.sep in name.strip("/") and name.count("/") != 1 or name.startswith(("/", ".", "~")):
@@ -18,7 +20,8 @@ def resolve_model_path(name: str) -> str:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(repo_id=name, allow_patterns=_PATTERNS)
+        return snapshot_download(repo_id=name, revision=revision, allow_patterns=_PATTERNS)
     except Exception as e:
-        raise ConfigError(f"model directory not found, and {name!r} could not be fetched from the "
+        at = f" at revision {revision!r}" if revision else ""
+        raise ConfigError(f"model directory not found, and {name!r}{at} could not be fetched from the "
                           f"Hugging Face Hub: {type(e).__name__}: {first_line(e)}") from e

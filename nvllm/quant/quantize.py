@@ -154,14 +154,15 @@ def quantization_config(cfg: QuantizeConfig, out_dir: str, kept: list[list[str]]
 
 
 def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite: bool = False,
-                   progress: Progress | None = None, on_start=None) -> QuantizeSummary:
-    """Quantize ``model_dir`` into ``out_dir``. ``on_start(summary, num_layers)`` is called once every
-    check has passed (before the model loads); ``progress(layer, stage)`` as layers advance."""
+                   progress: Progress | None = None, on_start=None, revision: str | None = None) -> QuantizeSummary:
+    """Quantize ``model_dir`` (a directory, or a Hub id at ``revision``) into ``out_dir``. ``on_start(summary,
+    num_layers)`` is called once every check has passed (before the model loads); ``progress(layer, stage)`` as
+    layers advance."""
     from nvllm.engine.tokenizer import load_tokenizer
     from nvllm.models.loader import checkpoint_dtype, load_model
 
     t0 = time.perf_counter()
-    model_dir = resolve_model_path(model_dir)  # a directory, or a Hub id fetched when the network allows
+    model_dir = resolve_model_path(model_dir, revision)  # a directory, or a Hub id fetched when the network allows
     check_out_dir(out_dir, overwrite, model_dir)
     hf_config, arch, shape = _check_model(model_dir)
     device = torch.device(resolve_device(cfg.device))
