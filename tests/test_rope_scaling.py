@@ -118,3 +118,18 @@ def test_max_model_len_beyond_the_stretched_context_is_refused(yarn_qwen2):
 
 def test_llama3_scaling_does_not_stretch(tiny_models):
     assert make_llm(str(tiny_models["llama3-rope"])).engine.max_model_len == 1024
+
+
+def test_quantize_calibrates_within_the_stretched_context(tmp_path):
+    """A YaRN config whose stretched context (32 × 2) is shorter than max_position_embeddings (256): calibration
+    windows are cut to the 64 positions the rotary tables cover, and the summary says so."""
+    from nvllm.quant.quantize import quantize_model
+    from nvllm.quant.recipe import build_config
+
+    model = build_tiny_model("llama", tmp_path / "m", max_position_embeddings=256,
+                             rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32})
+    cfg = build_config(None, method="gptq", group_size=32, calib_dataset="calib", calib_samples=2, calib_seqlen=128,
+                       device="cpu")
+    summary = quantize_model(str(model), str(tmp_path / "q"), cfg)
+    assert "--calib-seqlen 128 exceeds the model's context length 64: windows of 64 tokens used" in summary.notes
+    assert summary.tokens == 2 * 64

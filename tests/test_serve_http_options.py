@@ -53,22 +53,42 @@ def test_lists_as_json_or_comma_separated():
     assert HTTPOptions().uvicorn_kwargs() == {}
 
 
+def test_home_in_tls_paths_is_expanded_for_uvicorn_too(tls_files, monkeypatch):
+    import pathlib
+
+    monkeypatch.setenv("HOME", str(pathlib.Path(tls_files["both"]).parent))
+    h = HTTPOptions(ssl_certfile="~/server.pem")
+    assert h.uvicorn_kwargs()["ssl_certfile"] == tls_files["both"]
+
+
 def test_tls_files_are_checked_up_front(tls_files, tmp_path):
     assert HTTPOptions(ssl_certfile=tls_files["both"]).scheme == "https"
     assert HTTPOptions(ssl_certfile=tls_files["cert"], ssl_keyfile=tls_files["key"],
                        ssl_ca_certs=tls_files["ca"], ssl_cert_reqs=2).uvicorn_kwargs()["ssl_cert_reqs"] == 2
     bad = tmp_path / "bad.pem"
     bad.write_text("not a certificate\n")
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(open(tls_files["key"], "rb").read(), password=None)
+    encrypted = tmp_path / "encrypted.pem"
+    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.BestAvailableEncryption(b"secret")))
     cases = [
         (dict(ssl_keyfile=tls_files["key"]), "--ssl-keyfile needs --ssl-certfile"),
         (dict(ssl_certfile=str(tmp_path / "missing.pem")), "--ssl-certfile .*missing.pem does not exist"),
-        (dict(ssl_certfile=tls_files["cert"]), "cannot use the TLS files"),  # the key is in neither file
-        (dict(ssl_certfile=str(bad)), "cannot use the TLS files"),
+        (dict(ssl_certfile=tls_files["cert"]), "cannot use --ssl-certfile/--ssl-keyfile"),  # the key is in neither file
+        (dict(ssl_certfile=str(bad)), "cannot use --ssl-certfile/--ssl-keyfile"),
         (dict(ssl_certfile=tls_files["both"], ssl_cert_reqs=2), "--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs"),
         (dict(ssl_certfile=tls_files["both"], ssl_cert_reqs=3), "--ssl-cert-reqs must be 0, 1 or 2"),
         (dict(ssl_ca_certs=tls_files["ca"]), "need --ssl-certfile"),
-        (dict(allowed_origins='["a", 1]'), "--allowed-origins: the list must hold non-empty strings"),
+        (dict(allowed_origins='["https://a", 1]'), "--allowed-origins: give a JSON list of non-empty strings"),
+        (dict(allowed_origins='"https://a"'), "--allowed-origins: give a JSON list"),
         (dict(allowed_origins='["a"'), "--allowed-origins: not a JSON list"),
+        (dict(allowed_origins="https://a.example/"), "'https://a.example/' is not an origin as browsers send it"),
+        (dict(allowed_origins="a.example"), "'a.example' is not an origin"),
+        (dict(ssl_certfile=str(tmp_path)), f"--ssl-certfile {tmp_path} is not a file"),
+        (dict(ssl_certfile=tls_files["both"], ssl_ca_certs=str(bad)), "cannot use --ssl-ca-certs"),
+        (dict(ssl_certfile=tls_files["cert"], ssl_keyfile=str(encrypted)), "the TLS private key is encrypted"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message):
@@ -88,7 +108,7 @@ def test_cli_mistakes_are_one_line_before_the_model_loads(tls_files, tmp_path):
                "127.0.0.1:1", "--ssl-certfile", tls_files["both"])
     assert r.returncode == 2 and "serve HTTPS from `nvllm router`" in r.stderr
     r = _nvllm("router", "--mixed", "http://127.0.0.1:1", "--allowed-origins", "[1]")
-    assert r.returncode == 2 and "--allowed-origins: the list must hold non-empty strings" in r.stderr
+    assert r.returncode == 2 and "--allowed-origins: give a JSON list of non-empty strings" in r.stderr
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +203,31 @@ def test_router_over_https_asking_client_certificates(tls_files, tmp_path):
         assert f"router at {base}/v1" in (tmp_path / "router.log").read_text()
     finally:
         stop_server(proc)
+
+
+def test_router_before_https_replicas_says_why_and_trusts_ssl_cert_file(https_server, tls_files, tmp_path,
+                                                                         monkeypatch):
+    """A replica whose certificate the router cannot verify is down with the reason; SSL_CERT_FILE (httpx's) names
+    a private CA."""
+    base, _ = https_server
+    for trust in (None, tls_files["ca"]):
+        if trust:
+            monkeypatch.setenv("SSL_CERT_FILE", trust)
+        proc, router = spawn("router", ["--mixed", base, "--api-key", "k", "--poll-interval", "0.2"],
+                             tmp_path / f"router-{bool(trust)}.log")
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    workers = httpx.get(f"{router}/router/workers", headers={"Authorization": "Bearer k"},
+                                        timeout=2).json()["workers"]
+                    if workers[0]["up"] == bool(trust) and (trust or workers[0]["problem"]):
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, workers
+                time.sleep(0.2)
+            if not trust:
+                assert "CERTIFICATE_VERIFY_FAILED" in workers[0]["problem"]
+        finally:
+            stop_server(proc)

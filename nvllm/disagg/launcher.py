@@ -139,8 +139,9 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
         serve_args.append("--enable-auto-tool-choice")
     for adapter in server.lora_modules:
         serve_args += ["--lora-modules", f"{adapter.lora_name}={adapter.lora_path}"]
-    serve_args += ["--max-request-bytes", str(server.max_request_bytes), "--shutdown-timeout",
-                   str(server.shutdown_timeout), "--uvicorn-log-level", server.log_level,
+    # the workers answer the router alone: no CORS headers for browsers (CORS and TLS are the router's)
+    serve_args += ["--allowed-origins", "[]", "--max-request-bytes", str(server.max_request_bytes),
+                   "--shutdown-timeout", str(server.shutdown_timeout), "--uvicorn-log-level", server.log_level,
                    "--kv-world-size", str(n), "--kv-master", master, "--kv-store-external",
                    "--kv-backend", disagg.kv_backend,
                    "--kv-handle-timeout", str(disagg.kv_handle_timeout),

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from nvllm.config import first_line
+
 logger = logging.getLogger("nvllm")
 
 
@@ -108,7 +110,7 @@ class WorkerPool:
         try:
             r = await self.client.get(w.url + path, headers=self.headers, timeout=2.0)
         except Exception as e:  # noqa: BLE001 - httpx's errors, and what the socket layer raises past them
-            self._down(w, f"unreachable: {type(e).__name__}")
+            self._down(w, f"unreachable: {type(e).__name__} {first_line(e)[:160]}".rstrip())
             return
         if r.status_code != 200:
             self._down(w, f"{path} answered {r.status_code}")

@@ -44,6 +44,9 @@ def rope_parameters(hf_config) -> tuple[float, dict[str, Any] | None]:
         if original is not None:
             scaling["original_max_position_embeddings"] = original
         scaling.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+        original = scaling["original_max_position_embeddings"]
+        if isinstance(original, float) and original.is_integer():  # 32768.0, as transformers takes it
+            scaling["original_max_position_embeddings"] = int(original)
         _positive(scaling, "original_max_position_embeddings", integer=True)
     if rtype == "yarn" and scaling.get("factor") is None:  # transformers: the stretch the config's lengths imply
         scaling["factor"] = hf_config.max_position_embeddings / scaling["original_max_position_embeddings"]

@@ -159,7 +159,7 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     num_layers)`` is called once every check has passed (before the model loads); ``progress(layer, stage)`` as
     layers advance."""
     from nvllm.engine.tokenizer import load_tokenizer
-    from nvllm.models.loader import checkpoint_dtype, load_model
+    from nvllm.models.loader import checkpoint_dtype, load_model, model_len_limit
 
     t0 = time.perf_counter()
     model_dir = resolve_model_path(model_dir, revision)  # a directory, or a Hub id fetched when the network allows
@@ -174,11 +174,12 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
             raise QuantizeError(f"--quantize-lm-head: {problem}")
     summary = QuantizeSummary(cfg, out_dir, kept=kept)
 
-    seqlen = cfg.calib_seqlen
-    if seqlen > shape.max_position:
-        summary.notes.append(f"--calib-seqlen {seqlen} exceeds the model's max_position_embeddings "
-                             f"{shape.max_position}: windows of {shape.max_position} tokens used")
-        seqlen = shape.max_position
+    seqlen, limit = cfg.calib_seqlen, model_len_limit(hf_config, warn=False)
+    if seqlen > limit:
+        what = "max_position_embeddings" if limit == shape.max_position else "context length"
+        summary.notes.append(f"--calib-seqlen {seqlen} exceeds the model's {what} {limit}: windows of {limit} "
+                             "tokens used")
+        seqlen = limit
     tokenizer = load_tokenizer(model_dir)
     texts, summary.calibration = load_texts(cfg.calib_dataset)
     ids = calibration_windows(tokenizer, texts, cfg.calib_samples, seqlen, cfg.seed, summary.notes)

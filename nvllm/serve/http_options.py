@@ -5,15 +5,19 @@ from a certificate and key (uvicorn's TLS; the files are checked before the mode
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 import ssl
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 from nvllm.cli_options import option_group
 from nvllm.config import ConfigError
+
+logger = logging.getLogger("nvllm")
 
 _PANEL = "HTTP (CORS, TLS)"
 
@@ -40,15 +44,20 @@ HTTP_OPTIONS: dict[str, tuple[Any, Any]] = {
 def _names(text: str, flag: str) -> list[str]:
     """A JSON list of strings, or comma-separated names."""
     text = text.strip()
-    if text.startswith("["):
+    if text[:1] in '["{':
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{flag}: not a JSON list ({e.msg})") from None
-        if not all(isinstance(v, str) and v for v in value):
-            raise ConfigError(f"{flag}: the list must hold non-empty strings, got {text}")
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{flag}: give a JSON list of non-empty strings (or comma-separated names), got "
+                              f"{text}")
         return value
     return [v.strip() for v in text.split(",") if v.strip()]
+
+
+# what a browser sends as Origin: "null", or scheme://host[:port] with no path
+_ORIGIN = re.compile(r"^(null|[a-z][a-z0-9+.-]*://[^/?#\s]+)$", re.IGNORECASE)
 
 
 @dataclass
@@ -67,6 +76,16 @@ class HTTPOptions:
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, _names(value, "--" + name.replace("_", "-")))
+        bad = next((o for o in self.allowed_origins if o != "*" and not _ORIGIN.match(o)), None)
+        if bad is not None:
+            raise ConfigError(f"--allowed-origins: {bad!r} is not an origin as browsers send it (scheme://host[:port], "
+                              "no path or trailing slash), nor '*'")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            logger.warning("--allow-credentials with every origin allowed: any web page may send credentialed "
+                           "requests; narrow --allowed-origins")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):  # as uvicorn will open them, ~ expanded
+            if getattr(self, name):
+                setattr(self, name, os.path.expanduser(getattr(self, name)))
         if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
             raise ConfigError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
         if self.ssl_keyfile and not self.ssl_certfile:
@@ -88,20 +107,26 @@ class HTTPOptions:
         return "https" if self.tls else "http"
 
     def ssl_context(self) -> ssl.SSLContext:
-        """The server's TLS context, as uvicorn builds it; ConfigError for a missing or unreadable file."""
+        """The server's TLS context, as uvicorn builds it; ConfigError for a missing or unusable file."""
         for flag, path in (("--ssl-certfile", self.ssl_certfile), ("--ssl-keyfile", self.ssl_keyfile),
                            ("--ssl-ca-certs", self.ssl_ca_certs)):
-            if path and not Path(path).expanduser().is_file():
-                raise ConfigError(f"{flag} {path} does not exist")
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{flag} {path} " + ("is not a file" if os.path.exists(path) else "does not exist"))
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        try:
-            ctx.load_cert_chain(str(Path(self.ssl_certfile).expanduser()),
-                                str(Path(self.ssl_keyfile).expanduser()) if self.ssl_keyfile else None)
-            if self.ssl_ca_certs:
-                ctx.load_verify_locations(str(Path(self.ssl_ca_certs).expanduser()))
-        except ssl.SSLError as e:
-            raise ConfigError(f"cannot use the TLS files ({e.reason or e}): --ssl-certfile must hold the "
-                              "certificate chain and, without --ssl-keyfile, its key, in PEM") from None
+        try:  # an encrypted key is refused at once: the server must start without anyone typing a pass phrase
+            ctx.load_cert_chain(self.ssl_certfile, self.ssl_keyfile, password=_no_pass_phrase)
+        except _Encrypted:
+            raise ConfigError("the TLS private key is encrypted; give an unencrypted key (e.g. `openssl pkey -in "
+                              "KEY -out PLAIN`) with file permissions that protect it") from None
+        except (ssl.SSLError, OSError, ValueError) as e:
+            raise ConfigError(f"cannot use --ssl-certfile/--ssl-keyfile ({getattr(e, 'reason', None) or e}): the "
+                              "certificate chain and its key (in the certfile unless --ssl-keyfile), in PEM") from None
+        if self.ssl_ca_certs:
+            try:
+                ctx.load_verify_locations(self.ssl_ca_certs)
+            except (ssl.SSLError, OSError, ValueError) as e:
+                raise ConfigError(f"cannot use --ssl-ca-certs {self.ssl_ca_certs} ({getattr(e, 'reason', None) or e})"
+                                  ": it must hold CA certificates in PEM") from None
         return ctx
 
     def install(self, app) -> None:
@@ -119,6 +144,13 @@ class HTTPOptions:
         return dict(ssl_certfile=self.ssl_certfile, ssl_keyfile=self.ssl_keyfile, ssl_ca_certs=self.ssl_ca_certs,
                     ssl_cert_reqs=self.ssl_cert_reqs)
 
+
+class _Encrypted(Exception):
+    pass
+
+
+def _no_pass_phrase() -> bytes:
+    raise _Encrypted
 
 
 # Decorator: HTTP_OPTIONS among a command's flags; the command receives ``http_options: HTTPOptions``.
