@@ -58,6 +58,8 @@ _FD = Annotated[Optional[int], typer.Option(help="serve on the bound socket behi
 @disagg_options
 @http_options
 def serve(
+    model_tag: Annotated[Optional[str], typer.Argument(metavar="MODEL", help="the model, as in `vllm serve MODEL` "
+                                                       "(or --model)", show_default=False)] = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(envvar="NVLLM_API_KEY",
@@ -74,6 +76,9 @@ def serve(
     tool_call_parser: Annotated[Optional[str], typer.Option(help="how the model writes tool calls: hermes "
                                                             "(Qwen2.5, Qwen3, Hermes) | llama3_json (Llama 3.x) | mistral")
                                 ] = None,
+    return_tokens_as_token_ids: Annotated[bool, typer.Option(help="logprobs name tokens 'token_id:N' (exact for "
+                                                             "tokens that are part of a character); a request's "
+                                                             "field of the same name overrides it")] = False,
     lora_modules: Annotated[Optional[list[str]], typer.Option(help="LoRA adapters clients pick by name as their "
                                                               "model: name=PEFT_DIR (repeat, or comma-separate); "
                                                               "needs --enable-lora")] = None,
@@ -85,11 +90,14 @@ def serve(
     from nvllm.lora.request import check_lora_modules, parse_lora_modules
 
     try:
+        if model_tag is not None:
+            engine_config = _with_model(engine_config, model_tag)
         config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                               chat_template=chat_template, max_request_bytes=max_request_bytes,
                               shutdown_timeout=shutdown_timeout, log_level=uvicorn_log_level, fd=fd,
                               enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                              lora_modules=parse_lora_modules(lora_modules), http=http_options)
+                              lora_modules=parse_lora_modules(lora_modules), http=http_options,
+                              return_tokens_as_token_ids=return_tokens_as_token_ids)
         if http_options.tls and disagg_config.role != "mixed":
             raise ConfigError("prefill and decode workers talk plain HTTP with each other and the router; serve "
                               "HTTPS from `nvllm router` (or from `nvllm serve --disaggregate`, which passes it on)")
@@ -104,6 +112,20 @@ def serve(
         fail(str(e))
     if code:
         raise typer.Exit(code)
+
+
+def _with_model(config: EngineConfig, model: str) -> EngineConfig:
+    """The engine config for the positional MODEL; ConfigError when --model names another."""
+    import dataclasses
+    import os
+
+    from nvllm.assets import demo_model_path
+
+    if config.model not in (demo_model_path(), os.path.expanduser(model)):
+        raise ConfigError(f"the model is given twice: {model} and --model {config.model}")
+    defaulted = config.tokenizer == config.model  # the tokenizer follows the model unless given apart
+    return dataclasses.replace(config, model=model, tokenizer=None if defaulted else config.tokenizer,
+                               tokenizer_revision=None if defaulted else config.tokenizer_revision)
 
 
 @app.command()

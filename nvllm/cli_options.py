@@ -38,6 +38,11 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "revision": _opt(None, Optional[str], "the Hub branch, tag or commit of --model (default: the main branch)"),
     "tokenizer_revision": _opt(None, Optional[str], "the Hub branch, tag or commit of --tokenizer (default: "
                                "--revision when the tokenizer is the model's)"),
+    "tokenizer_mode": _opt("auto", str, "auto: the model's HF tokenizer files (vLLM's flag; the only mode)"),
+    "quantization": _opt(None, Optional[str], "awq | gptq | compressed-tensors: the checkpoint's method, checked "
+                         "against its config.json (default: read from it)", "--quantization", "-q"),
+    "trust_remote_code": _opt(False, bool, "accepted for vLLM's command lines, without effect: nvllm runs its own "
+                              "code for the architectures it supports"),
     "dtype": _opt("auto", str, "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on GPU)"),
     "device": _opt("auto", str, "auto | cpu | cuda | cuda:N"),
     "seed": _opt(0, int, "engine seed (sampling without a per-request seed, dummy weights)"),
@@ -60,7 +65,7 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
                              "one (default: on for one GPU without speculative decoding)",
                              "--async-scheduling/--no-async-scheduling"),
     "tensor_parallel_size": _opt(1, int, "split the model over N GPUs (N processes; gloo ranks on CPU)",
-                                 "--tensor-parallel-size"),
+                                 "--tensor-parallel-size", "-tp"),
     "hf_overrides": _opt(None, Optional[str], "JSON object of config.json fields to replace, e.g. "
                          "'{\"max_position_embeddings\": 4096}'"),
     "log_stats_interval": _opt(5.0, float, "seconds between engine log lines (0: off)"),

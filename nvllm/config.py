@@ -69,6 +69,13 @@ class EngineConfig:
     # model's when the tokenizer is the model's (as vLLM's)
     revision: str | None = None
     tokenizer_revision: str | None = None
+    # vLLM's, for its command lines and scripts: "auto" (or "hf") reads the HF tokenizer files, as nvllm always
+    # does; quantization names the checkpoint's method (checked against it: nvllm serves checkpoints quantized
+    # ahead, it does not quantize at load); trust_remote_code has nothing to allow, since nvllm runs its own code
+    # for the architectures it supports and refuses the others
+    tokenizer_mode: str = "auto"
+    quantization: str | None = None
+    trust_remote_code: bool = False
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     device: str = "auto"  # auto: cuda when available
     seed: int = 0
@@ -124,6 +131,19 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a non-empty string (a branch, tag or commit), got "
                                   f"{getattr(self, name)!r}")
         self.device = resolve_device(self.device)
+        if isinstance(self.dtype, torch.dtype):  # LLM(dtype=torch.bfloat16), as vLLM takes it
+            self.dtype = next((k for k, v in _DTYPES.items() if v == self.dtype), str(self.dtype))
+        if self.seed is None:  # vLLM's LLM(seed=None): the default seed
+            self.seed = 0
+        if self.tokenizer_mode not in ("auto", "hf"):
+            raise ConfigError(f"tokenizer_mode {self.tokenizer_mode!r} is not supported: nvllm reads the model's HF "
+                              "tokenizer files (tokenizer_mode auto)")
+        if self.quantization is not None:
+            self.quantization = str(self.quantization).lower().replace("_", "-").removesuffix("-marlin")
+            if self.quantization not in ("awq", "gptq", "compressed-tensors"):
+                raise ConfigError(f"quantization {self.quantization!r} is not supported: nvllm serves awq, gptq and "
+                                  "compressed-tensors checkpoints (`nvllm quantize` makes them), and finds the method "
+                                  "in config.json without this option")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
         if self.load_format not in ("auto", "safetensors", "pt", "dummy"):

@@ -12,7 +12,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from nvllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from nvllm.config import EngineConfig
+from nvllm.config import ConfigError, EngineConfig
 from nvllm.engine.generation_defaults import default_sampling_params
 from nvllm.engine.llm_engine import LLMEngine
 from nvllm.logger import console, setup_logging
@@ -26,12 +26,20 @@ Conversation = Seq[dict[str, Any]]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any):
-        """engine_options: EngineConfig's fields; `speculative_config=` is accepted for `speculative=`."""
+        """engine_options: EngineConfig's fields, and a few of vLLM's names: `speculative_config=` for
+        `speculative=`, `disable_log_stats=True` for `log_stats_interval=0`, `task` "generate" (or "auto"), and
+        `swap_space` (nothing is swapped: a preempted sequence is recomputed)."""
         setup_logging()
         if "speculative_config" in engine_options:
             if engine_options.get("speculative") is not None:
                 raise ValueError("give speculative or speculative_config, not both")
             engine_options["speculative"] = engine_options.pop("speculative_config")
+        if engine_options.pop("disable_log_stats", False):
+            engine_options["log_stats_interval"] = 0
+        engine_options.pop("swap_space", None)
+        task = engine_options.pop("task", "auto")
+        if task not in ("auto", "generate"):
+            raise ConfigError(f"task {task!r} is not supported: nvllm generates text (task 'generate')")
         self._start(EngineConfig(model=model, **engine_options))
 
     @classmethod
@@ -50,6 +58,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's attribute name; also ``engine``)."""
+        return self.engine
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses when given no sampling params: SamplingParams() with the model's recommended
@@ -93,14 +106,15 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role": ..., "content": ...} messages; content a string
         or a list of {"type": "text", "text": ...} parts) or a list of them, each rendered through the chat
         template and tokenized as the server's /v1/chat/completions does, then generated as `generate` does
         (one RequestOutput per conversation; its prompt is the rendered text). chat_template: Jinja template
         text; default: the tokenizer's, else the server's plain 'User: … / Assistant:' fallback. tools: OpenAI
         function definitions the template writes into the prompt (the reply is text; the server parses calls).
-        Bad messages raise ValueError and nothing is queued."""
+        lora_request: as in `generate`. Bad messages raise ValueError and nothing is queued."""
         from nvllm import chat_template as ct
 
         many = isinstance(messages, (list, tuple)) and bool(messages) and all(
@@ -116,7 +130,7 @@ class LLM:
         texts = [ct.render_chat(tok, template, list(c), add_generation_prompt, continue_final_message,
                                 chat_template_kwargs, tools) for c in conversations]
         ids = [ct.encode_chat(tok, text, fallback) for text in texts]
-        return self._generate(ids, sampling_params, use_tqdm, texts)
+        return self._generate(ids, sampling_params, use_tqdm, texts, lora_request=lora_request)
 
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams,
                     lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:

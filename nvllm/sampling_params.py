@@ -154,6 +154,12 @@ class SamplingParams:
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
 
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's), to change one request's settings without touching another's."""
+        import copy
+
+        return copy.deepcopy(self)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5

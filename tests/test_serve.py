@@ -157,6 +157,63 @@ def test_token_id_prompts_and_tokenizer_endpoints(client, http):
     assert both.usage.prompt_tokens == 2 * len(ids)
 
 
+def test_add_special_tokens_and_tokenize_agree_with_the_request(client, http):
+    """vLLM's add_special_tokens on completions and chat: without it no BOS; /tokenize with a conversation's fields
+    (continue_final_message included) counts what chat sends."""
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+                                      extra_body={"add_special_tokens": False})
+    assert plain.usage.prompt_tokens == len(ids) - 1
+    assert http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"] == ids[1:]
+    messages = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": "Once upon"}]
+    for extra in ({}, {"add_special_tokens": False}, {"add_special_tokens": True}):
+        for body in ({"add_generation_prompt": False, "continue_final_message": True}, {}):
+            reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                                   extra_body={**body, **extra})
+            counted = http.post("/tokenize", json={"messages": messages, **body, **extra}).json()["count"]
+            assert reply.usage.prompt_tokens == counted, (body, extra)
+    with_bos = http.post("/tokenize", json={"messages": messages, "add_special_tokens": True}).json()["count"]
+    without = http.post("/tokenize", json={"messages": messages, "add_special_tokens": False}).json()["count"]
+    assert with_bos == without + 1
+
+
+def test_vllm_request_fields(client, http):
+    """vLLM's: request_id (or X-Request-Id) names the response; n null is 1; top_logprobs 0 asks nothing; a
+    priority the scheduler cannot honour is refused; return_tokens_as_token_ids names logprob tokens by id."""
+    by_body = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"request_id": "abc"})
+    assert by_body.id == "cmpl-abc"
+    by_header = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                               extra_headers={"X-Request-Id": "trace-7"})
+    assert by_header.id == "chatcmpl-trace-7"
+    again = client.completions.create(model=MODEL, prompt=[PROMPT, PROMPT], max_tokens=2,
+                                      extra_body={"request_id": "abc"})  # the same id twice: no clash inside
+    assert again.id == "cmpl-abc" and len(again.choices) == 2
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                "max_tokens": 2, "n": None, "top_logprobs": 0})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "priority": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    ids = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2,
+                                    extra_body={"return_tokens_as_token_ids": True})
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2)
+    named = ids.choices[0].logprobs.tokens
+    assert len(named) == 3 and all(t.startswith("token_id:") for t in named)
+    toks = [int(t.split(":")[1]) for t in named]
+    assert http.post("/detokenize", json={"tokens": toks}).json()["prompt"] == text.choices[0].text
+    assert all(k.startswith("token_id:") for k in ids.choices[0].logprobs.top_logprobs[0])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          logprobs=True, top_logprobs=1,
+                                          extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.token.startswith("token_id:") for t in chat.choices[0].logprobs.content)
+
+
+def test_version_ping_and_model_permission(server, http):
+    assert http.get("/version").json()["version"]
+    assert httpx.get(f"{server}/ping").status_code == 200 and httpx.post(f"{server}/ping").status_code == 200
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["permission"][0]["object"] == "model_permission" and card["permission"][0]["allow_sampling"]
+
+
 def test_chat_full_and_stream(client):
     messages = [{"role": "system", "content": "A story."}, {"role": "user", "content": "Tell me about a cat."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0)

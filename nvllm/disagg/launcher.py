@@ -137,6 +137,8 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
             serve_args += [f"--{key.replace('_', '-')}", str(getattr(server, key))]
     if server.enable_auto_tool_choice:
         serve_args.append("--enable-auto-tool-choice")
+    if server.return_tokens_as_token_ids:
+        serve_args.append("--return-tokens-as-token-ids")
     for adapter in server.lora_modules:
         serve_args += ["--lora-modules", f"{adapter.lora_name}={adapter.lora_path}"]
     # the workers answer the router alone: no CORS headers for browsers (CORS and TLS are the router's)

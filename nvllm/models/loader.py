@@ -173,6 +173,10 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
         found = serving_plan(config.model, hf_config, ModelShape(hf_config, arch), keys)
     except ValueError as e:
         raise ConfigError(f"{config.model}: {e}") from e
+    if config.quantization is not None and config.quantization != (found[0].method if found else None):
+        raise ConfigError(f"quantization {config.quantization!r} was asked for, but {config.model} is "
+                          + (f"a {found[0].method} checkpoint" if found else "not quantized (`nvllm quantize` "
+                             "makes a quantized copy)"))
     if found is None:
         return None
     qcfg, plan = found

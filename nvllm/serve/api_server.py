@@ -62,6 +62,7 @@ class ServerConfig:
     tool_call_parser: str | None = None
     lora_modules: list[LoRARequest] = field(default_factory=list)  # adapters clients pick by name (--enable-lora)
     http: HTTPOptions = field(default_factory=HTTPOptions)  # CORS and TLS
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says otherwise
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -111,7 +112,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
 
     core = engine.engine
     prompts = PromptProcessor(load_tokenizer(core.config.tokenizer), core.vocab_size, core.max_model_len,
-                              config.chat_template)
+                              config.chat_template, config.return_tokens_as_token_ids)
     metrics = ServerMetrics(core, model_name)
     engine.output_hooks.append(metrics.observe)
     defaults = core.generation_defaults  # the model's sampling defaults, for request fields left unset
@@ -148,6 +149,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
 
     async def answer(handler, req, request: Request, start=None) -> Response:
         check_model(req.model)
+        if req.request_id is None and request.headers.get("x-request-id"):  # the response's id, as vLLM's
+            req.request_id = request.headers["x-request-id"][:256]
         if not engine.is_running:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         if req.use_beam_search and start is None:
@@ -235,7 +238,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
         def encode() -> tuple[list[int], list[str] | None]:
             if req.messages is not None:
                 tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-                text = prompts.render_chat(req.messages, req.add_generation_prompt, tools=tools)
+                text = prompts.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                           req.chat_template_kwargs, tools)
                 special = prompts.fallback_template if req.add_special_tokens is None else req.add_special_tokens
             else:
                 text, special = req.prompt, True if req.add_special_tokens is None else req.add_special_tokens
@@ -266,6 +270,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
         if not engine.is_running:
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # vLLM's (SageMaker's health check): /health under another name
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict:
+        from nvllm import __version__
+
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

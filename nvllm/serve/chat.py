@@ -22,7 +22,7 @@ from nvllm.serve.chat_reply import ChatReply
 from nvllm.reasoning_parsers import ReasoningParser
 from nvllm.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                   ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
-                                  DeltaMessage, TopLogprob, random_id)
+                                  DeltaMessage, TopLogprob, random_id, response_id)
 
 
 def chat_logprobs(token_ids: list[int], dicts: list, num_top: int, token_text) -> ChatLogprobs:
@@ -55,7 +55,7 @@ class ChatHandler:
 
     def _num_top(self, req: ChatCompletionRequest) -> int | None:
         """The engine's logprobs count: None unless logprobs is true; then top_logprobs (default 0)."""
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:  # 0 asks for nothing (vLLM takes it)
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         check_logprobs(req.top_logprobs, "top_logprobs")
         return (req.top_logprobs or 0) if req.logprobs else None
@@ -76,7 +76,8 @@ class ChatHandler:
         num_top = self._num_top(req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         ids = self.prompts.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                       req.chat_template_kwargs, tools=tools, truncate=req.truncate_prompt_tokens)
+                                       req.chat_template_kwargs, req.add_special_tokens, tools,
+                                       req.truncate_prompt_tokens)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(ids), self.prompts.max_model_len, param,
@@ -85,8 +86,8 @@ class ChatHandler:
         params.structured_outputs = plan.constraint() or params.structured_outputs
         if plan.mode == "auto" and plan.parser.keep_special_tokens:
             params.skip_special_tokens = False
-        request_id = random_id("chatcmpl")
-        return request_id, [EngineRequest(request_id, ids, params, self.models.lora(req.model), req.cache_salt)], ids
+        engine_request = EngineRequest(random_id("chatcmpl"), ids, params, self.models.lora(req.model), req.cache_salt)
+        return response_id("chatcmpl", req), [engine_request], ids
 
     async def beam(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
         """use_beam_search: the best n beams (nvllm.serve.beam), each a choice."""
@@ -118,7 +119,8 @@ class ChatHandler:
             message, finish = reply.message(c.text, c.finish_reason)
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                                       logprobs=None if num_top is None else chat_logprobs(
-                                          c.token_ids, c.logprobs or [], num_top, self.prompts.token_text)))
+                                          c.token_ids, c.logprobs or [], num_top,
+                                          self.prompts.logprob_token(req.return_tokens_as_token_ids))))
         plp = None
         if req.prompt_logprobs is not None and final.prompt_logprobs is not None:
             plp = prompt_logprobs_json(prompt_ids, final.prompt_logprobs, req.prompt_logprobs, self.prompts.token_text)
@@ -145,8 +147,8 @@ class ChatHandler:
                     d = progress[c.index].advance(c, num_top is not None)
                     if d is None:
                         continue
-                    lps = None if num_top is None else chat_logprobs(d.token_ids, d.logprobs or [], num_top,
-                                                                     self.prompts.token_text)
+                    lps = None if num_top is None else chat_logprobs(
+                        d.token_ids, d.logprobs or [], num_top, self.prompts.logprob_token(req.return_tokens_as_token_ids))
                     rs = replies[c.index]
                     delta = rs.delta(c.text, d.finish_reason is not None)
                     finish = reply.plan.finish_reason(d.finish_reason, rs.called)

@@ -17,7 +17,7 @@ from nvllm.serve.beam import beam_params, beam_usage, check_beam_request, search
 from nvllm.serve.models import ServedModels
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse,
-                                  random_id)
+                                  random_id, response_id)
 
 
 def _lp(x: float) -> float:
@@ -69,7 +69,7 @@ class CompletionHandler:
         self.prompts.check_ids(req.stop_token_ids or [], "stop_token_ids")
         check_logprobs(req.logprobs, "logprobs")
         asked = requested_prompt_logprobs(req)
-        prompt_ids = self.prompts.completion_prompts(req.prompt, req.truncate_prompt_tokens)
+        prompt_ids = self.prompts.completion_prompts(req.prompt, req.truncate_prompt_tokens, req.add_special_tokens)
         max_len = self.prompts.max_model_len
         echoed = req.logprobs if req.echo and req.logprobs is not None else None
         prompt_logprobs = max((k for k in (echoed, asked) if k is not None), default=None)
@@ -77,8 +77,8 @@ class CompletionHandler:
         params = [sampling_params(req, resolve_max_tokens(req.max_tokens, len(ids), max_len, "max_tokens",
                                                           default_max), req.logprobs, prompt_logprobs, self.defaults)
                   for ids in prompt_ids]
-        request_id, lora = random_id("cmpl"), self.models.lora(req.model)
-        requests = [EngineRequest(f"{request_id}-{i}", ids, p, lora, req.cache_salt)
+        request_id, engine_id, lora = response_id("cmpl", req), random_id("cmpl"), self.models.lora(req.model)
+        requests = [EngineRequest(f"{engine_id}-{i}", ids, p, lora, req.cache_salt)
                     for i, (ids, p) in enumerate(zip(prompt_ids, params))]
         return request_id, requests, prompt_ids
 
@@ -97,7 +97,8 @@ class CompletionHandler:
             text = self.prompts.tokenizer.decode(prompt_ids, skip_special_tokens=True)
         lps = None
         if req.logprobs is not None and out is not None and out.prompt_logprobs is not None:
-            lps = completion_logprobs(prompt_ids, out.prompt_logprobs, req.logprobs, 0, self.prompts.token_text)
+            lps = completion_logprobs(prompt_ids, out.prompt_logprobs, req.logprobs, 0,
+                                      self.prompts.logprob_token(req.return_tokens_as_token_ids))
         return text, lps
 
     async def beam(self, req: CompletionRequest) -> CompletionResponse:
@@ -128,7 +129,8 @@ class CompletionHandler:
                 lps = None
                 if req.logprobs is not None:
                     lps = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs,
-                                              _end(echo_lps, echo_text), self.prompts.token_text)
+                                              _end(echo_lps, echo_text),
+                                              self.prompts.logprob_token(req.return_tokens_as_token_ids))
                     if echo_lps is not None:
                         lps = _join(echo_lps, lps)
                 plp = None
@@ -179,7 +181,7 @@ class CompletionHandler:
                     lps = None
                     if want_lps:
                         lps = completion_logprobs(d.token_ids, d.logprobs or [], req.logprobs, offsets[p][c.index],
-                                                  self.prompts.token_text)
+                                                  self.prompts.logprob_token(req.return_tokens_as_token_ids))
                         offsets[p][c.index] += sum(len(t) for t in lps.tokens)
                     choice = CompletionChoice(index=p * req.n + c.index, text=d.text, logprobs=lps,
                                               finish_reason=d.finish_reason, stop_reason=d.stop_reason)

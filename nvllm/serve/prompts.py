@@ -14,8 +14,12 @@ from nvllm.serve.protocol import ChatMessage
 
 
 class PromptProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, chat_template: str | None = None):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, chat_template: str | None = None,
+                 tokens_as_ids: bool = False):
+        """tokens_as_ids: logprobs name tokens "token_id:N" unless a request says otherwise (vLLM's
+        --return-tokens-as-token-ids)."""
         self.tokenizer = tokenizer
+        self.tokens_as_ids = tokens_as_ids
         tokenizer.model_max_length = 2**62  # our own length check answers; no tokenizer warning on the side
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -31,7 +35,8 @@ class PromptProcessor:
                                                                 functools.partial(fn, *args, **kwargs))
 
     # ---- completions ---------------------------------------------------------------------------------
-    def completion_prompts(self, prompt, truncate: int | None = None) -> list[list[int]]:
+    def completion_prompts(self, prompt, truncate: int | None = None, add_special_tokens: bool = True
+                           ) -> list[list[int]]:
         """Every prompt of a completion request as token ids (all validated before any is queued); ``truncate``:
         the request's truncate_prompt_tokens."""
         if isinstance(prompt, str):
@@ -42,7 +47,7 @@ class PromptProcessor:
             prompts = prompt
         else:
             raise bad_request("prompt is empty", "prompt")
-        return [self.encode(p, truncate=truncate) for p in prompts]
+        return [self.encode(p, add_special_tokens, truncate) for p in prompts]
 
     def encode(self, prompt: str | list[int], add_special_tokens: bool = True, truncate: int | None = None
                ) -> list[int]:
@@ -104,6 +109,13 @@ class PromptProcessor:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def logprob_token(self, as_ids: bool | None):
+        """How a request's logprobs name tokens: ``token_text``, or "token_id:N" (vLLM's return_tokens_as_token_ids:
+        a token that is no whole character, a byte of UTF-8, stays exact)."""
+        if self.tokens_as_ids if as_ids is None else as_ids:
+            return lambda tok: f"token_id:{tok}"
+        return self.token_text
 
     def token_text(self, tok: int) -> str:
         """One token's text as it reads inside a sequence (' time', not 'time'), for logprobs: decoded after

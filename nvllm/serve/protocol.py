@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 _INT64 = 2**63 - 1
 _INT32 = 2**31 - 1
@@ -16,6 +16,13 @@ MAX_N = 128  # samples per request, OpenAI's cap too
 
 def random_id(prefix: str, sep: str = "-") -> str:
     return f"{prefix}{sep}{uuid.uuid4().hex}"
+
+
+def response_id(prefix: str, req: "SamplingRequest") -> str:
+    """The response's id: the client's request_id (the body's, else its X-Request-Id header) after the prefix, as
+    vLLM names it, else a random one. The engine's own request ids stay random, so clients reusing an id never
+    collide."""
+    return f"{prefix}-{req.request_id}" if req.request_id else random_id(prefix)
 
 
 class OpenAIModel(BaseModel):
@@ -44,7 +51,7 @@ class SamplingRequest(OpenAIModel):
     """Fields completions and chat share."""
 
     model: str | None = None
-    n: int = Field(1, le=MAX_N)
+    n: int = Field(1, le=MAX_N)  # null (OpenAI allows it) is taken as 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(None, le=_INT32)
@@ -84,6 +91,14 @@ class SamplingRequest(OpenAIModel):
     length_penalty: float = Field(1.0, allow_inf_nan=False)
     # vLLM's: blocks of the prefix cache are shared only among requests with the same salt (multi-tenant privacy)
     cache_salt: str | None = Field(None, min_length=1)
+    priority: int = 0  # vLLM's, for its priority scheduling; the scheduler here is first come, first served
+    request_id: str | None = Field(None, min_length=1, max_length=256)  # vLLM's: names the response (else X-Request-Id)
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N" (None: the server's)
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n_null_is_one(cls, value):
+        return 1 if value is None else value
 
 
 class CompletionRequest(SamplingRequest):
@@ -93,6 +108,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and the like) before a text prompt
 
 
 class ContentPart(OpenAIModel):
@@ -149,6 +165,9 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: special tokens added to the rendered conversation by the tokenizer (None: only where no chat
+    # template of the model's adds them itself, the fallback's case)
+    add_special_tokens: bool | None = None
     # tool calling (nvllm.serve.tools): the default choice is "auto" when tools are given, else "none"
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -161,6 +180,8 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # as in chat: the same tokens as a chat request with these fields
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
     tools: list[Tool] | None = None  # given to the chat template with messages
 
@@ -308,6 +329,23 @@ class ChatCompletionChunk(OpenAIModel):
     usage: UsageInfo | None = None
 
 
+class ModelPermission(OpenAIModel):
+    """The permission object OpenAI's model listing once carried, and vLLM's still does."""
+
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(OpenAIModel):
     id: str
     object: Literal["model"] = "model"
@@ -316,6 +354,7 @@ class ModelCard(OpenAIModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(OpenAIModel):

@@ -1,0 +1,108 @@
+"""What a vLLM script passes to LLM(...) and its helpers, taken as vLLM takes it: its engine arguments (no-ops,
+mapped names, a checked quantization method), SamplingParams.clone, llm.llm_engine, LLM.chat with an adapter, and
+`nvllm serve MODEL`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nvllm import LLM, LoRARequest, SamplingParams
+from nvllm.config import ConfigError
+from tests.conftest import build_tiny_model
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def test_vllm_engine_arguments(demo_dir):
+    plain = LLM(demo_dir, device="cpu", log_stats_interval=0)
+    vllm_style = LLM(model=demo_dir, device="cpu", dtype=torch.float32, seed=None, trust_remote_code=True,
+                     tokenizer_mode="auto", disable_log_stats=True, swap_space=4, task="generate",
+                     quantization=None)
+    assert vllm_style.config.dtype == "float32" and vllm_style.config.seed == 0
+    assert vllm_style.config.log_stats_interval == 0
+    assert vllm_style.llm_engine is vllm_style.engine
+    prompt = "Once upon a time"
+    assert vllm_style.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+        plain.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tokenizer_mode": "mistral"}, "tokenizer_mode 'mistral' is not supported"),
+    ({"task": "embed"}, "task 'embed' is not supported"),
+    ({"quantization": "fp8"}, "quantization 'fp8' is not supported"),
+    ({"quantization": "awq"}, "quantization 'awq' was asked for, but .* is not quantized"),
+])
+def test_vllm_arguments_nvllm_cannot_honour_are_one_clear_error(demo_dir, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(demo_dir, device="cpu", log_stats_interval=0, **kwargs)
+
+
+def test_quantization_names_the_checkpoints_method(tmp_path):
+    from nvllm.quant.quantize import quantize_model
+    from nvllm.quant.recipe import build_config
+
+    base = build_tiny_model("llama", tmp_path / "base")
+    out = tmp_path / "gptq"
+    quantize_model(str(base), str(out), build_config(None, method="rtn", group_size=32, device="cpu"))
+    for name in ("gptq", "gptq_marlin", "GPTQ"):  # vLLM's kernel-specific names mean the same checkpoint
+        assert LLM(str(out), device="cpu", log_stats_interval=0, quantization=name).config.quantization == "gptq"
+    with pytest.raises(ConfigError, match="quantization 'awq' was asked for, but .* is a gptq checkpoint"):
+        LLM(str(out), device="cpu", log_stats_interval=0, quantization="awq")
+
+
+def test_sampling_params_clone_is_deep():
+    a = SamplingParams(stop=["x"], logit_bias={3: 1.0})
+    b = a.clone()
+    b.stop.append("y")
+    b.logit_bias[4] = 2.0
+    assert a.stop == ["x"] and a.logit_bias == {3: 1.0} and b == SamplingParams(stop=["x", "y"],
+                                                                              logit_bias={3: 1.0, 4: 2.0})
+
+
+def test_chat_with_a_lora_adapter(tmp_path):
+    from tests.lora_utils import make_adapter
+
+    base = build_tiny_model("qwen2", tmp_path / "base")
+    adapter = make_adapter(base, tmp_path / "adapter", seed=3)
+    llm = LLM(str(base), device="cpu", log_stats_interval=0, enable_lora=True, max_lora_rank=8)
+    conversation = [{"role": "user", "content": "Tell me a story"}]
+    lora = LoRARequest("story", 1, str(adapter))
+    chatted = llm.chat(conversation, GREEDY, use_tqdm=False, lora_request=lora)[0]
+    generated = llm.generate({"prompt_token_ids": chatted.prompt_token_ids}, GREEDY, use_tqdm=False,
+                             lora_request=lora)[0]
+    base_reply = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
+    assert chatted.outputs[0].token_ids == generated.outputs[0].token_ids != base_reply.outputs[0].token_ids
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nvllm.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_serve_takes_the_model_as_its_argument(tmp_path):
+    """`nvllm serve MODEL`, as `vllm serve MODEL`: the argument is --model (a missing one fails as --model's
+    would); both at once must agree."""
+    r = _serve(str(tmp_path / "nope"))
+    assert r.returncode == 2 and f"model directory not found: {tmp_path / 'nope'}" in r.stderr
+    r = _serve("a/b", "--model", "c/d")
+    assert r.returncode == 2 and "the model is given twice: a/b and --model c/d" in r.stderr
+    r = _serve("--help")
+    assert "[MODEL]" in r.stdout and "-tp" in r.stdout and "--trust-remote-code" in r.stdout
+
+
+def test_serve_model_argument_serves_it(tmp_path):
+    import httpx
+
+    from tests.server_utils import start_server, stop_server
+
+    model = build_tiny_model("llama", tmp_path / "tiny")
+    proc, base = start_server([str(model), "--device", "cpu", "--log-stats-interval", "0", "-tp", "1",
+                               "--trust-remote-code"], tmp_path / "serve.log")
+    try:
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == str(model)
+    finally:
+        stop_server(proc)
