@@ -425,11 +425,12 @@ def test_responses_follow_ups_reach_the_worker_that_stored_them(deployment, tmp_
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_worker_waiting_for_its_group_stops_on_a_signal(tmp_path, sig):
+def test_a_worker_waiting_for_its_group_stops_on_a_signal(tmp_path, sig, monkeypatch):
     """A prefill worker whose decode worker never comes waits in the group's rendezvous, says so, and still stops on
     SIGTERM or Ctrl-C (the wait blocks in the store's C++ code, where signal handlers cannot run)."""
     from tests.server_utils import free_port
 
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "1")  # a worker that does not stop shows where it is (SIGABRT below)
     log = tmp_path / "alone.log"
     proc, _ = spawn("serve", [*COMMON, "--role", "prefill", "--kv-rank", "0", "--kv-world-size", "2",
                               "--kv-master", f"127.0.0.1:{free_port()}"], log)
@@ -440,7 +441,13 @@ def test_a_worker_waiting_for_its_group_stops_on_a_signal(tmp_path, sig):
             time.sleep(0.2)
         time.sleep(1)
         proc.send_signal(sig)
-        assert proc.wait(15) in (0, 128 + sig), log.read_text()
+        try:
+            code = proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(10)
+            pytest.fail(f"no exit 15 s after {sig.name}:\n{log.read_text()}")
+        assert code in (0, 128 + sig), log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
