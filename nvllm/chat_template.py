@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -48,16 +49,43 @@ def load_chat_template(tokenizer, path: str | None) -> tuple[str, bool]:
     return FALLBACK_CHAT_TEMPLATE, True
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+@functools.lru_cache(maxsize=16)
+def detect_content_format(template: str) -> str:
+    """How a template reads a message's content, as vLLM's "auto" decides it: "openai" (a list of
+    {"type": "text", "text": ...} parts) when it loops over some ``x['content']`` / ``x.content``, else "string" (the
+    parts joined by newlines). A template jinja cannot parse here (an extension's tag) is taken as "string"."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return "string"
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, (nodes.Filter, nodes.Test)) and it.node is not None:  # content | selectattr(...)
+            it = it.node
+        if (isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content") or \
+                (isinstance(it, nodes.Getattr) and it.attr == "content"):
+            return "openai"
+    return "string"
+
+
 _RENDER_ARGUMENTS = {"conversation", "messages", "chat_template", "tokenize", "add_generation_prompt",
                      "continue_final_message", "tools"}  # what render_chat passes itself
 
 
 def render_chat(tokenizer, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, template_kwargs: dict | None = None,
-                tools: list[dict[str, Any]] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None, content_format: str = "auto") -> str:
     """The prompt text of OpenAI-style messages ({"role", "content"}: a string, None, or a list of text parts; an
     assistant turn's ``tool_calls``, a tool turn's ``tool_call_id``), with the ``tools`` (OpenAI's function
-    definitions) given to the template as HF templates take them."""
+    definitions) given to the template as HF templates take them. ``content_format`` (vLLM's
+    --chat-template-content-format): each content as one string, as a list of text parts ("openai"), or as the
+    template reads it ("auto", ``detect_content_format``)."""
     if not messages:
         raise ChatTemplateError("messages must not be empty")
     if continue_final_message and add_generation_prompt:
@@ -67,7 +95,11 @@ def render_chat(tokenizer, template: str, messages: list[dict[str, Any]], add_ge
     if taken:
         raise ChatTemplateError(f"chat_template_kwargs cannot set {taken[0]!r}: the request gives it",
                                 "chat_template_kwargs")
-    conversation = [_turn(m, i) for i, m in enumerate(messages)]
+    if content_format not in CONTENT_FORMATS:
+        raise ChatTemplateError(f"unknown chat template content format {content_format!r}; choose "
+                                f"{', '.join(CONTENT_FORMATS)}", "chat_template_content_format")
+    parts = (detect_content_format(template) if content_format == "auto" else content_format) == "openai"
+    conversation = [_turn(m, i, parts) for i, m in enumerate(messages)]
     try:
         return tokenizer.apply_chat_template(
             conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -87,10 +119,13 @@ def encode_chat(tokenizer, text: str, is_fallback: bool, add_special_tokens: boo
     return ids
 
 
-def _turn(message: Any, index: int) -> dict[str, Any]:
-    """One message as templates read it. A tool call's arguments (JSON text in OpenAI's API) become the object
-    they encode: HF templates (Qwen's, Llama's) write them with ``tojson``, as vLLM hands them over."""
-    turn = {"role": _role_of(message, index), "content": _text_of(message, index)}
+def _turn(message: Any, index: int, parts: bool = False) -> dict[str, Any]:
+    """One message as templates read it: its content one string, or (``parts``) a list of text parts. A tool call's
+    arguments (JSON text in OpenAI's API) become the object they encode: HF templates (Qwen's, Llama's) write them
+    with ``tojson``, as vLLM hands them over."""
+    role = _role_of(message, index)
+    texts = _texts_of(message, index)
+    turn = {"role": role, "content": [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)}
     if message.get("tool_calls"):
         calls = []
         for call in message["tool_calls"]:
@@ -115,12 +150,13 @@ def _role_of(message: Any, index: int) -> str:
     return role
 
 
-def _text_of(message: dict[str, Any], index: int) -> str:
+def _texts_of(message: dict[str, Any], index: int) -> list[str]:
+    """The texts of a message's content: one for a string, none for None, one a text part."""
     content = message.get("content")
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, list):
         raise ChatTemplateError(f"messages[{index}]: content must be a string or a list of content parts")
     texts = []
@@ -131,4 +167,4 @@ def _text_of(message: dict[str, Any], index: int) -> str:
         if not isinstance(part.get("text"), str):
             raise ChatTemplateError(f"messages[{index}]: a text content part needs its text")
         texts.append(part["text"])
-    return "\n".join(texts)
+    return texts

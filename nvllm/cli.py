@@ -76,6 +76,10 @@ def serve(
     tool_call_parser: Annotated[Optional[str], typer.Option(help="how the model writes tool calls: hermes "
                                                             "(Qwen2.5, Qwen3, Hermes) | llama3_json (Llama 3.x) | mistral")
                                 ] = None,
+    chat_template_content_format: Annotated[str, typer.Option(help="auto | string | openai: a message's content "
+                                                               "given to the chat template as one string or as "
+                                                               "OpenAI's list of text parts (auto: as the template "
+                                                               "reads it)")] = "auto",
     return_tokens_as_token_ids: Annotated[bool, typer.Option(help="logprobs name tokens 'token_id:N' (exact for "
                                                              "tokens that are part of a character); a request's "
                                                              "field of the same name overrides it")] = False,
@@ -97,7 +101,8 @@ def serve(
                               shutdown_timeout=shutdown_timeout, log_level=uvicorn_log_level, fd=fd,
                               enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                               lora_modules=parse_lora_modules(lora_modules), http=http_options,
-                              return_tokens_as_token_ids=return_tokens_as_token_ids)
+                              return_tokens_as_token_ids=return_tokens_as_token_ids,
+                              chat_template_content_format=chat_template_content_format)
         if http_options.tls and disagg_config.role != "mixed":
             raise ConfigError("prefill and decode workers talk plain HTTP with each other and the router; serve "
                               "HTTPS from `nvllm router` (or from `nvllm serve --disaggregate`, which passes it on)")

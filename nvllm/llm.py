@@ -107,14 +107,17 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None,
-             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role": ..., "content": ...} messages; content a string
         or a list of {"type": "text", "text": ...} parts) or a list of them, each rendered through the chat
         template and tokenized as the server's /v1/chat/completions does, then generated as `generate` does
         (one RequestOutput per conversation; its prompt is the rendered text). chat_template: Jinja template
         text; default: the tokenizer's, else the server's plain 'User: … / Assistant:' fallback. tools: OpenAI
         function definitions the template writes into the prompt (the reply is text; the server parses calls).
-        lora_request: as in `generate`. Bad messages raise ValueError and nothing is queued."""
+        lora_request: as in `generate`. chat_template_content_format: auto | string | openai, as vLLM's (each
+        message's content one string, or a list of text parts; auto: as the template reads it). Bad messages raise
+        ValueError and nothing is queued."""
         from nvllm import chat_template as ct
 
         many = isinstance(messages, (list, tuple)) and bool(messages) and all(
@@ -128,7 +131,7 @@ class LLM:
             template, fallback = self._chat_template
         tok = self.engine.tokenizer
         texts = [ct.render_chat(tok, template, list(c), add_generation_prompt, continue_final_message,
-                                chat_template_kwargs, tools) for c in conversations]
+                                chat_template_kwargs, tools, chat_template_content_format) for c in conversations]
         ids = [ct.encode_chat(tok, text, fallback) for text in texts]
         return self._generate(ids, sampling_params, use_tqdm, texts, lora_request=lora_request)
 

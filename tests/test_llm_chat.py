@@ -86,3 +86,42 @@ def test_a_tokenizer_without_a_template_renders_as_the_server_does():
     assert out.prompt_token_ids == server.chat_prompt([ChatMessage(**m) for m in CHAT])
     assert out.prompt == "Be brief.\n\nUser: Hi there\nAssistant:" and out.prompt_token_ids[0] == tok.bos_token_id
     assert len(out.outputs[0].token_ids) <= 16  # no params: the model's defaults (SamplingParams' own here)
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% for c in m['content'] %}{% if c['type'] == 'text' %}"
+                  "{{ c['text'] }}{% endif %}{% endfor %}\n{% endfor %}{% if add_generation_prompt %}assistant:"
+                  "{% endif %}")
+
+
+@pytest.mark.parametrize("template, fmt", [
+    (PARTS_TEMPLATE, "openai"),
+    ("{% for m in messages %}{% for c in m.content | selectattr('type', 'equalto', 'text') %}{{ c.text }}"
+     "{% endfor %}{% endfor %}", "openai"),
+    ("{% for m in messages %}{% if m.content is string %}{{ m.content }}{% endif %}{% endfor %}", "string"),
+    ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}", "string"),
+])
+def test_content_format_detected_as_vllm_does(template, fmt):
+    from nvllm.chat_template import FALLBACK_CHAT_TEMPLATE, detect_content_format
+
+    assert detect_content_format(template) == fmt
+    assert detect_content_format(FALLBACK_CHAT_TEMPLATE) == "string"
+
+
+def test_a_template_reading_content_parts_gets_them():
+    """A template that loops over each message's content parts gets OpenAI's list (what HF's own
+    apply_chat_template renders from such messages); "string" joins the parts, as before; a plain string content
+    becomes one part."""
+    from nvllm.chat_template import render_chat
+
+    llm = make_llm(demo_model_path())
+    tok = llm.get_tokenizer()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    hf = tok.apply_chat_template(parts, chat_template=PARTS_TEMPLATE, tokenize=False, add_generation_prompt=True)
+    assert hf == "user: Hellothereassistant:"  # HF's template environment trims the newline after a block
+    out = llm.chat(parts, GREEDY, use_tqdm=False, chat_template=PARTS_TEMPLATE)[0]
+    assert out.prompt == hf
+    plain = llm.chat([{"role": "user", "content": "Hello"}], GREEDY, use_tqdm=False, chat_template=PARTS_TEMPLATE)
+    assert plain[0].prompt == "user: Helloassistant:"
+    assert render_chat(tok, PARTS_TEMPLATE, parts, content_format="string") == "user: assistant:"
+    with pytest.raises(ValueError, match="unknown chat template content format 'html'"):
+        llm.chat(parts, GREEDY, use_tqdm=False, chat_template_content_format="html")

@@ -132,7 +132,7 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
         raise ConfigError(f"cannot start the KV transfer group's store: {first_line(e)[:200]}") from None
     master = f"127.0.0.1:{store.port}"
     serve_args = []
-    for key in ("served_model_name", "chat_template", "tool_call_parser"):
+    for key in ("served_model_name", "chat_template", "tool_call_parser", "chat_template_content_format"):
         if getattr(server, key):
             serve_args += [f"--{key.replace('_', '-')}", str(getattr(server, key))]
     if server.enable_auto_tool_choice:

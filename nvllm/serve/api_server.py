@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from nvllm.chat_template import CONTENT_FORMATS
 from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nvllm.engine.generation_defaults import announce
@@ -63,6 +64,7 @@ class ServerConfig:
     lora_modules: list[LoRARequest] = field(default_factory=list)  # adapters clients pick by name (--enable-lora)
     http: HTTPOptions = field(default_factory=HTTPOptions)  # CORS and TLS
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says otherwise
+    chat_template_content_format: str = "auto"  # auto | string | openai (nvllm.chat_template.render_chat)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -73,6 +75,9 @@ class ServerConfig:
             raise ConfigError("api_key must not be empty")
         if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
             raise ConfigError(f"chat template file {self.chat_template} does not exist")
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ConfigError(f"unknown --chat-template-content-format {self.chat_template_content_format!r}; "
+                              f"choose {', '.join(CONTENT_FORMATS)}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ConfigError(f"unknown tool call parser {self.tool_call_parser!r}; choose "
                               f"{', '.join(sorted(TOOL_PARSERS))}")
@@ -112,7 +117,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
 
     core = engine.engine
     prompts = PromptProcessor(load_tokenizer(core.config.tokenizer), core.vocab_size, core.max_model_len,
-                              config.chat_template, config.return_tokens_as_token_ids)
+                              config.chat_template, config.return_tokens_as_token_ids,
+                              config.chat_template_content_format)
     metrics = ServerMetrics(core, model_name)
     engine.output_hooks.append(metrics.observe)
     defaults = core.generation_defaults  # the model's sampling defaults, for request fields left unset

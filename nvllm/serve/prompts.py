@@ -15,10 +15,12 @@ from nvllm.serve.protocol import ChatMessage
 
 class PromptProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, chat_template: str | None = None,
-                 tokens_as_ids: bool = False):
+                 tokens_as_ids: bool = False, content_format: str = "auto"):
         """tokens_as_ids: logprobs name tokens "token_id:N" unless a request says otherwise (vLLM's
-        --return-tokens-as-token-ids)."""
+        --return-tokens-as-token-ids). content_format: how the chat template gets a message's content
+        (nvllm.chat_template.render_chat)."""
         self.tokenizer = tokenizer
+        self.content_format = content_format
         self.tokens_as_ids = tokens_as_ids
         tokenizer.model_max_length = 2**62  # our own length check answers; no tokenizer warning on the side
         self.vocab_size = vocab_size
@@ -90,7 +92,8 @@ class PromptProcessor:
                     tools: list[dict] | None = None) -> str:
         try:
             return render_chat(self.tokenizer, self.chat_template, [m.model_dump() for m in messages],
-                               add_generation_prompt, continue_final_message, template_kwargs, tools)
+                               add_generation_prompt, continue_final_message, template_kwargs, tools,
+                               self.content_format)
         except ChatTemplateError as e:
             raise bad_request(str(e), e.param) from None
 
