@@ -207,6 +207,39 @@ def test_vllm_request_fields(client, http):
     assert all(t.token.startswith("token_id:") for t in chat.choices[0].logprobs.content)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_only(client, http):
+    """vLLM's: the prompt back with its logprobs, nothing generated; streamed the same; without echo a 400."""
+    scored = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    ref = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    n = len(ref.choices[0].logprobs.tokens) - 1  # the reference's last token is the generated one
+    assert choice.logprobs.tokens == ref.choices[0].logprobs.tokens[:n]
+    assert choice.logprobs.token_logprobs == ref.choices[0].logprobs.token_logprobs[:n]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_chat_echo_prepends_the_continued_assistant_message(client):
+    messages = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": "Once upon"}]
+    body = {"add_generation_prompt": False, "continue_final_message": True}
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                           extra_body=body)
+    echoed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            extra_body={**body, "echo": True})
+    assert echoed.choices[0].message.content == "Once upon" + plain.choices[0].message.content
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                              stream=True, extra_body={**body, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        echoed.choices[0].message.content
+    user_last = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=4, temperature=0,
+                                               extra_body={"echo": True})  # nothing to continue: nothing echoed
+    assert not user_last.choices[0].message.content.startswith("Tell me")
+
+
 def test_version_ping_and_model_permission(server, http):
     assert http.get("/version").json()["version"]
     assert httpx.get(f"{server}/ping").status_code == 200 and httpx.post(f"{server}/ping").status_code == 200

@@ -53,6 +53,15 @@ class ChatHandler:
             parser = None
         return ChatReply(req, plan_tools(req, self.tool_parser), parser)
 
+    @staticmethod
+    def _echoed(req: ChatCompletionRequest) -> str:
+        """vLLM's echo: the last message's text when it is the assistant's, which the reply continues."""
+        last = req.messages[-1]
+        if not req.echo or last.role != "assistant":
+            return ""
+        return last.content if isinstance(last.content, str) else "\n".join(
+            p.text or "" for p in last.content or [] if p.type == "text")
+
     def _num_top(self, req: ChatCompletionRequest) -> int | None:
         """The engine's logprobs count: None unless logprobs is true; then top_logprobs (default 0)."""
         if req.top_logprobs and not req.logprobs:  # 0 asks for nothing (vLLM takes it)
@@ -115,8 +124,11 @@ class ChatHandler:
         num_top = self._num_top(req)
         reply = self._reply(req, prompt_ids)
         choices = []
+        echoed = self._echoed(req)
         for c in final.outputs:
             message, finish = reply.message(c.text, c.finish_reason)
+            if echoed:
+                message.content = echoed + (message.content or "")
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                                       logprobs=None if num_top is None else chat_logprobs(
                                           c.token_ids, c.logprobs or [], num_top,
@@ -138,9 +150,9 @@ class ChatHandler:
         replies = [reply.stream() for _ in range(req.n)]
         latest: RequestOutput | None = None
         try:
-            for i in range(req.n):  # OpenAI opens every choice with the role
+            for i in range(req.n):  # OpenAI opens every choice with the role (and vLLM's echo, the echoed text)
                 yield sse(self._chunk(request_id, req, [ChatChunkChoice(
-                    index=i, delta=DeltaMessage(role="assistant", content=""))]))
+                    index=i, delta=DeltaMessage(role="assistant", content=self._echoed(req)))]))
             async for out in stream:
                 latest = out
                 for c in out.outputs:

@@ -3,6 +3,7 @@ one SSE chunk per choice per engine step. Choice index = prompt index · n + sam
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from collections.abc import AsyncIterator
@@ -68,14 +69,18 @@ class CompletionHandler:
             raise bad_request("best_of must equal n (no server-side ranking of samples)", "best_of")
         self.prompts.check_ids(req.stop_token_ids or [], "stop_token_ids")
         check_logprobs(req.logprobs, "logprobs")
+        if req.max_tokens == 0 and (not req.echo or req.use_beam_search or req.min_tokens):
+            raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt back, with its logprobs "
+                              "if asked, and nothing generated)", "max_tokens")
         asked = requested_prompt_logprobs(req)
         prompt_ids = self.prompts.completion_prompts(req.prompt, req.truncate_prompt_tokens, req.add_special_tokens)
         max_len = self.prompts.max_model_len
         echoed = req.logprobs if req.echo and req.logprobs is not None else None
         prompt_logprobs = max((k for k in (echoed, asked) if k is not None), default=None)
         default_max = self.defaults.get("max_tokens")
-        params = [sampling_params(req, resolve_max_tokens(req.max_tokens, len(ids), max_len, "max_tokens",
-                                                          default_max), req.logprobs, prompt_logprobs, self.defaults)
+        requested = 1 if _prompt_only(req) else req.max_tokens  # the one token generated is dropped (_without_tokens)
+        params = [sampling_params(req, resolve_max_tokens(requested, len(ids), max_len, "max_tokens", default_max),
+                                  req.logprobs, prompt_logprobs, self.defaults)
                   for ids in prompt_ids]
         request_id, engine_id, lora = response_id("cmpl", req), random_id("cmpl"), self.models.lora(req.model)
         requests = [EngineRequest(f"{engine_id}-{i}", ids, p, lora, req.cache_salt)
@@ -119,7 +124,7 @@ class CompletionHandler:
         final: list[RequestOutput | None] = [None] * len(prompt_ids)
         try:
             async for out in stream:
-                final[self._prompt_index(out)] = out
+                final[self._prompt_index(out)] = _without_tokens(out) if _prompt_only(req) else out
         finally:
             stream.close()
         choices = []
@@ -170,6 +175,7 @@ class CompletionHandler:
                         yield chunk
             async for out in stream:
                 p = self._prompt_index(out)
+                out = _without_tokens(out) if _prompt_only(req) else out
                 if not echoed[p] and (out.finished or len(out.prompt_logprobs or []) >= len(prompt_ids[p])):
                     for chunk in echo(p, out):  # once all its logprobs are known (a long prompt: several steps)
                         yield chunk
@@ -198,6 +204,19 @@ class CompletionHandler:
                ) -> CompletionResponse:
         return CompletionResponse(id=request_id, model=self.models.response_name(req.model), choices=choices,
                                   usage=usage_info)
+
+
+def _prompt_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens 0 (vLLM's): the prompt is scored, nothing is generated."""
+    return req.echo and req.max_tokens == 0
+
+
+def _without_tokens(out: RequestOutput) -> RequestOutput:
+    """An output of a prompt-only request: the engine's one generated token taken away, "length" once finished."""
+    outputs = [dataclasses.replace(c, text="", token_ids=[], cumulative_logprob=None,
+                                   logprobs=None if c.logprobs is None else [], stop_reason=None,
+                                   finish_reason="length" if c.finished else None) for c in out.outputs]
+    return dataclasses.replace(out, outputs=outputs)
 
 
 def _end(lps: CompletionLogProbs | None, text: str) -> int:

@@ -165,6 +165,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the reply's content starts with the last message's when that is the assistant's (continuing it)
+    echo: bool = False
     # vLLM's: special tokens added to the rendered conversation by the tokenizer (None: only where no chat
     # template of the model's adds them itself, the fallback's case)
     add_special_tokens: bool | None = None
