@@ -43,6 +43,8 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
                          "against its config.json (default: read from it)", "--quantization", "-q"),
     "trust_remote_code": _opt(False, bool, "accepted for vLLM's command lines, without effect: nvllm runs its own "
                               "code for the architectures it supports"),
+    "max_logprobs": _opt(None, Optional[int], "the most logprobs / prompt_logprobs a request may ask (-1: the "
+                         "vocabulary; default: 20 on the server, the vocabulary offline)"),
     "dtype": _opt("auto", str, "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on GPU)"),
     "device": _opt("auto", str, "auto | cpu | cuda | cuda:N"),
     "seed": _opt(0, int, "engine seed (sampling without a per-request seed, dummy weights)"),

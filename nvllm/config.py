@@ -76,6 +76,9 @@ class EngineConfig:
     tokenizer_mode: str = "auto"
     quantization: str | None = None
     trust_remote_code: bool = False
+    # vLLM's --max-logprobs: the most logprobs / prompt_logprobs a request may ask (-1: the whole vocabulary);
+    # None: 20 on the server, the vocabulary offline
+    max_logprobs: int | None = None
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     device: str = "auto"  # auto: cuda when available
     seed: int = 0
@@ -144,6 +147,8 @@ class EngineConfig:
                 raise ConfigError(f"quantization {self.quantization!r} is not supported: nvllm serves awq, gptq and "
                                   "compressed-tensors checkpoints (`nvllm quantize` makes them), and finds the method "
                                   "in config.json without this option")
+        if self.max_logprobs is not None and (isinstance(self.max_logprobs, bool) or self.max_logprobs < -1):
+            raise ConfigError(f"max_logprobs must be -1 (the vocabulary) or at least 0, got {self.max_logprobs}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
         if self.load_format not in ("auto", "safetensors", "pt", "dummy"):

@@ -54,6 +54,17 @@ def test_quantization_names_the_checkpoints_method(tmp_path):
         LLM(str(out), device="cpu", log_stats_interval=0, quantization="awq")
 
 
+def test_max_logprobs_caps_requests(demo_dir):
+    llm = LLM(demo_dir, device="cpu", log_stats_interval=0, max_logprobs=2)
+    assert len(llm.generate("Hi", SamplingParams(max_tokens=1, logprobs=2), use_tqdm=False)[0].outputs[0]
+               .logprobs[0]) >= 2
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{field} must be at most max_logprobs 2, got 3"):
+            llm.generate("Hi", SamplingParams(max_tokens=1, **{field: 3}), use_tqdm=False)
+    with pytest.raises(ConfigError, match="max_logprobs must be -1"):
+        LLM(demo_dir, device="cpu", max_logprobs=-2)
+
+
 def test_sampling_params_clone_is_deep():
     a = SamplingParams(stop=["x"], logit_bias={3: 1.0})
     b = a.clone()
@@ -103,8 +114,12 @@ def test_serve_model_argument_serves_it(tmp_path):
 
     model = build_tiny_model("llama", tmp_path / "tiny")
     proc, base = start_server([str(model), "--device", "cpu", "--log-stats-interval", "0", "-tp", "1",
-                               "--trust-remote-code"], tmp_path / "serve.log")
+                               "--trust-remote-code", "--max-logprobs", "5"], tmp_path / "serve.log")
     try:
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == str(model)
+        body = {"model": str(model), "prompt": [1, 2, 3], "max_tokens": 1}
+        assert httpx.post(f"{base}/v1/completions", json={**body, "logprobs": 5}).status_code == 200
+        r = httpx.post(f"{base}/v1/completions", json={**body, "logprobs": 6})
+        assert r.status_code == 400 and "logprobs must be in [0, 5], got 6" in r.json()["error"]["message"]
     finally:
         stop_server(proc)

@@ -21,9 +21,11 @@ from nvllm.sampling_params import SamplingParams
 
 
 class Admission:
-    def __init__(self, tokenizer, vocab_size: int, structured: StructuredOutputs, reasoning, device: torch.device):
+    def __init__(self, tokenizer, vocab_size: int, structured: StructuredOutputs, reasoning, device: torch.device,
+                 max_logprobs: int | None = None):
         self.tokenizer, self.vocab_size, self.structured = tokenizer, vocab_size, structured
         self.reasoning, self.device = reasoning, device
+        self.max_logprobs = max_logprobs  # the engine's cap on logprobs / prompt_logprobs (None, -1: none)
 
     @functools.cached_property
     def _think_open_id(self) -> int | None:
@@ -68,6 +70,9 @@ class Admission:
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, got "
+                                 f"{getattr(params, name)}")
+            if self.max_logprobs not in (None, -1) and (getattr(params, name) or 0) > self.max_logprobs:
+                raise ValueError(f"{name} must be at most max_logprobs {self.max_logprobs}, got "
                                  f"{getattr(params, name)}")
         for name in ("logit_bias", "allowed_token_ids"):
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]

@@ -59,7 +59,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             config.structured_outputs_config["disable_any_whitespace"])
         self.admission = Admission(self.tokenizer, self.vocab_size, self.structured, self.reasoning,
-                                   self.runner.device)
+                                   self.runner.device, config.max_logprobs)
         self.spec = None  # speculative decoding (nvllm.spec.decoder.SpecDecoder) when config.speculative is set
         if config.speculative is not None:
             from nvllm.spec.decoder import SpecDecoder

@@ -11,7 +11,7 @@ from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, prompt_logprobs_json,
+from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, logprobs_limit, prompt_logprobs_json,
                                 requested_prompt_logprobs, resolve_max_tokens, submit, sampling_params, usage)
 from nvllm.serve.beam import beam_params, beam_usage, check_beam_request, search_all
 from nvllm.serve.models import ServedModels
@@ -42,6 +42,7 @@ class ChatHandler:
                  tool_parser: ToolParser | None = None, reasoning_parser: ReasoningParser | None = None):
         self.engine, self.prompts, self.models = engine, prompts, models
         self.defaults = defaults  # the model's sampling defaults (nvllm.engine.generation_defaults)
+        self.max_logprobs = logprobs_limit(engine)
         self.tool_parser = tool_parser  # --enable-auto-tool-choice's parser
         self.reasoning_parser = reasoning_parser  # --reasoning-parser's
 
@@ -66,7 +67,7 @@ class ChatHandler:
         """The engine's logprobs count: None unless logprobs is true; then top_logprobs (default 0)."""
         if req.top_logprobs and not req.logprobs:  # 0 asks for nothing (vLLM takes it)
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        check_logprobs(req.top_logprobs, "top_logprobs")
+        check_logprobs(req.top_logprobs, "top_logprobs", self.max_logprobs)
         return (req.top_logprobs or 0) if req.logprobs else None
 
     schema = ChatCompletionRequest
@@ -91,7 +92,8 @@ class ChatHandler:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(ids), self.prompts.max_model_len, param,
                                         self.defaults.get("max_tokens"))
-        params = sampling_params(req, max_tokens, num_top, requested_prompt_logprobs(req), defaults=self.defaults)
+        params = sampling_params(req, max_tokens, num_top, requested_prompt_logprobs(req, self.max_logprobs),
+                                 defaults=self.defaults)
         params.structured_outputs = plan.constraint() or params.structured_outputs
         if plan.mode == "auto" and plan.parser.keep_special_tokens:
             params.skip_special_tokens = False
@@ -160,7 +162,8 @@ class ChatHandler:
                     if d is None:
                         continue
                     lps = None if num_top is None else chat_logprobs(
-                        d.token_ids, d.logprobs or [], num_top, self.prompts.logprob_token(req.return_tokens_as_token_ids))
+                        d.token_ids, d.logprobs or [], num_top,
+                        self.prompts.logprob_token(req.return_tokens_as_token_ids))
                     rs = replies[c.index]
                     delta = rs.delta(c.text, d.finish_reason is not None)
                     finish = reply.plan.finish_reason(d.finish_reason, rs.called)

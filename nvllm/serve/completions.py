@@ -12,7 +12,7 @@ from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, prompt_logprobs_json,
+from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, logprobs_limit, prompt_logprobs_json,
                                 requested_prompt_logprobs, resolve_max_tokens, submit, sampling_params, usage)
 from nvllm.serve.beam import beam_params, beam_usage, check_beam_request, search_all
 from nvllm.serve.models import ServedModels
@@ -50,6 +50,7 @@ class CompletionHandler:
     def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, models: ServedModels, defaults: dict):
         self.engine, self.prompts, self.models = engine, prompts, models
         self.defaults = defaults  # the model's sampling defaults (nvllm.engine.generation_defaults)
+        self.max_logprobs = logprobs_limit(engine)
 
     schema = CompletionRequest
 
@@ -68,11 +69,11 @@ class CompletionHandler:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n (no server-side ranking of samples)", "best_of")
         self.prompts.check_ids(req.stop_token_ids or [], "stop_token_ids")
-        check_logprobs(req.logprobs, "logprobs")
+        check_logprobs(req.logprobs, "logprobs", self.max_logprobs)
         if req.max_tokens == 0 and (not req.echo or req.use_beam_search or req.min_tokens):
             raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt back, with its logprobs "
                               "if asked, and nothing generated)", "max_tokens")
-        asked = requested_prompt_logprobs(req)
+        asked = requested_prompt_logprobs(req, self.max_logprobs)
         prompt_ids = self.prompts.completion_prompts(req.prompt, req.truncate_prompt_tokens, req.add_special_tokens)
         max_len = self.prompts.max_model_len
         echoed = req.logprobs if req.echo and req.logprobs is not None else None

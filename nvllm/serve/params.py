@@ -47,15 +47,22 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     return requested
 
 
-def check_logprobs(value: int | None, param: str) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param)
+def logprobs_limit(engine) -> int:
+    """The most logprobs a request may ask: the engine's max_logprobs (vLLM's --max-logprobs; -1: the whole
+    vocabulary), else MAX_LOGPROBS."""
+    cap = engine.engine.config.max_logprobs
+    return MAX_LOGPROBS if cap is None else engine.engine.vocab_size if cap == -1 else cap
 
 
-def requested_prompt_logprobs(req: SamplingRequest) -> int | None:
+def check_logprobs(value: int | None, param: str, limit: int = MAX_LOGPROBS) -> None:
+    if value is not None and not 0 <= value <= limit:
+        raise bad_request(f"{param} must be in [0, {limit}], got {value}", param)
+
+
+def requested_prompt_logprobs(req: SamplingRequest, limit: int = MAX_LOGPROBS) -> int | None:
     """vLLM's prompt_logprobs of a request, checked: None when not asked for, or asked for 0 on a stream (vLLM
     accepts and drops that); a stream that asks for more is a 400, as in vLLM (a chunk has no place for them)."""
-    check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    check_logprobs(req.prompt_logprobs, "prompt_logprobs", limit)
     if req.stream and req.prompt_logprobs:
         raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
     return None if req.stream else req.prompt_logprobs
