@@ -27,8 +27,17 @@ def fail(message: str, code: int = 2):
     raise typer.Exit(code)
 
 
-def _opt(default: Any, annotation: Any, help: str, *flags: str) -> tuple[Any, Any]:
-    return default, Annotated[annotation, typer.Option(*flags, help=help, rich_help_panel=_PANEL)]
+def panel_option(panel: str):
+    """``opt(default, annotation, help, *flags)`` → (default, Annotated option) shown under ``panel`` in --help: how
+    an option group (see ``option_group``) declares its flags."""
+
+    def opt(default: Any, annotation: Any, help: str, *flags: str) -> tuple[Any, Any]:
+        return default, Annotated[annotation, typer.Option(*flags, help=help, rich_help_panel=panel)]
+
+    return opt
+
+
+_opt = panel_option(_PANEL)
 
 
 ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {

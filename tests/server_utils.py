@@ -34,18 +34,20 @@ def spawn(command: str, args: list[str], log_path: Path) -> tuple[subprocess.Pop
         return proc, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-def start_server(args: list[str], log_path: Path, timeout: float = 120, command: str = "serve"
+def start_server(args: list[str], log_path: Path, timeout: float = 120, command: str = "serve", verify=None
                  ) -> tuple[subprocess.Popen, str]:
     """`nvllm COMMAND ARGS` (``serve``: the demo model unless ARGS say otherwise; or ``router``), ``spawn``ed;
-    waits for /health. Returns the process and the base URL; a server that exits or never becomes healthy fails the
-    test."""
+    waits for /health. ``verify``: an SSL context trusting the server's certificate, for one serving HTTPS. Returns
+    the process and the base URL; a server that exits or never becomes healthy fails the test."""
     proc, base = spawn(command, args, log_path)
+    if verify is not None:
+        base = base.replace("http://", "https://")
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{base}/health", timeout=2, verify=verify or True).status_code == 200:
                 return proc, base
         except httpx.HTTPError:
             pass

@@ -16,7 +16,7 @@ import pytest
 
 from nvllm.config import ConfigError
 from nvllm.serve.http_options import HTTPOptions
-from tests.server_utils import spawn, stop_server
+from tests.server_utils import spawn, start_server, stop_server
 
 trustme = pytest.importorskip("trustme")
 
@@ -114,23 +114,9 @@ def test_cli_mistakes_are_one_line_before_the_model_loads(tls_files, tmp_path):
 @pytest.fixture(scope="module")
 def https_server(tls_files, tmp_path_factory):
     log = tmp_path_factory.mktemp("https") / "server.log"
-    proc, base = spawn("serve", ["--ssl-certfile", tls_files["cert"], "--ssl-keyfile", tls_files["key"],
-                                 "--allowed-origins", '["https://app.example"]',
-                                 "--api-key", "k", "--max-num-seqs", "4", "--log-stats-interval", "0"], log)
-    base = base.replace("http://", "https://")
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{base}/health", verify=_trust(tls_files), timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not become healthy:\n{log.read_text()}")
-        time.sleep(0.25)
+    proc, base = start_server(["--ssl-certfile", tls_files["cert"], "--ssl-keyfile", tls_files["key"],
+                               "--allowed-origins", '["https://app.example"]', "--api-key", "k", "--max-num-seqs", "4",
+                               "--log-stats-interval", "0"], log, verify=_trust(tls_files))
     yield base, log
     stop_server(proc)
 

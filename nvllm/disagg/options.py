@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Any, Optional
 
-import typer
-
-from nvllm.cli_options import option_group
+from nvllm.cli_options import option_group, panel_option
 from nvllm.disagg.config import DisaggConfig
 
-_PANEL = "Disaggregation"
-
-
-def _opt(default: Any, annotation: Any, help: str) -> tuple[Any, Any]:
-    return default, Annotated[annotation, typer.Option(help=help, rich_help_panel=_PANEL)]
+_opt = panel_option("Disaggregation")
 
 
 DISAGG_OPTIONS: dict[str, tuple[Any, Any]] = {

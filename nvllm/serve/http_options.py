@@ -10,20 +10,14 @@ import os
 import re
 import ssl
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Optional
+from typing import Any, Optional
 
-import typer
-
-from nvllm.cli_options import option_group
+from nvllm.cli_options import option_group, panel_option
 from nvllm.config import ConfigError
 
 logger = logging.getLogger("nvllm")
 
-_PANEL = "HTTP (CORS, TLS)"
-
-
-def _opt(default: Any, annotation: Any, help: str) -> tuple[Any, Any]:
-    return default, Annotated[annotation, typer.Option(help=help, rich_help_panel=_PANEL)]
+_opt = panel_option("HTTP (CORS, TLS)")
 
 
 HTTP_OPTIONS: dict[str, tuple[Any, Any]] = {
