@@ -60,8 +60,14 @@ def detect_content_format(template: str) -> str:
     import jinja2
     from jinja2 import nodes
 
+    try:  # the environment transformers renders with (its {% generation %} tag included)
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        env = _compile_jinja_template(template).environment
+    except Exception:  # noqa: BLE001 - a template transformers cannot compile fails later, where it is applied
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
     try:
-        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        tree = env.parse(template)
     except jinja2.TemplateError:
         return "string"
     for loop in tree.find_all(nodes.For):
@@ -98,7 +104,8 @@ def render_chat(tokenizer, template: str, messages: list[dict[str, Any]], add_ge
     if content_format not in CONTENT_FORMATS:
         raise ChatTemplateError(f"unknown chat template content format {content_format!r}; choose "
                                 f"{', '.join(CONTENT_FORMATS)}", "chat_template_content_format")
-    parts = (detect_content_format(template) if content_format == "auto" else content_format) == "openai"
+    parts = (detect_content_format(template) if content_format == "auto" else content_format) == "openai" \
+        and template != FALLBACK_CHAT_TEMPLATE  # nvllm's own template reads strings
     conversation = [_turn(m, i, parts) for i, m in enumerate(messages)]
     try:
         return tokenizer.apply_chat_template(

@@ -129,8 +129,9 @@ def _with_model(config: EngineConfig, model: str) -> EngineConfig:
     if config.model not in (demo_model_path(), os.path.expanduser(model)):
         raise ConfigError(f"the model is given twice: {model} and --model {config.model}")
     defaulted = config.tokenizer == config.model  # the tokenizer follows the model unless given apart
+    revision = config.tokenizer_revision  # --tokenizer-revision, or --revision copied in when not given
     return dataclasses.replace(config, model=model, tokenizer=None if defaulted else config.tokenizer,
-                               tokenizer_revision=None if defaulted else config.tokenizer_revision)
+                               tokenizer_revision=None if defaulted and revision == config.revision else revision)
 
 
 @app.command()

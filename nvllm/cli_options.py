@@ -52,6 +52,7 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
                          "against its config.json (default: read from it)", "--quantization", "-q"),
     "trust_remote_code": _opt(False, bool, "accepted for vLLM's command lines, without effect: nvllm runs its own "
                               "code for the architectures it supports"),
+    "disable_log_stats": _opt(False, bool, "no periodic stats lines (vLLM's flag; --log-stats-interval 0)"),
     "max_logprobs": _opt(None, Optional[int], "the most logprobs / prompt_logprobs a request may ask (-1: the "
                          "vocabulary; default: 20 on the server, the vocabulary offline)"),
     "dtype": _opt("auto", str, "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on GPU)"),

@@ -79,6 +79,7 @@ class EngineConfig:
     # vLLM's --max-logprobs: the most logprobs / prompt_logprobs a request may ask (-1: the whole vocabulary);
     # None: 20 on the server, the vocabulary offline
     max_logprobs: int | None = None
+    disable_log_stats: bool = False  # vLLM's name for log_stats_interval 0
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     device: str = "auto"  # auto: cuda when available
     seed: int = 0
@@ -136,8 +137,10 @@ class EngineConfig:
         self.device = resolve_device(self.device)
         if isinstance(self.dtype, torch.dtype):  # LLM(dtype=torch.bfloat16), as vLLM takes it
             self.dtype = next((k for k, v in _DTYPES.items() if v == self.dtype), str(self.dtype))
-        if self.seed is None:  # vLLM's LLM(seed=None): the default seed
-            self.seed = 0
+        if self.seed is None:  # vLLM's seed=None: unseeded, so a seed of its own each time
+            import secrets
+
+            self.seed = secrets.randbelow(2**31)
         if self.tokenizer_mode not in ("auto", "hf"):
             raise ConfigError(f"tokenizer_mode {self.tokenizer_mode!r} is not supported: nvllm reads the model's HF "
                               "tokenizer files (tokenizer_mode auto)")
@@ -147,6 +150,8 @@ class EngineConfig:
                 raise ConfigError(f"quantization {self.quantization!r} is not supported: nvllm serves awq, gptq and "
                                   "compressed-tensors checkpoints (`nvllm quantize` makes them), and finds the method "
                                   "in config.json without this option")
+        if self.disable_log_stats:
+            self.log_stats_interval = 0
         if self.max_logprobs is not None and (isinstance(self.max_logprobs, bool) or self.max_logprobs < -1):
             raise ConfigError(f"max_logprobs must be -1 (the vocabulary) or at least 0, got {self.max_logprobs}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -27,15 +27,13 @@ Conversation = Seq[dict[str, Any]]
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any):
         """engine_options: EngineConfig's fields, and a few of vLLM's names: `speculative_config=` for
-        `speculative=`, `disable_log_stats=True` for `log_stats_interval=0`, `task` "generate" (or "auto"), and
-        `swap_space` (nothing is swapped: a preempted sequence is recomputed)."""
+        `speculative=`, `task` "generate" (or "auto"), and `swap_space` (nothing is swapped: a preempted sequence is
+        recomputed)."""
         setup_logging()
         if "speculative_config" in engine_options:
             if engine_options.get("speculative") is not None:
                 raise ValueError("give speculative or speculative_config, not both")
             engine_options["speculative"] = engine_options.pop("speculative_config")
-        if engine_options.pop("disable_log_stats", False):
-            engine_options["log_stats_interval"] = 0
         engine_options.pop("swap_space", None)
         task = engine_options.pop("task", "auto")
         if task not in ("auto", "generate"):
@@ -104,11 +102,10 @@ class LLM:
 
     def chat(self, messages: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None,
-             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
-             chat_template_content_format: str = "auto") -> list[RequestOutput]:
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role": ..., "content": ...} messages; content a string
         or a list of {"type": "text", "text": ...} parts) or a list of them, each rendered through the chat
         template and tokenized as the server's /v1/chat/completions does, then generated as `generate` does

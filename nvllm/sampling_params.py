@@ -155,10 +155,12 @@ class SamplingParams:
                              f"{type(self.structured_outputs).__name__}")
 
     def clone(self) -> "SamplingParams":
-        """A deep copy (vLLM's), to change one request's settings without touching another's."""
+        """A deep copy (vLLM's), to change one request's settings without touching another's; a constraint's
+        compiled grammar (immutable, and not copyable) is shared."""
         import copy
 
-        return copy.deepcopy(self)
+        compiled = getattr(self.structured_outputs, "compiled", None)
+        return copy.deepcopy(self, {} if compiled is None else {id(compiled): compiled})
 
     @property
     def greedy(self) -> bool:

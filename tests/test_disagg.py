@@ -485,6 +485,15 @@ def test_response_owners_keep_the_latest_ids():
 
 
 # ---- the benchmark and the advisor --------------------------------------------------------------------------
+def test_router_passes_x_request_id_and_answers_ping_and_version(deployment):
+    router = deployment["urls"]["router"]
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 2}
+    r = httpx.post(f"{router}/v1/completions", json=body, headers={**AUTH, "X-Request-Id": "trace-1"}, timeout=60)
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-trace-1"
+    assert httpx.get(f"{router}/ping").status_code == 200 and httpx.post(f"{router}/ping").status_code == 200
+    assert httpx.get(f"{router}/version").json()["version"]
+
+
 def test_bench_serve_reports_the_disaggregation_split(deployment):
     from nvllm.bench import datasets, serve
     from nvllm.engine.llm_engine import load_tokenizer

@@ -99,6 +99,8 @@ PARTS_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% for c in m['conten
      "{% endfor %}{% endfor %}", "openai"),
     ("{% for m in messages %}{% if m.content is string %}{{ m.content }}{% endif %}{% endfor %}", "string"),
     ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}", "string"),
+    ("{% for m in messages %}{% generation %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endgeneration %}"
+     "{% endfor %}", "openai"),  # HF's own tag, in HF's environment
 ])
 def test_content_format_detected_as_vllm_does(template, fmt):
     from nvllm.chat_template import FALLBACK_CHAT_TEMPLATE, detect_content_format
@@ -123,5 +125,9 @@ def test_a_template_reading_content_parts_gets_them():
     plain = llm.chat([{"role": "user", "content": "Hello"}], GREEDY, use_tqdm=False, chat_template=PARTS_TEMPLATE)
     assert plain[0].prompt == "user: Helloassistant:"
     assert render_chat(tok, PARTS_TEMPLATE, parts, content_format="string") == "user: assistant:"
+    from nvllm.chat_template import FALLBACK_CHAT_TEMPLATE
+
+    fallback = render_chat(tok, FALLBACK_CHAT_TEMPLATE, parts, content_format="openai")  # nvllm's own reads strings
+    assert fallback == render_chat(tok, FALLBACK_CHAT_TEMPLATE, parts) and "'type'" not in fallback
     with pytest.raises(ValueError, match="unknown chat template content format 'html'"):
         llm.chat(parts, GREEDY, use_tqdm=False, chat_template_content_format="html")

@@ -22,9 +22,10 @@ def test_vllm_engine_arguments(demo_dir):
     vllm_style = LLM(model=demo_dir, device="cpu", dtype=torch.float32, seed=None, trust_remote_code=True,
                      tokenizer_mode="auto", disable_log_stats=True, swap_space=4, task="generate",
                      quantization=None)
-    assert vllm_style.config.dtype == "float32" and vllm_style.config.seed == 0
+    assert vllm_style.config.dtype == "float32" and 0 <= vllm_style.config.seed < 2**31  # unseeded: its own seed
     assert vllm_style.config.log_stats_interval == 0
     assert vllm_style.llm_engine is vllm_style.engine
+    assert vllm_style.llm_engine.get_tokenizer() is vllm_style.get_tokenizer()
     prompt = "Once upon a time"
     assert vllm_style.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
         plain.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -50,6 +51,8 @@ def test_quantization_names_the_checkpoints_method(tmp_path):
     quantize_model(str(base), str(out), build_config(None, method="rtn", group_size=32, device="cpu"))
     for name in ("gptq", "gptq_marlin", "GPTQ"):  # vLLM's kernel-specific names mean the same checkpoint
         assert LLM(str(out), device="cpu", log_stats_interval=0, quantization=name).config.quantization == "gptq"
+    drafted = LLM(str(out), device="cpu", log_stats_interval=0, quantization="gptq", speculative=f"k=2,draft={base}")
+    assert drafted.engine.spec is not None  # the method names the target's checkpoint, not the draft's
     with pytest.raises(ConfigError, match="quantization 'awq' was asked for, but .* is a gptq checkpoint"):
         LLM(str(out), device="cpu", log_stats_interval=0, quantization="awq")
 
@@ -74,6 +77,26 @@ def test_sampling_params_clone_is_deep():
                                                                               logit_bias={3: 1.0, 4: 2.0})
 
 
+def test_clone_after_a_constrained_run_shares_the_compiled_grammar(demo_dir):
+    from nvllm.sampling_params import StructuredOutputsParams
+
+    llm = LLM(demo_dir, device="cpu", log_stats_interval=0)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    first = llm.generate("Answer:", params, use_tqdm=False)[0].outputs[0].text
+    copy = params.clone()
+    assert copy == params and copy.structured_outputs is not params.structured_outputs
+    assert llm.generate("Answer:", copy, use_tqdm=False)[0].outputs[0].text in ("yes", "no") and first in ("yes", "no")
+
+
+def test_serve_model_keeps_the_tokenizer_revision():
+    from nvllm.cli import _with_model
+    from nvllm.config import EngineConfig
+
+    assert _with_model(EngineConfig(tokenizer_revision="t2", revision="r1"), "a/b").tokenizer_revision == "t2"
+    plain = _with_model(EngineConfig(revision="r1"), "a/b")
+    assert (plain.model, plain.tokenizer, plain.tokenizer_revision) == ("a/b", "a/b", "r1")
+
+
 def test_chat_with_a_lora_adapter(tmp_path):
     from tests.lora_utils import make_adapter
 
@@ -82,7 +105,7 @@ def test_chat_with_a_lora_adapter(tmp_path):
     llm = LLM(str(base), device="cpu", log_stats_interval=0, enable_lora=True, max_lora_rank=8)
     conversation = [{"role": "user", "content": "Tell me a story"}]
     lora = LoRARequest("story", 1, str(adapter))
-    chatted = llm.chat(conversation, GREEDY, use_tqdm=False, lora_request=lora)[0]
+    chatted = llm.chat(conversation, GREEDY, False, lora)[0]  # vLLM's order: lora_request fourth
     generated = llm.generate({"prompt_token_ids": chatted.prompt_token_ids}, GREEDY, use_tqdm=False,
                              lora_request=lora)[0]
     base_reply = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
@@ -105,6 +128,7 @@ def test_serve_takes_the_model_as_its_argument(tmp_path):
     assert r.returncode == 2 and "unknown --chat-template-content-format 'html'" in r.stderr
     r = _serve("--help")
     assert "[MODEL]" in r.stdout and "-tp" in r.stdout and "--trust-remote-code" in r.stdout
+    assert "--disable-log-stats" in r.stdout
 
 
 def test_serve_model_argument_serves_it(tmp_path):

@@ -188,6 +188,9 @@ def test_vllm_request_fields(client, http):
     again = client.completions.create(model=MODEL, prompt=[PROMPT, PROMPT], max_tokens=2,
                                       extra_body={"request_id": "abc"})  # the same id twice: no clash inside
     assert again.id == "cmpl-abc" and len(again.choices) == 2
+    both = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"request_id": "abc"},
+                                     extra_headers={"X-Request-Id": "hdr"})  # the header wins, as in vLLM
+    assert both.id == "cmpl-hdr"
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                                 "max_tokens": 2, "n": None, "top_logprobs": 0})
     assert r.status_code == 200 and len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
@@ -236,8 +239,11 @@ def test_chat_echo_prepends_the_continued_assistant_message(client):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
         echoed.choices[0].message.content
     user_last = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=4, temperature=0,
-                                               extra_body={"echo": True})  # nothing to continue: nothing echoed
+                                               extra_body={"echo": True})  # a new assistant turn: nothing echoed
     assert not user_last.choices[0].message.content.startswith("Tell me")
+    continued = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=4, temperature=0,
+                                               extra_body={"echo": True, "add_generation_prompt": False})
+    assert continued.choices[0].message.content.startswith("Tell me a story")  # continuing the user's text
 
 
 def test_version_ping_and_model_permission(server, http):

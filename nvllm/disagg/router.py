@@ -352,8 +352,9 @@ def _streams(upstream: httpx.Response) -> bool:
 
 
 def _forwarded(request: Request) -> dict:
-    auth = request.headers.get("authorization")
-    return {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+    """The client's headers a worker reads: its key, and the X-Request-Id that names the response."""
+    kept = {name: request.headers[name] for name in ("Authorization", "X-Request-Id") if name in request.headers}
+    return {"Content-Type": "application/json", **kept}
 
 
 def _describe(e: BaseException) -> str:

@@ -71,6 +71,16 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
         return JSONResponse({"status": "waiting for workers",
                              "workers": [w.public() for w in router.pool.workers]}, status_code=503)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # vLLM's (SageMaker's health check), as `nvllm serve` answers it
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict:
+        from nvllm import __version__
+
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST

@@ -139,6 +139,10 @@ class LLMEngine:
         self._next_id += 1
         return f"req-{self._next_id}"
 
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's LLMEngine method)."""
+        return self.tokenizer
+
     def tokenize(self, prompt: str | Seq[int]) -> list[int]:
         return self.admission.tokenize(prompt)
 

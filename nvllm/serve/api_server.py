@@ -155,7 +155,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
 
     async def answer(handler, req, request: Request, start=None) -> Response:
         check_model(req.model)
-        if req.request_id is None and request.headers.get("x-request-id"):  # the response's id, as vLLM's
+        if request.headers.get("x-request-id"):  # names the response, before the body's request_id (as vLLM)
             req.request_id = request.headers["x-request-id"][:256]
         if not engine.is_running:
             raise APIError(503, "the engine is not running", code="engine_unavailable")

@@ -56,9 +56,10 @@ class ChatHandler:
 
     @staticmethod
     def _echoed(req: ChatCompletionRequest) -> str:
-        """vLLM's echo: the last message's text when it is the assistant's, which the reply continues."""
+        """vLLM's echo: the last message's text when the reply continues it (an assistant message, or any message
+        without add_generation_prompt)."""
         last = req.messages[-1]
-        if not req.echo or last.role != "assistant":
+        if not req.echo or (req.add_generation_prompt and last.role != "assistant"):
             return ""
         return last.content if isinstance(last.content, str) else "\n".join(
             p.text or "" for p in last.content or [] if p.type == "text")

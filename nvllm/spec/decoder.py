@@ -65,6 +65,7 @@ def load_draft_runner(config: EngineConfig, target, tokenizer):
     draft_config = dataclasses.replace(  # the draft runs whole on rank 0, also when the target is split
         config, model=path, tokenizer=path if has_tok else config.tokenizer, num_kv_blocks=target.num_blocks,
         kv_cache_memory=None, max_model_len=min(target.max_model_len, limit), speculative=None, hf_overrides={},
+        quantization=None, revision=None, tokenizer_revision=None,  # the target's, not the draft's
         tensor_parallel_size=1, enable_lora=False)  # LoRA adapters are the target's: the draft proposes without
     try:
         return ModelRunner(draft_config, draft=True)
