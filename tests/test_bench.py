@@ -344,6 +344,27 @@ def test_serve_against_fake_server(fake_server, tmp_path):
     assert "Successful requests" in said(res) and "kernel report" in said(res)
 
 
+def test_serve_takes_vllms_bench_flags(fake_server, tmp_path, demo_dir):
+    """A `vllm bench serve` command line: --host/--port, --backend openai-chat, --served-model-name with --model
+    naming the tokenizer's model, --dataset-name, --random-input-len/--random-output-len, --disable-tqdm."""
+    url, state = fake_server
+    state.reset()
+    host, port = url.removeprefix("http://").split(":")
+    out = tmp_path / "vllm.json"
+    res = runner.invoke(app, ["bench", "serve", "--host", host, "--port", port, "--backend", "openai-chat",
+                              "--model", demo_dir, "--served-model-name", "fake-model", "--dataset-name", "random",
+                              "--random-input-len", "16", "--random-output-len", "5", "--num-prompts", "6",
+                              "--disable-tqdm", "--save-result", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert (r["backend"], r["completed"], r["model_id"]) == ("openai-chat", 6, "fake-model")
+    assert r["output_lens"] == [5] * 6
+    for bad, message in ((["--backend", "tgi"], "--backend 'tgi' is not supported"),
+                         (["--base-url", url, "--port", port], "give --base-url or --host/--port, not both")):
+        res = runner.invoke(app, ["bench", "serve", *bad, "--num-prompts", "1"])
+        assert res.exit_code == 2 and message in res.output
+
+
 def test_serve_chat_endpoint_counts_content_chunks(fake_server, tmp_path, tok):
     url, state = fake_server
     state.reset(usage=False)  # a server that sends no usage: the client's tokenizer counts the output

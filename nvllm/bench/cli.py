@@ -38,9 +38,15 @@ def _finish(result: dict, path: str | None) -> None:
 def bench_serve(
     more_slos: Annotated[Optional[list[str]], typer.Argument(hidden=True, metavar="KEY:MS",
                                                              help="more --goodput pairs")] = None,
-    base_url: Annotated[str, typer.Option(help="server root, e.g. http://127.0.0.1:8000")] = "http://127.0.0.1:8000",
-    endpoint: Annotated[str, typer.Option(help="/v1/completions or /v1/chat/completions")] = "/v1/completions",
+    base_url: Annotated[Optional[str], typer.Option(help="server root (default http://127.0.0.1:8000)")] = None,
+    host: Annotated[Optional[str], typer.Option(help="or the server's host (vLLM's flags, with --port)")] = None,
+    port: Annotated[Optional[int], typer.Option(help="and port")] = None,
+    endpoint: Annotated[Optional[str], typer.Option(help="/v1/completions or /v1/chat/completions (default: "
+                                                    "--backend's)")] = None,
+    backend: Annotated[str, typer.Option(help="vLLM's: openai | vllm (completions) or openai-chat (chat)")] = "openai",
     model: Annotated[Optional[str], typer.Option(help="model name to request (default: the server's first)")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="vLLM's: the name to request, when --model "
+                                                             "names the tokenizer's model")] = None,
     lora_modules: Annotated[Optional[list[str]], typer.Option(help="LoRA adapter names the server serves: each "
                                                               "request asks for one at random (repeat, or "
                                                               "comma-separate)")] = None,
@@ -50,9 +56,11 @@ def bench_serve(
                                          rich_help_panel=_DATA)] = "random",
     dataset_path: Annotated[Optional[str], typer.Option(rich_help_panel=_DATA)] = None,
     num_prompts: Annotated[int, typer.Option(rich_help_panel=_DATA)] = 1000,
-    input_len: Annotated[Optional[int], typer.Option(help="random: prompt tokens (default 128)",
+    input_len: Annotated[Optional[int], typer.Option("--input-len", "--random-input-len",
+                                                     help="random: prompt tokens (default 128)",
                                                      rich_help_panel=_DATA)] = None,
-    output_len: Annotated[Optional[int], typer.Option(help="max_tokens per request (default: from the data; "
+    output_len: Annotated[Optional[int], typer.Option("--output-len", "--random-output-len", "--sharegpt-output-len",
+                                                      help="max_tokens per request (default: from the data; "
                                                       "random: 128)", rich_help_panel=_DATA)] = None,
     random_range_ratio: Annotated[float, typer.Option(rich_help_panel=_DATA)] = 0.0,
     request_rate: Annotated[float, typer.Option(help="requests/s; inf sends all at once")] = float("inf"),
@@ -67,8 +75,11 @@ def bench_serve(
     api_key: Annotated[Optional[str], typer.Option(envvar="OPENAI_API_KEY", show_envvar=False)] = None,
     save_result: Annotated[Optional[str], typer.Option(help="write the result JSON here")] = None,
     progress: Annotated[bool, typer.Option(help="live progress bar")] = True,
+    disable_tqdm: Annotated[bool, typer.Option(help="vLLM's: no progress bar")] = False,
 ) -> None:
-    """Benchmark a running OpenAI-compatible server over streaming HTTP (TTFT, TPOT, ITL, E2EL, goodput)."""
+    """Benchmark a running OpenAI-compatible server over streaming HTTP (TTFT, TPOT, ITL, E2EL, goodput). vLLM's
+    `bench serve` flags work too: --host/--port, --backend, --served-model-name, --dataset-name,
+    --random-input-len/--random-output-len, --sharegpt-output-len, --disable-tqdm."""
     from pathlib import Path
 
     from nvllm.assets import demo_model_path
@@ -79,13 +90,16 @@ def bench_serve(
     if more_slos and not goodput:
         fail(f"unexpected argument {more_slos[0]!r}")
     try:
+        base_url, endpoint = _server(base_url, host, port, endpoint, backend)
+        requested = served_model_name or model  # with --served-model-name, --model names the tokenizer's model
         slos = metrics.parse_goodput((goodput or []) + (more_slos or []))
-        opts = serve.ServeOptions(base_url=base_url, endpoint=endpoint, model=model, request_rate=request_rate,
+        opts = serve.ServeOptions(base_url=base_url, endpoint=endpoint, model=requested, request_rate=request_rate,
                                   burstiness=burstiness, max_concurrency=max_concurrency, ignore_eos=ignore_eos,
                                   temperature=temperature, percentiles=metrics.parse_percentiles(metric_percentiles),
-                                  goodput=slos, seed=seed, api_key=api_key, progress=progress,
+                                  goodput=slos, seed=seed, api_key=api_key, progress=progress and not disable_tqdm,
                                   lora_modules=[n for m in lora_modules or [] for n in m.split(",") if n])
-        tok = load_tokenizer(tokenizer or (model if model and Path(model).is_dir() else demo_model_path()))
+        source = model if model and (served_model_name or Path(model).is_dir()) else demo_model_path()
+        tok = load_tokenizer(tokenizer or source)
         requests = datasets.load_requests(dataset, tok, num_prompts, dataset_path, input_len, output_len,
                                           random_range_ratio, seed)
         result = serve.run_serve_benchmark(opts, requests, tok)
@@ -94,6 +108,20 @@ def bench_serve(
     _finish(result, save_result)
     if result["completed"] == 0:
         fail(f"all {result['failed']} requests failed", code=1)
+
+
+def _server(base_url: str | None, host: str | None, port: int | None, endpoint: str | None,
+            backend: str) -> tuple[str, str]:
+    """(base URL, endpoint) from nvllm's flags or vLLM's (--host/--port, --backend)."""
+    from nvllm.config import ConfigError
+
+    if backend not in ("openai", "vllm", "openai-chat"):
+        raise ConfigError(f"--backend {backend!r} is not supported: openai or vllm (completions), openai-chat (chat)")
+    if base_url is not None and (host is not None or port is not None):
+        raise ConfigError("give --base-url or --host/--port, not both")
+    if base_url is None:
+        base_url = f"http://{host or '127.0.0.1'}:{port or 8000}"
+    return base_url, endpoint or ("/v1/chat/completions" if backend == "openai-chat" else "/v1/completions")
 
 
 @bench_app.command("advise")
