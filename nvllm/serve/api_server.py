@@ -36,6 +36,7 @@ from nvllm.serve.errors import APIError, from_value_error, install_error_handler
 from nvllm.serve.http import ClientGone, EventStreamResponse, check_api_key, parse_body, until_disconnect
 from nvllm.serve.http_options import HTTPOptions
 from nvllm.serve.metrics import ServerMetrics
+from nvllm.serve.params import logprobs_limit
 from nvllm.serve.prompts import PromptProcessor
 from nvllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                   ModelList, TokenizeRequest, TokenizeResponse)
@@ -128,10 +129,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
         raise ConfigError("--lora-modules needs --enable-lora")
     for adapter in config.lora_modules:  # a bad adapter stops the start, as vLLM checks them
         core.load_lora(adapter)
-    completions = CompletionHandler(engine, prompts, models, defaults)
+    completions = CompletionHandler(engine, prompts, models, defaults, logprobs_limit(core))
     auto_tools = get_tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None
     reasoning = get_reasoning_parser(core.config.reasoning_parser) if core.config.reasoning_parser else None
-    chat = ChatHandler(engine, prompts, models, defaults, auto_tools, reasoning)
+    chat = ChatHandler(engine, prompts, models, defaults, auto_tools, reasoning, logprobs_limit(core))
     responses = ResponsesHandler(chat)
     limit = config.max_request_bytes
 

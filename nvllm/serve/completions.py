@@ -12,7 +12,7 @@ from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (EngineRequest, ChoiceProgress, check_logprobs, logprobs_limit, prompt_logprobs_json,
+from nvllm.serve.params import (MAX_LOGPROBS, EngineRequest, ChoiceProgress, check_logprobs, prompt_logprobs_json,
                                 requested_prompt_logprobs, resolve_max_tokens, submit, sampling_params, usage)
 from nvllm.serve.beam import beam_params, beam_usage, check_beam_request, search_all
 from nvllm.serve.models import ServedModels
@@ -47,10 +47,11 @@ def completion_logprobs(token_ids: list[int], dicts: list, num_top: int, offset:
 
 
 class CompletionHandler:
-    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, models: ServedModels, defaults: dict):
+    def __init__(self, engine: AsyncLLMEngine, prompts: PromptProcessor, models: ServedModels, defaults: dict,
+                 max_logprobs: int = MAX_LOGPROBS):
         self.engine, self.prompts, self.models = engine, prompts, models
         self.defaults = defaults  # the model's sampling defaults (nvllm.engine.generation_defaults)
-        self.max_logprobs = logprobs_limit(engine)
+        self.max_logprobs = max_logprobs  # the most logprobs a request may ask (nvllm.serve.params.logprobs_limit)
 
     schema = CompletionRequest
 

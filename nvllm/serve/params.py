@@ -48,10 +48,10 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
 
 
 def logprobs_limit(engine) -> int:
-    """The most logprobs a request may ask: the engine's max_logprobs (vLLM's --max-logprobs; -1: the whole
-    vocabulary), else MAX_LOGPROBS."""
-    cap = engine.engine.config.max_logprobs
-    return MAX_LOGPROBS if cap is None else engine.engine.vocab_size if cap == -1 else cap
+    """The most logprobs a request may ask of ``engine`` (an LLMEngine): its max_logprobs (vLLM's --max-logprobs;
+    -1: the whole vocabulary), else MAX_LOGPROBS."""
+    cap = engine.config.max_logprobs
+    return MAX_LOGPROBS if cap is None else engine.vocab_size if cap == -1 else cap
 
 
 def check_logprobs(value: int | None, param: str, limit: int = MAX_LOGPROBS) -> None:
