@@ -584,7 +584,7 @@ def test_fd_serves_an_inherited_socket_and_refuses_anything_else(tmp_path):
 
     from nvllm.cli import app
     from nvllm.config import ConfigError
-    from nvllm.serve.api_server import adopt_socket, bind_socket, listen_socket
+    from nvllm.serve.sockets import adopt_socket, bind_socket, listen_socket
 
     held = bind_socket("127.0.0.1", 0)
     held.listen()  # now no other socket can bind its port: a bind of --host/--port would fail

@@ -327,12 +327,12 @@ def test_keep_alive_on_engine_death_keeps_the_server_up(monkeypatch):
 
     import uvicorn
 
-    from nvllm.serve.api_server import _GracefulServer
+    from nvllm.serve.graceful import GracefulServer
 
     engine = SimpleNamespace(error=WorkerFailure("rank 1 was killed by SIGKILL"))
     for value, exits in (("1", False), ("0", True)):
         monkeypatch.setenv("NVLLM_KEEP_ALIVE_ON_ENGINE_DEATH", value)
-        server = _GracefulServer(uvicorn.Config(app=None), engine, grace=1)
+        server = GracefulServer(uvicorn.Config(app=None), engine, grace=1)
         asyncio.run(server.on_tick(1))
         assert server.should_exit is exits and server.engine_died is exits
 

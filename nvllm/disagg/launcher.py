@@ -32,7 +32,8 @@ from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.disagg.config import DisaggConfig, parse_xpyd
 from nvllm.disagg.router_app import run_router
 from nvllm.disagg.router_config import RouterConfig
-from nvllm.serve.api_server import ServerConfig, bind_socket, listen_socket
+from nvllm.serve.api_server import ServerConfig
+from nvllm.serve.sockets import bind_socket, listen_socket
 
 logger = logging.getLogger("nvllm")
 

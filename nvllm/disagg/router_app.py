@@ -99,7 +99,8 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
 def run_router(cfg: RouterConfig, sock=None) -> None:
     """Serve until SIGINT/SIGTERM; sock: the listening socket when the caller bound it already."""
     from nvllm.logger import setup_logging
-    from nvllm.serve.api_server import KEEP_ALIVE_S, _exit_quietly_after_signals, listen_socket
+    from nvllm.serve.graceful import KEEP_ALIVE_S, exit_quietly_after_signals
+    from nvllm.serve.sockets import listen_socket
 
     setup_logging()
     sock = sock or listen_socket(cfg.host, cfg.port, cfg.fd)
@@ -112,7 +113,7 @@ def run_router(cfg: RouterConfig, sock=None) -> None:
         server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, timeout_keep_alive=KEEP_ALIVE_S,
                                                timeout_graceful_shutdown=cfg.shutdown_timeout,
                                                **cfg.http.uvicorn_kwargs()))
-        with _exit_quietly_after_signals():
+        with exit_quietly_after_signals():
             server.run(sockets=[sock])
     finally:
         sock.close()

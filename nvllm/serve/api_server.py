@@ -6,12 +6,9 @@ in-flight requests get `shutdown_timeout` seconds to finish before they are abor
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
-import signal
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from nvllm.chat_template import CONTENT_FORMATS
-from nvllm.config import ConfigError, EngineConfig, first_line
+from nvllm.config import ConfigError, EngineConfig
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nvllm.engine.generation_defaults import announce
 from nvllm.lora.request import LoRARequest
@@ -38,6 +35,8 @@ from nvllm.serve.http_options import HTTPOptions
 from nvllm.serve.metrics import ServerMetrics
 from nvllm.serve.params import logprobs_limit
 from nvllm.serve.prompts import PromptProcessor
+from nvllm.serve.graceful import FLUSH_S, KEEP_ALIVE_S, GracefulServer, exit_quietly_after_signals
+from nvllm.serve.sockets import listen_socket, url_host
 from nvllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                   ModelList, TokenizeRequest, TokenizeResponse)
 
@@ -297,47 +296,6 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
     return app
 
 
-def _url_host(configured: str, bound: str) -> str:
-    """The address other workers reach this one at: the bound one, loopback for a wildcard bind."""
-    host = configured if configured not in ("0.0.0.0", "::", "") else "127.0.0.1"
-    return f"[{host}]" if ":" in host else host or bound
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
-
-
-def adopt_socket(fd: int) -> socket.socket:
-    """The bound TCP socket behind an inherited file descriptor (``--fd``: bound by whoever started this process,
-    so no other process can take its port in between)."""
-    if fd < 0:   # (socket.socket(fileno=-1) would open a new socket)
-        raise ConfigError(f"--fd must be a file descriptor (>= 0), got {fd}")
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError as e:
-        raise ConfigError(f"--fd {fd} is not an open socket: {e.strerror or e}") from None
-    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-        sock.detach()
-        raise ConfigError(f"--fd {fd} is not a TCP socket")
-    if sock.getsockname()[1] == 0:
-        sock.detach()
-        raise ConfigError(f"--fd {fd}: the socket is not bound to a port")
-    return sock
-
-
-def listen_socket(host: str, port: int, fd: int | None) -> socket.socket:
-    """The socket to serve on: the inherited one (``--fd``), else ``--host``:``--port`` bound here."""
-    return adopt_socket(fd) if fd is not None else bind_socket(host, port)
-
-
 def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "DisaggConfig | None" = None) -> int:
     """Build the engine (and, for a prefill or decode worker, join the KV transfer group), then serve until
     SIGINT/SIGTERM (uvicorn handles both), or until the engine's loop dies. Returns the exit status: 0, or 1 when
@@ -361,17 +319,17 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
             from nvllm.disagg.worker import DisaggWorker
 
             host, port = sock.getsockname()[:2]
-            url_host = _url_host(config.host if config.fd is None else host, host)
-            worker = DisaggWorker(engine, disagg, config, f"http://{url_host}:{port}")
+            reach = url_host(config.host if config.fd is None else host, host)
+            worker = DisaggWorker(engine, disagg, config, f"http://{reach}:{port}")
         app = build_app(engine, config, model_name, worker)
         host, port = sock.getsockname()[:2]
         logger.info("serving %s at %s://%s:%d/v1 (API key %s)", model_name, config.http.scheme, host, port,
                     "required" if config.api_key else "not required")
-        server = _GracefulServer(uvicorn.Config(app, log_level=config.log_level, timeout_keep_alive=KEEP_ALIVE_S,
-                                                timeout_graceful_shutdown=config.shutdown_timeout + _FLUSH_S,
+        server = GracefulServer(uvicorn.Config(app, log_level=config.log_level, timeout_keep_alive=KEEP_ALIVE_S,
+                                                timeout_graceful_shutdown=config.shutdown_timeout + FLUSH_S,
                                                 **config.http.uvicorn_kwargs()),
                                  engine, config.shutdown_timeout)
-        with _exit_quietly_after_signals():
+        with exit_quietly_after_signals():
             server.run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C while the model loads: nothing is serving yet
         logger.info("interrupted before serving")
@@ -380,58 +338,3 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
         sock.close()
     logger.info("server stopped")
     return 1 if server.engine_died else 0
-
-
-# An idle connection stays open this long. httpx (so the openai client) drops its idle connections after 5 s, the
-# same as uvicorn's default: with equal timeouts a client can send on a connection the server is closing, and a
-# request with no retries fails with a read error. Longer here, the client always lets go first.
-KEEP_ALIVE_S = 15
-_FLUSH_S = 5  # after the abort, time for the final chunks to reach the clients before uvicorn cancels
-
-
-class _GracefulServer(uvicorn.Server):
-    """uvicorn's shutdown (stop accepting, wait for in-flight requests) with one step added: after `grace`
-    seconds the engine aborts what is still running, so every stream still ends properly (a last chunk with
-    finish_reason "abort", then [DONE]) instead of being cut off.
-
-    A server whose engine loop died (a tensor-parallel rank gone) cannot answer again: it shuts down and the
-    process exits 1, for a supervisor to restart it, as vLLM's does. ``NVLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`` keeps
-    it up instead, answering 503 (/health too)."""
-
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float):
-        super().__init__(config)
-        self.engine, self.grace = engine, grace
-        self.keep_alive = os.environ.get("NVLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") not in ("", "0")
-        self.engine_died = False
-
-    async def on_tick(self, counter: int) -> bool:
-        error = self.engine.error
-        if error is not None and not self.engine_died and not self.keep_alive:
-            self.engine_died = True
-            logger.error("the engine stopped (%s): shutting the server down (NVLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 "
-                         "keeps it up, answering 503)", first_line(error))
-            self.should_exit = True
-        return await super().on_tick(counter)
-
-    async def shutdown(self, sockets=None) -> None:
-        timer = asyncio.get_running_loop().call_later(self.grace, self._abort_in_flight)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            timer.cancel()
-
-    def _abort_in_flight(self) -> None:
-        logger.warning("shutdown: aborting the requests still in flight after %ss", self.grace)
-        self.engine.abort_all()
-
-
-@contextlib.contextmanager
-def _exit_quietly_after_signals():
-    """uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the handler it found;
-    a no-op handler there lets a graceful shutdown end with exit status 0 instead of death by signal."""
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
