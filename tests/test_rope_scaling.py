@@ -71,6 +71,8 @@ def test_context_length_is_vllms(max_pos, scaling, length):
     ({"rope_type": "yarn", "factor": 4.0, "beta_fast": -1}, "beta_fast must be a positive number"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1.5},
      "original_max_position_embeddings must be a positive integer, got 1.5"),
+    ({"rope_type": "yarn", "factor": 2.0, "partial_rotary_factor": 0.5},
+     "partial_rotary_factor 0.5 is not supported with rope_scaling 'yarn'"),
 ])
 def test_bad_scaling_is_one_clear_error(scaling, message):
     config = transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=64)
