@@ -365,6 +365,24 @@ def test_serve_takes_vllms_bench_flags(fake_server, tmp_path, demo_dir):
         assert res.exit_code == 2 and message in res.output
 
 
+def test_prompt_tokens_are_counted_with_the_models_tokenizer_or_a_warning(tmp_path, monkeypatch, demo_dir):
+    """--model's tokenizer counts the prompts (a directory, or a Hub id as vLLM's benchmark loads it); a name
+    nothing can be loaded from falls back to the demo model's tokenizer, and says so."""
+    from huggingface_hub import constants
+
+    from nvllm.bench.cli import _model_tokenizer
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert _model_tokenizer(demo_dir, False).name_or_path == demo_dir
+    for name in ("org/not-cached", "my-served-name"):
+        res = runner.invoke(app, ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", name,
+                                  "--num-prompts", "1", "--input-len", "4", "--output-len", "2", "--no-progress"])
+        assert "prompt tokens are counted with the demo model's tokenizer; pass --tokenizer" in res.output, name
+    with pytest.raises(ValueError, match="cannot load the tokenizer of --model org/not-cached"):
+        _model_tokenizer("org/not-cached", True)  # --served-model-name: --model must name the tokenizer's model
+
+
 def test_serve_chat_endpoint_counts_content_chunks(fake_server, tmp_path, tok):
     url, state = fake_server
     state.reset(usage=False)  # a server that sends no usage: the client's tokenizer counts the output

@@ -147,3 +147,23 @@ def test_serve_model_argument_serves_it(tmp_path):
         assert r.status_code == 400 and "logprobs must be in [0, 5], got 6" in r.json()["error"]["message"]
     finally:
         stop_server(proc)
+
+
+def test_a_prompt_that_tokenizes_to_nothing_is_refused(tmp_path):
+    """A tokenizer that drops the text (here: its normalizer keeps only a and b) gives no token to start from: one
+    ValueError, instead of a sequence the scheduler could never run."""
+    import tokenizers
+    import transformers
+
+    model = build_tiny_model("llama", tmp_path / "m")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (model / name).unlink()
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "?": 2}, unk_token="?"))
+    raw.normalizer = tokenizers.normalizers.Replace(tokenizers.Regex("[^ab ]"), "")
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=raw).save_pretrained(model)
+    llm = LLM(str(model), device="cpu", log_stats_interval=0)
+    assert llm.get_tokenizer().encode("Hello") == []
+    with pytest.raises(ValueError, match="the prompt 'Hello' tokenizes to no tokens"):
+        llm.generate("Hello", GREEDY, use_tqdm=False)
+    assert llm.generate("a b", GREEDY, use_tqdm=False)[0].prompt_token_ids == [0, 1]

@@ -80,9 +80,7 @@ def bench_serve(
     """Benchmark a running OpenAI-compatible server over streaming HTTP (TTFT, TPOT, ITL, E2EL, goodput). vLLM's
     `bench serve` flags work too: --host/--port, --backend, --served-model-name, --dataset-name,
     --random-input-len/--random-output-len, --sharegpt-output-len, --disable-tqdm."""
-    from pathlib import Path
 
-    from nvllm.assets import demo_model_path
     from nvllm.bench import datasets, metrics, serve
     from nvllm.engine.llm_engine import load_tokenizer
 
@@ -98,8 +96,7 @@ def bench_serve(
                                   temperature=temperature, percentiles=metrics.parse_percentiles(metric_percentiles),
                                   goodput=slos, seed=seed, api_key=api_key, progress=progress and not disable_tqdm,
                                   lora_modules=[n for m in lora_modules or [] for n in m.split(",") if n])
-        source = model if model and (served_model_name or Path(model).is_dir()) else demo_model_path()
-        tok = load_tokenizer(tokenizer or source)
+        tok = load_tokenizer(tokenizer) if tokenizer else _model_tokenizer(model, served_model_name is not None)
         requests = datasets.load_requests(dataset, tok, num_prompts, dataset_path, input_len, output_len,
                                           random_range_ratio, seed)
         result = serve.run_serve_benchmark(opts, requests, tok)
@@ -108,6 +105,27 @@ def bench_serve(
     _finish(result, save_result)
     if result["completed"] == 0:
         fail(f"all {result['failed']} requests failed", code=1)
+
+
+def _model_tokenizer(model: str | None, names_model: bool):
+    """The tokenizer that counts prompt tokens when --tokenizer is not given: --model's (a directory, or a Hub id as
+    vLLM's benchmark loads it), else the demo model's, said in a warning when --model named something else."""
+    from pathlib import Path
+
+    from nvllm.assets import demo_model_path
+    from nvllm.engine.llm_engine import load_tokenizer
+    from nvllm.logger import console
+
+    if model and (names_model or Path(model).is_dir() or "/" in model):
+        try:
+            return load_tokenizer(model)
+        except Exception as e:  # noqa: BLE001 - no such directory or Hub id, or no network: the fallback below
+            if names_model or Path(model).is_dir():
+                raise ValueError(f"cannot load the tokenizer of --model {model}: {e}") from None
+    if model and model != "stories260K":
+        console().print(f"[yellow]warning:[/] prompt tokens are counted with the demo model's tokenizer; pass "
+                        f"--tokenizer for {model}'s", highlight=False, soft_wrap=True)
+    return load_tokenizer(demo_model_path())
 
 
 def _server(base_url: str | None, host: str | None, port: int | None, endpoint: str | None,
@@ -145,9 +163,7 @@ def bench_advise(
     progress: Annotated[bool, typer.Option(help="live progress bar")] = True,
 ) -> None:
     """Measure a workload on a mixed server and recommend whether (and how) to disaggregate prefill and decode."""
-    from pathlib import Path
 
-    from nvllm.assets import demo_model_path
     from nvllm.bench import advise, datasets, report, serve
     from nvllm.disagg.advisor import tables
     from nvllm.engine.llm_engine import load_tokenizer
@@ -160,7 +176,7 @@ def bench_advise(
         opts = serve.ServeOptions(base_url=base_url, endpoint=endpoint, model=model, request_rate=request_rate,
                                   max_concurrency=max_concurrency, ignore_eos=ignore_eos, api_key=api_key,
                                   progress=progress)
-        tok = load_tokenizer(tokenizer or (model if model and Path(model).is_dir() else demo_model_path()))
+        tok = load_tokenizer(tokenizer) if tokenizer else _model_tokenizer(model, False)
         requests = datasets.load_requests(dataset, tok, num_prompts, dataset_path, input_len, output_len)
         result, workload, rec = advise.run_advise(opts, requests, tok, num_gpus)
     except (serve.BenchError, *USER_ERRORS) as e:

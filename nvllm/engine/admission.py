@@ -41,7 +41,10 @@ class Admission:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if not ids:  # a sequence needs a token to start from (an empty tokenizer's, or one that drops the text)
+                raise ValueError(f"the prompt {prompt[:40]!r} tokenizes to no tokens")
+            return ids
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         odd = next((t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
