@@ -36,10 +36,11 @@ def rope_parameters(hf_config) -> tuple[float, dict[str, Any] | None]:
     rtype = scaling.get("rope_type", scaling.get("type", "default"))
     if rtype == "default":  # transformers' default rotary of these architectures ignores partial_rotary_factor too
         return theta, None
+    # a scaled type's frequencies would cover part of each head, which these architectures' HF code cannot run either
     partial = scaling.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
-    if partial is not None and partial != 1:  # a scaled type would rotate part of each head, which these
+    if partial is not None and partial != 1:
         raise ConfigError(f"config.json: partial_rotary_factor {partial!r} is not supported with rope_scaling "
-                          f"{rtype!r} (whole heads only)")  # architectures' HF code cannot run either
+                          f"{rtype!r} (whole heads only)")
     if rtype not in SCALING_TYPES:
         raise ConfigError(f"rope_scaling type {rtype!r} is not supported (supported: {', '.join(SCALING_TYPES)})")
     scaling = dict(scaling, rope_type=rtype)
