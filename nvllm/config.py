@@ -263,6 +263,11 @@ class EngineConfig:
             return torch.float32
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
+    @property
+    def tokenizer_follows_model(self) -> bool:
+        """The tokenizer is the model's own (the same name at the same revision): resolved with it."""
+        return self.tokenizer == self.model and self.tokenizer_revision == self.revision
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from nvllm.disagg.router import Router
 from nvllm.disagg.router_config import RouterConfig
 from nvllm.serve.errors import install_error_handlers
-from nvllm.serve.http import check_api_key
+from nvllm.serve.http import check_api_key, probe_routes
 
 logger = logging.getLogger("nvllm")
 
@@ -71,15 +71,7 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
         return JSONResponse({"status": "waiting for workers",
                              "workers": [w.public() for w in router.pool.workers]}, status_code=503)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:  # vLLM's (SageMaker's health check), as `nvllm serve` answers it
-        return await health()
-
-    @app.get("/version")
-    async def version() -> dict:
-        from nvllm import __version__
-
-        return {"version": __version__}
+    probe_routes(app, health)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -42,7 +42,7 @@ logger = logging.getLogger("nvllm")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, warmup: bool = True):
-        same = config.tokenizer == config.model and config.tokenizer_revision == config.revision
+        same = config.tokenizer_follows_model
         config.model = resolve_model_path(config.model, config.revision)
         config.tokenizer = config.model if same else resolve_model_path(config.tokenizer, config.tokenizer_revision)
         self.config = config

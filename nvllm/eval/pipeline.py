@@ -158,9 +158,8 @@ def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bo
         pass
     model = resolve_model_path(model_id, engine_config.revision)  # a Hub id at its revision: quantized and the baseline
     if model != model_id:
-        same = engine_config.tokenizer == model_id and engine_config.tokenizer_revision == engine_config.revision
-        engine_config = dataclasses.replace(engine_config, model=model,
-                                            tokenizer=model if same else engine_config.tokenizer)
+        engine_config = dataclasses.replace(engine_config, model=model, tokenizer=model if
+                                            engine_config.tokenizer_follows_model else engine_config.tokenizer)
     _check_bench_lengths(engine_config, bench)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     summary = quantize_step(model, out, quant_cfg, overwrite, console, progress)

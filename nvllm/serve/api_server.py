@@ -30,7 +30,8 @@ from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.serve.tool_parsers import TOOL_PARSERS, get_tool_parser
 from nvllm.serve.completions import CompletionHandler
 from nvllm.serve.errors import APIError, from_value_error, install_error_handlers
-from nvllm.serve.http import ClientGone, EventStreamResponse, check_api_key, parse_body, until_disconnect
+from nvllm.serve.http import (ClientGone, EventStreamResponse, check_api_key, parse_body, probe_routes,
+                              until_disconnect)
 from nvllm.serve.http_options import HTTPOptions
 from nvllm.serve.metrics import ServerMetrics
 from nvllm.serve.params import logprobs_limit
@@ -277,15 +278,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:  # vLLM's (SageMaker's health check): /health under another name
-        return await health()
-
-    @app.get("/version")
-    async def version() -> dict:
-        from nvllm import __version__
-
-        return {"version": __version__}
+    probe_routes(app, health)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -326,9 +319,9 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
         logger.info("serving %s at %s://%s:%d/v1 (API key %s)", model_name, config.http.scheme, host, port,
                     "required" if config.api_key else "not required")
         server = GracefulServer(uvicorn.Config(app, log_level=config.log_level, timeout_keep_alive=KEEP_ALIVE_S,
-                                                timeout_graceful_shutdown=config.shutdown_timeout + FLUSH_S,
-                                                **config.http.uvicorn_kwargs()),
-                                 engine, config.shutdown_timeout)
+                                               timeout_graceful_shutdown=config.shutdown_timeout + FLUSH_S,
+                                               **config.http.uvicorn_kwargs()),
+                                engine, config.shutdown_timeout)
         with exit_quietly_after_signals():
             server.run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C while the model loads: nothing is serving yet

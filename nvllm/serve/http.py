@@ -23,6 +23,21 @@ T = TypeVar("T")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the JSON escape of a UTF-16 surrogate, D800-DFFF
 
 
+def probe_routes(app, health) -> None:
+    """vLLM's probes beside an app's /health (``health``): /ping (SageMaker's check; GET or POST) answers as it does,
+    /version names the package's."""
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict:
+        from nvllm import __version__
+
+        return {"version": __version__}
+
+
 def check_api_key(request: Request, api_key: str | None) -> None:
     if api_key is None:
         return
