@@ -48,8 +48,9 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "tokenizer_revision": _opt(None, Optional[str], "the Hub branch, tag or commit of --tokenizer (default: "
                                "--revision when the tokenizer is the model's)"),
     "tokenizer_mode": _opt("auto", str, "auto: the model's HF tokenizer files (vLLM's flag; the only mode)"),
-    "quantization": _opt(None, Optional[str], "awq | gptq | compressed-tensors: the checkpoint's method, checked "
-                         "against its config.json (default: read from it)", "--quantization", "-q"),
+    "quantization": _opt(None, Optional[str], "awq | gptq | compressed-tensors | fp8: the checkpoint's method, "
+                         "checked against its config.json (default: read from it); fp8 on a 16/32-bit checkpoint "
+                         "quantizes its decoder linears to FP8 while it loads", "--quantization", "-q"),
     "trust_remote_code": _opt(False, bool, "accepted for vLLM's command lines, without effect: nvllm runs its own "
                               "code for the architectures it supports"),
     "disable_log_stats": _opt(False, bool, "no periodic stats lines (vLLM's flag; --log-stats-interval 0)"),

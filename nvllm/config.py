@@ -70,9 +70,9 @@ class EngineConfig:
     revision: str | None = None
     tokenizer_revision: str | None = None
     # vLLM's, for its command lines and scripts: "auto" (or "hf") reads the HF tokenizer files, as nvllm always
-    # does; quantization names the checkpoint's method (checked against it: nvllm serves checkpoints quantized
-    # ahead, it does not quantize at load); trust_remote_code has nothing to allow, since nvllm runs its own code
-    # for the architectures it supports and refuses the others
+    # does; quantization names the checkpoint's method (checked against it), or "fp8" for a 16/32-bit checkpoint
+    # quantized to FP8 while it loads (nvllm.quant.fp8); trust_remote_code has nothing to allow, since nvllm runs
+    # its own code for the architectures it supports and refuses the others
     tokenizer_mode: str = "auto"
     quantization: str | None = None
     trust_remote_code: bool = False
@@ -146,10 +146,11 @@ class EngineConfig:
                               "tokenizer files (tokenizer_mode auto)")
         if self.quantization is not None:
             self.quantization = str(self.quantization).lower().replace("_", "-").removesuffix("-marlin")
-            if self.quantization not in ("awq", "gptq", "compressed-tensors"):
-                raise ConfigError(f"quantization {self.quantization!r} is not supported: nvllm serves awq, gptq and "
-                                  "compressed-tensors checkpoints (`nvllm quantize` makes them), and finds the method "
-                                  "in config.json without this option")
+            if self.quantization not in ("awq", "gptq", "compressed-tensors", "fp8"):
+                raise ConfigError(f"quantization {self.quantization!r} is not supported: nvllm serves awq, gptq, fp8 "
+                                  "and compressed-tensors checkpoints (`nvllm quantize` makes them) and finds the "
+                                  "method in config.json without this option; fp8 also quantizes a 16/32-bit "
+                                  "checkpoint while it loads")
         if self.disable_log_stats:
             self.log_stats_interval = 0
         if self.max_logprobs is not None and (isinstance(self.max_logprobs, bool) or self.max_logprobs < -1):

@@ -83,14 +83,16 @@ QUANT_CONFIGS = {
     # the LM head quantized too (GPTQModel's lm_head=True, nvllm quantize --quantize-lm-head)
     "gptq-head": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
                   "checkpoint_format": "gptq", "lm_head": True},
+    # FP8 weights in 128×128 blocks (Qwen3-*-FP8, DeepSeek-V3), served W8A16; keys say w8
+    "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]},
 }
 
 
 def quant_runs(model_dir: Path, res: dict, methods: list[str], save, suffix: str = "", profile: bool = False,
                batches: tuple[int, ...] = ()) -> None:
     """W4A16 g128 decode at batch 1 (random packed weights; bf16 lm_head unless "-head") against the bf16 TPOT of
-    this run; keys ``nvllm_{method}_w4{suffix}_…``. ``batches``: also the decode step at each of these batch sizes
-    with 256-token contexts (``…_b{n}_step_ms``). ``profile``: then torch.profiler over 32 decode steps of each
+    this run; keys ``nvllm_{method}_w4{suffix}_…`` (``w8`` for fp8). ``batches``: also the decode step at each of
+    these batch sizes with 256-token contexts (``…_b{n}_step_ms``). ``profile``: then torch.profiler over 32 decode steps of each
     (``profile_{method}_decode_b1…``)."""
     from nvllm.bench.offline import run_latency
     from nvllm.config import EngineConfig
@@ -108,11 +110,12 @@ def quant_runs(model_dir: Path, res: dict, methods: list[str], save, suffix: str
         llm = LLM.from_config(config)
         lat = run_latency(config, batch_size=1, input_len=128, output_len=256, num_iters_warmup=1, num_iters=3,
                           progress=False, llm=llm)
-        res[f"nvllm_{method}_w4{suffix}_tpot_ms"] = lat["median_tpot_ms"]
-        res[f"nvllm_{method}_w4{suffix}_kernel_report"] = lat["kernel_report"]
-        res[f"nvllm_{method}_w4{suffix}_greedy"] = greedy_ids(llm)
+        bits = "w8" if method.startswith("fp8") else "w4"
+        res[f"nvllm_{method}_{bits}{suffix}_tpot_ms"] = lat["median_tpot_ms"]
+        res[f"nvllm_{method}_{bits}{suffix}_kernel_report"] = lat["kernel_report"]
+        res[f"nvllm_{method}_{bits}{suffix}_greedy"] = greedy_ids(llm)
         for b in batches:
-            res[f"nvllm_{method}_w4{suffix}_b{b}_step_ms"] = decode_step_ms(llm, b, 256, steps=32)
+            res[f"nvllm_{method}_{bits}{suffix}_b{b}_step_ms"] = decode_step_ms(llm, b, 256, steps=32)
         save()
         if profile:  # last: a profiler session slows the process's later launches
             profile_steps(llm, res, [c for c in PROFILE_CASES if c[0].startswith("decode")], f"{method}_")
@@ -380,13 +383,16 @@ def table(res: dict) -> str:
             row += f"; HF {res[f'hf_prefill_{n}_ms']:.1f} ms ({res[f'hf_prefill_{n}_ms'] / limit_ms:.2f}x)"
         lines.append(row)
     for method, suffix in ((m, s) for m in QUANT_CONFIGS for s in ("", "_finished", "_nopdl", "_gemv", "_stage2")):
-        k = f"nvllm_{method}_w4{suffix}_tpot_ms"
+        bits = "w8" if method.startswith("fp8") else "w4"
+        k = f"nvllm_{method}_{bits}{suffix}_tpot_ms"
         if k in res:
-            line = f"{method}{suffix} W4A16 g128 TPOT {res[k]:.2f} ms = {1000 / res[k]:.0f} tok/s"
+            what = "W8A16 fp8 block 128" if bits == "w8" else "W4A16 g128"
+            line = f"{method}{suffix} {what} TPOT {res[k]:.2f} ms = {1000 / res[k]:.0f} tok/s"
             if "nvllm_graphs_tpot_ms" in res:
                 line += f" ({res['nvllm_graphs_tpot_ms'] / res[k]:.2f}x nvllm bf16)"
-            per_batch = [(int(b[len(f"nvllm_{method}_w4{suffix}_b"):-len("_step_ms")]), v) for b, v in res.items()
-                         if b.startswith(f"nvllm_{method}_w4{suffix}_b") and b.endswith("_step_ms")]
+            pre = f"nvllm_{method}_{bits}{suffix}_b"
+            per_batch = [(int(b[len(pre):-len("_step_ms")]), v) for b, v in res.items()
+                         if b.startswith(pre) and b.endswith("_step_ms")]
             if per_batch:
                 line += "; decode step at 256 tokens: " + ", ".join(f"b{b} {v:.3f} ms" for b, v in sorted(per_batch))
             lines.append(line)
@@ -438,7 +444,8 @@ def main() -> None:
     ap.add_argument("--kv", default="", help="comma-separated KV-cache dtypes to compare at 8K context: auto,int8,...")
     ap.add_argument("--kv-throughput", default="",
                     help="comma-separated KV-cache dtypes for the KV-bound throughput run: auto,int8,...")
-    ap.add_argument("--quant", default="", help="comma-separated W4A16 formats to time at batch 1: awq,gptq,gptq-head")
+    ap.add_argument("--quant", default="",
+                    help="comma-separated quantized formats to time at batch 1: awq,gptq,gptq-head,fp8")
     ap.add_argument("--quant-batches", default="",
                     help="comma-separated batch sizes: with --quant, also the decode step at each (256-token contexts)")
     ap.add_argument("--partial-compare", action="store_true",

@@ -24,8 +24,10 @@ from nvllm.layers.attention import Attention, AttentionMetadata
 from nvllm.layers.embed_head import LMHead, VocabEmbedding
 from nvllm.layers.linear import Linear
 from nvllm.layers.norm import RMSNorm
+from nvllm.layers.fp8_linear import Fp8Linear
 from nvllm.layers.quant_linear import QuantLinear
 from nvllm.layers.rotary import RotaryEmbedding, rope_parameters
+from nvllm.quant.fp8 import Fp8Scheme
 from nvllm.quant.plan import QuantScheme
 
 # checkpoint name fragment → (fused parameter fragment, shard index)
@@ -87,12 +89,14 @@ class ModelShape:
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, output_sizes: list[int] | None,
-                dtype: torch.dtype, scheme: QuantScheme | None, shard: LinearShard | None = None,
-                tp: TPGroup | None = None) -> Linear | QuantLinear:
-    """A dense ``Linear``, or a ``QuantLinear`` when the checkpoint stores this layer quantized. Sizes are this
-    rank's; ``shard`` places them in the checkpoint's tensors (None: the whole layer)."""
+                dtype: torch.dtype, scheme: QuantScheme | Fp8Scheme | None, shard: LinearShard | None = None,
+                tp: TPGroup | None = None) -> Linear | QuantLinear | Fp8Linear:
+    """A dense ``Linear``, or a ``QuantLinear`` (``Fp8Linear``) when the checkpoint stores this layer quantized
+    (in FP8). Sizes are this rank's; ``shard`` places them in the checkpoint's tensors (None: the whole layer)."""
     if scheme is None:
         return Linear(in_features, out_features, bias, output_sizes, dtype, shard, tp)
+    if isinstance(scheme, Fp8Scheme):
+        return Fp8Linear(in_features, out_features, bias, output_sizes, scheme, dtype, shard, tp)
     return QuantLinear(in_features, out_features, bias, output_sizes, scheme, dtype, shard, tp)
 
 
@@ -291,6 +295,6 @@ class LlamaForCausalLM(nn.Module):
 
     def _shards_of(self, pname: str) -> list[int | None]:
         owner = self.get_submodule(pname.rsplit(".", 1)[0])
-        if isinstance(owner, (Linear, QuantLinear)) and len(owner.output_sizes) > 1:
+        if isinstance(owner, (Linear, QuantLinear, Fp8Linear)) and len(owner.output_sizes) > 1:
             return list(range(len(owner.output_sizes)))
         return [None]

@@ -162,7 +162,8 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
     """``{"layers.{i}.{linear}": QuantScheme}`` (and ``"lm_head"`` when the head is quantized) for a quantized
     checkpoint (see nvllm.quant.plan), else None. A quantized head with tensor parallelism is a ConfigError."""
     from nvllm.models.llama import ModelShape
-    from nvllm.quant.plan import LM_HEAD, serving_plan
+    from nvllm.quant.fp8 import ONLINE
+    from nvllm.quant.plan import LINEARS, LM_HEAD, serving_plan
 
     keys = None if config.load_format == "dummy" else checkpoint_keys(config.model)
     try:
@@ -173,16 +174,27 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
         found = serving_plan(config.model, hf_config, ModelShape(hf_config, arch), keys)
     except ValueError as e:
         raise ConfigError(f"{config.model}: {e}") from e
+    total = 4 * hf_config.num_hidden_layers
+    if config.quantization == "fp8" and found is None:   # quantized while it loads (nvllm.quant.fp8)
+        if log:
+            logger.info("--quantization fp8: the %d decoder linears are quantized to FP8 (e4m3, a scale per output "
+                        "row) while they load; embeddings and lm_head stay in %s", total,
+                        str(config.dtype).removeprefix("torch."))
+        return {f"layers.{i}.{fused}": ONLINE for i in range(hf_config.num_hidden_layers) for fused in LINEARS}
     if config.quantization is not None and config.quantization != (found[0].method if found else None):
         raise ConfigError(f"quantization {config.quantization!r} was asked for, but {config.model} is "
                           + (f"a {found[0].method} checkpoint" if found else "not quantized (`nvllm quantize` "
-                             "makes a quantized copy)"))
+                             "makes a quantized copy; --quantization fp8 quantizes it to FP8 while it loads)"))
     if found is None:
         return None
     qcfg, plan = found
     head = LM_HEAD in plan
-    total = 4 * hf_config.num_hidden_layers
-    if log:
+    if log and qcfg.fp8 is not None:
+        logger.info("quantized checkpoint: %s, %s (served W8A16%s); %d of %d decoder linears quantized (the rest, "
+                    "embeddings and lm_head in full precision)", qcfg.method, qcfg.fp8.describe(),
+                    ": the checkpoint's activation scales are not applied" if any(
+                        getattr(s, "static_inputs", False) for s in plan.values()) else "", len(plan), total)
+    elif log:
         logger.info("quantized checkpoint: %s %d-bit, group size %d; %d of %d decoder linears quantized (the "
                     "rest and embeddings in full precision); lm_head %s", qcfg.method, qcfg.bits,
                     qcfg.group_size, len(plan) - head, total, "quantized" if head else "in full precision")
@@ -224,15 +236,19 @@ def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torc
 
 
 def _compressed_tensors_view(model_dir: str, hf_config):
-    """A llm-compressor checkpoint's tensors are read translated into GPTQ v1's (nvllm.quant.compressed_tensors);
+    """A llm-compressor INT checkpoint's tensors are read translated into GPTQ v1's (nvllm.quant.compressed_tensors);
     None for any other checkpoint."""
     from nvllm.quant import compressed_tensors as ct
+    from nvllm.quant.fp8 import Fp8Scheme
     from nvllm.quant.plan import read_quantization_config
 
     raw = read_quantization_config(model_dir, hf_config)
     if not ct.is_compressed_tensors(raw):
         return None
-    return ct.GPTQView(ct.weight_scheme(raw), checkpoint_keys(model_dir) or set())
+    scheme = ct.weight_scheme(raw)
+    if isinstance(scheme, Fp8Scheme):   # FP8 tensors load as they are stored
+        return None
+    return ct.GPTQView(scheme, checkpoint_keys(model_dir) or set())
 
 
 @torch.no_grad()

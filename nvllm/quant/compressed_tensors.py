@@ -23,13 +23,16 @@ from typing import Any
 
 import torch
 
+from nvllm.quant import fp8
 from nvllm.quant.formats import default_g_idx, pack_cols, pack_rows, unpack_rows
+from nvllm.quant.fp8 import Fp8Scheme
 
 # config.json's weights scheme as llm-compressor writes it (compressed-tensors' QuantizationArgs fields)
 _ARGS = {"type": "int", "dynamic": False, "observer": "minmax", "observer_kwargs": {}, "block_structure": None}
 
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
+FLOAT_FORMATS = ("float-quantized", "naive-quantized")   # FP8 weights stored as they are (nvllm.quant.fp8)
 _PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
 
@@ -37,10 +40,11 @@ def is_compressed_tensors(raw: dict[str, Any] | None) -> bool:
     return isinstance(raw, dict) and str(raw.get("quant_method", "")).lower() == METHOD
 
 
-def weight_scheme(raw: dict[str, Any]) -> dict[str, Any]:
+def weight_scheme(raw: dict[str, Any]) -> dict[str, Any] | Fp8Scheme:
     """The one weight scheme of a ``compressed-tensors`` config, checked: ``{"bits", "group_size" (-1 for channel),
-    "sym", "actorder"}``. Anything else (activation quantization, float weights, another format, sparsity,
-    transforms, a quantized KV cache, groups with different schemes) is one ValueError naming it."""
+    "sym", "actorder"}`` for int weights, an ``Fp8Scheme`` for FP8 weights. Anything else (int weights with
+    activation quantization, another format, sparsity, transforms, a quantized KV cache, groups with different
+    schemes) is one ValueError naming it."""
     groups = raw.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
@@ -49,6 +53,10 @@ def weight_scheme(raw: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(g, dict):
             raise ValueError(f"compressed-tensors config group {name!r} must be an object")
         fmt = g.get("format") or raw.get("format")
+        w = g.get("weights")
+        if isinstance(w, dict) and str(w.get("type", "int")).lower() == "float":
+            schemes.append(_float_weights(name, fmt, w, g.get("input_activations"), g.get("output_activations")))
+            continue
         if fmt != FORMAT:
             raise ValueError(f"unsupported compressed-tensors format {fmt!r}: nvllm serves {FORMAT!r} (weight-only "
                              f"INT4/INT8: W4A16, W8A16)")
@@ -67,6 +75,19 @@ def weight_scheme(raw: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("compressed-tensors kv_cache_scheme is set: nvllm quantizes its KV cache itself "
                          "(--kv-cache-dtype) and does not read a checkpoint's KV scales")
     return schemes[0]
+
+
+def _float_weights(group: str, fmt: Any, w: dict[str, Any], inputs: Any, outputs: Any) -> Fp8Scheme:
+    """An FP8-weight config group (``nvllm.quant.fp8``)."""
+    if fmt not in FLOAT_FORMATS:
+        raise ValueError(f"unsupported compressed-tensors format {fmt!r} for float weights: nvllm serves "
+                         f"{' and '.join(map(repr, FLOAT_FORMATS))}")
+    if w.get("num_bits") != 8:
+        raise ValueError(f"unsupported compressed-tensors float num_bits {w.get('num_bits')!r}: nvllm serves 8-bit "
+                         f"(FP8) float weights")
+    if outputs is not None:
+        raise ValueError(f"compressed-tensors config group {group!r} quantizes output activations: not served")
+    return fp8.compressed_tensors_scheme(w, inputs)
 
 
 def _weights(group: str, w: Any) -> dict[str, Any]:

@@ -5,12 +5,13 @@ The decoder fuses q/k/v and gate/up into one linear each; a checkpoint stores th
 A fused module is quantized as a whole or not at all. A module stays in full precision when its shapes cannot
 be packed in the scheme (a group size that does not divide its input dimension, an output size that is not a
 whole number of packed words) or when the checkpoint's ``quantization_config`` excludes it
-(``modules_to_not_convert``, AutoAWQ / transformers; ``dynamic`` with ``-:`` regexes, GPTQModel / vLLM; ``ignore``,
-compressed-tensors).
+(``modules_to_not_convert``, AutoAWQ / transformers; ``ignored_layers``, FP8; ``dynamic`` with ``-:`` regexes,
+GPTQModel / vLLM; ``ignore``, compressed-tensors).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nvllm.quant import compressed_tensors
+from nvllm.quant.fp8 import Fp8Scheme
 from nvllm.quant.quant_config import QuantConfig, parse_quantization_config
 
 # our fused module → (HF parent module, HF modules it stands for)
@@ -60,8 +62,34 @@ class QuantScheme:
         return None
 
 
-def scheme_of(cfg: QuantConfig) -> QuantScheme:
+def scheme_of(cfg: QuantConfig) -> QuantScheme | Fp8Scheme:
+    if cfg.fp8 is not None:
+        return cfg.fp8
     return QuantScheme("awq" if cfg.packing == "awq_gemm" else "gptq", cfg.bits, cfg.group_size)
+
+
+FP8_SCALE_NAMES = ("weight_scale_inv", "weight_scale")
+
+
+def _stored_quantized(scheme, name: str, keys: set[str]) -> bool:
+    """Whether the checkpoint stores HF module ``name`` quantized: its ``qweight`` (packed schemes) or an FP8
+    weight's scale."""
+    if isinstance(scheme, Fp8Scheme):
+        return any(f"{name}.{leaf}" in keys for leaf in FP8_SCALE_NAMES)
+    return f"{name}.qweight" in keys
+
+
+def _fp8_as_stored(scheme: Fp8Scheme, names: list[str], keys: set[str]) -> Fp8Scheme:
+    """The scheme with the scale name these modules' tensors use and ``static_inputs`` when they carry an
+    ``input_scale``; both must be the same for every module fused together."""
+    found = {leaf for n in names for leaf in FP8_SCALE_NAMES if f"{n}.{leaf}" in keys}
+    if len(found) != 1:
+        raise ValueError(f"{', '.join(names)} store {' and '.join(sorted(found))}: one scale name for a fused "
+                         f"linear")
+    inputs = {f"{n}.input_scale" in keys for n in names}
+    if len(inputs) != 1:
+        raise ValueError(f"only some of {', '.join(names)} store an input_scale")
+    return dataclasses.replace(scheme, scale_name=found.pop(), static_inputs=inputs.pop())
 
 
 def hf_module_names(layer: int, fused: str) -> list[str]:
@@ -97,11 +125,11 @@ def read_quantization_config(model_dir: str, hf_config=None) -> dict[str, Any] |
 
 
 def excluded_by_config(raw: dict[str, Any], hf_names: list[str]) -> bool:
-    """True when the config keeps these modules in full precision. ``modules_to_not_convert`` entries match as
-    substrings of the module name (AutoAWQ / vLLM); ``dynamic`` keys ``-:REGEX`` exclude what the regex matches
-    from the start of the name (GPTQModel / vLLM); ``ignore`` entries are names or ``re:`` patterns
-    (compressed-tensors). All shards of a fused module must agree."""
-    skip = [str(m) for m in (raw.get("modules_to_not_convert") or [])]
+    """True when the config keeps these modules in full precision. ``modules_to_not_convert`` (and FP8's
+    ``ignored_layers``) entries match as substrings of the module name (AutoAWQ / vLLM); ``dynamic`` keys
+    ``-:REGEX`` exclude what the regex matches from the start of the name (GPTQModel / vLLM); ``ignore`` entries
+    are names or ``re:`` patterns (compressed-tensors). All shards of a fused module must agree."""
+    skip = [str(m) for m in (raw.get("modules_to_not_convert") or []) + (raw.get("ignored_layers") or [])]
     negative = [k[2:] for k in (raw.get("dynamic") or {}) if str(k).startswith("-:")]
 
     def excluded(name: str) -> bool:
@@ -156,10 +184,11 @@ def head_problem(shape, scheme: QuantScheme) -> str | None:
 
 
 def serving_plan(model_dir: str, hf_config, shape, checkpoint_keys: set[str] | None
-                 ) -> tuple[QuantConfig, dict[str, QuantScheme]] | None:
+                 ) -> tuple[QuantConfig, dict[str, QuantScheme | Fp8Scheme]] | None:
     """For a quantized checkpoint: its parsed config and ``{"layers.{i}.{fused}": scheme}`` for every linear it
     stores quantized (the others load as dense), plus ``{"lm_head": scheme}`` when the LM head is quantized.
-    With ``checkpoint_keys`` the tensor names decide (a module is quantized when its ``.qweight`` is there);
+    With ``checkpoint_keys`` the tensor names decide (a module is quantized when its ``.qweight``, or for FP8 its
+    scale, is there);
     without (dummy weights) the config and the packing rules do.
     None for a full-precision model. Raises ValueError for configs or checkpoints nvllm cannot serve."""
     raw = read_quantization_config(model_dir, hf_config)
@@ -173,25 +202,32 @@ def serving_plan(model_dir: str, hf_config, shape, checkpoint_keys: set[str] | N
         for fused in LINEARS:
             names = hf_module_names(i, fused)
             in_f, outs = output_sizes(shape, fused)
+            layer_scheme = scheme
             if checkpoint_keys is not None:
-                present = [n + ".qweight" in checkpoint_keys for n in names]
+                present = [_stored_quantized(scheme, n, checkpoint_keys) for n in names]
                 if any(present) and not all(present):
                     raise ValueError(f"the checkpoint quantizes only some of {', '.join(names)}: nvllm fuses them "
                                      f"into one linear, which is quantized as a whole or not at all")
                 quantized = all(present)
+                if quantized and isinstance(scheme, Fp8Scheme):
+                    layer_scheme = _fp8_as_stored(scheme, names, checkpoint_keys)
             else:
                 quantized = not excluded_by_config(raw, names) and scheme.packing_problem(in_f, outs) is None
             if quantized:
                 problem = scheme.packing_problem(in_f, outs)
                 if problem:
                     raise ValueError(f"{names[0]} cannot be served as {scheme.fmt} {scheme.bits}-bit: {problem}")
-                plan[f"layers.{i}.{fused}"] = scheme
+                plan[f"layers.{i}.{fused}"] = layer_scheme
+    fp8 = isinstance(scheme, Fp8Scheme)
     if checkpoint_keys is not None:
-        head = LM_HEAD + ".qweight" in checkpoint_keys
+        head = _stored_quantized(scheme, LM_HEAD, checkpoint_keys)
         if raw.get("lm_head") is True and not head:
             raise ValueError("quantization_config says lm_head: true but the checkpoint has no lm_head.qweight")
-    else:  # compressed-tensors quantizes every Linear its ignore list leaves, the head included
-        head = raw.get("lm_head") is True or (compressed_tensors.is_compressed_tensors(raw) and not
+        if head and fp8:
+            raise ValueError("the checkpoint stores its lm_head in FP8: nvllm serves FP8 decoder linears with a "
+                             "16/32-bit LM head")
+    else:  # compressed-tensors quantizes every Linear its ignore list leaves, the head included (FP8: not served)
+        head = raw.get("lm_head") is True or (compressed_tensors.is_compressed_tensors(raw) and not fp8 and not
                                               shape.tie_word_embeddings and not excluded_by_config(raw, [LM_HEAD]))
     if head:
         problem = head_problem(shape, scheme)

@@ -9,6 +9,7 @@ from typing import Any
 
 from nvllm.quant import compressed_tensors
 from nvllm.quant.formats import SUPPORTED_BITS
+from nvllm.quant.fp8 import Fp8Scheme, fp8_method_scheme
 
 
 def awq_quantization_config(group_size: int = 128, bits: int = 4, zero_point: bool = True,
@@ -48,12 +49,13 @@ def gptq_quantization_config(bits: int = 4, group_size: int = 128, desc_act: boo
 class QuantConfig:
     """What the loader and the linear layers need from a ``quantization_config``."""
 
-    method: str        # "awq" | "gptq" | "compressed-tensors"
+    method: str        # "awq" | "gptq" | "compressed-tensors" | "fp8"
     bits: int
     group_size: int    # as written: -1 means one group per output channel
     desc_act: bool
     sym: bool
-    packing: str       # "awq_gemm" | "gptq_v1" (compressed-tensors: read translated into it)
+    packing: str       # "awq_gemm" | "gptq_v1" (compressed-tensors int: read translated into it) | "fp8"
+    fp8: Fp8Scheme | None = None   # FP8 weights (quant_method fp8, compressed-tensors float): nvllm.quant.fp8
 
 
 _SYNONYMS = {"w_bit": "bits", "q_group_size": "group_size"}
@@ -66,13 +68,17 @@ def parse_quantization_config(cfg: dict[str, Any]) -> QuantConfig:
         raise ValueError(f"quantization_config must be a JSON object, got {type(cfg).__name__}")
     c = {_SYNONYMS.get(k.lower(), k.lower()): v for k, v in cfg.items()}
     method = str(c.get("quant_method", "gptq" if "desc_act" in c else "")).lower()
-    if method == compressed_tensors.METHOD:  # served through the GPTQ v1 path (its tensors read translated)
+    if method == compressed_tensors.METHOD:  # int: served through the GPTQ v1 path (its tensors read translated)
         w = compressed_tensors.weight_scheme(cfg)
+        if isinstance(w, Fp8Scheme):
+            return _fp8_config(method, w)
         return QuantConfig(method, w["bits"], w["group_size"], desc_act=w["actorder"] == "group", sym=w["sym"],
                            packing="gptq_v1")
+    if method == "fp8":
+        return _fp8_config(method, fp8_method_scheme(cfg))
     if method not in ("awq", "gptq"):
         raise ValueError(f"unsupported quant_method {c.get('quant_method')!r}: nvllm serves 'awq' (GEMM), "
-                         f"'gptq' (v1) and 'compressed-tensors' (pack-quantized) checkpoints")
+                         f"'gptq' (v1), 'fp8' and 'compressed-tensors' (pack-quantized, FP8) checkpoints")
     bits = c.get("bits")
     if not isinstance(bits, int) or isinstance(bits, bool) or bits not in SUPPORTED_BITS[method]:
         raise ValueError(f"unsupported {method} bits {bits!r}: supported {list(SUPPORTED_BITS[method])}")
@@ -100,3 +106,7 @@ def parse_quantization_config(cfg: dict[str, Any]) -> QuantConfig:
         if not isinstance(val, bool):
             raise ValueError(f"GPTQ {key} must be true or false, got {val!r}")
     return QuantConfig("gptq", bits, group_size, desc_act=desc_act, sym=sym, packing="gptq_v1")
+
+
+def _fp8_config(method: str, scheme: Fp8Scheme) -> QuantConfig:
+    return QuantConfig(method, 8, scheme.group_size, desc_act=False, sym=True, packing="fp8", fp8=scheme)

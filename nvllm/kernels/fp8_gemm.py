@@ -1,0 +1,166 @@
+"""FP8-weight GEMM (W8A16): ``y = x @ (q · s)ᵀ (+ bias)`` for a ``float8_e4m3fn`` weight ``q [N, K]`` with one
+fp32 scale per output row and block of ``BK_S`` inputs, ``s [N, ceil(K / BK_S)]`` (``nvllm.quant.fp8``'s memory
+layout: per-tensor and per-channel scales have ``BK_S = K``).
+
+Each program owns a ``[BLOCK_M, BLOCK_N]`` output tile and walks K in ``BLOCK_K`` steps, every step lying in one
+scale block (``BK_S % BLOCK_K == 0``, or one block for the whole row): it loads the weight tile once at one byte
+an element, converts it to fp32, multiplies by the ``BLOCK_N`` scales of that K block, rounds it to x's dtype and
+feeds ``tl.dot`` with fp32 accumulation. When the output tiles cannot fill the GPU (decode: M is the batch), K is
+split over programs that add into an fp32 buffer (``nvllm.kernels.split_k``).
+
+vLLM runs these checkpoints as W8A8 on GPUs with FP8 tensor cores (activations quantized per token); this keeps
+the activations in their dtype: the same weight bytes, no activation rounding.
+
+This file holds the op's three parts: the torch reference, the Triton kernel and the dispatch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nvllm.kernels import report
+from nvllm.kernels.backend import eager_triton, use_triton
+from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
+from nvllm.quant.fp8 import dequantize_rows
+
+triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+def fp8_gemm_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize to fp32, matmul in fp32, add bias, cast to x's dtype."""
+    w = dequantize_rows(weight, scale, block_k).to(x.device)
+    y = torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------- kernel
+
+
+@_jit
+def _fp8_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_sn, stride_om, stride_on,
+    k_per_split,                              # K range of one split (a multiple of BLOCK_K)
+    BK_S: tl.constexpr,                       # inputs per scale column
+    HAS_BIAS: tl.constexpr,
+    ATOMIC: tl.constexpr,                     # split-K: atomic_add into an fp32 output
+    DOT_PRECISION: tl.constexpr,              # "ieee" for fp32 inputs, "tf32" otherwise (unused for 16-bit)
+    UPCAST_DOT: tl.constexpr,                 # CPU interpreter + bf16: feed the dot fp32 copies (quant_gemm's note)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)            # [BLOCK_K, BLOCK_N]
+        s = tl.load(s_ptr + offs_n * stride_sn + k0 // BK_S, mask=mask_n, other=0.0)
+        w = (q.to(tl.float32) * s[None, :]).to(a.dtype)
+        if UPCAST_DOT:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    store_tile(out_ptrs, acc, mask_m[:, None] & mask_n[None, :], bias_ptr, offs_n, mask_n, HAS_BIAS, ATOMIC)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pick_config(M: int, K: int, block_k: int, dtype: torch.dtype) -> dict[str, int]:
+    """Tile sizes (a first choice, not yet measured per shape): small M takes 16-row tiles and split-K, larger M
+    wider tiles. BLOCK_K is the largest of 128 / 64 / 32 / 16 inside one scale block."""
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    block_n = 64 if M > 64 else 128
+    limit = 64 if dtype == torch.float32 or M > 64 else 128
+    bk = 16
+    for cand in (128, 64, 32):
+        if cand <= limit and (block_k >= K or block_k % cand == 0):
+            bk = cand
+            break
+    return {"block_m": block_m, "block_n": block_n, "block_k": bk, "num_warps": 8 if M > 64 else 4,
+            "num_stages": 2 if dtype == torch.float32 else 3}
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+             bias: torch.Tensor | None = None, split_k: int | None = None, **config: int) -> torch.Tensor:
+    """``x [M, K]`` (fp16 / bf16 / fp32) times the FP8 weight → ``[M, N]`` in x's dtype, fp32 accumulation.
+    ``block_k``: inputs per scale column (K for per-tensor and per-channel scales). ``split_k=None`` splits K
+    until about two waves fill the device; ``config`` overrides ``block_m``, ``block_n``, ``block_k``,
+    ``num_warps``, ``num_stages``."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"fp8_gemm takes fp16, bf16 or fp32 activations, got {x.dtype}")
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        raise ValueError(f"x has {K} input features, the FP8 weight holds {weight.shape[1]}")
+    if tuple(scale.shape) != (N, -(-K // block_k)):
+        raise ValueError(f"scale has shape {tuple(scale.shape)}, expected [{N}, {-(-K // block_k)}]")
+    cfg = _pick_config(M, K, block_k, x.dtype)
+    unknown = set(config) - set(cfg)
+    if unknown:
+        raise TypeError(f"unknown fp8_gemm config keys {sorted(unknown)}")
+    cfg.update(config)
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    if block_k < K and block_k % bk:
+        raise ValueError(f"BLOCK_K {bk} does not divide the scale block {block_k}")
+    if M == 0:
+        return x.new_zeros(0, N)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    split_k, k_per_split = plan_split_k(tiles, K, bk, x.device, split_k)
+    atomic = split_k > 1
+    out = split_k_output(M, N, x, split_k)
+    has_bias = bias is not None and not atomic
+    _fp8_gemm_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split_k)](
+        x, weight, scale, bias if has_bias else scale, out,
+        M, N, K,
+        x.stride(0), x.stride(1), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
+        k_per_split,
+        BK_S=block_k if block_k < K else K, HAS_BIAS=has_bias, ATOMIC=atomic,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=x.dtype == torch.bfloat16 and _interpreting(),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return finish_split_k(out, bias, x.dtype, split_k)
+
+
+# ----------------------------------------------------------------------------------------------- dispatch
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x @ (q · s)ᵀ + bias``; ``x [..., K]`` → ``[..., N]`` in x's dtype: the Triton kernel where Triton runs
+    (``use_triton``), else the torch reference."""
+    K = weight.shape[1]
+    if x.shape[-1] != K:
+        raise ValueError(f"input has {x.shape[-1]} features, the FP8 layer expects {K}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if use_triton(x):
+        report.record("fp8_gemm", "triton w8a16 fp8")
+        y = fp8_gemm(x2, weight, scale, block_k, bias)
+    else:
+        report.record("fp8_gemm", "torch dequant+matmul")
+        y = fp8_gemm_reference(x2, weight, scale, block_k, bias)
+    return y.reshape(*lead, weight.shape[0])

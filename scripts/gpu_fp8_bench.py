@@ -1,0 +1,113 @@
+"""FP8-weight GEMM (W8A16, ``nvllm.kernels.fp8_gemm``) on one GPU, for the Qwen2.5-7B projections: checked against
+its torch reference, then timed against cuBLAS on the bf16 weight at each M, for 128×128 block scales (Qwen3-FP8,
+DeepSeek-V3) and per-row scales (``--quantization fp8``, FP8_DYNAMIC checkpoints). At M = 1 it also sweeps a few
+tile configs (``--sweep``) and prints the best next to the default.
+
+    python3 scripts/gpu_fp8_bench.py [--ms 1,2,4,8,16,64,256,2048] [--sweep]
+
+Every call runs inside a CUDA graph with the weight rotated past L2 (``gemm_tuner.cuda_graph_timer``). The floor is
+the FP8 weight's bytes (and its scales') over the device-to-device copy bandwidth measured in the run. Writes
+$OUT/fp8_bench.json (``--out`` overrides $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from nvllm.kernels.fp8_gemm import _pick_config, fp8_gemm, fp8_gemm_reference  # noqa: E402
+from nvllm.kernels.gemm_tuner import cuda_graph_timer  # noqa: E402
+from nvllm.quant.fp8 import Fp8Scheme, quantize_blocks, quantize_rows, scale_rows  # noqa: E402
+
+HIDDEN, INTER, LAYERS = 3584, 18944, 28
+SHAPES = {"qkv": (4608, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+SWEEP = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st) for bn in (32, 64, 128, 256) for bk in (64, 128)
+         for w in (4, 8) for st in (2, 4)]
+
+
+def weights(n: int, k: int, scales: str) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Copies (≥ 256 MiB in all) of one random FP8 weight with its per-row scales: (q, scale, block_k)."""
+    w = torch.randn(n, k, device="cuda") * 0.02
+    if scales == "block128":
+        q, s = quantize_blocks(w, (128, 128))
+        s, bk = scale_rows(s, Fp8Scheme("block", (128, 128)), n, k, "w"), 128
+    else:
+        (q, s), bk = quantize_rows(w), k
+    copies = max(2, -(-(256 << 20) // (n * k)))
+    return [(q.roll(i, 0), s, bk) for i in range(copies)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ms", default="1,2,4,8,16,64,256,2048")
+    ap.add_argument("--sweep", action="store_true", help="also a few tile configs at M = 1")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    from gpu_bench import measure_bandwidth
+
+    bw = measure_bandwidth()
+    res = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "bandwidth_Bps": bw, "rows": []}
+    print(f"{res['card']}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    ms = [int(m) for m in args.ms.split(",")]
+    totals: dict[tuple[str, int], list[float]] = {}
+    for scales in ("block128", "row"):
+        for name, (n, k) in SHAPES.items():
+            ws = weights(n, k, scales)
+            dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                     for _ in range(max(2, -(-(256 << 20) // (n * k * 2))))]
+            floor_s = (n * k + ws[0][1].numel() * 4) / bw
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                q, s, bk = ws[0]
+                ref = fp8_gemm_reference(x, q, s, bk).float()
+                err = float((fp8_gemm(x, q, s, bk).float() - ref).abs().max() / ref.abs().max())
+                if err > 2e-2:
+                    raise SystemExit(f"{scales} {name} M={m}: fp8_gemm off its reference by {err:.3g}")
+                t_fp8 = cuda_graph_timer(lambda i: fp8_gemm(x, *ws[i % len(ws)]), len(ws), floor_s)
+                t_bf16 = cuda_graph_timer(lambda i: F.linear(x, dense[i % len(dense)]), len(dense), 2 * floor_s)
+                row = {"scales": scales, "shape": name, "m": m, "fp8_us": t_fp8 * 1e6, "bf16_us": t_bf16 * 1e6,
+                       "floor_us": floor_s * 1e6, "err": err, "config": _pick_config(m, k, bk, torch.bfloat16)}
+                if args.sweep and m == 1:
+                    best = None
+                    for cfg in SWEEP:
+                        try:
+                            t = cuda_graph_timer(lambda i, c=cfg: fp8_gemm(x, *ws[i % len(ws)], **c), len(ws),
+                                                 floor_s)
+                        except Exception as e:  # noqa: BLE001 - a config that does not compile for this shape
+                            print(f"  {name} {cfg}: {type(e).__name__}")
+                            continue
+                        if best is None or t < best[0]:
+                            best = (t, cfg)
+                    row["best_us"], row["best_config"] = best[0] * 1e6, best[1]
+                res["rows"].append(row)
+                totals.setdefault((scales, m), [0.0, 0.0, 0.0])
+                for j, key in enumerate(("fp8_us", "bf16_us", "floor_us")):
+                    totals[(scales, m)][j] += row[key] * LAYERS
+                best = f"  best {row['best_us']:.2f} µs {row['best_config']}" if "best_us" in row else ""
+                print(f"{scales:8s} {name:8s} M={m:5d}  fp8 {row['fp8_us']:9.2f} µs  bf16 {row['bf16_us']:9.2f} µs  "
+                      f"({row['bf16_us'] / row['fp8_us']:.2f}×)  floor {row['floor_us']:8.2f} µs  "
+                      f"({row['floor_us'] / row['fp8_us']:.0%} of it)  err {err:.1e}{best}")
+    print("\n28 layers (4 projections each), ms:")
+    for (scales, m), (t8, t16, fl) in totals.items():
+        print(f"{scales:8s} M={m:5d}  fp8 {t8 / 1e3:7.3f}  bf16 {t16 / 1e3:7.3f}  ({t16 / t8:.2f}×)  "
+              f"floor {fl / 1e3:.3f}")
+        res.setdefault("totals", []).append({"scales": scales, "m": m, "fp8_ms": t8 / 1e3, "bf16_ms": t16 / 1e3,
+                                             "floor_ms": fl / 1e3})
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "fp8_bench.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
