@@ -108,7 +108,8 @@ def _config(tmp_path: Path, **changes) -> Path:
 @pytest.mark.parametrize("changes, message", [
     (dict(input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}),
      "quantizes activations"),
-    (dict(format="float-quantized", weights={"type": "float", "num_bits": 8}), "format 'float-quantized'"),
+    (dict(format="float-quantized"), "format 'float-quantized'"),   # int weights stored as floats
+    (dict(format="marlin-24"), "format 'marlin-24'"),
     (dict(weights={"num_bits": 3}), "num_bits 3"),
     (dict(weights={"strategy": "tensor"}), "strategy 'tensor'"),
     (dict(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
