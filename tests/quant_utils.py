@@ -1,4 +1,4 @@
-"""Helpers of the quantization tests: hand-written AWQ / GPTQ checkpoints (built from the format functions,
+"""Helpers of the quantization tests: hand-written AWQ / GPTQ / FP8 checkpoints (built from the format functions,
 not from nvllm's quantizer), a HF transformers reference holding the dequantized weights, perplexity through
 the engine's prompt_logprobs, and per-layer output errors of a served checkpoint."""
 
@@ -55,6 +55,31 @@ def write_by_hand(src: Path, dst: Path, fmt: str, bits: int = 4, group: int = 32
     for f in TOKENIZER_FILES:
         shutil.copy(src / f, dst / f)
     return deq
+
+
+def write_fp8(src: Path, dst: Path, quantization_config: dict, quantize) -> Path:
+    """``src`` with every projection written as FP8 by ``quantize(name, w) -> {leaf: tensor}`` (``weight`` and
+    its scale, …) and ``quantization_config`` in config.json."""
+    shutil.copytree(src, dst)
+    tensors = {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if PROJ.match(name):
+            stem = name.removesuffix(".weight")
+            tensors.update({f"{stem}.{leaf}": t for leaf, t in quantize(name, w).items()})
+        else:
+            tensors[name] = w
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def fp8_blocks(block: tuple[int, int]):
+    """``write_fp8``'s ``quantize`` for DeepSeek-V3 / Qwen3-FP8 block scales (``weight_scale_inv``)."""
+    from nvllm.quant.fp8 import quantize_blocks
+
+    return lambda name, w: dict(zip(("weight", "weight_scale_inv"), quantize_blocks(w, block)))
 
 
 def hf_model(src: Path, replace: dict[str, torch.Tensor] | None = None):

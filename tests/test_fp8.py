@@ -22,15 +22,9 @@ from nvllm.config import ConfigError
 from nvllm.kernels import report
 from nvllm.quant.fp8 import FP8_DTYPE, FP8_MAX, Fp8Scheme, dequantize_rows, quantize_blocks, quantize_rows, scale_rows
 from tests.conftest import TOKENIZER_FILES, build_tiny_model, make_llm
+from tests.quant_utils import PROJ, fp8_blocks, write_fp8
 
 IDS = [1, 5, 9, 33, 100, 7, 42, 250, 3]
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _is_linear(name: str) -> bool:
-    return ".layers." in name and name.endswith(".weight") and name.split(".")[-2] in LINEAR
-
-
 def hf_logprobs(path: Path) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -48,23 +42,6 @@ def engine_errors(path: Path, want: torch.Tensor, **kw) -> tuple[float, object]:
               for tok, lp in out.prompt_logprobs[pos].items()]
     assert out.outputs[0].token_ids == [int(want[-1].argmax())]
     return max(errors), llm
-
-
-def fp8_checkpoint(src: Path, out: Path, quantization_config: dict, quantize) -> Path:
-    """``src``'s decoder linears written as FP8 by ``quantize(name, w) -> {leaf: tensor}``."""
-    shutil.copytree(src, out)
-    tensors = {}
-    for name, w in load_file(src / "model.safetensors").items():
-        if _is_linear(name):
-            stem = name.removesuffix(".weight")
-            tensors.update({f"{stem}.{leaf}": t for leaf, t in quantize(name, w).items()})
-        else:
-            tensors[name] = w
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = quantization_config
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 def dense_copy(fp8_dir: Path, out: Path, block: tuple[int, int] | None = None) -> Path:
@@ -192,9 +169,8 @@ def tiny(tmp_path_factory) -> Path:
 
 def test_block_scales_load_as_transformers_reads_them(tiny, tmp_path):
     """DeepSeek-V3 / Qwen3-*-FP8 layout: ``weight_scale_inv`` per 32×32 block here."""
-    path = fp8_checkpoint(tiny, tmp_path / "ckpt", {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                                    "fmt": "e4m3", "weight_block_size": [32, 32]},
-                          lambda name, w: dict(zip(("weight", "weight_scale_inv"), quantize_blocks(w, (32, 32)))))
+    path = write_fp8(tiny, tmp_path / "ckpt", {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                               "fmt": "e4m3", "weight_block_size": [32, 32]}, fp8_blocks((32, 32)))
     want = hf_logprobs(path)          # transformers dequantizes the blocks itself (no GPU here)
     dense = hf_logprobs(tiny)
     assert float((want - dense).abs().max()) > 1e-4   # the FP8 weights really differ from the dense ones
@@ -211,8 +187,8 @@ def test_partial_blocks_at_the_edges(tiny, tmp_path):
     """Blocks of 64×64 leave partial blocks (32 kv rows, 96 MLP inputs): scale (i // 64, j // 64) covers them, as
     DeepSeek-V3's reference dequantization and vLLM read them (transformers' CPU dequantization needs whole
     blocks, so the reference here is the formula)."""
-    path = fp8_checkpoint(tiny, tmp_path / "ckpt", {"quant_method": "fp8", "weight_block_size": [64, 64]},
-                          lambda name, w: dict(zip(("weight", "weight_scale_inv"), quantize_blocks(w, (64, 64)))))
+    path = write_fp8(tiny, tmp_path / "ckpt", {"quant_method": "fp8", "weight_block_size": [64, 64]},
+                     fp8_blocks((64, 64)))
     err, _ = engine_errors(path, hf_logprobs(dense_copy(path, tmp_path / "dense", block=(64, 64))))
     assert err < 1e-4, err
 
@@ -224,15 +200,15 @@ def test_per_tensor_scales_in_either_name(tiny, tmp_path):
         scale = w.abs().max() / FP8_MAX
         return {"weight": (w / scale).to(FP8_DTYPE), "scale": scale.reshape(())}
 
-    hf = fp8_checkpoint(tiny, tmp_path / "hf", {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                                "weight_block_size": None},
-                        lambda n, w: {("weight_scale_inv" if k == "scale" else k): v for k, v in per_tensor(n, w).items()})
+    hf = write_fp8(tiny, tmp_path / "hf", {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                           "weight_block_size": None},
+                   lambda n, w: {("weight_scale_inv" if k == "scale" else k): v for k, v in per_tensor(n, w).items()})
     err, _ = engine_errors(hf, hf_logprobs(hf))
     assert err < 1e-4, err
 
-    vllm = fp8_checkpoint(tiny, tmp_path / "vllm", {"quant_method": "fp8", "activation_scheme": "static"},
-                          lambda n, w: {"weight": per_tensor(n, w)["weight"], "weight_scale": per_tensor(n, w)["scale"],
-                                        "input_scale": torch.tensor([0.02])})
+    vllm = write_fp8(tiny, tmp_path / "vllm", {"quant_method": "fp8", "activation_scheme": "static"},
+                     lambda n, w: {"weight": per_tensor(n, w)["weight"], "weight_scale": per_tensor(n, w)["scale"],
+                                   "input_scale": torch.tensor([0.02])})
     err, llm = engine_errors(vllm, hf_logprobs(dense_copy(vllm, tmp_path / "vllm-dense")))
     assert err < 1e-4, err
     qkv = llm.engine.runner.model.layers[0].qkv_proj
@@ -317,7 +293,7 @@ def test_quantization_fp8_quantizes_a_dense_checkpoint_while_it_loads(tiny, tmp_
     shutil.copytree(tiny, ref)
     tensors = load_file(tiny / "model.safetensors")
     for name, w in tensors.items():
-        if _is_linear(name):
+        if PROJ.match(name):
             q, s = quantize_rows(w)
             tensors[name] = dequantize_rows(q, s, w.shape[1])
     save_file(tensors, ref / "model.safetensors", metadata={"format": "pt"})
@@ -335,8 +311,8 @@ def test_quantization_fp8_quantizes_a_dense_checkpoint_while_it_loads(tiny, tmp_
 def test_quantization_fp8_with_dummy_weights_and_with_a_quantized_checkpoint(tiny, tmp_path):
     llm = make_llm(str(tiny), load_format="dummy", quantization="fp8")
     assert llm.generate("hello", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0].outputs[0].token_ids
-    blocks = fp8_checkpoint(tiny, tmp_path / "blocks", {"quant_method": "fp8", "weight_block_size": [32, 32]},
-                            lambda n, w: dict(zip(("weight", "weight_scale_inv"), quantize_blocks(w, (32, 32)))))
+    blocks = write_fp8(tiny, tmp_path / "blocks", {"quant_method": "fp8", "weight_block_size": [32, 32]},
+                       fp8_blocks((32, 32)))
     llm = make_llm(str(blocks), quantization="fp8")   # the checkpoint's own method: served as stored
     assert llm.engine.runner.model.layers[0].o_proj.scheme.granularity == "block"
 
@@ -375,18 +351,16 @@ def test_fp8_configs_it_cannot_serve_are_one_clear_error(qcfg, message, tiny, tm
 def test_fp8_checkpoints_with_bad_tensors_are_one_clear_error(tiny, tmp_path):
     qcfg = {"quant_method": "fp8", "weight_block_size": [32, 32]}
 
-    def blocks(name, w):
-        return dict(zip(("weight", "weight_scale_inv"), quantize_blocks(w, (32, 32))))
-
-    wrong_scale = fp8_checkpoint(tiny, tmp_path / "a", qcfg, lambda n, w: {
+    blocks = fp8_blocks((32, 32))
+    wrong_scale = write_fp8(tiny, tmp_path / "a", qcfg, lambda n, w: {
         **blocks(n, w), **({"weight_scale_inv": torch.ones(1, 1)} if "o_proj" in n else {})})
     with pytest.raises(ConfigError, match=r"o_proj.weight_scale_inv has shape \(1, 1\), expected \[2, 2\]"):
         make_llm(str(wrong_scale))
-    bf16_weight = fp8_checkpoint(tiny, tmp_path / "b", qcfg, lambda n, w: {
+    bf16_weight = write_fp8(tiny, tmp_path / "b", qcfg, lambda n, w: {
         **blocks(n, w), **({"weight": w.bfloat16()} if "down_proj" in n else {})})
     with pytest.raises(ConfigError, match="down_proj.weight' must be float8_e4m3fn"):
         make_llm(str(bf16_weight))
-    only_q = fp8_checkpoint(tiny, tmp_path / "c", qcfg, lambda n, w: blocks(n, w) if "q_proj" in n else {"weight": w})
+    only_q = write_fp8(tiny, tmp_path / "c", qcfg, lambda n, w: blocks(n, w) if "q_proj" in n else {"weight": w})
     with pytest.raises(ConfigError, match="quantizes only some of"):
         make_llm(str(only_q))
     with pytest.raises(ConfigError, match="not quantized .*--quantization fp8 quantizes"):
@@ -394,8 +368,8 @@ def test_fp8_checkpoints_with_bad_tensors_are_one_clear_error(tiny, tmp_path):
 
 
 def test_an_fp8_lm_head_is_refused(tiny, tmp_path):
-    path = fp8_checkpoint(tiny, tmp_path / "head", {"quant_method": "fp8", "weight_block_size": [32, 32]},
-                          lambda n, w: dict(zip(("weight", "weight_scale_inv"), quantize_blocks(w, (32, 32)))))
+    path = write_fp8(tiny, tmp_path / "head", {"quant_method": "fp8", "weight_block_size": [32, 32]},
+                     fp8_blocks((32, 32)))
     tensors = load_file(path / "model.safetensors")
     q, s = quantize_blocks(tensors["lm_head.weight"], (32, 32))
     tensors.update({"lm_head.weight": q, "lm_head.weight_scale_inv": s})

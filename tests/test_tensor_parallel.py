@@ -2,10 +2,11 @@
 
 Two ranks give what one rank gives — greedy tokens, seeded samples, logprobs and prompt logprobs — for the demo
 model (with chunked prefill, prefix caching and an int8 KV cache), tiny Llama / Qwen2 (one KV head, so it is
-replicated) / Qwen3 models, and AWQ and act-order GPTQ copies; speculative decoding keeps a split target's greedy
-output. The shards of every weight put back together are the full weights. A worker killed mid-run ends the
-engine with an error within seconds (a server then exits 1), a worker's start-up error reaches rank 0 as itself, a model that does not
-split is one ConfigError before any process starts, and `nvllm generate --tensor-parallel-size 2` works.
+replicated) / Qwen3 models, and AWQ, act-order GPTQ and FP8 (block scales) copies; speculative decoding keeps a
+split target's greedy output. The shards of every weight put back together are the full weights. A worker killed
+mid-run ends the engine with an error within seconds (a server then exits 1), a worker's start-up error reaches rank
+0 as itself, a model that does not split is one ConfigError before any process starts, and `nvllm generate
+--tensor-parallel-size 2` works.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from nvllm.distributed.worker_pool import WorkerFailure
 from nvllm.engine.model_runner import ModelRunner
 from nvllm.engine.step_inputs import SHUTDOWN, StepInputs
 from nvllm.kernels.quant_gemm import quant_linear
+from nvllm.layers.fp8_linear import Fp8Linear
 from nvllm.layers.quant_linear import QuantLinear
 from nvllm.models.llama import LlamaForCausalLM
 from nvllm.models.loader import iterate_weights, load_hf_config, quantization_plan
+from nvllm.quant.fp8 import dequantize_rows
 from tests.conftest import build_tiny_model, make_llm
-from tests.quant_utils import write_by_hand
+from tests.quant_utils import fp8_blocks, write_by_hand, write_fp8
 from tests.test_spec_decode import prompts, truncated_copy
 
 TOKEN_PROMPTS = [[1, 45, 300, 12, 99, 7, 250, 31, 400, 18, 77, 5, 301, 130, 64, 9, 200, 11, 17, 310], [1, 5, 6, 7]]
@@ -51,8 +54,9 @@ def models(tmp_path_factory) -> dict[str, str]:
     qwen3 = build_tiny_model("qwen3", root / "qwen3", intermediate_size=128)
     write_by_hand(qwen2, root / "awq", "awq", group=32)
     write_by_hand(llama, root / "gptq", "gptq", group=32, sym=False, act_order=True)
+    write_fp8(llama, root / "fp8", {"quant_method": "fp8", "weight_block_size": [32, 32]}, fp8_blocks((32, 32)))
     return {"llama": str(llama), "qwen2-kv1": str(qwen2), "qwen3": str(qwen3), "awq": str(root / "awq"),
-            "gptq-actorder": str(root / "gptq")}
+            "gptq-actorder": str(root / "gptq"), "fp8-blocks": str(root / "fp8")}
 
 
 def assert_workers_gone(llm) -> None:
@@ -80,10 +84,12 @@ def rank_models(path: str, tp: int = 2) -> tuple[LlamaForCausalLM, list[LlamaFor
 
 
 def weight(linear) -> torch.Tensor:
+    if isinstance(linear, Fp8Linear):
+        return dequantize_rows(linear.weight, linear.scale, linear.block_k)
     return linear.quant_weight().dequantize() if isinstance(linear, QuantLinear) else linear.weight
 
 
-@pytest.mark.parametrize("name", ["qwen2-kv1", "awq", "gptq-actorder"])
+@pytest.mark.parametrize("name", ["qwen2-kv1", "awq", "gptq-actorder", "fp8-blocks"])
 def test_shards_put_together_are_the_full_weights(models, name, monkeypatch):
     full, ranks = rank_models(models[name])
     s = full.shape
@@ -206,7 +212,7 @@ CASES = {  # case → (model, ranks, engine options)
     "llama": ("llama", 2, {}),
     "llama-4-ranks": ("llama", 4, {}),  # 2 KV heads over 4 ranks: ranks 0, 1 hold head 0; ranks 2, 3 head 1
     "qwen2-kv1": ("qwen2-kv1", 2, {}), "qwen3": ("qwen3", 2, {}), "awq": ("awq", 2, {}),
-    "gptq-actorder": ("gptq-actorder", 2, {}),
+    "gptq-actorder": ("gptq-actorder", 2, {}), "fp8-blocks": ("fp8-blocks", 2, {}),
 }
 
 
