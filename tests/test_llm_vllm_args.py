@@ -34,7 +34,7 @@ def test_vllm_engine_arguments(demo_dir):
 @pytest.mark.parametrize("kwargs, message", [
     ({"tokenizer_mode": "mistral"}, "tokenizer_mode 'mistral' is not supported"),
     ({"task": "embed"}, "task 'embed' is not supported"),
-    ({"quantization": "fp8"}, "quantization 'fp8' is not supported"),
+    ({"quantization": "bitsandbytes"}, "quantization 'bitsandbytes' is not supported"),
     ({"quantization": "awq"}, "quantization 'awq' was asked for, but .* is not quantized"),
 ])
 def test_vllm_arguments_nvllm_cannot_honour_are_one_clear_error(demo_dir, kwargs, message):
