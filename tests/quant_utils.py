@@ -122,12 +122,12 @@ def held_out_windows(tokenizer, n: int = 8, width: int = 255) -> list[list[int]]
     return [[tokenizer.bos_token_id] + ids[i * width:(i + 1) * width] for i in range(n)]
 
 
-def perplexity(model_dir: str | Path | None) -> float:
+def perplexity(model_dir: str | Path | None, **engine) -> float:
     """Perplexity of the held-out slice through the engine (``prompt_logprobs``), so a quantized checkpoint is
-    scored as it is served."""
+    scored as it is served; ``engine``: more engine arguments (``quantization="fp8"``)."""
     from nvllm import LLM, SamplingParams
 
-    llm = LLM(None if model_dir is None else str(model_dir), device="cpu", log_stats_interval=0)
+    llm = LLM(None if model_dir is None else str(model_dir), device="cpu", log_stats_interval=0, **engine)
     prompts = held_out_windows(llm.get_tokenizer())
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)
