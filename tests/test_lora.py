@@ -1,6 +1,6 @@
 """LoRA adapters against PEFT's own model: adapters PEFT creates and saves are served by the engine, several at once
-and beside the base model in one batch, on dense and GPTQ-quantized bases; the greedy tokens and log-probabilities
-are PEFT's. The prefix cache never hands one adapter's KV to another; bad adapters and settings are one clear error;
+and beside the base model in one batch, on dense, GPTQ and FP8 bases; the greedy tokens and log-probabilities
+are PEFT's (on GPTQ and FP8 bases, PEFT runs their dequantized weights). The prefix cache never hands one adapter's KV to another; bad adapters and settings are one clear error;
 the server picks adapters by model name for the official client."""
 
 from __future__ import annotations
@@ -57,6 +57,20 @@ def test_adapters_on_a_gptq_base_match_peft_on_its_dequantized_weights(setup):
     root, base, adapters = setup
     deq = write_by_hand(base, root / "gptq", "gptq", bits=4, group=32)
     llm = make_llm(str(root / "gptq"), enable_lora=True)
+    check_against_peft(llm, hf_model(base, deq), adapters)
+
+
+def test_adapters_on_an_fp8_base_match_peft_on_its_dequantized_weights(setup):
+    from safetensors.torch import load_file
+
+    from nvllm.quant.fp8 import dequantize_rows, quantize_rows
+    from tests.quant_utils import PROJ
+
+    _, base, adapters = setup
+    deq = {name: dequantize_rows(*quantize_rows(w), w.shape[1])
+           for name, w in load_file(base / "model.safetensors").items() if PROJ.match(name)}
+    llm = make_llm(str(base), enable_lora=True, quantization="fp8")
+    assert type(llm.engine.runner.model.layers[0].qkv_proj.base).__name__ == "Fp8Linear"
     check_against_peft(llm, hf_model(base, deq), adapters)
 
 
