@@ -1,7 +1,8 @@
 """FP8-weight GEMM (W8A16, ``nvllm.kernels.fp8_gemm``) on one GPU, for the Qwen2.5-7B projections: checked against
 its torch reference, then timed against cuBLAS on the bf16 weight at each M, for 128×128 block scales (Qwen3-FP8,
-DeepSeek-V3) and per-row scales (``--quantization fp8``, FP8_DYNAMIC checkpoints). At M = 1 it also sweeps a few
-tile configs (``--sweep``) and prints the best next to the default.
+DeepSeek-V3) and per-row scales (``--quantization fp8``, FP8_DYNAMIC checkpoints). Up to M = 4 it also times the
+CUDA-core ``fp8_gemv``. ``--sweep``: a few tile configs of each kernel at M = 1, the best printed next to the
+default.
 
     python3 scripts/gpu_fp8_bench.py [--ms 1,2,4,8,16,64,256,2048] [--sweep]
 
@@ -26,7 +27,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nvllm.kernels.fp8_gemm import _pick_config, fp8_gemm, fp8_gemm_reference  # noqa: E402
+from nvllm.kernels.fp8_gemm import _pick_config, fp8_gemm, fp8_gemm_reference, fp8_gemv  # noqa: E402
 from nvllm.kernels.gemm_tuner import cuda_graph_timer  # noqa: E402
 from nvllm.quant.fp8 import Fp8Scheme, quantize_blocks, quantize_rows, scale_rows  # noqa: E402
 
@@ -34,6 +35,8 @@ HIDDEN, INTER, LAYERS = 3584, 18944, 28
 SHAPES = {"qkv": (4608, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
 SWEEP = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st) for bn in (32, 64, 128, 256) for bk in (64, 128)
          for w in (4, 8) for st in (2, 4)]
+GEMV_SWEEP = [dict(block_n=bn, block_k_tile=bk, num_warps=w) for bn in (8, 16, 32) for bk in (256, 512)
+              for w in (4, 8)]
 
 
 def weights(n: int, k: int, scales: str) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -78,6 +81,17 @@ def main() -> int:
                 t_bf16 = cuda_graph_timer(lambda i: F.linear(x, dense[i % len(dense)]), len(dense), 2 * floor_s)
                 row = {"scales": scales, "shape": name, "m": m, "fp8_us": t_fp8 * 1e6, "bf16_us": t_bf16 * 1e6,
                        "floor_us": floor_s * 1e6, "err": err, "config": _pick_config(m, k, bk, torch.bfloat16)}
+                if m <= 4:   # the CUDA-core kernel for few rows: its default and, with --sweep, the best config
+                    row["gemv_us"] = cuda_graph_timer(lambda i: fp8_gemv(x, *ws[i % len(ws)]), len(ws), floor_s) * 1e6
+                    gerr = float((fp8_gemv(x, q, s, bk).float() - ref).abs().max() / ref.abs().max())
+                    if gerr > 2e-2:
+                        raise SystemExit(f"{scales} {name} M={m}: fp8_gemv off its reference by {gerr:.3g}")
+                    if args.sweep and m == 1:
+                        times = []
+                        for cfg in GEMV_SWEEP:
+                            times.append((cuda_graph_timer(lambda i, c=cfg: fp8_gemv(x, *ws[i % len(ws)], **c),
+                                                           len(ws), floor_s) * 1e6, cfg))
+                        row["gemv_best_us"], row["gemv_best_config"] = min(times, key=lambda t: t[0])
                 if args.sweep and m == 1:
                     best = None
                     for cfg in SWEEP:
@@ -91,19 +105,24 @@ def main() -> int:
                             best = (t, cfg)
                     row["best_us"], row["best_config"] = best[0] * 1e6, best[1]
                 res["rows"].append(row)
-                totals.setdefault((scales, m), [0.0, 0.0, 0.0])
-                for j, key in enumerate(("fp8_us", "bf16_us", "floor_us")):
-                    totals[(scales, m)][j] += row[key] * LAYERS
+                totals.setdefault((scales, m), [0.0, 0.0, 0.0, 0.0, 0.0])
+                for j, key in enumerate(("fp8_us", "bf16_us", "floor_us", "gemv_us", "gemv_best_us")):
+                    totals[(scales, m)][j] += row.get(key, 0.0) * LAYERS
                 best = f"  best {row['best_us']:.2f} µs {row['best_config']}" if "best_us" in row else ""
+                if "gemv_us" in row:
+                    best += f"  gemv {row['gemv_us']:.2f} µs"
+                if "gemv_best_us" in row:
+                    best += f" (best {row['gemv_best_us']:.2f} µs {row['gemv_best_config']})"
                 print(f"{scales:8s} {name:8s} M={m:5d}  fp8 {row['fp8_us']:9.2f} µs  bf16 {row['bf16_us']:9.2f} µs  "
                       f"({row['bf16_us'] / row['fp8_us']:.2f}×)  floor {row['floor_us']:8.2f} µs  "
                       f"({row['floor_us'] / row['fp8_us']:.0%} of it)  err {err:.1e}{best}")
     print("\n28 layers (4 projections each), ms:")
-    for (scales, m), (t8, t16, fl) in totals.items():
+    for (scales, m), (t8, t16, fl, gv, gvb) in totals.items():
         print(f"{scales:8s} M={m:5d}  fp8 {t8 / 1e3:7.3f}  bf16 {t16 / 1e3:7.3f}  ({t16 / t8:.2f}×)  "
-              f"floor {fl / 1e3:.3f}")
+              f"floor {fl / 1e3:.3f}" + (f"  gemv {gv / 1e3:.3f}" if gv else "")
+              + (f" (best configs {gvb / 1e3:.3f})" if gvb else ""))
         res.setdefault("totals", []).append({"scales": scales, "m": m, "fp8_ms": t8 / 1e3, "bf16_ms": t16 / 1e3,
-                                             "floor_ms": fl / 1e3})
+                                             "floor_ms": fl / 1e3, "gemv_ms": gv / 1e3, "gemv_best_ms": gvb / 1e3})
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "fp8_bench.json").write_text(json.dumps(res, indent=1))
     return 0

@@ -144,6 +144,28 @@ def test_fp8_gemm_kernel_equals_its_reference(interpreted_kernel, m, n, k, block
             <= tol * float(want.abs().max())
 
 
+@pytest.mark.parametrize("m, n, k, block_k, dtype, tile", [
+    (1, 40, 256, 128, torch.bfloat16, 256),    # the K step shrinks to the 128-wide scale blocks
+    (3, 64, 200, None, torch.float16, 64),     # per-row scale, ragged K
+    (4, 24, 96, 32, torch.float32, 32),
+])
+def test_fp8_gemv_kernel_equals_its_reference(interpreted_kernel, monkeypatch, m, n, k, block_k, dtype, tile):
+    G = interpreted_kernel
+    monkeypatch.setattr(G, "GEMV_MAX_M", 4)
+    gen = torch.Generator().manual_seed(m * 100 + k)
+    q, s = quantize_rows(torch.randn(n, k, generator=gen) * 0.05, block_k)
+    bk = k if block_k is None else block_k
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    ref = G.fp8_gemm_reference(x, q, s, bk, b).float()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    for split in (None, 1, 2):
+        y = G.fp8_gemv(x, q, s, bk, b, split_k=split, block_n=8, block_k_tile=tile)
+        assert y.dtype == dtype and float((y.float() - ref).abs().max()) <= tol * float(ref.abs().max()) + 1e-6
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        G.fp8_gemv(torch.randn(5, k).to(dtype), q, s, bk)
+
+
 def test_fp8_linear_runs_the_triton_kernel_and_names_it(interpreted_kernel, monkeypatch):
     G = interpreted_kernel
     q, s = quantize_rows(torch.randn(32, 64) * 0.05)
@@ -154,7 +176,11 @@ def test_fp8_linear_runs_the_triton_kernel_and_names_it(interpreted_kernel, monk
     monkeypatch.setenv("NVLLM_KERNELS", "torch")
     assert y.shape == (2, 3, 32)
     assert torch.allclose(y, G.fp8_linear(x, q, s, 64), atol=1e-5)
-    assert report.snapshot()["fp8_gemm"] == {"triton w8a16 fp8": 1, "torch dequant+matmul": 1}
+    monkeypatch.setattr(G, "GEMV_MAX_M", 2)
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    torch.testing.assert_close(G.fp8_linear(x[0, :2], q, s, 64), y[0, :2], atol=1e-5, rtol=1e-5)
+    assert report.snapshot()["fp8_gemm"] == {"triton w8a16 fp8": 1, "torch dequant+matmul": 1,
+                                             "triton w8a16 fp8 gemv": 1}
     with pytest.raises(ValueError, match="expects 64"):
         G.fp8_linear(torch.randn(2, 65), q, s, 64)
 

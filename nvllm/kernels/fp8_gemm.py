@@ -6,7 +6,8 @@ Each program owns a ``[BLOCK_M, BLOCK_N]`` output tile and walks K in ``BLOCK_K`
 scale block (``BK_S % BLOCK_K == 0``, or one block for the whole row): it loads the weight tile once at one byte
 an element, converts it to fp32, multiplies by the ``BLOCK_N`` scales of that K block, rounds it to x's dtype and
 feeds ``tl.dot`` with fp32 accumulation. When the output tiles cannot fill the GPU (decode: M is the batch), K is
-split over programs that add into an fp32 buffer (``nvllm.kernels.split_k``).
+split over programs that add into an fp32 buffer (``nvllm.kernels.split_k``). ``fp8_gemv`` does the same for a few
+rows on the CUDA cores (``GEMV_MAX_M``).
 
 vLLM runs these checkpoints as W8A8 on GPUs with FP8 tensor cores (activations quantized per token); this keeps
 the activations in their dtype: the same weight bytes, no activation rounding.
@@ -26,6 +27,10 @@ from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, 
 from nvllm.quant.fp8 import dequantize_rows
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
+
+GEMV_MAX_M = int(os.environ.get("NVLLM_FP8_GEMV_MAX_M", "0"))
+"""Up to this many rows ``fp8_linear`` runs ``fp8_gemv`` (CUDA cores) instead of the tensor-core tiles of
+``fp8_gemm``; 0 (the default until a GPU measurement picks one) runs ``fp8_gemm`` at every M."""
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -84,6 +89,40 @@ def _fp8_gemm_kernel(
     store_tile(out_ptrs, acc, mask_m[:, None] & mask_n[None, :], bias_ptr, offs_n, mask_n, HAS_BIAS, ATOMIC)
 
 
+@_jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    k_per_split,
+    BK_S: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Few rows (decode): each program streams ``BLOCK_N`` weight rows along K (contiguous bytes), multiplies them
+    with every x row on the CUDA cores and sums along K; no tensor-core tile to pad the rows to."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)             # [BLOCK_N, BLOCK_K]
+        s = tl.load(s_ptr + offs_n * stride_sn + k0 // BK_S, mask=mask_n, other=0.0)
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)   # [BLOCK_M, BLOCK_K]
+        prod = a[:, None, :] * q.to(tl.float32)[None, :, :]
+        acc += tl.sum(prod, axis=2) * s[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    store_tile(out_ptrs, acc, mask_m[:, None] & mask_n[None, :], bias_ptr, offs_n, mask_n, HAS_BIAS, ATOMIC)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -103,12 +142,39 @@ def _pick_config(M: int, K: int, block_k: int, dtype: torch.dtype) -> dict[str, 
             "num_stages": 2 if dtype == torch.float32 else 3}
 
 
-def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
-             bias: torch.Tensor | None = None, split_k: int | None = None, **config: int) -> torch.Tensor:
-    """``x [M, K]`` (fp16 / bf16 / fp32) times the FP8 weight → ``[M, N]`` in x's dtype, fp32 accumulation.
-    ``block_k``: inputs per scale column (K for per-tensor and per-channel scales). ``split_k=None`` splits K
-    until about two waves fill the device; ``config`` overrides ``block_m``, ``block_n``, ``block_k``,
-    ``num_warps``, ``num_stages``."""
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+             bias: torch.Tensor | None = None, split_k: int | None = None, block_n: int = 16, block_k_tile: int = 256,
+             num_warps: int = 4) -> torch.Tensor:
+    """``fp8_gemm`` for up to ``GEMV_MAX_M`` rows on the CUDA cores (``_fp8_gemv_kernel``); x rows contiguous.
+    ``block_k_tile`` is the kernel's K step (it must lie in one scale block: smaller ones are taken for smaller
+    blocks)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > GEMV_MAX_M:
+        raise ValueError(f"fp8_gemv takes at most {GEMV_MAX_M} rows, got {M}")
+    _check(x, weight, scale, block_k)
+    bk = block_k_tile
+    while block_k < K and block_k % bk:
+        bk //= 2
+    if bk < 16:
+        raise ValueError(f"no K step of 16 or more divides the scale block {block_k}")
+    if M == 0:
+        return x.new_zeros(0, N)
+    x = x.contiguous()
+    split_k, k_per_split = plan_split_k(triton.cdiv(N, block_n), K, bk, x.device, split_k)
+    atomic = split_k > 1
+    out = split_k_output(M, N, x, split_k)
+    has_bias = bias is not None and not atomic
+    _fp8_gemv_kernel[(triton.cdiv(N, block_n), split_k)](
+        x, weight, scale, bias if has_bias else scale, out, M, N, K,
+        x.stride(0), weight.stride(0), scale.stride(0), out.stride(0), k_per_split,
+        BK_S=block_k if block_k < K else K, HAS_BIAS=has_bias, ATOMIC=atomic,
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps,
+    )
+    return finish_split_k(out, bias, x.dtype, split_k)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> None:
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_gemm takes fp16, bf16 or fp32 activations, got {x.dtype}")
     M, K = x.shape
@@ -117,6 +183,17 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k
         raise ValueError(f"x has {K} input features, the FP8 weight holds {weight.shape[1]}")
     if tuple(scale.shape) != (N, -(-K // block_k)):
         raise ValueError(f"scale has shape {tuple(scale.shape)}, expected [{N}, {-(-K // block_k)}]")
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+             bias: torch.Tensor | None = None, split_k: int | None = None, **config: int) -> torch.Tensor:
+    """``x [M, K]`` (fp16 / bf16 / fp32) times the FP8 weight → ``[M, N]`` in x's dtype, fp32 accumulation.
+    ``block_k``: inputs per scale column (K for per-tensor and per-channel scales). ``split_k=None`` splits K
+    until about two waves fill the device; ``config`` overrides ``block_m``, ``block_n``, ``block_k``,
+    ``num_warps``, ``num_stages``."""
+    _check(x, weight, scale, block_k)
+    M, K = x.shape
+    N = weight.shape[0]
     cfg = _pick_config(M, K, block_k, x.dtype)
     unknown = set(config) - set(cfg)
     if unknown:
@@ -157,7 +234,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         raise ValueError(f"input has {x.shape[-1]} features, the FP8 layer expects {K}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
-    if use_triton(x):
+    if use_triton(x) and x2.shape[0] <= GEMV_MAX_M:
+        report.record("fp8_gemm", "triton w8a16 fp8 gemv")
+        y = fp8_gemv(x2, weight, scale, block_k, bias)
+    elif use_triton(x):
         report.record("fp8_gemm", "triton w8a16 fp8")
         y = fp8_gemm(x2, weight, scale, block_k, bias)
     else:
