@@ -284,7 +284,7 @@ def test_parse_configs():
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "checkpoint_format"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "is_marlin_format": True}, "marlin"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": "yes"}, "desc_act"),
-    ({"quant_method": "fp8"}, "quant_method"),
+    ({"quant_method": "bitsandbytes"}, "quant_method"),
     ([], "JSON object"),
 ])
 def test_parse_rejects_unsupported(cfg, match):
