@@ -4,10 +4,11 @@ layout: per-tensor and per-channel scales have ``BK_S = K``).
 
 Each program owns a ``[BLOCK_M, BLOCK_N]`` output tile and walks K in ``BLOCK_K`` steps, every step lying in one
 scale block (``BK_S % BLOCK_K == 0``, or one block for the whole row): it loads the weight tile once at one byte
-an element, converts it to fp32, multiplies by the ``BLOCK_N`` scales of that K block, rounds it to x's dtype and
-feeds ``tl.dot`` with fp32 accumulation. When the output tiles cannot fill the GPU (decode: M is the batch), K is
-split over programs that add into an fp32 buffer (``nvllm.kernels.split_k``). ``fp8_gemv`` does the same for a few
-rows on the CUDA cores (``GEMV_MAX_M``).
+an element, converts it to x's dtype (exact: every e4m3 value is an fp16 and a bf16) and feeds ``tl.dot``; the
+step's fp32 sums are multiplied by the ``BLOCK_N`` scales of that K block (one scale a row: once, at the end).
+GPUs before compute capability 8.9 have no e4m3 type in Triton: the kernels then decode the bytes by bits. When
+the output tiles cannot fill the GPU (decode: M is the batch), K is split over programs that add into an fp32
+buffer (``nvllm.kernels.split_k``). ``fp8_gemv`` does the same for a few rows on the CUDA cores (``GEMV_MAX_M``).
 
 vLLM runs these checkpoints as W8A8 on GPUs with FP8 tensor cores (activations quantized per token); this keeps
 the activations in their dtype: the same weight bytes, no activation rounding.
@@ -17,6 +18,7 @@ This file holds the op's three parts: the torch reference, the Triton kernel and
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -27,6 +29,9 @@ from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, 
 from nvllm.quant.fp8 import dequantize_rows
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
+
+NVLLM_FP8_DECODE_BITS = os.environ.get("NVLLM_FP8_DECODE_BITS", "0") == "1"
+"""Under the interpreter: decode e4m3 by bits as a GPU before compute capability 8.9 does (tests)."""
 
 GEMV_MAX_M = int(os.environ.get("NVLLM_FP8_GEMV_MAX_M", "0"))
 """Up to this many rows ``fp8_linear`` runs ``fp8_gemv`` (CUDA cores) instead of the tensor-core tiles of
@@ -48,14 +53,26 @@ def fp8_gemm_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 
 
 @_jit
+def _e4m3(b, NATIVE: tl.constexpr):
+    """e4m3fn bytes (uint8) → fp32. ``NATIVE`` (compute capability ≥ 8.9, the interpreter): the hardware's
+    conversion. Otherwise by bits: the 7 magnitude bits placed as an fp16's exponent and top mantissa give the value
+    2^-8 times (subnormals too), and the sign moves to fp16's sign bit; every e4m3 value is exact in fp16."""
+    if NATIVE:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    bi = b.to(tl.int16)
+    return (((bi & 0x7F) << 7) | ((bi & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@_jit
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_sn, stride_om, stride_on,
     k_per_split,                              # K range of one split (a multiple of BLOCK_K)
-    BK_S: tl.constexpr,                       # inputs per scale column
+    BK_S: tl.constexpr,                       # inputs per scale column (K: one scale a row, in the epilogue)
     HAS_BIAS: tl.constexpr,
     ATOMIC: tl.constexpr,                     # split-K: atomic_add into an fp32 output
+    NATIVE: tl.constexpr,                     # the GPU converts e4m3 itself (see _e4m3)
     DOT_PRECISION: tl.constexpr,              # "ieee" for fp32 inputs, "tf32" otherwise (unused for 16-bit)
     UPCAST_DOT: tl.constexpr,                 # CPU interpreter + bf16: feed the dot fp32 copies (quant_gemm's note)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -77,13 +94,18 @@ def _fp8_gemm_kernel(
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
-                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)            # [BLOCK_K, BLOCK_N]
-        s = tl.load(s_ptr + offs_n * stride_sn + k0 // BK_S, mask=mask_n, other=0.0)
-        w = (q.to(tl.float32) * s[None, :]).to(a.dtype)
+                    mask=mask_k[:, None] & mask_n[None, :], other=0)              # [BLOCK_K, BLOCK_N] bytes
+        w = _e4m3(q, NATIVE).to(a.dtype)                                          # exact in fp16 / bf16 / fp32
         if UPCAST_DOT:
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            part = tl.dot(a, w, input_precision=DOT_PRECISION)
+        if BK_S >= K:
+            acc += part
+        else:   # this K step's scale block: its scales multiply the step's sums
+            acc += part * tl.load(s_ptr + offs_n * stride_sn + k0 // BK_S, mask=mask_n, other=0.0)[None, :]
+    if BK_S >= K:
+        acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
 
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     store_tile(out_ptrs, acc, mask_m[:, None] & mask_n[None, :], bias_ptr, offs_n, mask_n, HAS_BIAS, ATOMIC)
@@ -95,7 +117,7 @@ def _fp8_gemv_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_om,
     k_per_split,
-    BK_S: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+    BK_S: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, NATIVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Few rows (decode): each program streams ``BLOCK_N`` weight rows along K (contiguous bytes), multiplies them
@@ -113,11 +135,11 @@ def _fp8_gemv_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
         q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)             # [BLOCK_N, BLOCK_K]
+                    mask=mask_n[:, None] & mask_k[None, :], other=0)               # [BLOCK_N, BLOCK_K] bytes
         s = tl.load(s_ptr + offs_n * stride_sn + k0 // BK_S, mask=mask_n, other=0.0)
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)   # [BLOCK_M, BLOCK_K]
-        prod = a[:, None, :] * q.to(tl.float32)[None, :, :]
+        prod = a[:, None, :] * _e4m3(q, NATIVE)[None, :, :]
         acc += tl.sum(prod, axis=2) * s[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     store_tile(out_ptrs, acc, mask_m[:, None] & mask_n[None, :], bias_ptr, offs_n, mask_n, HAS_BIAS, ATOMIC)
@@ -166,17 +188,32 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k
     out = split_k_output(M, N, x, split_k)
     has_bias = bias is not None and not atomic
     _fp8_gemv_kernel[(triton.cdiv(N, block_n), split_k)](
-        x, weight, scale, bias if has_bias else scale, out, M, N, K,
+        x, weight.view(torch.uint8), scale, bias if has_bias else scale, out, M, N, K,
         x.stride(0), weight.stride(0), scale.stride(0), out.stride(0), k_per_split,
-        BK_S=block_k if block_k < K else K, HAS_BIAS=has_bias, ATOMIC=atomic,
+        BK_S=block_k if block_k < K else K, HAS_BIAS=has_bias, ATOMIC=atomic, NATIVE=native_fp8(x.device),
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps,
     )
     return finish_split_k(out, bias, x.dtype, split_k)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether the kernels may let the GPU convert e4m3 (compute capability 8.9 and later; Triton refuses the type
+    before); elsewhere they decode the bits themselves, so Ampere serves FP8 checkpoints too."""
+    if device.type != "cuda":
+        return not NVLLM_FP8_DECODE_BITS
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> None:
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_gemm takes fp16, bf16 or fp32 activations, got {x.dtype}")
+    if weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1 or scale.stride(1) != 1:
+        raise ValueError("fp8_gemm takes a float8_e4m3fn weight and fp32 scales with contiguous rows")
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:
@@ -210,11 +247,11 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k
     out = split_k_output(M, N, x, split_k)
     has_bias = bias is not None and not atomic
     _fp8_gemm_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split_k)](
-        x, weight, scale, bias if has_bias else scale, out,
+        x, weight.view(torch.uint8), scale, bias if has_bias else scale, out,
         M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
         k_per_split,
-        BK_S=block_k if block_k < K else K, HAS_BIAS=has_bias, ATOMIC=atomic,
+        BK_S=block_k if block_k < K else K, HAS_BIAS=has_bias, ATOMIC=atomic, NATIVE=native_fp8(x.device),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST_DOT=x.dtype == torch.bfloat16 and _interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -221,7 +221,7 @@ def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torc
         init_dummy_weights(model, config.seed)
         logger.info("loaded %s with random weights (load_format=dummy)", arch)
     else:
-        weights = iterate_weights(config.model, config.load_format, config.allow_pickle)
+        weights = _without_attention_scales(iterate_weights(config.model, config.load_format, config.allow_pickle))
         with torch.no_grad():
             try:
                 view = _compressed_tensors_view(config.model, hf_config)
@@ -233,6 +233,25 @@ def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torc
         if hasattr(m, "quant_weight"):
             m.quant_weight()
     return model.eval()
+
+
+ATTENTION_SCALES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".kv_scale", "k_proj.output_scale",
+                    "v_proj.output_scale")
+"""Tensors of FP8 checkpoints that scale a quantized KV cache or attention (AutoFP8, llm-compressor, ModelOpt)."""
+
+
+def _without_attention_scales(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors less its KV-cache / attention scales: nvllm's quantized KV cache
+    (``--kv-cache-dtype``) computes its own scales per token and head. Said once when there were any."""
+    skipped = 0
+    for name, tensor in weights:
+        if name.endswith(ATTENTION_SCALES):
+            skipped += 1
+            continue
+        yield name, tensor
+    if skipped:
+        logger.warning("the checkpoint's %d KV-cache / attention scales (k_scale, v_scale, …) are not used: "
+                       "--kv-cache-dtype int8/fp8 computes its own scales per token and head", skipped)
 
 
 def _compressed_tensors_view(model_dir: str, hf_config):
