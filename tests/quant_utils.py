@@ -82,6 +82,21 @@ def fp8_blocks(block: tuple[int, int]):
     return lambda name, w: dict(zip(("weight", "weight_scale_inv"), quantize_blocks(w, block)))
 
 
+def save_compressed(model, out: Path, src: Path, fmt: str) -> None:
+    """Compress ``model`` (compressed-tensors quantization applied, scales set) with the library's own compressor
+    in ``fmt``, save it as llm-compressor does (with ``src``'s tokenizer files), then decompress it in place: the
+    library's own reading of the checkpoint, the tests' reference."""
+    from compressed_tensors.compressors import ModelCompressor
+
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    for f in TOKENIZER_FILES:
+        shutil.copy(src / f, out / f)
+    compressor.decompress_model(model)
+
+
 def hf_model(src: Path, replace: dict[str, torch.Tensor] | None = None):
     """HF transformers' float32 model of ``src``, with some weights replaced (e.g. dequantized)."""
     import transformers

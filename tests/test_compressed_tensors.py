@@ -8,7 +8,6 @@ against the format's formula. Configs nvllm cannot serve are one clear error."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,8 @@ import torch
 from nvllm import SamplingParams
 from nvllm.config import ConfigError
 from nvllm.kernels import report
-from tests.conftest import TOKENIZER_FILES, build_tiny_model, make_llm
+from tests.conftest import build_tiny_model, make_llm
+from tests.quant_utils import save_compressed
 
 ct = pytest.importorskip("compressed_tensors")
 IDS = [1, 5, 9, 33, 100, 7, 42, 250, 3]
@@ -27,7 +27,6 @@ def write_checkpoint(out: Path, bits: int, sym: bool, strategy: str, group_size:
                      ignore: tuple[str, ...] = ("lm_head",)):
     """Quantize a tiny Qwen2 with compressed-tensors (min-max scales, rounded to fp16 as nvllm keeps them), save it
     as llm-compressor does, and return the HF model holding the library's decompressed weights (the reference)."""
-    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM
@@ -52,13 +51,7 @@ def write_checkpoint(out: Path, bits: int, sym: bool, strategy: str, group_size:
         m.weight_scale.data.copy_(scale.half().float().reshape(m.weight_scale.shape))
         if hasattr(m, "weight_zero_point"):
             m.weight_zero_point.data.copy_(zero.reshape(m.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
-    compressor.compress_model(model)
-    model.save_pretrained(out)
-    compressor.update_config(out)
-    for f in TOKENIZER_FILES:
-        shutil.copy(src / f, out / f)
-    compressor.decompress_model(model)
+    save_compressed(model, out, src, "pack-quantized")
     return model
 
 

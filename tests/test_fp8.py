@@ -21,8 +21,8 @@ from nvllm import SamplingParams
 from nvllm.config import ConfigError
 from nvllm.kernels import report
 from nvllm.quant.fp8 import FP8_DTYPE, FP8_MAX, Fp8Scheme, dequantize_rows, quantize_blocks, quantize_rows, scale_rows
-from tests.conftest import TOKENIZER_FILES, build_tiny_model, make_llm
-from tests.quant_utils import PROJ, fp8_blocks, write_fp8
+from tests.conftest import build_tiny_model, make_llm
+from tests.quant_utils import PROJ, fp8_blocks, save_compressed, write_fp8
 
 IDS = [1, 5, 9, 33, 100, 7, 42, 250, 3]
 def hf_logprobs(path: Path) -> torch.Tensor:
@@ -259,7 +259,6 @@ def _compressed_tensors_fp8(src: Path, out: Path, weights: dict, inputs: dict | 
     """Quantize ``src`` with compressed-tensors (its own observers and compressor), save it as llm-compressor
     does, and return the HF model with the library's decompressed weights."""
     pytest.importorskip("compressed_tensors")
-    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM
@@ -286,13 +285,7 @@ def _compressed_tensors_fp8(src: Path, out: Path, weights: dict, inputs: dict | 
         m.weight_scale.data.copy_(scale.reshape(shape))
         if hasattr(m, "input_scale"):
             m.input_scale.data.fill_(0.05)
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
-    compressor.compress_model(model)
-    model.save_pretrained(out)
-    compressor.update_config(out)
-    for f in TOKENIZER_FILES:
-        shutil.copy(src / f, out / f)
-    compressor.decompress_model(model)
+    save_compressed(model, out, src, "float-quantized")
     # the decompressed weights without the library's fake quantization of the inputs: W8A16, as nvllm serves it
     from compressed_tensors.quantization import disable_quantization
 
