@@ -242,10 +242,11 @@ def quantize(
     revision: Annotated[Optional[str], typer.Option(help="the Hub branch, tag or commit of --model (default: the "
                                                     "main branch)")] = None,
     out: Annotated[Optional[str], typer.Option(help="output directory (must not exist unless --overwrite)")] = None,
-    method: Annotated[Optional[str], typer.Option(help="awq | gptq | rtn")] = None,
-    bits: Annotated[Optional[int], typer.Option(help="4 | 8 (default 4; awq: 4 only)")] = None,
+    method: Annotated[Optional[str], typer.Option(help="awq | gptq | rtn | fp8 (e4m3, no calibration)")] = None,
+    bits: Annotated[Optional[int], typer.Option(help="4 | 8 (default 4; awq: 4 only; fp8: 8)")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="inputs per scale/zero group; -1: whole rows "
-                                                      "(default 128)")] = None,
+                                                      "(default 128; fp8: 128×128 blocks, -1 a scale per tensor "
+                                                      "or, in compressed-tensors, per channel)")] = None,
     sym: Annotated[Optional[bool], typer.Option("--sym/--no-sym", help="symmetric (gptq/rtn default) or zero "
                                                 "point (awq)")] = None,
     desc_act: Annotated[Optional[bool], typer.Option("--desc-act/--no-desc-act", help="GPTQ act-order "
@@ -254,8 +255,8 @@ def quantize(
                                                              help="quantize the LM head too (gptq/rtn; untied "
                                                              "embeddings only) (default off)")] = None,
     checkpoint_format: Annotated[Optional[str], typer.Option("--format", help="awq | gptq | compressed-tensors "
-                                                             "(llm-compressor's); default: awq for --method awq, "
-                                                             "gptq otherwise")] = None,
+                                                             "(llm-compressor's) | fp8; default: awq for --method "
+                                                             "awq, fp8 for fp8, gptq otherwise")] = None,
     calib_dataset: Annotated[Optional[str], typer.Option(help="c4 | calib (the shipped C4 sample) | a .jsonl/"
                                                          ".json.gz/.json/.txt path (default c4)",
                                                          rich_help_panel=_CAL)] = None,
@@ -270,8 +271,8 @@ def quantize(
                                                   "quantized) (default auto)")] = None,
     progress: Annotated[bool, typer.Option(help="progress bar")] = True,
 ) -> None:
-    """Quantize a model to INT4/INT8 (AWQ, GPTQ or RTN) and write an AWQ-GEMM, GPTQ or compressed-tensors
-    checkpoint."""
+    """Quantize a model to INT4/INT8 (AWQ, GPTQ or RTN) or FP8 and write an AWQ-GEMM, GPTQ, compressed-tensors or
+    FP8 checkpoint."""
     from nvllm.assets import demo_model_path
     from nvllm.logger import console
     from nvllm.quant import quantize as q

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from nvllm.quant import formats as F
 from nvllm.quant import quant_config as QC
-from tests.conftest import REPO, TOKENIZER_FILES
+from tests.conftest import REPO, TOKENIZER_FILES, make_llm
 
 PROJ = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 HELD_OUT = REPO / "tests" / "data" / "wikitext-2-test-head.raw"
@@ -80,6 +80,31 @@ def fp8_blocks(block: tuple[int, int]):
     from nvllm.quant.fp8 import quantize_blocks
 
     return lambda name, w: dict(zip(("weight", "weight_scale_inv"), quantize_blocks(w, block)))
+
+
+IDS = [1, 5, 9, 33, 100, 7, 42, 250, 3]
+
+
+def hf_logprobs(path: Path) -> torch.Tensor:
+    """HF transformers' log-probabilities of ``IDS`` for the checkpoint at ``path`` (fp32), as it loads it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([IDS])).logits[0].float(), dim=-1)
+
+
+def engine_errors(path: Path, want: torch.Tensor, **kw) -> tuple[float, object]:
+    """Largest |Δ logprob| of the engine's top-20 prompt logprobs against ``want``, and the engine."""
+    from nvllm import SamplingParams
+
+    llm = make_llm(str(path), enable_prefix_caching=False, dtype="float32", **kw)
+    out = llm.generate({"prompt_token_ids": IDS}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20),
+                       use_tqdm=False)[0]
+    errors = [abs(lp.logprob - float(want[pos - 1, tok])) for pos in range(1, len(IDS))
+              for tok, lp in out.prompt_logprobs[pos].items()]
+    assert out.outputs[0].token_ids == [int(want[-1].argmax())]
+    return max(errors), llm
 
 
 def save_compressed(model, out: Path, src: Path, fmt: str) -> None:

@@ -22,27 +22,7 @@ from nvllm.config import ConfigError
 from nvllm.kernels import report
 from nvllm.quant.fp8 import FP8_DTYPE, FP8_MAX, Fp8Scheme, dequantize_rows, quantize_blocks, quantize_rows, scale_rows
 from tests.conftest import build_tiny_model, make_llm
-from tests.quant_utils import PROJ, fp8_blocks, save_compressed, write_fp8
-
-IDS = [1, 5, 9, 33, 100, 7, 42, 250, 3]
-def hf_logprobs(path: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([IDS])).logits[0].float(), dim=-1)
-
-
-def engine_errors(path: Path, want: torch.Tensor, **kw) -> tuple[float, object]:
-    """Largest |Δ logprob| of the engine's top-20 prompt logprobs against ``want``, and the engine."""
-    llm = make_llm(str(path), enable_prefix_caching=False, dtype="float32", **kw)
-    out = llm.generate({"prompt_token_ids": IDS}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20),
-                       use_tqdm=False)[0]
-    errors = [abs(lp.logprob - float(want[pos - 1, tok])) for pos in range(1, len(IDS))
-              for tok, lp in out.prompt_logprobs[pos].items()]
-    assert out.outputs[0].token_ids == [int(want[-1].argmax())]
-    return max(errors), llm
-
+from tests.quant_utils import IDS, PROJ, engine_errors, fp8_blocks, hf_logprobs, save_compressed, write_fp8
 
 def dense_copy(fp8_dir: Path, out: Path, block: tuple[int, int] | None = None) -> Path:
     """The FP8 checkpoint's weights by the format's formula as a plain HF checkpoint, the reference for layouts

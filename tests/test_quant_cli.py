@@ -54,7 +54,7 @@ def test_shipped_recipes_validate():
     assert len(recipes) >= 4
     for r in recipes:
         cfg = build_config(str(r))
-        assert cfg.method in ("awq", "gptq", "rtn") and cfg.bits in (4, 8)
+        assert cfg.method in ("awq", "gptq", "rtn", "fp8") and cfg.bits in (4, 8)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -93,7 +93,7 @@ def quantized_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--method", "fp4"], "unknown method 'fp4'; choose awq, gptq or rtn"),
+    (["--method", "fp4"], "unknown method 'fp4'; choose awq, gptq, rtn or fp8"),
     (["--method", "gptq", "--bits", "3"], "bits must be 4 or 8, got 3"),
     (["--method", "awq", "--bits", "8"], "AWQ quantizes to 4 bits only"),
     (["--method", "gptq", "--group-size", "48"], "group size 48 fits none of the model's linears (input sizes "

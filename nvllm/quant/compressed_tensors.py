@@ -256,3 +256,18 @@ def quantization_config(bits: int, group_size: int, sym: bool, actorder: str | N
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                           "output_activations": None, "format": FORMAT}},
             "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {}}
+
+
+def fp8_quantization_config(block: int | None, ignore: list[str]) -> dict[str, Any]:
+    """``quantization_config`` as llm-compressor writes its FP8_DYNAMIC scheme (a scale per output channel; ``block``
+    None) or FP8_BLOCK (``block`` × ``block`` weight blocks): e4m3 weights, activations quantized per token (per
+    group of ``block`` inputs with blocks) at run time by engines that do W8A8 (nvllm runs W8A16: nvllm.quant.fp8)."""
+    weights = {**_ARGS, "type": "float", "num_bits": 8, "symmetric": True, "actorder": None,
+               "strategy": "channel" if block is None else "block", "group_size": None,
+               "block_structure": None if block is None else [block, block]}
+    inputs = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": True, "observer": None,
+              "strategy": "token" if block is None else "group", "group_size": block}
+    return {"quant_method": METHOD, "format": FLOAT_FORMATS[0], "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+                                          "output_activations": None, "format": FLOAT_FORMATS[0]}},
+            "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {}}

@@ -1,4 +1,5 @@
-"""``nvllm quantize``: a full-precision HF directory in, a quantized one out (AWQ-GEMM or GPTQ v1).
+"""``nvllm quantize``: a full-precision HF directory in, a quantized one out (AWQ-GEMM, GPTQ v1, compressed-tensors;
+FP8 through ``fp8_export``).
 
 Checks every input before the long work starts (output directory, model, settings against the model's
 shapes, calibration data), loads the model with the engine's loader, quantizes it layer by layer
@@ -166,6 +167,11 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     check_out_dir(out_dir, overwrite, model_dir)
     hf_config, arch, shape = _check_model(model_dir)
     device = torch.device(resolve_device(cfg.device))
+    if cfg.method == "fp8":   # no calibration, no layer-by-layer replay: nvllm.quant.fp8_export
+        from nvllm.quant.fp8_export import quantize_fp8
+
+        return quantize_fp8(model_dir, out_dir, cfg, QuantizeSummary(cfg, out_dir), shape.num_layers, overwrite,
+                            device, progress, on_start)
     scheme = QuantScheme(cfg.format, cfg.bits, cfg.group_size)
     quantize, kept = plan_linears(shape, scheme)
     if cfg.quantize_lm_head:

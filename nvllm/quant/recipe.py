@@ -4,14 +4,15 @@ command line (in that order of precedence, the command line last).
 A recipe (recipes/*.yaml) uses the same names as the flags, with the method's own knobs and the calibration
 settings in sections::
 
-    method: gptq            # awq | gptq | rtn
-    bits: 4                 # 4 | 8 (awq: 4)
-    group_size: 128         # or -1: one group spanning each row
+    method: gptq            # awq | gptq | rtn | fp8 (e4m3 weights, no calibration)
+    bits: 4                 # 4 | 8 (awq: 4; fp8: 8, its default)
+    group_size: 128         # or -1: one group spanning each row (fp8: blocks of group_size², -1: see fp8_export)
     sym: true               # awq: false (zero point)
     desc_act: false         # gptq: act-order
     quantize_lm_head: false # gptq / rtn: the LM head too (GPTQModel's lm_head=True)
     format: gptq            # the checkpoint written: awq (AWQ-GEMM; method awq's default), gptq (v1; gptq's and
-                            # rtn's default) or compressed-tensors (llm-compressor's pack-quantized, any method)
+                            # rtn's default), compressed-tensors (llm-compressor's, any method) or fp8 (fp8's
+                            # default: quant_method fp8, as Qwen3-*-FP8)
     gptq: {damp_percent: 0.01, block_size: 128, static_groups: true}
     awq: {n_grid: 20, duo_scaling: true, clip: true, max_shrink: 0.5}
     calibration: {dataset: c4, samples: 128, seqlen: 2048, seed: 0}
@@ -27,8 +28,8 @@ from typing import Any
 
 from nvllm.config import first_line
 
-METHODS = ("awq", "gptq", "rtn")
-FORMATS = ("awq", "gptq", "compressed-tensors")
+METHODS = ("awq", "gptq", "rtn", "fp8")
+FORMATS = ("awq", "gptq", "compressed-tensors", "fp8")
 
 
 class RecipeError(ValueError):
@@ -38,7 +39,7 @@ class RecipeError(ValueError):
 @dataclass
 class QuantizeConfig:
     method: str | None = None
-    bits: int = 4
+    bits: int | None = None            # None: 4, or 8 for fp8
     group_size: int = 128
     sym: bool | None = None            # None: the method's default (gptq/rtn symmetric, awq zero point)
     desc_act: bool = False
@@ -59,8 +60,8 @@ class QuantizeConfig:
 
     @property
     def writes(self) -> str:
-        """The checkpoint format written: awq, gptq or compressed-tensors."""
-        return self.checkpoint_format or ("awq" if self.method == "awq" else "gptq")
+        """The checkpoint format written: awq, gptq, compressed-tensors or fp8."""
+        return self.checkpoint_format or {"awq": "awq", "fp8": "fp8"}.get(self.method, "gptq")
 
     @property
     def format(self) -> str:
@@ -68,12 +69,21 @@ class QuantizeConfig:
         otherwise (compressed-tensors packs along the input as GPTQ does, and nvllm reads it as GPTQ)."""
         return "awq" if self.writes == "awq" else "gptq"
 
+    def _validate_fp8(self) -> "QuantizeConfig":
+        if self.checkpoint_format is not None:
+            self.checkpoint_format = self.checkpoint_format.lower()
+        return _fp8_rules(self)
+
     def validate(self) -> "QuantizeConfig":
         if self.method is None:
             raise RecipeError("choose a method: --method awq|gptq|rtn (or --recipe FILE)")
         self.method = self.method.lower()
         if self.method not in METHODS:
-            raise RecipeError(f"unknown method {self.method!r}; choose awq, gptq or rtn")
+            raise RecipeError(f"unknown method {self.method!r}; choose awq, gptq, rtn or fp8")
+        if self.bits is None:
+            self.bits = 8 if self.method == "fp8" else 4
+        if self.method == "fp8":
+            return self._validate_fp8()
         if self.bits not in (4, 8):
             raise RecipeError(f"bits must be 4 or 8, got {self.bits}")
         if self.checkpoint_format is not None:
@@ -86,6 +96,9 @@ class QuantizeConfig:
             if self.checkpoint_format == "gptq" and self.method == "awq":
                 raise RecipeError("AWQ's zero points of 0 have no GPTQ v1 encoding; --method awq writes awq or "
                                   "compressed-tensors")
+            if self.checkpoint_format == "fp8":
+                raise RecipeError(f"the fp8 format holds FP8 weights: --method fp8 writes it, --method "
+                                  f"{self.method} writes integer codes")
         if self.method == "awq" and self.bits != 4:
             raise RecipeError("AWQ quantizes to 4 bits only; use --method gptq or rtn for 8-bit")
         if self.group_size != -1 and self.group_size < 1:
@@ -139,6 +152,30 @@ _SECTIONS = {
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(QuantizeConfig)}
+
+
+def _fp8_rules(cfg: QuantizeConfig) -> QuantizeConfig:
+    """FP8 (``nvllm.quant.fp8_export``): 8 bits, blocks of ``group_size``² (-1: a scale per tensor in the fp8
+    format, per row in compressed-tensors), no integer settings, no calibration."""
+    if cfg.bits != 8:
+        raise RecipeError(f"FP8 weights have 8 bits, got --bits {cfg.bits}")
+    fmt = cfg.writes
+    if fmt not in ("fp8", "compressed-tensors"):
+        raise RecipeError(f"--method fp8 writes the fp8 format (quant_method fp8) or compressed-tensors, not {fmt}")
+    if cfg.group_size != -1 and (cfg.group_size < 16 or cfg.group_size % 16):
+        raise RecipeError(f"fp8 blocks are group_size × group_size weights, group_size a multiple of 16 (or -1), "
+                          f"got {cfg.group_size}")
+    for flag, on in (("--desc-act", cfg.desc_act), ("--quantize-lm-head", cfg.quantize_lm_head),
+                     ("--no-sym", cfg.sym is False)):
+        if on:
+            raise RecipeError(f"{flag} does not apply to --method fp8 (symmetric e4m3 codes; vLLM and nvllm keep "
+                              f"the LM head of FP8 checkpoints in full precision)")
+    cfg.sym = True
+    for method, section in (("gptq", _SECTIONS["gptq"]), ("awq", _SECTIONS["awq"])):
+        changed = [key for key, (name, _) in section.items() if getattr(cfg, name) != _DEFAULTS[name]]
+        if changed:
+            raise RecipeError(f"{method}.{changed[0]} applies to --method {method}, not fp8")
+    return cfg
 
 
 def _typed(value: Any, typ: type, where: str) -> Any:

@@ -20,8 +20,11 @@ class LayerProgress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         c = summary.config
-        self.console.print(f"quantizing with {c.method} {c.bits}-bit, group size {c.group_size}: "
-                           f"{summary.tokens} calibration tokens from {summary.calibration}", highlight=False)
+        if c.method == "fp8":
+            self.console.print(f"quantizing to FP8 (e4m3), {_fp8_scales(c)}: no calibration data", highlight=False)
+        else:
+            self.console.print(f"quantizing with {c.method} {c.bits}-bit, group size {c.group_size}: "
+                               f"{summary.tokens} calibration tokens from {summary.calibration}", highlight=False)
         for name, why in summary.kept.items():
             self.console.print(f"[yellow]kept in full precision:[/] {name} — {why}", highlight=False)
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -51,16 +54,25 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _fp8_scales(c) -> str:
+    if c.group_size != -1:
+        return f"scales per {c.group_size}×{c.group_size} block"
+    return "a scale per output channel" if c.writes == "compressed-tensors" else "a scale per tensor"
+
+
 def error_table(summary: QuantizeSummary):
     from rich.table import Table
 
-    table = Table(title="relative reconstruction error ‖ŷ − y‖² / ‖y‖² on the calibration tokens")
+    fp8 = summary.config.method == "fp8"
+    table = Table(title="relative weight error ‖Ŵ − W‖² / ‖W‖² (FP8: no calibration tokens)" if fp8 else
+                  "relative reconstruction error ‖ŷ − y‖² / ‖y‖² on the calibration tokens")
     table.add_column("layer", justify="right")
     for name in ORDER:
         table.add_column(name.removesuffix("_proj"), justify="right")
     windows = min(ERROR_WINDOWS, summary.config.calib_samples)
-    table.add_column("layer output" + (f" (first {windows} windows)" if windows < summary.config.calib_samples
-                                       else f" ({windows} windows)"), justify="right")
+    table.add_column("layer weights" if fp8 else "layer output" + (
+        f" (first {windows} windows)" if windows < summary.config.calib_samples else f" ({windows} windows)"),
+        justify="right")
     table.add_column("time", justify="right")
     for rep in summary.layers:
         cells = ["fp" if rep.errors.get(n) is None else f"{rep.errors[n]:.2e}" for n in ORDER]
@@ -70,6 +82,8 @@ def error_table(summary: QuantizeSummary):
 
 def summary_lines(summary: QuantizeSummary) -> list[str]:
     c = summary.config
+    if c.method == "fp8":
+        return _fp8_summary_lines(summary)
     fmt = {"awq": "AWQ-GEMM", "gptq": "GPTQ v1", "compressed-tensors": "compressed-tensors (pack-quantized)"}[c.writes]
     extra = " act-order" + (" (static groups)" if c.static_groups else "") if c.desc_act else ""
     lines = [
@@ -90,6 +104,16 @@ def summary_lines(summary: QuantizeSummary) -> list[str]:
     lines += summary.notes
     lines.append(f"written to {summary.out_dir} in {summary.seconds:.1f} s")
     return lines
+
+
+def _fp8_summary_lines(summary: QuantizeSummary) -> list[str]:
+    c = summary.config
+    fmt = "compressed-tensors (float-quantized)" if c.writes == "compressed-tensors" else "fp8 (quant_method fp8)"
+    return [f"method fp8 (e4m3), {_fp8_scales(c)}; format {fmt}",
+            f"size {_size(summary.size_before)} → {_size(summary.size_after)} "
+            f"({summary.size_after / max(summary.size_before, 1):.2f}×); embeddings and lm_head in full precision",
+            f"calibration: {summary.calibration}", *summary.notes,
+            f"written to {summary.out_dir} in {summary.seconds:.1f} s"]
 
 
 def print_report(summary: QuantizeSummary, console) -> None:
