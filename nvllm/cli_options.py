@@ -71,6 +71,8 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "gpu_memory_utilization": _opt(0.9, float, "fraction of GPU memory for weights, activations and KV cache"),
     "max_num_seqs": _opt(256, int, "maximum sequences in one batch"),
     "max_num_batched_tokens": _opt(2048, int, "token budget of one step (prefill chunks + decodes)"),
+    "scheduling_policy": _opt("fcfs", str, "fcfs | priority: requests' priority (lower first) orders admission "
+                              "and preemption"),
     "enable_prefix_caching": _opt(True, bool, "share KV blocks of common prompt prefixes",
                                   "--enable-prefix-caching/--no-enable-prefix-caching"),
     "enforce_eager": _opt(False, bool, "never capture CUDA graphs"),

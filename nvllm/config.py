@@ -93,6 +93,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # fcfs: first come, first served; priority: a request's priority (lower first, then arrival) orders the waiting
+    # queue and the running batch, and preemption takes the lowest first (vLLM's --scheduling-policy)
+    scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     # schedule and launch step N + 1 while step N runs, its sampled tokens fed on the device; None: on for one
@@ -166,6 +169,8 @@ class EngineConfig:
                               f"attention kernels' smallest), got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be at least 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling_policy {self.scheduling_policy!r} is not supported: fcfs or priority")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -83,13 +83,14 @@ class LLM:
         self.close()
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Prompts: a string, a list of strings, a list of token-id lists, or {"prompt": "..."} /
         {"prompt_token_ids": [...]} dicts. Without sampling_params, `get_default_sampling_params()` (the model's
         recommended settings). lora_request: one adapter for all prompts, or one (or None) per prompt (the engine
-        needs enable_lora=True). Every prompt is validated before any runs: one bad prompt raises ValueError and
-        nothing is queued."""
+        needs enable_lora=True). priority: one per prompt, lower first (vLLM's; needs scheduling_policy
+        "priority"). Every prompt is validated before any runs: one bad prompt raises ValueError and nothing is
+        queued."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
@@ -98,7 +99,18 @@ class LLM:
                              f"{type(prompts).__name__}")
         salts = _salts(prompts)
         return self._generate([_prompt_of(p) for p in prompts], sampling_params, use_tqdm, lora_request=lora_request,
-                              cache_salts=salts)
+                              cache_salts=salts, priorities=self._priorities(priority, len(prompts)))
+
+    def _priorities(self, priority: Seq[int] | None, n: int) -> list[int] | None:
+        if priority is None:
+            return None
+        priorities = list(priority)
+        if len(priorities) != n or not all(isinstance(p, numbers.Integral) for p in priorities):
+            raise ValueError(f"priority: one integer per prompt ({n}), got {priority!r}")
+        if any(priorities) and self.engine.config.scheduling_policy != "priority":
+            raise ValueError("priority given, but priority scheduling is not enabled: build the LLM with "
+                             "scheduling_policy='priority'")
+        return [int(p) for p in priorities]
 
     def chat(self, messages: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -157,15 +169,17 @@ class LLM:
         return [s.result(lambda ids: decode(ids, skip_special_tokens=True)) for s in searches]
 
     def _generate(self, prompts: list, sampling_params, use_tqdm: bool, texts: list[str] | None = None,
-                  lora_request=None, log: bool = True, cache_salts: list[str | None] | None = None
-                  ) -> list[RequestOutput]:
+                  lora_request=None, log: bool = True, cache_salts: list[str | None] | None = None,
+                  priorities: list[int] | None = None) -> list[RequestOutput]:
         """Queue the prompts and run the engine until they finish, one call at a time: the engine steps every
         request it holds, so two threads stepping it at once would corrupt its state. A call that ends otherwise
         (an exception, Ctrl-C) aborts its requests: nothing it queued is left for the next call to run."""
         with self._lock:
-            return self._generate_locked(prompts, sampling_params, use_tqdm, texts, lora_request, log, cache_salts)
+            return self._generate_locked(prompts, sampling_params, use_tqdm, texts, lora_request, log, cache_salts,
+                                         priorities)
 
-    def _generate_locked(self, prompts, sampling_params, use_tqdm, texts, lora_request, log, cache_salts):
+    def _generate_locked(self, prompts, sampling_params, use_tqdm, texts, lora_request, log, cache_salts,
+                         priorities):
         if self._closed:
             raise RuntimeError("this LLM was closed (LLM.close()); build a new one to generate")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -188,8 +202,9 @@ class LLM:
         salts = cache_salts or [None] * len(prompts)
         ids: list[str] = []
         try:
-            for p, sp, t, lr, salt in zip(prompts, params, texts, loras, salts):
-                ids.append(self.engine.add_request(None, p, sp, prompt_text=t, lora_request=lr, cache_salt=salt))
+            for p, sp, t, lr, salt, prio in zip(prompts, params, texts, loras, salts, priorities or [0] * len(prompts)):
+                ids.append(self.engine.add_request(None, p, sp, prompt_text=t, lora_request=lr, cache_salt=salt,
+                                                   priority=prio))
             return self._run(ids, use_tqdm, log)
         except BaseException:
             for request_id in ids:

@@ -112,3 +112,50 @@ def test_out_of_vocabulary_stop_token_refused_before_anything_runs(demo_dir):
         llm.generate(["The dog", "The cat"], [SamplingParams(), SamplingParams(min_tokens=2, stop_token_ids=[10**6])],
                      use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_priority_policy_admits_and_keeps_lower_values_first(demo_dir, alone, monkeypatch):
+    """vLLM's priority scheduling: with one sequence at a time the requests run in priority order (lower first,
+    arrival among equals); under memory pressure preemption takes the highest value; outputs are as alone."""
+    ps = prompts(6)
+    llm = make_llm(demo_dir, scheduling_policy="priority", max_num_seqs=1, enable_prefix_caching=False)
+    outs = llm.generate(ps, GREEDY, use_tqdm=False, priority=[3, 1, 2, 0, 1, 5])
+    first = [o.metrics.first_token_time for o in outs]
+    assert sorted(range(6), key=first.__getitem__) == [3, 1, 4, 2, 0, 5]
+    assert [o.outputs[0].token_ids for o in outs] == [alone[p] for p in ps]
+
+    fcfs = make_llm(demo_dir, max_num_seqs=1, enable_prefix_caching=False)
+    outs = fcfs.generate(ps, GREEDY, use_tqdm=False)
+    first = [o.metrics.first_token_time for o in outs]
+    assert sorted(range(6), key=first.__getitem__) == list(range(6))
+
+    # 8 blocks of 8 tokens: running sequences get preempted, always the one of the highest value (then latest)
+    tight = make_llm(demo_dir, scheduling_policy="priority", block_size=8, num_kv_blocks=8,
+                     max_num_batched_tokens=12, max_num_seqs=6, max_model_len=64)
+    sched, victims = tight.engine.scheduler, []
+    preempt = sched._preempt
+
+    def record(seq):
+        victims.append((seq.priority, max(s.priority for s in sched.running + [seq])))
+        preempt(seq)
+
+    monkeypatch.setattr(sched, "_preempt", record)
+    priorities = [i % 3 for i in range(18)]
+    outs = tight.generate(prompts(18), GREEDY, use_tqdm=False, priority=priorities)
+    assert victims and all(p == highest for p, highest in victims)
+    assert [o.outputs[0].token_ids for o in outs] == [alone[p] for p in prompts(18)]
+
+
+def test_priority_needs_the_priority_policy(demo_dir):
+    llm = make_llm(demo_dir)
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        llm.generate(prompts(2), GREEDY, use_tqdm=False, priority=[0, 1])
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        llm.engine.add_request(None, "hello", GREEDY, priority=2)
+    assert llm.generate(prompts(2), GREEDY, use_tqdm=False, priority=[0, 0])   # all 0: first come, first served
+    with pytest.raises(ValueError, match="one integer per prompt"):
+        make_llm(demo_dir, scheduling_policy="priority").generate(prompts(2), GREEDY, use_tqdm=False, priority=[1])
+    from nvllm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="scheduling_policy 'lifo'"):
+        make_llm(demo_dir, scheduling_policy="lifo")

@@ -604,3 +604,20 @@ def test_fd_serves_an_inherited_socket_and_refuses_anything_else(tmp_path):
         fd = f.fileno()
         res = CliRunner().invoke(app, ["serve", "--fd", str(fd)], env={"COLUMNS": "200"})
     assert res.exit_code == 2 and f"--fd {fd} is not an open socket" in res.output, res.output
+
+
+def test_priority_scheduling_serves_request_priorities(tmp_path):
+    """--scheduling-policy priority: completions, chat and beam search take a request's priority (any integer)."""
+    from tests.server_utils import stop_server
+
+    proc, base = start_server(["--scheduling-policy", "priority", "--max-num-seqs", "2", "--device", "cpu",
+                               "--log-stats-interval", "0", "--uvicorn-log-level", "warning"], tmp_path / "log")
+    try:
+        with httpx.Client(base_url=base, timeout=60) as http:
+            for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                               ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 2})):
+                r = http.post(path, json={"model": "stories260K", "max_tokens": 3, "priority": -4, **body})
+                assert r.status_code == 200, r.text
+    finally:
+        stop_server(proc)

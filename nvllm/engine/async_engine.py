@@ -39,6 +39,7 @@ class EngineRequest(NamedTuple):
     params: SamplingParams
     lora: LoRARequest | None = None
     cache_salt: str | None = None  # the request's prefix-cache salt (vLLM's cache_salt)
+    priority: int = 0  # vLLM's request priority (scheduling_policy "priority"; must be 0 under "fcfs")
 
 
 class EngineDeadError(RuntimeError):
@@ -81,7 +82,7 @@ class OutputStream:
             try:
                 for r in requests:
                     engine.add_request(r.request_id, r.prompt_ids, r.params, now, prefill_only,
-                                       lora_request=r.lora, cache_salt=r.cache_salt)
+                                       lora_request=r.lora, cache_salt=r.cache_salt, priority=r.priority)
                     added.append(r.request_id)
             except BaseException:
                 for request_id in added:

@@ -4,6 +4,7 @@ the block manager and the model runner; everything above it (LLM, the server, be
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import time
 from collections.abc import Sequence as Seq
@@ -68,7 +69,9 @@ class LLMEngine:
         self._fit_max_model_len_to_cache()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   lookahead=self.spec.lookahead if self.spec is not None else None)
+                                   lookahead=self.spec.lookahead if self.spec is not None else None,
+                                   policy=config.scheduling_policy)
+        self._arrivals = itertools.count()  # requests' arrival order (the priority policy's tie-break)
         if self.runner.lora is not None:
             self.scheduler.activate_lora = self.runner.lora.activate
         self._unload_when_idle: set[int] = set()  # adapters unloaded while sequences ran with them
@@ -153,14 +156,18 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, prefill_only: bool = False,
                     prompt_text: str | None = None, lora_request: LoRARequest | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, priority: int = 0) -> str:
         """Validate and queue a request (n sequences); raises ValueError on bad input, changing nothing.
         prefill_only (disaggregated prefill): each sequence stops after its first token and, unless that token
         finished it, keeps its blocks under a KV handle (`handoff`) for a decode worker to fetch. prompt_text:
         the outputs' prompt for token ids encoded elsewhere (a rendered chat prompt). lora_request: the adapter
         to run with (read now; needs enable_lora). cache_salt: its blocks are shared only with requests of the same
-        salt (vLLM's)."""
+        salt (vLLM's). priority: with scheduling_policy "priority", lower values are admitted and run first (and
+        preempted last); with "fcfs" it must be 0."""
         params = params or SamplingParams()
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} given, but priority scheduling is not enabled: requests are served "
+                             f"first come, first served (scheduling_policy 'priority' / --scheduling-policy priority)")
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -168,8 +175,10 @@ class LLMEngine:
         seqs = self._new_request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time or time.time()),
                                  lora_request, cache_salt)
         self.prompts[request_id] = prompt if isinstance(prompt, str) else prompt_text
+        order = next(self._arrivals)
         for seq in seqs:
             seq.prefill_only = prefill_only
+            seq.priority, seq.order = priority, order
             self.scheduler.add(seq)
         return request_id
 

@@ -7,6 +7,10 @@ needs a block and none is free, the most recently admitted running sequence is p
 its blocks are freed and it goes back to the front of the waiting queue with every token it has, so no
 request is ever dropped. With speculative decoding a decoding sequence also reserves positions for its drafted
 tokens (the engine's lookahead) when the budget and the free blocks allow, never at the cost of a preemption.
+
+With ``policy="priority"`` (vLLM's priority scheduling) both queues are kept in (priority, arrival) order instead:
+a lower priority value is admitted first and runs first, and preemption takes the running sequence of the highest
+value (the latest among equals), which then waits at its place in that order.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 lookahead: Callable[[Sequence], int] | None = None):
+                 lookahead: Callable[[Sequence], int] | None = None, policy: str = "fcfs"):
         """lookahead (speculative decoding): drafted positions to reserve for a decoding sequence; they count
         in the token budget and in the blocks allocated, and are only taken when they fit without preempting."""
         self.bm = block_manager
         self.lookahead = lookahead
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.by_priority = policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -47,7 +52,19 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        self._queue(self.waiting, seq, front=False)
+
+    def _queue(self, queue, seq: Sequence, front: bool) -> None:
+        """Put ``seq`` in ``queue``: at its (priority, arrival) place under the priority policy, else at the back
+        (or the front: a preempted sequence)."""
+        if self.by_priority:
+            key = (seq.priority, seq.order)
+            at = next((j for j, s in enumerate(queue) if (s.priority, s.order) > key), len(queue))
+            queue.insert(at, seq)
+        elif front:
+            queue.appendleft(seq)
+        else:
+            queue.append(seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -110,7 +127,7 @@ class Scheduler:
                 seq.admitted = True
                 seq.num_cached_tokens = min(hit, seq.num_prompt_tokens)
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._queue(self.running, seq, front=False)
             out.scheduled.append((seq, n))
             budget -= n
         return out
@@ -118,7 +135,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_sequence(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self._queue(self.waiting, seq, front=True)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, free: bool = True) -> None:

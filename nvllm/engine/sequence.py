@@ -38,6 +38,8 @@ class Sequence:
     # not another's); None for the base model
     cache_salt: bytes | None = None
     lora_id: int = 0  # the LoRA adapter this sequence runs with (0: the base model)
+    priority: int = 0  # the request's (scheduling_policy priority: lower runs first)
+    order: int = 0  # its place in arrival order (the engine numbers requests as they come)
     # outputs
     text: str = ""
     stop_floor: int = 0  # stop strings are looked for from here: the text of the first min_tokens tokens is not

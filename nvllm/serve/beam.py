@@ -44,13 +44,13 @@ def beam_usage(prompts: list[list[int]], outs: list[BeamSearchOutput]) -> UsageI
 
 
 async def beam_search(engine, prompt_ids: list[int], params: BeamSearchParams, lora, decode,
-                      cache_salt: str | None = None) -> BeamSearchOutput:
+                      cache_salt: str | None = None, priority: int = 0) -> BeamSearchOutput:
     core = engine.engine
     search = BeamSearch(prompt_ids, params, core.eos_token_ids, core.max_model_len)
     while not search.done:
         step = search.step_params()
         base = f"beam-{uuid.uuid4().hex}"
-        requests = [EngineRequest(f"{base}-{i}", beam.tokens, step, lora, cache_salt)
+        requests = [EngineRequest(f"{base}-{i}", beam.tokens, step, lora, cache_salt, priority)
                     for i, beam in enumerate(search.live)]
         stream = await submit(engine, requests)
         finals = {}
@@ -66,7 +66,7 @@ async def beam_search(engine, prompt_ids: list[int], params: BeamSearchParams, l
 
 
 async def search_all(engine, prompts: list[list[int]], params: list[BeamSearchParams], lora, decode,
-                     cache_salt: str | None = None) -> list[BeamSearchOutput]:
+                     cache_salt: str | None = None, priority: int = 0) -> list[BeamSearchOutput]:
     """Every prompt's search at once (their steps share the engine's batches)."""
-    return list(await asyncio.gather(*(beam_search(engine, ids, p, lora, decode, cache_salt)
+    return list(await asyncio.gather(*(beam_search(engine, ids, p, lora, decode, cache_salt, priority)
                                        for ids, p in zip(prompts, params))))

@@ -99,7 +99,8 @@ class ChatHandler:
         params.structured_outputs = plan.constraint() or params.structured_outputs
         if plan.mode == "auto" and plan.parser.keep_special_tokens:
             params.skip_special_tokens = False
-        engine_request = EngineRequest(random_id("chatcmpl"), ids, params, self.models.lora(req.model), req.cache_salt)
+        engine_request = EngineRequest(random_id("chatcmpl"), ids, params, self.models.lora(req.model), req.cache_salt,
+                                       req.priority)
         return response_id("chatcmpl", req), [engine_request], ids
 
     async def beam(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
@@ -108,7 +109,8 @@ class ChatHandler:
         request_id, requests, ids = await self.prompts.off_loop(self.prepare, req, beam=True)
         params, lora = requests[0].params, requests[0].lora
         decode = functools.partial(self.prompts.tokenizer.decode, skip_special_tokens=req.skip_special_tokens)
-        (out,) = await search_all(self.engine, [ids], [beam_params(req, params)], lora, decode, req.cache_salt)
+        (out,) = await search_all(self.engine, [ids], [beam_params(req, params)], lora, decode, req.cache_salt,
+                                  req.priority)
         reply = self._reply(req, ids)
         choices = []
         for j, s in enumerate(out.sequences):

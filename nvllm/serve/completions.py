@@ -85,7 +85,7 @@ class CompletionHandler:
                                   req.logprobs, prompt_logprobs, self.defaults)
                   for ids in prompt_ids]
         request_id, engine_id, lora = response_id("cmpl", req), random_id("cmpl"), self.models.lora(req.model)
-        requests = [EngineRequest(f"{engine_id}-{i}", ids, p, lora, req.cache_salt)
+        requests = [EngineRequest(f"{engine_id}-{i}", ids, p, lora, req.cache_salt, req.priority)
                     for i, (ids, p) in enumerate(zip(prompt_ids, params))]
         return request_id, requests, prompt_ids
 
@@ -114,7 +114,7 @@ class CompletionHandler:
         request_id, requests, prompt_ids = await self.prompts.off_loop(self.prepare, req, beam=True)
         decode = functools.partial(self.prompts.tokenizer.decode, skip_special_tokens=req.skip_special_tokens)
         outs = await search_all(self.engine, prompt_ids, [beam_params(req, r.params) for r in requests],
-                                requests[0].lora, decode, req.cache_salt)
+                                requests[0].lora, decode, req.cache_salt, req.priority)
         choices = [CompletionChoice(index=i * req.n + j, text=(self._echo(req, i, ids, None)[0] if req.echo else "")
                                     + s.text, finish_reason=s.finish_reason)
                    for i, (ids, o) in enumerate(zip(prompt_ids, outs)) for j, s in enumerate(o.sequences)]

@@ -24,7 +24,7 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop",
                     "stop_token_ids", "logprobs", "prompt_logprobs", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "logit_bias", "structured_outputs", "allowed_token_ids", "bad_words",
-                    "truncate_prompt_tokens")
+                    "truncate_prompt_tokens", "priority")
 
 
 class APIError(Exception):

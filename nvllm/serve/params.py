@@ -146,9 +146,6 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
     generation_defaults), else the neutral value; a value the request sets wins."""
     if req.stream_options is not None and not req.stream:  # as vLLM answers; OpenAI's too
         raise bad_request("stream_options can only be given when stream is true", "stream_options")
-    if req.priority:  # as vLLM answers without --scheduling-policy priority
-        raise bad_request("priority scheduling is not enabled: requests are served first come, first served "
-                          "(give priority 0)", "priority")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     bias = logit_bias(req.logit_bias)
     sampling = with_defaults({name: getattr(req, name) for name in NEUTRAL}, defaults or {})

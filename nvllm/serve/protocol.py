@@ -91,7 +91,7 @@ class SamplingRequest(OpenAIModel):
     length_penalty: float = Field(1.0, allow_inf_nan=False)
     # vLLM's: blocks of the prefix cache are shared only among requests with the same salt (multi-tenant privacy)
     cache_salt: str | None = Field(None, min_length=1)
-    priority: int = 0  # vLLM's, for its priority scheduling; the scheduler here is first come, first served
+    priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority; must be 0 under fcfs
     request_id: str | None = Field(None, min_length=1, max_length=256)  # vLLM's: names the response (X-Request-Id wins)
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N" (None: the server's)
 
