@@ -304,8 +304,9 @@ _Q, _E, _B = "Quantization", "Evaluation", "Benchmark"
 @engine_options
 def pipeline(
     ctx: typer.Context,
-    method: Annotated[Optional[str], typer.Option(help="awq | gptq | rtn", rich_help_panel=_Q)] = None,
-    bits: Annotated[Optional[int], typer.Option(help="4 | 8 (awq: 4) (default: 4)", rich_help_panel=_Q)] = None,
+    method: Annotated[Optional[str], typer.Option(help="awq | gptq | rtn | fp8", rich_help_panel=_Q)] = None,
+    bits: Annotated[Optional[int], typer.Option(help="4 | 8 (awq: 4; fp8: 8) (default: 4)",
+                                                rich_help_panel=_Q)] = None,
     group_size: Annotated[Optional[int], typer.Option(help="inputs per scale/zero group (default: 128)",
                                                       rich_help_panel=_Q)] = None,
     sym: Annotated[Optional[bool], typer.Option("--sym/--no-sym", rich_help_panel=_Q)] = None,

@@ -159,3 +159,19 @@ def test_priority_needs_the_priority_policy(demo_dir):
 
     with pytest.raises(ConfigError, match="scheduling_policy 'lifo'"):
         make_llm(demo_dir, scheduling_policy="lifo")
+
+
+def test_a_high_priority_prompt_does_not_stall_running_decodes(demo_dir):
+    """As vLLM's: only the waiting queue is in priority order; running sequences keep their admission order, so a
+    long prompt of a higher priority admitted later shares the step's budget with the decodes already running."""
+    llm = make_llm(demo_dir, scheduling_policy="priority", max_num_batched_tokens=16, enable_prefix_caching=False)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    eng.add_request(None, prompts(3)[0], params, priority=5)
+    while eng.scheduler.running[0].num_computed_tokens < eng.scheduler.running[0].num_prompt_tokens \
+            if eng.scheduler.running else True:
+        eng.step()
+    eng.add_request(None, " ".join(WORDS * 3), params, priority=0)
+    eng.step()   # admitted, its first chunk beside the decode
+    out = eng.scheduler.schedule()   # still prefilling: the decode keeps its place
+    assert [(s.priority, n) for s, n in out.scheduled] == [(5, 1), (0, 15)]

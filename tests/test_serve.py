@@ -607,17 +607,21 @@ def test_fd_serves_an_inherited_socket_and_refuses_anything_else(tmp_path):
 
 
 def test_priority_scheduling_serves_request_priorities(tmp_path):
-    """--scheduling-policy priority: completions, chat and beam search take a request's priority (any integer)."""
+    """--scheduling-policy priority: completions, chat, beam search and responses take a request's priority (any
+    integer)."""
     from tests.server_utils import stop_server
 
     proc, base = start_server(["--scheduling-policy", "priority", "--max-num-seqs", "2", "--device", "cpu",
                                "--log-stats-interval", "0", "--uvicorn-log-level", "warning"], tmp_path / "log")
     try:
         with httpx.Client(base_url=base, timeout=60) as http:
-            for path, body in (("/v1/completions", {"prompt": PROMPT}),
-                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
-                               ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 2})):
-                r = http.post(path, json={"model": "stories260K", "max_tokens": 3, "priority": -4, **body})
+            for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 3}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 3}),
+                               ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 2,
+                                                    "max_tokens": 3}),
+                               ("/v1/responses", {"input": "Hi", "max_output_tokens": 3})):
+                r = http.post(path, json={"model": "stories260K", "priority": -4, **body})
                 assert r.status_code == 200, r.text
     finally:
         stop_server(proc)

@@ -226,7 +226,8 @@ class DisaggWorker:
                 raise _mismatch(f"the handoff has {len(prefill.requests)} prompts; the request {len(requests)}")
             stream = self.engine.open_stream()
             try:
-                for (rid, ids, params, lora, salt), h in zip(requests, prefill.requests):
+                for r, h in zip(requests, prefill.requests):
+                    rid, ids, params = r.request_id, r.prompt_ids, r.params
                     if h.prompt_ids != ids:
                         raise _mismatch("the prefill worker's prompt tokens differ from this worker's: the workers "
                                         "must serve the same model, tokenizer and chat template")
@@ -235,7 +236,8 @@ class DisaggWorker:
                         raise _mismatch(f"the handoff's samples do not match n={params.n}")
                     samples = [to_sample(by_index[i]) for i in range(params.n)]
                     plp = None if h.prompt_logprobs is None else [entries_to_logprobs(e) for e in h.prompt_logprobs]
-                    for t in await stream.add_prefilled(rid, ids, params, h.arrival_time, samples, plp, lora, salt):
+                    for t in await stream.add_prefilled(rid, ids, params, h.arrival_time, samples, plp, r.lora,
+                                                        r.cache_salt, r.priority):
                         self.receiver.submit(ReceiveJob(t, prefill.url, prefill.kv_rank, by_index[t.seq.index].handle))
             except ValueError as e:  # bad ids, a bad RNG state: nothing half-registered stays
                 stream.close()

@@ -57,14 +57,15 @@ class OutputStream:
 
     async def add(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams,
                   arrival_time: float | None = None, prefill_only: bool = False,
-                  lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> str:
-        """Queue a request on the engine; raises ValueError (bad input) with nothing changed. prefill_only: see
-        LLMEngine.add_request (disaggregated prefill)."""
+                  lora_request: LoRARequest | None = None, cache_salt: str | None = None, priority: int = 0) -> str:
+        """Queue a request on the engine; raises ValueError (bad input) with nothing changed. prefill_only,
+        priority: see LLMEngine.add_request."""
         request_id = request_id or uuid.uuid4().hex
         await self._engine.precompile(params)
         await self._add([request_id], lambda e: e.add_request(request_id, prompt, params,
                                                               arrival_time or time.time(), prefill_only,
-                                                              lora_request=lora_request, cache_salt=cache_salt),
+                                                              lora_request=lora_request, cache_salt=cache_salt,
+                                                              priority=priority),
                         emit=False)
         return request_id
 
@@ -94,13 +95,13 @@ class OutputStream:
     async def add_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                             arrival_time: float, samples: list[PrefilledSample],
                             prompt_logprobs: list | None = None, lora_request: LoRARequest | None = None,
-                            cache_salt: str | None = None) -> list[KVTarget]:
+                            cache_salt: str | None = None, priority: int = 0) -> list[KVTarget]:
         """Decode side of disaggregation: register a request a prefill worker started (LLMEngine.
         add_prefilled_request); its first output (the first tokens) is in the stream at once. Returns where
         the prompt KV of each sequence still decoding goes."""
         await self._engine.precompile(params)
         return await self._add([request_id], lambda e: e.add_prefilled_request(
-            request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs, lora_request, cache_salt),
+            request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs, lora_request, cache_salt, priority),
             emit=True)
 
     async def _add(self, request_ids: list[str], add: Callable[[LLMEngine], Any], emit: bool) -> Any:

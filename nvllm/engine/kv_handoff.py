@@ -97,7 +97,7 @@ class KVHandoff:
     def add_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time: float,
                       samples: list[PrefilledSample],
                       prompt_logprobs: list[LogprobsDict | None] | None = None, lora_request=None,
-                      cache_salt: str | None = None) -> list[KVTarget]:
+                      cache_salt: str | None = None, priority: int = 0) -> list[KVTarget]:
         """Register the request, append each sample's first token, and give the samples still to decode blocks
         for their prompt's KV; returns where it goes. ValueError on bad input, changing nothing."""
         e = self.engine
@@ -120,6 +120,7 @@ class KVHandoff:
         metrics.first_scheduled_time = min((s.first_scheduled_time for s in samples if s.first_scheduled_time),
                                            default=None)
         seqs = e._new_request(request_id, ids, params, metrics, lora_request, cache_salt)
+        e.place_in_line(seqs, priority)
         e.prompts[request_id] = None
         now, receiving = time.time(), []
         for seq, s in zip(seqs, samples):

@@ -165,9 +165,7 @@ class LLMEngine:
         salt (vLLM's). priority: with scheduling_policy "priority", lower values are admitted and run first (and
         preempted last); with "fcfs" it must be 0."""
         params = params or SamplingParams()
-        if priority and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority {priority} given, but priority scheduling is not enabled: requests are served "
-                             f"first come, first served (scheduling_policy 'priority' / --scheduling-policy priority)")
+        self.check_priority(priority)
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -175,10 +173,9 @@ class LLMEngine:
         seqs = self._new_request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time or time.time()),
                                  lora_request, cache_salt)
         self.prompts[request_id] = prompt if isinstance(prompt, str) else prompt_text
-        order = next(self._arrivals)
+        self.place_in_line(seqs, priority)
         for seq in seqs:
             seq.prefill_only = prefill_only
-            seq.priority, seq.order = priority, order
             self.scheduler.add(seq)
         return request_id
 
@@ -473,10 +470,23 @@ class LLMEngine:
                               arrival_time: float, samples: list[PrefilledSample],
                               prompt_logprobs: list[LogprobsDict | None] | None = None,
                               lora_request: LoRARequest | None = None,
-                              cache_salt: str | None = None) -> list[KVTarget]:
+                              cache_salt: str | None = None, priority: int = 0) -> list[KVTarget]:
         """Decode side: a request whose prompt a prefill worker computed (see KVHandoff.add_prefilled)."""
+        self.check_priority(priority)
         return self.handoff.add_prefilled(request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs,
-                                          lora_request, cache_salt)
+                                          lora_request, cache_salt, priority)
+
+    def check_priority(self, priority: int) -> None:
+        """ValueError for a non-zero priority unless the scheduling policy is "priority"."""
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} given, but priority scheduling is not enabled: requests are served "
+                             f"first come, first served (scheduling_policy 'priority' / --scheduling-policy priority)")
+
+    def place_in_line(self, seqs: list[Sequence], priority: int) -> None:
+        """Give a new request's sequences their priority and the next place in arrival order."""
+        order = next(self._arrivals)
+        for seq in seqs:
+            seq.priority, seq.order = priority, order
 
     # ---- outputs -------------------------------------------------------------------------------------
     def output(self, request_id: str) -> RequestOutput:

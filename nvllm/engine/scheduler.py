@@ -8,9 +8,11 @@ its blocks are freed and it goes back to the front of the waiting queue with eve
 request is ever dropped. With speculative decoding a decoding sequence also reserves positions for its drafted
 tokens (the engine's lookahead) when the budget and the free blocks allow, never at the cost of a preemption.
 
-With ``policy="priority"`` (vLLM's priority scheduling) both queues are kept in (priority, arrival) order instead:
-a lower priority value is admitted first and runs first, and preemption takes the running sequence of the highest
-value (the latest among equals), which then waits at its place in that order.
+With ``policy="priority"`` (vLLM's priority scheduling) the waiting queue is kept in (priority, arrival) order: a
+lower priority value is admitted first. Running sequences keep their admission order (a long high-priority prompt
+does not starve the decodes already running), and preemption takes the running sequence of the highest value (the
+latest among equals) — unscheduling it if it was already scheduled this step — which then waits at its place in
+that order.
 """
 
 from __future__ import annotations
@@ -55,16 +57,27 @@ class Scheduler:
         self._queue(self.waiting, seq, front=False)
 
     def _queue(self, queue, seq: Sequence, front: bool) -> None:
-        """Put ``seq`` in ``queue``: at its (priority, arrival) place under the priority policy, else at the back
-        (or the front: a preempted sequence)."""
+        """Put ``seq`` in ``queue``: at its (priority, arrival) place under the priority policy (looked for from
+        the back, where new arrivals go), else at the back (or the front: a preempted sequence)."""
         if self.by_priority:
-            key = (seq.priority, seq.order)
-            at = next((j for j, s in enumerate(queue) if (s.priority, s.order) > key), len(queue))
+            key, at = (seq.priority, seq.order), len(queue)
+            while at and (queue[at - 1].priority, queue[at - 1].order) > key:
+                at -= 1
             queue.insert(at, seq)
         elif front:
             queue.appendleft(seq)
         else:
             queue.append(seq)
+
+    def _victim(self, i: int, scheduled: list[tuple[Sequence, int]]) -> int:
+        """Index of the running sequence to preempt while sequence ``i`` needs blocks: the latest admitted, or under
+        the priority policy the one of the highest (priority, arrival) among ``i``, those after it and those
+        scheduled already this step (not one held out of it)."""
+        if not self.by_priority:
+            return len(self.running) - 1
+        done = {id(s) for s, _ in scheduled}
+        candidates = [j for j in range(len(self.running)) if j >= i or id(self.running[j]) in done]
+        return max(candidates, key=lambda j: (self.running[j].priority, self.running[j].order))
 
     @property
     def has_unfinished(self) -> bool:
@@ -95,7 +108,14 @@ class Scheduler:
                     i += 1
                     continue
             while not self.bm.allocate_slots(seq, n):
-                victim = self.running.pop()
+                j = self._victim(i, out.scheduled)
+                victim = self.running.pop(j)
+                if j < i:   # priority policy: scheduled already this step; its tokens go back to the budget
+                    at = next(k for k, (s, _) in enumerate(out.scheduled) if s is victim)
+                    budget += out.scheduled.pop(at)[1]
+                    if need_one:
+                        need_one.pop(j)
+                    i -= 1
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -127,7 +147,7 @@ class Scheduler:
                 seq.admitted = True
                 seq.num_cached_tokens = min(hit, seq.num_prompt_tokens)
             seq.status = Status.RUNNING
-            self._queue(self.running, seq, front=False)
+            self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
         return out

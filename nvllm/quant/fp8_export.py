@@ -4,8 +4,11 @@ nearest e4m3 code of its block's scale, ``amax / 448``.
 
 Formats (``--format``):
   ``fp8`` (the default): ``quant_method: fp8``. Blocks of ``group_size`` × ``group_size`` (default 128, as
-      Qwen3-*-FP8 and DeepSeek-V3) with ``weight_scale_inv``; ``--group-size -1``: one scale per tensor,
-      ``weight_scale`` (vLLM's own FP8 export).
+      Qwen3-*-FP8 and DeepSeek-V3) with ``weight_scale_inv``, which vLLM, transformers and nvllm read; vLLM needs
+      every linear's sizes (per tensor-parallel rank) to be whole blocks, and the summary says when they are not.
+      ``--group-size -1``: one scale per tensor, ``weight_scale`` — vLLM's own FP8 export, which vLLM and nvllm
+      read; transformers reads per-tensor scales only as ``weight_scale_inv`` (for a checkpoint transformers also
+      reads, write compressed-tensors).
   ``compressed-tensors``: llm-compressor's FP8_BLOCK (blocks) or, with ``--group-size -1``, FP8_DYNAMIC (a scale per
       output channel), ``float-quantized``.
 Embeddings, norms and the LM head keep the checkpoint's dtype. The summary's table gives each linear's relative
@@ -70,12 +73,14 @@ def quantize_fp8(model_dir: str, out_dir: str, cfg, summary, num_layers: int, ov
     reports = {i: LayerReport(i) for i in range(num_layers)}
     sums: dict[tuple[int, str], list[float]] = {}
     tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, int]] = {}   # q, k, …: the [out, in] of each kind of linear
     for name, w in iterate_weights(model_dir, "safetensors", False):
         m = PROJ.match(name)
         if m is None:
             tensors[name] = w
             continue
         layer, fused = int(m.group(1)), FUSED_OF[f"{m.group(3)}_proj"]
+        shapes[m.group(3)] = tuple(w.shape)
         if progress:
             progress(layer, fused.removesuffix("_proj"))
         start = time.perf_counter()
@@ -92,6 +97,12 @@ def quantize_fp8(model_dir: str, out_dir: str, cfg, summary, num_layers: int, ov
         err = sum(sums[(rep.index, f)][0] for f in rep.errors)
         rep.layer_error = err / max(sum(sums[(rep.index, f)][1] for f in rep.errors), 1e-30)
     summary.layers = [reports[i] for i in range(num_layers)]
+    if block is not None:
+        ragged = sorted({f"{m}_proj {tuple(shape)}" for m, shape in shapes.items() if any(d % block for d in shape)})
+        if ragged:
+            summary.notes.append(f"vLLM loads FP8 blocks only where a linear's sizes are whole {block}-blocks "
+                                 f"(per tensor-parallel rank); not so for {', '.join(ragged)}: nvllm serves this "
+                                 f"checkpoint, vLLM will refuse it (--group-size -1 or a smaller block would do)")
     if progress:
         progress(num_layers, "writing")
     summary.size_after = write_checkpoint(model_dir, out_dir, tensors, quantization_config(fmt, block), overwrite)

@@ -76,7 +76,7 @@ class QuantizeConfig:
 
     def validate(self) -> "QuantizeConfig":
         if self.method is None:
-            raise RecipeError("choose a method: --method awq|gptq|rtn (or --recipe FILE)")
+            raise RecipeError("choose a method: --method awq|gptq|rtn|fp8 (or --recipe FILE)")
         self.method = self.method.lower()
         if self.method not in METHODS:
             raise RecipeError(f"unknown method {self.method!r}; choose awq, gptq, rtn or fp8")
@@ -171,8 +171,12 @@ def _fp8_rules(cfg: QuantizeConfig) -> QuantizeConfig:
             raise RecipeError(f"{flag} does not apply to --method fp8 (symmetric e4m3 codes; vLLM and nvllm keep "
                               f"the LM head of FP8 checkpoints in full precision)")
     cfg.sym = True
-    for method, section in (("gptq", _SECTIONS["gptq"]), ("awq", _SECTIONS["awq"])):
+    for method, section in (("gptq", _SECTIONS["gptq"]), ("awq", _SECTIONS["awq"]),
+                            ("calibration", _SECTIONS["calibration"])):
         changed = [key for key, (name, _) in section.items() if getattr(cfg, name) != _DEFAULTS[name]]
+        if changed and method == "calibration":
+            raise RecipeError(f"calibration.{changed[0]} (--calib-…/--seed) does not apply to --method fp8: FP8 "
+                              f"needs no calibration data")
         if changed:
             raise RecipeError(f"{method}.{changed[0]} applies to --method {method}, not fp8")
     return cfg

@@ -68,6 +68,7 @@ class ResponsesRequest(OpenAIModel):
     repetition_penalty: float | None = None
     seed: int | None = None
     cache_salt: str | None = Field(None, min_length=1)
+    priority: int = 0   # --scheduling-policy priority
 
 
 class ResponseStore:
@@ -176,7 +177,7 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest
                   temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                   repetition_penalty=req.repetition_penalty, seed=req.seed, tools=tools, tool_choice=choice,
                   parallel_tool_calls=req.parallel_tool_calls, response_format=response_format,
-                  cache_salt=req.cache_salt)
+                  cache_salt=req.cache_salt, priority=req.priority)
     try:
         return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
