@@ -33,7 +33,10 @@ triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload unde
 NVLLM_FP8_DECODE_BITS = os.environ.get("NVLLM_FP8_DECODE_BITS", "0") == "1"
 """Under the interpreter: decode e4m3 by bits as a GPU before compute capability 8.9 does (tests)."""
 
-GEMV_MAX_M = int(os.environ.get("NVLLM_FP8_GEMV_MAX_M", "0"))
+GEMV_ROWS = 8
+"""The most rows ``fp8_gemv`` takes (its products are ``[rows, BLOCK_N, BLOCK_K]`` tiles in registers)."""
+
+GEMV_MAX_M = min(int(os.environ.get("NVLLM_FP8_GEMV_MAX_M", "0")), GEMV_ROWS)
 """Up to this many rows ``fp8_linear`` runs ``fp8_gemv`` (CUDA cores) instead of the tensor-core tiles of
 ``fp8_gemm``; 0 (the default until a GPU measurement picks one) runs ``fp8_gemm`` at every M."""
 
@@ -167,13 +170,13 @@ def _pick_config(M: int, K: int, block_k: int, dtype: torch.dtype) -> dict[str, 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
              bias: torch.Tensor | None = None, split_k: int | None = None, block_n: int = 16, block_k_tile: int = 256,
              num_warps: int = 4) -> torch.Tensor:
-    """``fp8_gemm`` for up to ``GEMV_MAX_M`` rows on the CUDA cores (``_fp8_gemv_kernel``); x rows contiguous.
+    """``fp8_gemm`` for up to ``GEMV_ROWS`` rows on the CUDA cores (``_fp8_gemv_kernel``); x rows contiguous.
     ``block_k_tile`` is the kernel's K step (it must lie in one scale block: smaller ones are taken for smaller
     blocks)."""
     M, K = x.shape
     N = weight.shape[0]
-    if M > GEMV_MAX_M:
-        raise ValueError(f"fp8_gemv takes at most {GEMV_MAX_M} rows, got {M}")
+    if M > GEMV_ROWS:
+        raise ValueError(f"fp8_gemv takes at most {GEMV_ROWS} rows, got {M}")
     _check(x, weight, scale, block_k)
     bk = block_k_tile
     while block_k < K and block_k % bk:
