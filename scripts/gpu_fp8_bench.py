@@ -33,7 +33,7 @@ from nvllm.quant.fp8 import Fp8Scheme, quantize_blocks, quantize_rows, scale_row
 
 HIDDEN, INTER, LAYERS = 3584, 18944, 28
 SHAPES = {"qkv": (4608, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
-SWEEP = [dict(block_n=bn, block_k=128, num_warps=w, num_stages=3) for bn in (64, 128, 256) for w in (4, 8)]
+SWEEP = [dict(block_n=bn, num_warps=w, num_stages=3) for bn in (64, 128, 256) for w in (4, 8)]   # K tile: the default
 GEMV_SWEEP = [dict(block_n=bn, block_k_tile=bk, num_warps=w) for bn in (8, 16, 32) for bk in (256, 512)
               for w in (4, 8)]
 
