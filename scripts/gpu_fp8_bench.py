@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nvllm.kernels.fp8_gemm import _pick_config, fp8_gemm, fp8_gemm_reference, fp8_gemv  # noqa: E402
+from nvllm.kernels.fp8_gemm import _pick_config, fp8_dequantize, fp8_gemm, fp8_gemm_reference, fp8_gemv  # noqa: E402
 from nvllm.kernels.gemm_tuner import cuda_graph_timer  # noqa: E402
 from nvllm.quant.fp8 import Fp8Scheme, quantize_blocks, quantize_rows, scale_rows  # noqa: E402
 
@@ -79,8 +79,11 @@ def main() -> int:
                     raise SystemExit(f"{scales} {name} M={m}: fp8_gemm off its reference by {err:.3g}")
                 t_fp8 = cuda_graph_timer(lambda i: fp8_gemm(x, *ws[i % len(ws)]), len(ws), floor_s)
                 t_bf16 = cuda_graph_timer(lambda i: F.linear(x, dense[i % len(dense)]), len(dense), 2 * floor_s)
+                t_deq = cuda_graph_timer(lambda i: F.linear(x, fp8_dequantize(*ws[i % len(ws)], x.dtype)), len(ws),
+                                         3 * floor_s)
                 row = {"scales": scales, "shape": name, "m": m, "fp8_us": t_fp8 * 1e6, "bf16_us": t_bf16 * 1e6,
-                       "floor_us": floor_s * 1e6, "err": err, "config": _pick_config(m, k, bk, torch.bfloat16)}
+                       "floor_us": floor_s * 1e6, "err": err, "config": _pick_config(m, k, bk, torch.bfloat16),
+                       "dequant_matmul_us": t_deq * 1e6}
                 if m <= 4:   # the CUDA-core kernel for few rows: its default and, with --sweep, the best config
                     row["gemv_us"] = cuda_graph_timer(lambda i: fp8_gemv(x, *ws[i % len(ws)]), len(ws), floor_s) * 1e6
                     gerr = float((fp8_gemv(x, q, s, bk).float() - ref).abs().max() / ref.abs().max())
@@ -108,7 +111,8 @@ def main() -> int:
                 totals.setdefault((scales, m), [0.0, 0.0, 0.0, 0.0, 0.0])
                 for j, key in enumerate(("fp8_us", "bf16_us", "floor_us", "gemv_us", "gemv_best_us")):
                     totals[(scales, m)][j] += row.get(key, 0.0) * LAYERS
-                best = f"  best {row['best_us']:.2f} µs {row['best_config']}" if "best_us" in row else ""
+                best = f"  dequant+cuBLAS {row['dequant_matmul_us']:.2f} µs"
+                best += f"  best {row['best_us']:.2f} µs {row['best_config']}" if "best_us" in row else ""
                 if "gemv_us" in row:
                     best += f"  gemv {row['gemv_us']:.2f} µs"
                 if "gemv_best_us" in row:

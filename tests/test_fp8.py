@@ -127,6 +127,21 @@ def test_fp8_gemm_kernel_equals_its_reference(interpreted_kernel, monkeypatch, m
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}   # of the largest output: its rounding
 
 
+def test_many_rows_dequantize_and_run_a_dense_matmul(interpreted_kernel, monkeypatch):
+    G = interpreted_kernel
+    q, s = quantize_rows(torch.randn(40, 96) * 0.05, 32)
+    w = G.fp8_dequantize(q, s, 32, torch.bfloat16)
+    assert w.dtype == torch.bfloat16   # within one bf16 rounding (the interpreter rounds toward zero)
+    torch.testing.assert_close(w.float(), dequantize_rows(q, s, 32), rtol=2 ** -7, atol=0)
+    monkeypatch.setattr(G, "DEQUANT_MATMUL_MIN_M", 3)
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    x, b = torch.randn(5, 96), torch.randn(40)
+    report.reset()
+    torch.testing.assert_close(G.fp8_linear(x, q, s, 32, b), G.fp8_gemm_reference(x, q, s, 32, b),
+                               rtol=1e-5, atol=1e-5)
+    assert report.snapshot()["fp8_gemm"] == {"triton fp8 dequant + torch matmul": 1}
+
+
 def test_fp8_kernels_take_contiguous_rows_only(interpreted_kernel):
     G = interpreted_kernel
     q, s = quantize_rows(torch.randn(64, 64))

@@ -33,6 +33,11 @@ triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload unde
 NVLLM_FP8_DECODE_BITS = os.environ.get("NVLLM_FP8_DECODE_BITS", "0") == "1"
 """Under the interpreter: decode e4m3 by bits as a GPU before compute capability 8.9 does (tests)."""
 
+DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_FP8_DEQUANT_MIN_M", "128"))
+"""From this many rows on, ``fp8_linear`` writes the weight out in x's dtype and calls a dense matmul (cuBLAS): at
+M = 256 the fused kernel took 2.3–3.7× cuBLAS's bf16 time on the 7B shapes, at M = 4 it was 1.6× faster (H100,
+docs/PERF.md, session 32). The crossing between them is not measured yet; 128 as for the 4-bit kernels."""
+
 GEMV_ROWS = 8
 """The most rows ``fp8_gemv`` takes (its products are ``[rows, BLOCK_N, BLOCK_K]`` tiles in registers)."""
 
@@ -146,6 +151,29 @@ def _fp8_gemv_kernel(
         acc += tl.sum(prod, axis=2) * s[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     store_tile(out_ptrs, acc, mask_m[:, None] & mask_n[None, :], bias_ptr, offs_n, mask_n, HAS_BIAS, ATOMIC)
+
+
+@_jit
+def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                        BK_S: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out [N, K]`` in out's dtype = the weight's codes times their scales (for the dense matmul of many rows)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
+    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + (offs_k // BK_S)[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :],
+             (_e4m3(q, NATIVE) * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``[N, K]`` in ``dtype``, written by one kernel (each element rounded once from its fp32 value)."""
+    N, K = weight.shape
+    out = torch.empty((N, K), device=weight.device, dtype=dtype)
+    _fp8_dequant_kernel[(triton.cdiv(N, 32), triton.cdiv(K, 128))](
+        weight.view(torch.uint8), scale, out, N, K, weight.stride(0), scale.stride(0), out.stride(0),
+        BK_S=block_k if block_k < K else K, NATIVE=native_fp8(weight.device), BLOCK_N=32, BLOCK_K=128)
+    return out
 
 
 def _interpreting() -> bool:
@@ -274,7 +302,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         raise ValueError(f"input has {x.shape[-1]} features, the FP8 layer expects {K}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
-    if use_triton(x) and x2.shape[0] <= GEMV_MAX_M:
+    if use_triton(x) and x2.shape[0] >= DEQUANT_MATMUL_MIN_M:
+        report.record("fp8_gemm", "triton fp8 dequant + torch matmul")
+        y = torch.nn.functional.linear(x2, fp8_dequantize(weight, scale, block_k, x.dtype), bias)
+    elif use_triton(x) and x2.shape[0] <= GEMV_MAX_M:
         report.record("fp8_gemm", "triton w8a16 fp8 gemv")
         y = fp8_gemv(x2, weight, scale, block_k, bias)
     elif use_triton(x):
