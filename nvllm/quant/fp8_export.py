@@ -17,13 +17,15 @@ weight error ``‖Ŵ − W‖² / ‖W‖²`` (there are no calibration tokens t
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 import time
 
 import torch
 
 from nvllm.quant.compressed_tensors import fp8_quantization_config as ct_fp8_config
-from nvllm.quant.fp8 import dequantize_rows, quantize_blocks, quantize_rows, scale_rows, Fp8Scheme
+from nvllm.quant.fp8 import Fp8Scheme, dequantize_rows, quantize_blocks, quantize_rows, scale_rows
 from nvllm.quant.plan import FUSED_MODULES, LM_HEAD
 from nvllm.quant.sequential import LayerReport
 
@@ -58,9 +60,6 @@ def quantize_fp8(model_dir: str, out_dir: str, cfg, summary, num_layers: int, ov
                  progress=None, on_start=None):
     """Write ``model_dir`` with FP8 decoder linears into ``out_dir``; fills and returns ``summary``
     (a ``QuantizeSummary``)."""
-    import glob
-    import os
-
     from nvllm.models.loader import iterate_weights
     from nvllm.quant.writer import write_checkpoint
 
