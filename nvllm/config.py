@@ -93,8 +93,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    # fcfs: first come, first served; priority: a request's priority (lower first, then arrival) orders the waiting
-    # queue and the running batch, and preemption takes the lowest first (vLLM's --scheduling-policy)
+    # fcfs: first come, first served; priority: a request's priority (lower first, then arrival) orders admission,
+    # and preemption takes the highest value first (vLLM's --scheduling-policy)
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False

@@ -162,8 +162,8 @@ class LLMEngine:
         finished it, keeps its blocks under a KV handle (`handoff`) for a decode worker to fetch. prompt_text:
         the outputs' prompt for token ids encoded elsewhere (a rendered chat prompt). lora_request: the adapter
         to run with (read now; needs enable_lora). cache_salt: its blocks are shared only with requests of the same
-        salt (vLLM's). priority: with scheduling_policy "priority", lower values are admitted and run first (and
-        preempted last); with "fcfs" it must be 0."""
+        salt (vLLM's). priority: with scheduling_policy "priority", lower values are admitted first (and preempted
+        last); with "fcfs" it must be 0."""
         params = params or SamplingParams()
         self.check_priority(priority)
         request_id = request_id or self.new_request_id()
