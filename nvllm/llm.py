@@ -107,9 +107,8 @@ class LLM:
         priorities = list(priority)
         if len(priorities) != n or not all(isinstance(p, numbers.Integral) for p in priorities):
             raise ValueError(f"priority: one integer per prompt ({n}), got {priority!r}")
-        if any(priorities) and self.engine.config.scheduling_policy != "priority":
-            raise ValueError("priority given, but priority scheduling is not enabled: build the LLM with "
-                             "scheduling_policy='priority'")
+        for p in priorities:   # before anything is queued
+            self.engine.check_priority(p)
         return [int(p) for p in priorities]
 
     def chat(self, messages: Conversation | Seq[Conversation],
@@ -200,9 +199,10 @@ class LLM:
             self.engine.load_lora(lora)
         texts = texts or [None] * len(prompts)
         salts = cache_salts or [None] * len(prompts)
+        priorities = priorities or [0] * len(prompts)
         ids: list[str] = []
         try:
-            for p, sp, t, lr, salt, prio in zip(prompts, params, texts, loras, salts, priorities or [0] * len(prompts)):
+            for p, sp, t, lr, salt, prio in zip(prompts, params, texts, loras, salts, priorities):
                 ids.append(self.engine.add_request(None, p, sp, prompt_text=t, lora_request=lr, cache_salt=salt,
                                                    priority=prio))
             return self._run(ids, use_tqdm, log)

@@ -335,7 +335,13 @@ def test_quantization_fp8_quantizes_a_dense_checkpoint_while_it_loads(tiny, tmp_
 
 def test_quantization_fp8_with_dummy_weights_and_with_a_quantized_checkpoint(tiny, tmp_path):
     llm = make_llm(str(tiny), load_format="dummy", quantization="fp8")
-    assert llm.generate("hello", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0].outputs[0].token_ids
+    down = llm.engine.runner.model.layers[1].down_proj
+    assert down.weight.dtype == FP8_DTYPE and down.scheme.online
+    # random codes over the whole e4m3 range with scales that keep |w| ≲ 0.01 (as the dense dummy weights)
+    w = dequantize_rows(down.weight, down.scale, down.block_k)
+    assert 5e-3 < float(w.abs().max()) <= 1e-2 and float(down.weight.float().abs().max()) > 200
+    out = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
     blocks = write_fp8(tiny, tmp_path / "blocks", {"quant_method": "fp8", "weight_block_size": [32, 32]},
                        fp8_blocks((32, 32)))
     llm = make_llm(str(blocks), quantization="fp8")   # the checkpoint's own method: served as stored

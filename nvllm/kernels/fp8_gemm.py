@@ -303,13 +303,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         raise ValueError(f"input has {x.shape[-1]} features, the FP8 layer expects {K}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
-    if use_triton(x) and x2.shape[0] >= DEQUANT_MATMUL_MIN_M:
+    triton_runs = use_triton(x)
+    if triton_runs and x2.shape[0] >= DEQUANT_MATMUL_MIN_M:
         report.record("fp8_gemm", "triton fp8 dequant + torch matmul")
         y = torch.nn.functional.linear(x2, fp8_dequantize(weight, scale, block_k, x.dtype), bias)
-    elif use_triton(x) and x2.shape[0] <= GEMV_MAX_M:
+    elif triton_runs and x2.shape[0] <= GEMV_MAX_M:
         report.record("fp8_gemm", "triton w8a16 fp8 gemv")
         y = fp8_gemv(x2, weight, scale, block_k, bias)
-    elif use_triton(x):
+    elif triton_runs:
         report.record("fp8_gemm", "triton w8a16 fp8")
         y = fp8_gemm(x2, weight, scale, block_k, bias)
     else:

@@ -24,7 +24,7 @@ from nvllm.distributed.partition import LinearShard, Part, take_shard
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.attention_partials import finished_attention
 from nvllm.kernels.fp8_gemm import fp8_linear
-from nvllm.layers.linear import sum_over_ranks
+from nvllm.layers.linear import Linear, sum_over_ranks
 from nvllm.quant.fp8 import FP8_DTYPE, FP8_MAX, Fp8Scheme, quantize_rows, scale_rows
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -43,7 +43,7 @@ class Fp8Linear(nn.Module):
         self.scheme = scheme
         self.shard = shard
         self.tp = tp if shard is not None and shard.row_parallel else None
-        self.block_k = scheme.block_k(in_features)
+        self.block_k = scheme.group_for(in_features)
         kb = -(-in_features // self.block_k)
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
         self.scale_name = scheme.scale_name
@@ -62,11 +62,7 @@ class Fp8Linear(nn.Module):
         return getattr(self, self.scale_name)
 
     # ---- loading -------------------------------------------------------------------------------------------
-    def shard_slice(self, shard: int | None) -> slice:
-        if shard is None:
-            return slice(0, self.out_features)
-        start = sum(self.output_sizes[:shard])
-        return slice(start, start + self.output_sizes[shard])
+    shard_slice = Linear.shard_slice   # the rows of output shard ``shard`` in the fused layer
 
     def _rows(self, shard: int | None) -> Part | None:
         """This rank's output rows of checkpoint shard ``shard`` (None: all of them)."""
@@ -92,10 +88,7 @@ class Fp8Linear(nn.Module):
             self.bias.data[sl].copy_(take_shard(tensor, (sl.stop - sl.start,), cuts, ckpt_name))
             return
         full_rows = rows.total if rows is not None else sl.stop - sl.start
-        if leaf == self.scale_name:
-            if self.scheme.online:
-                raise ConfigError(f"{ckpt_name!r}: the checkpoint is already quantized; serve it without "
-                                  f"--quantization fp8 (its own quantization_config is read)")
+        if leaf == self.scale_name:   # (online: a buffer, never a checkpoint tensor)
             try:
                 per_row = scale_rows(tensor, self.scheme, full_rows, self._full_in(), ckpt_name)
             except ValueError as e:

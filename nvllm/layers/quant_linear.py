@@ -32,7 +32,7 @@ from nvllm.distributed.partition import LinearShard, Part, take_shard
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.partial_sum import PartialSum
 from nvllm.kernels.quant_gemm import quant_linear
-from nvllm.layers.linear import sum_over_ranks
+from nvllm.layers.linear import Linear, sum_over_ranks
 from nvllm.quant.formats import QuantWeight, awq_to_gptq, default_g_idx
 from nvllm.quant.plan import QuantScheme
 
@@ -82,11 +82,7 @@ class QuantLinear(nn.Module):
         self._repacked = False   # AWQ: qweight / qzeros / scales hold the GPTQ v1 layout (see the module doc)
 
     # ---- loading -------------------------------------------------------------------------------------------
-    def shard_slice(self, shard: int | None) -> slice:
-        if shard is None:
-            return slice(0, self.out_features)
-        start = sum(self.output_sizes[:shard])
-        return slice(start, start + self.output_sizes[shard])
+    shard_slice = Linear.shard_slice   # the rows (output columns) of output shard ``shard`` in the fused layer
 
     def _packed_cols(self, leaf: str) -> int:
         """Output columns per stored column of tensor ``leaf`` (1, or the fields per int32 word)."""

@@ -193,7 +193,7 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
         logger.info("quantized checkpoint: %s, %s (served W8A16%s); %d of %d decoder linears quantized (the rest, "
                     "embeddings and lm_head in full precision)", qcfg.method, qcfg.fp8.describe(),
                     ": the checkpoint's activation scales are not applied" if any(
-                        getattr(s, "static_inputs", False) for s in plan.values()) else "", len(plan), total)
+                        s.static_inputs for s in plan.values()) else "", len(plan), total)
     elif log:
         logger.info("quantized checkpoint: %s %d-bit, group size %d; %d of %d decoder linears quantized (the "
                     "rest and embeddings in full precision); lm_head %s", qcfg.method, qcfg.bits,

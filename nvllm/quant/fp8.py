@@ -33,7 +33,6 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)   # 448
-GRANULARITIES = ("tensor", "channel", "group", "block")
 MIN_BLOCK_K = 16   # the GEMM's K tiles (16 … 128) must each lie in one scale block
 
 
@@ -58,14 +57,11 @@ class Fp8Scheme:
         return self.block[1] if self.block is not None else -1
 
     def group_for(self, in_features: int) -> int:
+        """Inputs per scale column in memory (the whole row for tensor and channel scales)."""
         return in_features if self.block is None else self.block[1]
 
     def packing_problem(self, in_features: int, output_sizes: list[int]) -> str | None:
         return None   # any shape: scales are kept per row, the last input block may be partial
-
-    def block_k(self, in_features: int) -> int:
-        """Inputs per scale column in memory."""
-        return in_features if self.block is None else self.block[1]
 
     def describe(self) -> str:
         kind = {"tensor": "per-tensor", "channel": "per-channel", "group": f"group {self.group_size}",
@@ -135,7 +131,7 @@ def scale_rows(scale: torch.Tensor, scheme: Fp8Scheme, out_features: int, in_fea
                name: str) -> torch.Tensor:
     """A checkpoint's scale tensor for a ``[out_features, in_features]`` weight → ``[out, ceil(in/bk)]`` fp32,
     one scale per row and input block (the memory layout, see the module doc). A wrong shape is a ValueError."""
-    kb = -(-in_features // scheme.block_k(in_features))
+    kb = -(-in_features // scheme.group_for(in_features))
     s = scale.to(torch.float32)
     if scheme.granularity == "tensor":
         if s.numel() != 1:

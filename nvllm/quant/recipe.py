@@ -69,11 +69,6 @@ class QuantizeConfig:
         otherwise (compressed-tensors packs along the input as GPTQ does, and nvllm reads it as GPTQ)."""
         return "awq" if self.writes == "awq" else "gptq"
 
-    def _validate_fp8(self) -> "QuantizeConfig":
-        if self.checkpoint_format is not None:
-            self.checkpoint_format = self.checkpoint_format.lower()
-        return _fp8_rules(self)
-
     def validate(self) -> "QuantizeConfig":
         if self.method is None:
             raise RecipeError("choose a method: --method awq|gptq|rtn|fp8 (or --recipe FILE)")
@@ -82,12 +77,13 @@ class QuantizeConfig:
             raise RecipeError(f"unknown method {self.method!r}; choose awq, gptq, rtn or fp8")
         if self.bits is None:
             self.bits = 8 if self.method == "fp8" else 4
+        if self.checkpoint_format is not None:
+            self.checkpoint_format = self.checkpoint_format.lower()
         if self.method == "fp8":
-            return self._validate_fp8()
+            return _fp8_rules(self)
         if self.bits not in (4, 8):
             raise RecipeError(f"bits must be 4 or 8, got {self.bits}")
         if self.checkpoint_format is not None:
-            self.checkpoint_format = self.checkpoint_format.lower()
             if self.checkpoint_format not in FORMATS:
                 raise RecipeError(f"unknown format {self.checkpoint_format!r}; choose {', '.join(FORMATS)}")
             if self.checkpoint_format == "awq" and self.method != "awq":
