@@ -47,6 +47,10 @@ SLICE = 128       # intermediate outputs per slice: gate_up programs hold 2·SLI
 BLOCK_N = 256     # down's output columns per program (one warp, eight columns a lane, as the one-row GEMV)
 BLOCK_K = 64      # one K step: eight GPTQ word rows, inside one group
 WAVES = 16        # gate_up's K splits: about this many programs per SM (``quant_gemv``'s one-row default)
+PREFETCH_MIB = 8  # gate_up's weights asked of L2 before the PDL wait, as the one-row GEMV (``prefetch``)
+DOWN_PREFETCH_MIB = 8   # down's weights asked of L2 before its programs wait for their slice
+MAX_POLLS = 1 << 24     # a slice's counter polled this often (seconds) without its count: trap
+MAXNREG = 0             # registers a thread the compiler may use (0: its choice, 150 on sm_90)
 
 
 def enabled() -> bool:
@@ -112,23 +116,31 @@ def _gate_up_program(pid, x_ptr, qw_ptr, qz_ptr, s_ptr, gu_ptr, cnt_ptr, xp, K, 
 @_jit
 def _down_program(pid, x_ptr, bias_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, gu_ptr, cnt_ptr, xp, INTER, N, stride_qw,
                   stride_qz, stride_s, gu_splits, d_tiles, GROUP: tl.constexpr,
-                  SLICE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-                  PDL: tl.constexpr):
+                  SLICE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, D_PREFETCH: tl.constexpr,
+                  MAX_POLLS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     """Program (j, t): down_proj's output tile t over the K rows of slice j, once gate_up has finished slice j."""
     OUT_TY: tl.constexpr = x_ptr.dtype.element_ty
     j = pid // d_tiles
     offs_n = (pid - j * d_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_begin = j * SLICE
-    if not INTERPRET:   # all of its weights asked of L2 before it waits
+    if D_PREFETCH:   # its first word rows asked of L2 before it waits
         prefetch_rows(qw_ptr, stride_qw, k_begin // 8, (k_begin + SLICE) // 8, (pid - j * d_tiles) * BLOCK_N, N,
-                      SLICE // 8, BLOCK_N)
+                      D_PREFETCH, BLOCK_N)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    done = tl.atomic_add(cnt_ptr + j, 0, sem="acquire")
-    while done < gu_splits:                              # slice j's gate_up programs have lower ids: started
-        done = tl.atomic_add(cnt_ptr + j, 0, sem="acquire")
+    # slice j's gate_up programs have lower ids: started before this one. Polled with volatile loads (an acquiring
+    # load would invalidate the SM's L1 at every poll, which its other programs read their input pairs from), then
+    # one acquire. A count that never comes (a corrupted counter) ends the kernel with a trap, not a hang.
+    polls = 0
+    done = tl.load(cnt_ptr + j, volatile=True)
+    while (done < gu_splits) & (polls < MAX_POLLS):
+        done = tl.load(cnt_ptr + j, volatile=True)
+        polls += 1
+    if tl.atomic_add(cnt_ptr + j, 0, sem="acquire") < gu_splits:
+        if not INTERPRET:
+            tl.inline_asm_elementwise("trap;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
     i = k_begin + tl.arange(0, SLICE)
     gate = tl.load(gu_ptr + i, cache_modifier=".cg")
@@ -149,7 +161,7 @@ def _down_program(pid, x_ptr, bias_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, gu_ptr, 
         tl.atomic_xchg(cnt_ptr + INTER // SLICE + j, 0)
     zshift = (offs_n % 8) * 4
     acc = tl.full((BLOCK_N,), 0.0, tl.float32)
-    for k0 in tl.static_range(0, SLICE, 64):
+    for k0 in range(0, SLICE, 64):                      # a loop, not unrolled: gate_up programs pay its registers
         grp = (k_begin + k0) // GROUP
         s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         zw = tl.load(qz_ptr + grp * stride_qz + offs_n // 8, mask=mask_n, other=0)
@@ -180,7 +192,11 @@ def quant_mlp_kernel(
     GROUP: tl.constexpr, D_GROUP: tl.constexpr, SLICE: tl.constexpr, BLOCK_N: tl.constexpr,
     X_SPAN: tl.constexpr,                      # a power of two ≥ k_per_split (gate_up's inputs in one load)
     XP: tl.constexpr,                          # scratch words a program (max(X_SPAN, SLICE) / 2)
-    HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PREFETCH: tl.constexpr,                    # gate_up's word rows a program asks of L2 before the PDL wait
+    D_PREFETCH: tl.constexpr,                  # down's word rows a program asks of L2 before its wait
+    MAX_POLLS: tl.constexpr,                   # polls of a slice's counter before the kernel traps
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_gu = (INTER // SLICE) * gu_splits
@@ -192,7 +208,7 @@ def quant_mlp_kernel(
     else:
         _down_program(pid - n_gu, x_ptr, gbias_ptr, dqw_ptr, dqz_ptr, ds_ptr, out_ptr, gu_ptr, cnt_ptr, xp, INTER, N,
                       stride_dqw, stride_dqz, stride_ds, gu_splits, d_tiles, D_GROUP, SLICE,
-                      BLOCK_N, HAS_BIAS, INTERPRET, PDL)
+                      BLOCK_N, HAS_BIAS, D_PREFETCH, MAX_POLLS, INTERPRET, PDL)
 
 
 # ----------------------------------------------------------------------------------------------- dispatch
@@ -203,27 +219,29 @@ def supported(x: torch.Tensor, gate_up: QuantWeight, down: QuantWeight) -> bool:
     with contiguous groups of whole K steps, whole slices of intermediate outputs."""
     inter = down.in_features
     return (enabled() and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and use_triton(x) and gate_up.out_features == 2 * inter and inter % SLICE == 0
+            and use_triton(x) and x.shape[1] == gate_up.in_features and x.device == gate_up.qweight.device
+            and gate_up.out_features == 2 * inter and inter % SLICE == 0
             and all(w.fmt == "gptq" and w.bits == 4 and not w.act_order and w.group_size % BLOCK_K == 0
                     and w.in_features % BLOCK_K == 0 for w in (gate_up, down)))
 
 
-_STATE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_STATE: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
 def _state(device: torch.device, inter: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The zeroed fp32 ``[gate | up]`` accumulator and int32 ticket counters (the kernel leaves both zeroed),
     grown as needed (older ones stay allocated: CUDA graphs may hold them); None while a CUDA graph is being
-    captured and none large enough exists yet. One per device: calls on concurrent streams must not share it."""
-    held = _STATE.get(device)
-    if held is not None and held[0].numel() >= 2 * inter:
-        return held
+    captured and none large enough exists yet. One per device, like the GEMVs' scratch: calls on concurrent
+    streams must not use it (the engine runs its decode steps on one stream)."""
+    held = _STATE.setdefault(device, [])
+    if held and held[-1][0].numel() >= 2 * inter:
+        return held[-1]
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     with torch.inference_mode(False):
-        _STATE[device] = held = (torch.zeros(2 * inter, device=device, dtype=torch.float32),
-                                 torch.zeros(2 * (inter // SLICE), device=device, dtype=torch.int32))
-    return held
+        held.append((torch.zeros(2 * inter, device=device, dtype=torch.float32),
+                     torch.zeros(2 * (inter // SLICE), device=device, dtype=torch.int32)))
+    return held[-1]
 
 
 def quant_mlp(x: torch.Tensor, gate_up: QuantWeight, down: QuantWeight, gate_up_bias: torch.Tensor | None = None,
@@ -252,7 +270,8 @@ def quant_mlp(x: torch.Tensor, gate_up: QuantWeight, down: QuantWeight, gate_up_
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     x = x.contiguous()
     gu, cnt = state
-    ahead = 0 if interpret else prefetch.rows(8 << 20, slices * gu_splits, 2 * SLICE, k_per_split // 8)
+    ahead = 0 if interpret else prefetch.rows(PREFETCH_MIB << 20, slices * gu_splits, 2 * SLICE, k_per_split // 8)
+    down_ahead = 0 if interpret else prefetch.rows(DOWN_PREFETCH_MIB << 20, slices * d_tiles, BLOCK_N, SLICE // 8)
     report.record("quant_gemm", "triton w4a16 gptq gemv, gate_up + silu_and_mul + down in one launch")
     quant_mlp_kernel[(programs,)](
         x, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up_bias if gate_up_bias is not None else x,
@@ -260,6 +279,7 @@ def quant_mlp(x: torch.Tensor, gate_up: QuantWeight, down: QuantWeight, gate_up_
         K, inter, N, gate_up.qweight.stride(0), gate_up.qzeros.stride(0), gate_up.scales.stride(0),
         down.qweight.stride(0), down.qzeros.stride(0), down.scales.stride(0), gu_splits, k_per_split, d_tiles,
         GROUP=gate_up.group_size, D_GROUP=down.group_size, SLICE=SLICE, BLOCK_N=BLOCK_N, X_SPAN=x_span,
-        XP=xp_words, HAS_BIAS=gate_up_bias is not None, PREFETCH=ahead, INTERPRET=interpret, num_warps=1,
+        XP=xp_words, HAS_BIAS=gate_up_bias is not None, PREFETCH=ahead, D_PREFETCH=down_ahead, MAX_POLLS=MAX_POLLS,
+        INTERPRET=interpret, num_warps=1, **({"maxnreg": MAXNREG} if MAXNREG and not interpret else {}),
         **pdl.launch_args(x))
     return PartialSum(acc[:N].view(1, N), down_bias, x.dtype)

@@ -237,11 +237,12 @@ class QuantLinear(nn.Module):
                 f"{self.scheme.bits}-bit g{self.group_size}{layout}")
 
 
-def fused_mlp(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.Tensor | PartialSum | None:
+def fused_mlp(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> PartialSum | None:
     """``down(SiLU(gate)·up)`` of one row in one launch (``nvllm.kernels.quant_mlp``) when both linears are whole
-    quantized layers on this rank (no LoRA, no tensor-parallel reduction): down's unfinished ``PartialSum`` (or its
-    output, under ``NVLLM_PARTIAL_SUMS=0``). None: the caller runs the layers one by one."""
-    if type(gate_up) is not QuantLinear or type(down) is not QuantLinear or (down.tp is not None and down.tp.size > 1):
+    quantized layers on this rank (no LoRA, no tensor-parallel reduction) and sums may be left to their consumers
+    (not under ``NVLLM_PARTIAL_SUMS=0``): down's unfinished ``PartialSum``. None: the caller runs the layers one by
+    one."""
+    if type(gate_up) is not QuantLinear or type(down) is not QuantLinear or (down.tp is not None and down.tp.size > 1) \
+            or not partial_sums():
         return None
-    y = quant_mlp(x, gate_up.quant_weight(), down.quant_weight(), gate_up.bias, down.bias)
-    return y if y is None or partial_sums() else y.finish()
+    return quant_mlp(x, gate_up.quant_weight(), down.quant_weight(), gate_up.bias, down.bias)
