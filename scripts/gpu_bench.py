@@ -454,9 +454,6 @@ def main() -> None:
     ap.add_argument("--merge-compare", action="store_true",
                     help="also run --quant with decode attention merged by its own kernel "
                          "(NVLLM_ATTENTION_PARTIALS=0), first; keys _stage2")
-    ap.add_argument("--mlp-compare", action="store_true",
-                    help="also run --quant with the one-row MLP in one launch (NVLLM_FUSED_MLP=1), first; "
-                         "keys _mlp1")
     ap.add_argument("--gemv-compare", default="",
                     help='also run --quant with these one-row GEMV defaults (JSON, format -> quant_gemv config, e.g. '
                          '{"gptq": {"variant": "half2", "block_n": 128, "block_k": 64, "num_warps": 1}}); keys _gemv')
@@ -505,9 +502,6 @@ def main() -> None:
     if args.quant and args.merge_compare:
         steps.append(("quant stage2", lambda: with_env("NVLLM_ATTENTION_PARTIALS", "0", lambda: quant_runs(
             model_dir, res, args.quant.split(","), save, "_stage2", batches=quant_batches))))
-    if args.quant and args.mlp_compare:
-        steps.append(("quant mlp1", lambda: with_env("NVLLM_FUSED_MLP", "1", lambda: quant_runs(
-            model_dir, res, args.quant.split(","), save, "_mlp1", batches=quant_batches))))
     if args.quant:
         steps.append(("quant", lambda: quant_runs(model_dir, res, args.quant.split(","), save, profile=args.profile,
                                                   batches=quant_batches)))

@@ -212,12 +212,6 @@ def _merged_pairs(x_ptr, xp, lse_ptr, po_ptr, n_live, num_splits, k_begin, k_end
         w = tl.exp2(tl.load(lse_row + c0 + c, mask=live, other=float("-inf")) - lse_max)
         x += tl.sum(o * w[:, None], 0)
     x = (x / tl.where(w_sum > 0, w_sum, 1.0)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    return value_pairs(x, xp, X_SPAN, INTERPRET)
-
-
-@_jit
-def value_pairs(x, xp, X_SPAN: tl.constexpr, INTERPRET: tl.constexpr):
-    """``_scratch_pairs`` of inputs already in registers (``x``: X_SPAN fp32 values, zero past the split's end)."""
     # the scratch's four words of word row r: (x[8r + j], x[8r + j + 4]) for j < 4, times the scale (j odd: / 16)
     sc, unscale = _pow2_scale(tl.max(tl.abs(x), 0))
     lo, hi = tl.split(tl.permute(tl.reshape(x, (X_SPAN // 8, 2, 4)), (0, 2, 1)))

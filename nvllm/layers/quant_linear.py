@@ -31,8 +31,7 @@ from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, Part, take_shard
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.partial_sum import PartialSum
-from nvllm.kernels.quant_gemm import partial_sums, quant_linear
-from nvllm.kernels.quant_mlp import quant_mlp
+from nvllm.kernels.quant_gemm import quant_linear
 from nvllm.layers.linear import Linear, sum_over_ranks
 from nvllm.quant.formats import QuantWeight, awq_to_gptq, default_g_idx
 from nvllm.quant.plan import QuantScheme
@@ -235,14 +234,3 @@ class QuantLinear(nn.Module):
         layout = " (in the GPTQ layout)" if self._repacked else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.fmt} "
                 f"{self.scheme.bits}-bit g{self.group_size}{layout}")
-
-
-def fused_mlp(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> PartialSum | None:
-    """``down(SiLU(gate)·up)`` of one row in one launch (``nvllm.kernels.quant_mlp``) when both linears are whole
-    quantized layers on this rank (no LoRA, no tensor-parallel reduction) and sums may be left to their consumers
-    (not under ``NVLLM_PARTIAL_SUMS=0``): down's unfinished ``PartialSum``. None: the caller runs the layers one by
-    one."""
-    if type(gate_up) is not QuantLinear or type(down) is not QuantLinear or (down.tp is not None and down.tp.size > 1) \
-            or not partial_sums():
-        return None
-    return quant_mlp(x, gate_up.quant_weight(), down.quant_weight(), gate_up.bias, down.bias)

@@ -25,7 +25,7 @@ from nvllm.layers.embed_head import LMHead, VocabEmbedding
 from nvllm.layers.linear import Linear
 from nvllm.layers.norm import RMSNorm
 from nvllm.layers.fp8_linear import Fp8Linear
-from nvllm.layers.quant_linear import QuantLinear, fused_mlp
+from nvllm.layers.quant_linear import QuantLinear
 from nvllm.layers.rotary import RotaryEmbedding, rope_parameters
 from nvllm.quant.fp8 import Fp8Scheme
 from nvllm.quant.plan import QuantScheme
@@ -185,8 +185,7 @@ class DecoderLayer(nn.Module):
         the next RMSNorm's residual add finishes it, as the post-attention norm does o_proj's."""
         hidden = self.o_proj(attn_out, partial=True)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        mlp = fused_mlp(self.gate_up_proj, self.down_proj, hidden)   # one launch for one quantized row
-        hidden = mlp if mlp is not None else self.down_proj(self.gate_up_proj.silu_and_mul(hidden), partial=True)
+        hidden = self.down_proj(self.gate_up_proj.silu_and_mul(hidden), partial=True)
         return hidden, residual
 
     def forward(self, positions, hidden, residual, kv_cache, meta: AttentionMetadata):
