@@ -33,10 +33,11 @@ triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload unde
 NVLLM_FP8_DECODE_BITS = os.environ.get("NVLLM_FP8_DECODE_BITS", "0") == "1"
 """Under the interpreter: decode e4m3 by bits as a GPU before compute capability 8.9 does (tests)."""
 
-DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_FP8_DEQUANT_MIN_M", "128"))
-"""From this many rows on, ``fp8_linear`` writes the weight out in x's dtype and calls a dense matmul (cuBLAS): at
-M = 256 the fused kernel took 2.3–3.7× cuBLAS's bf16 time on the 7B shapes, at M = 4 it was 1.6× faster (H100,
-docs/PERF.md, session 32). The crossing between them is not measured yet; 128 as for the 4-bit kernels."""
+DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_FP8_DEQUANT_MIN_M", "256"))
+"""From this many rows on, ``fp8_linear`` writes the weight out in x's dtype and calls a dense matmul (cuBLAS).
+H100, a 7B layer's four projections (docs/PERF.md run EJ): at 128 rows the fused kernel took 443 µs against 525
+for dequantize + cuBLAS (128×128 blocks) and 270 against 447 (per-row scales); at 256 rows 764 against 554 and 470
+against 469; at 2048 rows the dequantize path is 1.9–3.2× faster."""
 
 GEMV_ROWS = 8
 """The most rows ``fp8_gemv`` takes (its products are ``[rows, BLOCK_N, BLOCK_K]`` tiles in registers)."""
