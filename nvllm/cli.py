@@ -267,6 +267,9 @@ def quantize(
                                                 rich_help_panel=_CAL)] = None,
     recipe: Annotated[Optional[str], typer.Option(help="YAML recipe (recipes/*.yaml); flags override it")] = None,
     overwrite: Annotated[bool, typer.Option(help="replace an existing --out")] = False,
+    max_shard_size: Annotated[Optional[str], typer.Option(help="largest weights file, e.g. 5GB or 500MB: larger "
+                                                          "weights are split into model-0000k-of-0000n.safetensors "
+                                                          "with an index (default 5GB)")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda | cuda:N (where layers are "
                                                   "quantized) (default auto)")] = None,
     progress: Annotated[bool, typer.Option(help="progress bar")] = True,
@@ -286,7 +289,7 @@ def quantize(
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
                            quantize_lm_head=quantize_lm_head, checkpoint_format=checkpoint_format,
                            calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
-                           seed=seed, device=device)
+                           seed=seed, device=device, max_shard_size=max_shard_size)
         summary = q.quantize_model(model or demo_model_path(), out, cfg, overwrite, progress=bar.update,
                                    on_start=bar.start, revision=revision)
     except q.USER_ERRORS as e:
@@ -322,6 +325,8 @@ def pipeline(
     out: Annotated[Optional[str], typer.Option(help="quantized model directory (default: "
                                                "./<model>-<method>-w<bits>)", rich_help_panel=_Q)] = None,
     overwrite: Annotated[bool, typer.Option(help="replace an existing --out", rich_help_panel=_Q)] = False,
+    max_shard_size: Annotated[Optional[str], typer.Option(help="largest weights file of --out (default 5GB)",
+                                                          rich_help_panel=_Q)] = None,
     tasks: Annotated[str, typer.Option(help="as for nvllm eval", rich_help_panel=_E)] = "gsm8k,mmlu,wikitext",
     num_fewshot: Annotated[Optional[int], typer.Option(rich_help_panel=_E)] = None,
     limit: Annotated[Optional[int], typer.Option(rich_help_panel=_E)] = None,
@@ -363,7 +368,8 @@ def pipeline(
                            quantize_lm_head=quantize_lm_head, calib_dataset=calib_dataset,
                            calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                            seed=engine_config.seed if _given(ctx, "seed") else None,
-                           device=engine_config.device if _given(ctx, "device") else None)
+                           device=engine_config.device if _given(ctx, "device") else None,
+                           max_shard_size=max_shard_size)
         out = out or f"{Path(engine_config.model).name}-{cfg.method}-w{cfg.bits}"
         spec = runner.EvalSpec(tasks.split(","), num_fewshot, limit, data_dir, max_gen_toks, max_length)
         bench = pipe.BenchSpec(batch_size, input_len, output_len, num_iters_warmup, num_iters, num_prompts)

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from nvllm.assets import demo_model_path
@@ -49,12 +50,16 @@ def test_recipe_and_flag_override(tmp_path):
     assert "method awq, 4-bit, group size 64, zero point; format AWQ-GEMM" in out
 
 
-def test_shipped_recipes_validate():
+def test_shipped_recipes_validate(tmp_path):
     recipes = sorted((REPO / "recipes").glob("*.yaml"))
     assert len(recipes) >= 4
     for r in recipes:
         cfg = build_config(str(r))
         assert cfg.method in ("awq", "gptq", "rtn", "fp8") and cfg.bits in (4, 8)
+    r = tmp_path / "r.yaml"
+    r.write_text("method: rtn\nmax_shard_size: 2GB\n")
+    assert build_config(str(r)).max_shard_size == "2GB" and build_config(str(r), max_shard_size="1GB").max_shard_size \
+        == "1GB"
 
 
 @pytest.mark.parametrize("body, message", [
@@ -65,6 +70,7 @@ def test_shipped_recipes_validate():
     ("method: rtn\ngptq: {damp_percent: 0.5}\n", "gptq.damp_percent applies to --method gptq, not rtn"),
     ("method: gptq\nawq: {n_grid: 3}\n", "awq.n_grid applies to --method awq, not gptq"),
     ("method: rtn\ncalibration: {seed: 100000000000000000000000}\n", r"seed must be in \[0, 2\^63\)"),
+    ("method: rtn\nmax_shard_size: 10\n", "--max-shard-size must be a positive size such as 5GB"),
 ])
 def test_bad_recipes(tmp_path, body, message):
     p = tmp_path / "r.yaml"
@@ -107,12 +113,52 @@ def quantized_dir(tmp_path_factory):
     (["--method", "gptq", "--model", "/no/such/model"], "model directory not found: /no/such/model"),
     (["--method", "gptq", "--recipe", "/no/such.yaml"], "recipe not found: /no/such.yaml"),
     (["--group-size", "32"], "choose a method"),
+    (["--method", "rtn", "--max-shard-size", "5XB"], "--max-shard-size must be a positive size such as 5GB or 500MB, "
+                                                     "got '5XB'"),
+    (["--method", "fp8", "--max-shard-size", "0GB"], "--max-shard-size must be a positive size"),
 ])
 def test_bad_input(tmp_path, args, message):
     code, out = run(*args, "--out", str(tmp_path / "out"), "--no-progress")
     assert code == 2, out
     assert message in out and "Traceback" not in out
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method", ["rtn", "fp8"])
+def test_max_shard_size_splits_the_weights(tmp_path, method):
+    """Past ``--max-shard-size`` the weights go into numbered shards with an index, as ``save_pretrained`` writes
+    them: the same tensors as the one-file checkpoint, and the engine reads them back to the same logprobs."""
+    from safetensors.torch import load_file
+
+    from nvllm import LLM, SamplingParams
+
+    args = ["--method", "rtn", "--group-size", "32", *FAST] if method == "rtn" else \
+        ["--method", "fp8", "--group-size", "64", "--no-progress"]
+    code, out = run(*args, "--out", str(tmp_path / "one"))
+    assert code == 0, out
+    code, out = run(*args, "--out", str(tmp_path / "split"), "--max-shard-size", "300KB")
+    assert code == 0, out
+    index = json.loads((tmp_path / "split" / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in (tmp_path / "split").glob("*.safetensors"))
+    assert len(files) >= 2 and files == [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in
+                                         range(1, len(files) + 1)]
+    assert sorted(set(index["weight_map"].values())) == files
+    assert all((tmp_path / "split" / f).stat().st_size <= 300_000 + 70_000 for f in files)   # a tensor past it
+    one = load_file(tmp_path / "one" / "model.safetensors")
+    split = {}
+    for f in files:
+        split.update(load_file(tmp_path / "split" / f))
+    assert split.keys() == one.keys() == index["weight_map"].keys()
+    assert all(torch.equal(split[k], one[k]) for k in one)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in one.values())
+    assert not (tmp_path / "one" / "model.safetensors.index.json").exists()
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
+    got = [LLM(str(tmp_path / d), device="cpu", log_stats_interval=0).generate(["Once upon a time"], params,
+                                                                               use_tqdm=False)[0].outputs[0]
+           for d in ("one", "split")]
+    assert got[0].token_ids == got[1].token_ids
+    assert [lp[t].logprob for lp, t in zip(got[0].logprobs, got[0].token_ids)] == \
+        [lp[t].logprob for lp, t in zip(got[1].logprobs, got[1].token_ids)]
 
 
 def test_unreadable_calibration_files_are_one_line(tmp_path):

@@ -104,7 +104,8 @@ def quantize_fp8(model_dir: str, out_dir: str, cfg, summary, num_layers: int, ov
                                  f"checkpoint, vLLM will refuse it (--group-size -1 or a smaller block would do)")
     if progress:
         progress(num_layers, "writing")
-    summary.size_after = write_checkpoint(model_dir, out_dir, tensors, quantization_config(fmt, block), overwrite)
+    summary.size_after = write_checkpoint(model_dir, out_dir, tensors, quantization_config(fmt, block), overwrite,
+                                          max_shard_size=cfg.max_shard_size)
     summary.size_before = sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
     summary.seconds = time.perf_counter() - t0
     return summary

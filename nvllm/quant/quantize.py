@@ -218,7 +218,7 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     qc = quantization_config(cfg, out_dir, kept_modules(quantize))
     # GPTQModel reads quantize_config.json, its ``dynamic`` exclusions included (they name what stays dense)
     extra = {"quantize_config.json": dict(qc)} if cfg.writes == "gptq" else None
-    summary.size_after = write_checkpoint(model_dir, out_dir, tensors, qc, overwrite, extra)
+    summary.size_after = write_checkpoint(model_dir, out_dir, tensors, qc, overwrite, extra, cfg.max_shard_size)
     summary.size_before = sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
     summary.seconds = time.perf_counter() - t0
     return summary

@@ -57,6 +57,7 @@ class QuantizeConfig:
     seed: int = 0
     device: str = "auto"
     checkpoint_format: str | None = None  # None: the method's own (awq: AWQ-GEMM, gptq / rtn: GPTQ v1)
+    max_shard_size: str = "5GB"        # larger weights go into numbered shards with an index (AutoAWQ's default)
 
     @property
     def writes(self) -> str:
@@ -79,6 +80,7 @@ class QuantizeConfig:
             self.bits = 8 if self.method == "fp8" else 4
         if self.checkpoint_format is not None:
             self.checkpoint_format = self.checkpoint_format.lower()
+        check_shard_size(self.max_shard_size)
         if self.method == "fp8":
             return _fp8_rules(self)
         if self.bits not in (4, 8):
@@ -136,7 +138,8 @@ class QuantizeConfig:
 # recipe key → (config field, type); sections flatten into the same fields
 _TOP = {"method": ("method", str), "bits": ("bits", int), "group_size": ("group_size", int), "sym": ("sym", bool),
         "desc_act": ("desc_act", bool), "quantize_lm_head": ("quantize_lm_head", bool),
-        "device": ("device", str), "format": ("checkpoint_format", str)}
+        "device": ("device", str), "format": ("checkpoint_format", str),
+        "max_shard_size": ("max_shard_size", str)}
 _SECTIONS = {
     "gptq": {"damp_percent": ("damp_percent", float), "block_size": ("block_size", int),
              "static_groups": ("static_groups", bool)},
@@ -148,6 +151,19 @@ _SECTIONS = {
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(QuantizeConfig)}
+
+
+def check_shard_size(size: str) -> None:
+    """A shard size as ``save_pretrained`` takes it: a positive number and a unit of KB, MB, GB or TB."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    try:
+        split_torch_state_dict_into_shards({}, max_shard_size=size)   # parses it, raises on a bad unit
+        ok = float(size[:-2]) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise RecipeError(f"--max-shard-size must be a positive size such as 5GB or 500MB, got {size!r}")
 
 
 def _fp8_rules(cfg: QuantizeConfig) -> QuantizeConfig:

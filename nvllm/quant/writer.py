@@ -1,8 +1,10 @@
-"""Write a quantized checkpoint as AutoAWQ / AutoGPTQ / llm-compressor do: one safetensors file under the source
+"""Write a quantized checkpoint as AutoAWQ / AutoGPTQ / llm-compressor do: safetensors under the source
 checkpoint's tensor names (each quantized ``…proj.weight`` replaced by ``qweight``/``qzeros``/``scales`` and, for
 GPTQ, ``g_idx``; by compressed-tensors' ``weight_packed``/``weight_scale``/``weight_shape`` and, with zero points,
 ``weight_zero_point``), config.json with ``quantization_config`` (GPTQ also ``quantize_config.json``), and the
-source's tokenizer and generation files.
+source's tokenizer and generation files. Weights larger than ``max_shard_size`` are split as ``save_pretrained``
+splits them (``huggingface_hub``'s shard planner): ``model-00001-of-0000N.safetensors`` and
+``model.safetensors.index.json``; smaller ones go into one ``model.safetensors``.
 
 Everything is written into a temporary directory beside the output and renamed into place at the end, so an
 interrupted run leaves nothing half-written; an existing output directory is replaced only with
@@ -27,7 +29,7 @@ from nvllm.quant.formats import GroupQuant, pack_awq, pack_gptq
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "generation_config.json",
                 "chat_template.json", "chat_template.jinja")
-WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
 
 
 class OutputExistsError(ValueError):
@@ -96,12 +98,26 @@ def checkpoint_tensors(model, source_names: list[str], quantized: dict[str, Grou
     return out
 
 
-def write_checkpoint(src_dir: str, out_dir: str, tensors: dict[str, torch.Tensor], quantization_config: dict,
-                     overwrite: bool, extra_json: dict[str, Any] | None = None) -> int:
-    """Write everything into a temporary sibling of ``out_dir`` and rename it into place; returns the size
-    of the weights file in bytes."""
+def save_weights(tensors: dict[str, torch.Tensor], directory: Path, max_shard_size: str) -> int:
+    """The tensors as safetensors files in ``directory`` (sharded past ``max_shard_size``, with an index); returns
+    their size in bytes."""
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: tensors[name] for name in names}, str(directory / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        with open(directory / INDEX, "w") as f:
+            json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
+            f.write("\n")
+    return sum((directory / filename).stat().st_size for filename in split.filename_to_tensors)
+
+
+def write_checkpoint(src_dir: str, out_dir: str, tensors: dict[str, torch.Tensor], quantization_config: dict,
+                     overwrite: bool, extra_json: dict[str, Any] | None = None, max_shard_size: str = "5GB") -> int:
+    """Write everything into a temporary sibling of ``out_dir`` and rename it into place; returns the size
+    of the weights files in bytes."""
     check_out_dir(out_dir, overwrite, src_dir)
     out = Path(out_dir).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +126,7 @@ def write_checkpoint(src_dir: str, out_dir: str, tensors: dict[str, torch.Tensor
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)        # mkdtemp's 0700 would outlive the rename
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        size = save_weights(tensors, tmp, max_shard_size)
         with open(Path(src_dir) / "config.json") as f:
             config = json.load(f)
         config["quantization_config"] = quantization_config
@@ -126,7 +142,6 @@ def write_checkpoint(src_dir: str, out_dir: str, tensors: dict[str, torch.Tensor
                 shutil.copy2(Path(src_dir) / name, tmp / name)
         for p in tmp.iterdir():
             os.chmod(p, 0o666 & ~umask)
-        size = (tmp / WEIGHTS).stat().st_size
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.rename(out, old)
