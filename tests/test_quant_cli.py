@@ -58,8 +58,8 @@ def test_shipped_recipes_validate(tmp_path):
         assert cfg.method in ("awq", "gptq", "rtn", "fp8") and cfg.bits in (4, 8)
     r = tmp_path / "r.yaml"
     r.write_text("method: rtn\nmax_shard_size: 2GB\n")
-    assert build_config(str(r)).max_shard_size == "2GB" and build_config(str(r), max_shard_size="1GB").max_shard_size \
-        == "1GB"
+    assert build_config(str(r)).max_shard_size == "2GB"
+    assert build_config(str(r), max_shard_size="1GB").max_shard_size == "1GB"      # the flag over the recipe
 
 
 @pytest.mark.parametrize("body, message", [

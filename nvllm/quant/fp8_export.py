@@ -17,8 +17,6 @@ weight error ``‖Ŵ − W‖² / ‖W‖²`` (there are no calibration tokens t
 
 from __future__ import annotations
 
-import glob
-import os
 import re
 import time
 
@@ -61,7 +59,7 @@ def quantize_fp8(model_dir: str, out_dir: str, cfg, summary, num_layers: int, ov
     """Write ``model_dir`` with FP8 decoder linears into ``out_dir``; fills and returns ``summary``
     (a ``QuantizeSummary``)."""
     from nvllm.models.loader import iterate_weights
-    from nvllm.quant.writer import write_checkpoint
+    from nvllm.quant.writer import weights_bytes, write_checkpoint
 
     t0 = time.perf_counter()
     block = None if cfg.group_size == -1 else cfg.group_size
@@ -106,6 +104,6 @@ def quantize_fp8(model_dir: str, out_dir: str, cfg, summary, num_layers: int, ov
         progress(num_layers, "writing")
     summary.size_after = write_checkpoint(model_dir, out_dir, tensors, quantization_config(fmt, block), overwrite,
                                           max_shard_size=cfg.max_shard_size)
-    summary.size_before = sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
+    summary.size_before = weights_bytes(model_dir)
     summary.seconds = time.perf_counter() - t0
     return summary

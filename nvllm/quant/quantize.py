@@ -39,7 +39,7 @@ from nvllm.quant.plan import (FUSED_MODULES, LINEARS, LM_HEAD, QuantScheme, head
 from nvllm.quant.recipe import QuantizeConfig
 from nvllm.quant.rtn import Grid
 from nvllm.quant.sequential import LayerReport, Progress, quantize_layers
-from nvllm.quant.writer import check_out_dir, checkpoint_tensors, write_checkpoint
+from nvllm.quant.writer import check_out_dir, checkpoint_tensors, weights_bytes, write_checkpoint
 
 
 class QuantizeError(ValueError):
@@ -218,8 +218,9 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     qc = quantization_config(cfg, out_dir, kept_modules(quantize))
     # GPTQModel reads quantize_config.json, its ``dynamic`` exclusions included (they name what stays dense)
     extra = {"quantize_config.json": dict(qc)} if cfg.writes == "gptq" else None
-    summary.size_after = write_checkpoint(model_dir, out_dir, tensors, qc, overwrite, extra, cfg.max_shard_size)
-    summary.size_before = sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
+    summary.size_after = write_checkpoint(model_dir, out_dir, tensors, qc, overwrite, extra,
+                                          max_shard_size=cfg.max_shard_size)
+    summary.size_before = weights_bytes(model_dir)
     summary.seconds = time.perf_counter() - t0
     return summary
 

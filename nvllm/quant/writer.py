@@ -114,8 +114,13 @@ def save_weights(tensors: dict[str, torch.Tensor], directory: Path, max_shard_si
     return sum((directory / filename).stat().st_size for filename in split.filename_to_tensors)
 
 
+def weights_bytes(model_dir: str) -> int:
+    """The size of a checkpoint directory's safetensors files (the summary's size before quantizing)."""
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
 def write_checkpoint(src_dir: str, out_dir: str, tensors: dict[str, torch.Tensor], quantization_config: dict,
-                     overwrite: bool, extra_json: dict[str, Any] | None = None, max_shard_size: str = "5GB") -> int:
+                     overwrite: bool, extra_json: dict[str, Any] | None = None, *, max_shard_size: str) -> int:
     """Write everything into a temporary sibling of ``out_dir`` and rename it into place; returns the size
     of the weights files in bytes."""
     check_out_dir(out_dir, overwrite, src_dir)
