@@ -75,3 +75,52 @@ def test_async_engine_survives_an_add_cancelled_before_it_lands():
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_prefilled_add_cancelled_while_it_lands_still_hands_over_its_kv_targets():
+    """Decode side of disaggregation: a client gone while the engine registers its prefilled request (the add has
+    begun, so it cannot be withdrawn) must not strand the blocks given to the arriving KV. The request is aborted
+    behind the add, and its targets still reach the transfer thread (``receive``), which frees them on finding the
+    sequences aborted — before, the targets were lost with the cancelled await and the blocks stayed taken."""
+    import threading
+
+    from nvllm.config import EngineConfig
+    from nvllm.engine.async_engine import AsyncLLMEngine
+    from nvllm.engine.llm_engine import LLMEngine
+    from nvllm.engine.sequence import PrefilledSample
+    from nvllm.sampling_params import SamplingParams
+
+    core = LLMEngine(EngineConfig(device="cpu", log_stats_interval=0, max_model_len=MAX_MODEL_LEN), warmup=False)
+    engine = AsyncLLMEngine(core)
+    bm = core.block_manager
+    started, go, handed = threading.Event(), threading.Event(), []
+    register = core.add_prefilled_request
+
+    def slow_register(*args, **kw):  # the engine thread is inside the add when the client goes
+        started.set()
+        go.wait(10)
+        return register(*args, **kw)
+
+    core.add_prefilled_request = slow_register
+    prompt = core.tokenize(PROMPT + " there was a little girl who liked to play in the park with her dog")
+    params = SamplingParams(n=4, max_tokens=20, temperature=1.0)
+
+    async def main():
+        stream = engine.open_stream()
+        task = asyncio.ensure_future(stream.add_prefilled(
+            "r", prompt, params, time.time(), [PrefilledSample(7) for _ in range(4)], receive=handed.append))
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wrap_future(engine.call(lambda e: None))  # after the add and the aborts queued behind it
+        assert [t.seq.index for t in handed] == [0, 1, 2, 3]
+        assert all(t.seq.finish_reason == "abort" for t in handed)
+        assert bm.num_free_blocks < bm.num_blocks  # the transfer may still be writing into them
+        for t in handed:  # what the transfer thread does on finding them aborted
+            await asyncio.wrap_future(engine.call(lambda e, seq=t.seq: e.handoff.arrived(seq, False)))
+        assert bm.num_free_blocks == bm.num_blocks and not core.has_unfinished_requests()
+        await engine.shutdown()
+
+    asyncio.run(main())

@@ -236,9 +236,11 @@ class DisaggWorker:
                         raise _mismatch(f"the handoff's samples do not match n={params.n}")
                     samples = [to_sample(by_index[i]) for i in range(params.n)]
                     plp = None if h.prompt_logprobs is None else [entries_to_logprobs(e) for e in h.prompt_logprobs]
-                    for t in await stream.add_prefilled(rid, ids, params, h.arrival_time, samples, plp, r.lora,
-                                                        r.cache_salt, r.priority):
-                        self.receiver.submit(ReceiveJob(t, prefill.url, prefill.kv_rank, by_index[t.seq.index].handle))
+                    def receive(t, handles={i: s.handle for i, s in by_index.items()}):  # on the engine thread
+                        self.receiver.submit(ReceiveJob(t, prefill.url, prefill.kv_rank, handles[t.seq.index]))
+
+                    await stream.add_prefilled(rid, ids, params, h.arrival_time, samples, plp, r.lora, r.cache_salt,
+                                               r.priority, receive=receive)
             except ValueError as e:  # bad ids, a bad RNG state: nothing half-registered stays
                 stream.close()
                 raise from_value_error(e) from None
