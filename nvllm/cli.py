@@ -257,9 +257,15 @@ def quantize(
     checkpoint_format: Annotated[Optional[str], typer.Option("--format", help="awq | gptq | compressed-tensors "
                                                              "(llm-compressor's) | fp8; default: awq for --method "
                                                              "awq, fp8 for fp8, gptq otherwise")] = None,
-    calib_dataset: Annotated[Optional[str], typer.Option(help="c4 | calib (the shipped C4 sample) | a .jsonl/"
+    calib_dataset: Annotated[Optional[str], typer.Option(help="c4 | calib (the shipped C4 sample) | pileval | "
+                                                         "wikitext2 | a Hub dataset id or dataset folder | a .jsonl/"
                                                          ".json.gz/.json/.txt path (default c4)",
                                                          rich_help_panel=_CAL)] = None,
+    calib_split: Annotated[Optional[str], typer.Option(help="a dataset's split (default train; pileval: "
+                                                       "validation)", rich_help_panel=_CAL)] = None,
+    calib_column: Annotated[Optional[str], typer.Option(help="a dataset's column: text, or conversations rendered "
+                                                        "by the chat template (default text, else messages)",
+                                                        rich_help_panel=_CAL)] = None,
     calib_samples: Annotated[Optional[int], typer.Option(help="windows (default 128)", rich_help_panel=_CAL)] = None,
     calib_seqlen: Annotated[Optional[int], typer.Option(help="tokens per window (default 2048)",
                                                         rich_help_panel=_CAL)] = None,
@@ -288,8 +294,9 @@ def quantize(
     try:
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
                            quantize_lm_head=quantize_lm_head, checkpoint_format=checkpoint_format,
-                           calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
-                           seed=seed, device=device, max_shard_size=max_shard_size)
+                           calib_dataset=calib_dataset, calib_split=calib_split, calib_column=calib_column,
+                           calib_samples=calib_samples, calib_seqlen=calib_seqlen, seed=seed, device=device,
+                           max_shard_size=max_shard_size)
         summary = q.quantize_model(model or demo_model_path(), out, cfg, overwrite, progress=bar.update,
                                    on_start=bar.start, revision=revision)
     except q.USER_ERRORS as e:
@@ -317,8 +324,11 @@ def pipeline(
     quantize_lm_head: Annotated[Optional[bool], typer.Option("--quantize-lm-head/--no-quantize-lm-head",
                                                              help="the LM head too (gptq/rtn)",
                                                              rich_help_panel=_Q)] = None,
-    calib_dataset: Annotated[Optional[str], typer.Option(help="c4 | calib | a file (default: c4)",
+    calib_dataset: Annotated[Optional[str], typer.Option(help="c4 | calib | pileval | wikitext2 | a Hub dataset "
+                                                         "id or folder | a file (default: c4)",
                                                          rich_help_panel=_Q)] = None,
+    calib_split: Annotated[Optional[str], typer.Option(help="a dataset's split", rich_help_panel=_Q)] = None,
+    calib_column: Annotated[Optional[str], typer.Option(help="a dataset's column", rich_help_panel=_Q)] = None,
     calib_samples: Annotated[Optional[int], typer.Option(rich_help_panel=_Q)] = None,
     calib_seqlen: Annotated[Optional[int], typer.Option(rich_help_panel=_Q)] = None,
     recipe: Annotated[Optional[str], typer.Option(help="YAML recipe; flags override it", rich_help_panel=_Q)] = None,
@@ -366,6 +376,7 @@ def pipeline(
         # --seed and --device also set the calibration's seed and device, where given; else the recipe's hold
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
                            quantize_lm_head=quantize_lm_head, calib_dataset=calib_dataset,
+                           calib_split=calib_split, calib_column=calib_column,
                            calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                            seed=engine_config.seed if _given(ctx, "seed") else None,
                            device=engine_config.device if _given(ctx, "device") else None,

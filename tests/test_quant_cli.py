@@ -60,6 +60,11 @@ def test_shipped_recipes_validate(tmp_path):
     r.write_text("method: rtn\nmax_shard_size: 2GB\n")
     assert build_config(str(r)).max_shard_size == "2GB"
     assert build_config(str(r), max_shard_size="1GB").max_shard_size == "1GB"      # the flag over the recipe
+    r.write_text("method: awq\ncalibration: {dataset: HuggingFaceH4/ultrachat_200k, split: train_sft, column: "
+                 "messages}\n")
+    cfg = build_config(str(r), calib_split="test_sft")
+    assert (cfg.calib_dataset, cfg.calib_split, cfg.calib_column) == ("HuggingFaceH4/ultrachat_200k", "test_sft",
+                                                                      "messages")
 
 
 @pytest.mark.parametrize("body, message", [
@@ -274,3 +279,62 @@ def test_calibration_sources(tmp_path, monkeypatch):
     texts, where = C.load_texts("c4")
     assert len(texts) == 150 and "c4 unavailable (huggingface.co is not reachable)" in where
     assert Path(C.SHIPPED_SAMPLE).stat().st_size <= 300_000
+
+
+def test_calibration_from_a_dataset_folder_and_from_conversations(tmp_path):
+    """--calib-dataset takes a dataset folder (or a Hub id) that `datasets` reads, --calib-split / --calib-column
+    choosing the part as AutoAWQ's split / text_column; a messages column (or a file's "messages" objects) holds
+    conversations, which the model's chat template renders before tokenizing."""
+    rows = [{"body": f"Once upon a time there was a cat number {i}.",
+             "messages": [{"role": "user", "content": f"Tell me about cat {i}."},
+                          {"role": "assistant", "content": "It liked milk."}]} for i in range(30)]
+    folder = tmp_path / "set"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    docs, where = C.load_texts(str(folder), column="body")
+    assert docs == [r["body"] for r in rows] and where == f"{folder}, split train via datasets"
+    docs, _ = C.load_texts(str(folder))  # no text column: the conversations
+    assert docs == [r["messages"] for r in rows]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": r["messages"]}) for r in rows))
+    assert C.load_texts(str(tmp_path / "chat.jsonl"))[0] == docs
+
+    tok = load_tokenizer(demo_model_path())
+    with pytest.raises(C.CalibrationError, match="no chat template"):
+        C.calibration_windows(tok, docs, 2, 16, seed=0)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    text = "user: Tell me about cat 0.\nassistant: It liked milk.\n"
+    assert C.render(tok, docs[0]) == text
+    want = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert C.calibration_windows(tok, docs[:1], 1, len(want), seed=0)[0].tolist() == want
+
+    code, out = run("--method", "rtn", "--group-size", "32", "--calib-dataset", str(folder), "--calib-column",
+                    "body", "--calib-samples", "4", "--calib-seqlen", "16", "--no-progress", "--out",
+                    str(tmp_path / "q"))
+    assert code == 0 and f"calibration tokens from {folder}, split train via datasets" in out, out
+
+
+def test_bad_calibration_datasets_are_one_line(tmp_path, monkeypatch):
+    folder = tmp_path / "set"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("\n".join(json.dumps({"body": f"cat {i}", "n": i}) for i in range(8)))
+    (tmp_path / "d.jsonl").write_text('{"text": "Once upon a time"}\n')
+    monkeypatch.setattr(C, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    for args, message in (
+            ([str(folder)], f"calibration dataset {folder} has no text or messages column (it has body, n): pass "
+                            "--calib-column"),
+            ([str(folder), "--calib-column", "nope"], f"calibration dataset {folder} has no column 'nope'"),
+            ([str(folder), "--calib-column", "n"], f"{folder}: row 0 of 'n' is neither text nor a conversation"),
+            ([str(folder), "--calib-split", "test"], f"cannot load calibration dataset {folder} (split test): "),
+            ([str(tmp_path / "d.jsonl"), "--calib-split", "train"], "--calib-split and --calib-column choose the "
+                                                                     "part of a dataset"),
+            (["calib", "--calib-column", "text"], "--calib-split and --calib-column choose the part of a dataset"),
+            (["pileval"], "cannot load calibration dataset mit-han-lab/pile-val-backup: huggingface.co is not "
+                          "reachable (with HF_HUB_OFFLINE=1 a copy in the datasets cache is used)"),
+            (["someone/some-set"], "cannot load calibration dataset someone/some-set: huggingface.co is not "
+                                   "reachable")):
+        code, out = run("--method", "rtn", "--group-size", "32", "--calib-dataset", *args, "--out",
+                        str(tmp_path / "q"), "--no-progress")
+        assert code == 2 and message in out and "Traceback" not in out, (args, out)
+        assert not (tmp_path / "q").exists()

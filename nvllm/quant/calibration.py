@@ -2,11 +2,20 @@
 windows of ``seqlen`` tokens.
 
 Sources
-  ``c4``     allenai/c4 (en, validation shard 0) through the ``datasets`` package when it is installed and the
-             Hugging Face Hub answers; otherwise the shipped sample, and the returned note says why.
-  ``calib``  the sample shipped in the repository's calib/ (150 C4 documents; see calib/README.md).
-  a path     ``.jsonl`` / ``.jsonl.gz`` / ``.json.gz`` (one JSON object with a ``"text"`` field, or a string,
-             per line), ``.json`` (a list of those) or ``.txt`` (the whole file is one document).
+  ``c4``       allenai/c4 (en, validation shard 0) through the ``datasets`` package when it is installed and the
+               Hugging Face Hub answers; otherwise the shipped sample, and the returned note says why.
+  ``calib``    the sample shipped in the repository's calib/ (150 C4 documents; see calib/README.md).
+  ``pileval``  mit-han-lab/pile-val-backup (validation), AutoAWQ's default calibration set.
+  ``wikitext2`` Salesforce/wikitext (wikitext-2-raw-v1, train), its lines joined into one text as GPTQ's reference
+               code does.
+  a file       ``.jsonl`` / ``.jsonl.gz`` / ``.json.gz`` (one JSON object with a ``"text"`` or ``"messages"`` field,
+               or a string, per line), ``.json`` (a list of those) or ``.txt`` (the whole file is one document).
+  a dataset    a Hub dataset id (``owner/name``) or a local dataset folder, loaded by ``datasets``: ``split``
+               (default train) and ``column`` (default ``text``, else ``messages``) say what to read, as AutoAWQ's
+               ``split`` and ``text_column``.
+
+A document is a text, or a conversation (a list of ``{"role", "content"}`` messages, as in chat datasets such as
+ultrachat) that the model's chat template renders, as llm-compressor calibrates instruct models.
 
 Windows: the documents are shuffled (seeded), tokenized without special tokens and joined (EOS between
 documents) until there are enough tokens; each sample is a window starting at a seeded random offset.
@@ -17,6 +26,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import socket
 import zlib
 from pathlib import Path
@@ -29,6 +39,12 @@ CALIB_DIR = Path(__file__).resolve().parents[2] / "calib"
 SHIPPED_SAMPLE = CALIB_DIR / "c4-sample.jsonl"
 C4_REPO = "allenai/c4"
 C4_FILE = "en/c4-validation.00000-of-00008.json.gz"
+
+
+# the named Hub sets besides c4: (repo, config, split, column, joined into one text)
+NAMED = {"pileval": ("mit-han-lab/pile-val-backup", None, "validation", "text", False),
+         "wikitext2": ("Salesforce/wikitext", "wikitext-2-raw-v1", "train", "text", True)}
+FILE_SUFFIXES = (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".txt")
 
 
 class CalibrationError(ValueError):
@@ -49,15 +65,29 @@ def _texts_from_lines(lines, where: str) -> list[str]:
     return texts
 
 
-def _text_of(item, where: str) -> str:
+def _is_conversation(value) -> bool:
+    return (isinstance(value, list) and bool(value) and
+            all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value))
+
+
+def _text_of(item, where: str):
+    """A document: a string, an object's ``"text"``, or its ``"messages"`` (a conversation)."""
     if isinstance(item, str):
         return item
     if isinstance(item, dict) and isinstance(item.get("text"), str):
         return item["text"]
-    raise CalibrationError(f"{where}: expected a string or an object with a \"text\" field")
+    if isinstance(item, dict) and _is_conversation(item.get("messages")):
+        return item["messages"]
+    raise CalibrationError(f"{where}: expected a string or an object with a \"text\" field or \"messages\" (a "
+                           f"list of {{\"role\", \"content\"}})")
 
 
-def read_texts(path: str | os.PathLike) -> list[str]:
+def _blank(doc) -> bool:
+    return isinstance(doc, str) and not doc.strip()
+
+
+def read_texts(path: str | os.PathLike) -> list:
     """Documents of a local calibration file (see the module docstring for the formats)."""
     p = Path(path)
     if not p.is_file():
@@ -83,7 +113,7 @@ def read_texts(path: str | os.PathLike) -> list[str]:
                                    f"or .txt")
     except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as e:  # EOFError: a cut .gz
         raise CalibrationError(f"cannot read calibration file {path}: {first_line(e)}") from e
-    texts = [t for t in texts if t.strip()]
+    texts = [t for t in texts if not _blank(t)]
     if not texts:
         raise CalibrationError(f"calibration file {path} holds no text")
     return texts
@@ -103,7 +133,7 @@ def _c4_texts() -> tuple[list[str] | None, str]:
         import datasets
     except ImportError:
         return None, "the datasets package is not installed"
-    if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+    if _offline():
         return None, "the Hugging Face Hub is set offline"
     if not _hub_reachable():
         return None, "huggingface.co is not reachable"
@@ -114,8 +144,57 @@ def _c4_texts() -> tuple[list[str] | None, str]:
     return list(ds["text"]), ""
 
 
-def load_texts(source: str) -> tuple[list[str], str]:
-    """(documents, a line saying where they came from) for ``c4``, ``calib`` or a file path."""
+def _offline() -> bool:
+    return os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def _dataset_texts(name: str, config: str | None, split: str, column: str | None, joined: bool = False) -> list:
+    """The documents of one column of a ``datasets`` dataset (a Hub id or a local folder)."""
+    try:
+        import datasets
+    except ImportError:
+        raise CalibrationError(f"--calib-dataset {name} is read through the datasets package, which is not "
+                               f"installed: pip install 'nvllm[quant]' (or use calib or a local file)") from None
+    if not Path(name).is_dir() and not _offline() and not _hub_reachable():  # not half a minute of retries
+        raise CalibrationError(f"cannot load calibration dataset {name}: huggingface.co is not reachable (with "
+                               f"HF_HUB_OFFLINE=1 a copy in the datasets cache is used)")
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # noqa: BLE001 - network, a missing split, a bad folder: one line, whatever the cause
+        raise CalibrationError(f"cannot load calibration dataset {name} (split {split}): {type(e).__name__}: "
+                               f"{first_line(e)[:200]}") from None
+    names = list(ds.column_names)
+    if column is None:
+        column = next((c for c in ("text", "messages") if c in names), None)
+        if column is None:
+            raise CalibrationError(f"calibration dataset {name} has no text or messages column (it has "
+                                   f"{', '.join(names)}): pass --calib-column")
+    elif column not in names:
+        raise CalibrationError(f"calibration dataset {name} has no column {column!r} (it has {', '.join(names)})")
+    docs = []
+    for i, value in enumerate(ds[column]):
+        if not (isinstance(value, str) or _is_conversation(value)):
+            raise CalibrationError(f"{name}: row {i} of {column!r} is neither text nor a conversation (a list of "
+                                   f"{{\"role\", \"content\"}}): {type(value).__name__}")
+        docs.append(value)
+    if joined:
+        docs = ["\n\n".join(docs)]
+    docs = [d for d in docs if not _blank(d)]
+    if not docs:
+        raise CalibrationError(f"calibration dataset {name} (split {split}, column {column!r}) holds no text")
+    return docs
+
+
+def load_texts(source: str, split: str | None = None, column: str | None = None) -> tuple[list, str]:
+    """(documents, a line saying where they came from) for ``c4``, ``calib``, ``pileval``, ``wikitext2``, a file, a
+    dataset folder or a Hub dataset id. ``split`` / ``column``: which part of a dataset (named sets: their own)."""
+    path = Path(source)
+    hub_id = not path.exists() and not source.lower().endswith(FILE_SUFFIXES) and re.fullmatch(r"[\w.-]+/[\w.-]+",
+                                                                                              source) is not None
+    dataset = source in NAMED or (source not in ("c4", "calib") and (path.is_dir() or hub_id))
+    if (split is not None or column is not None) and not dataset:
+        raise CalibrationError(f"--calib-split and --calib-column choose the part of a dataset (pileval, wikitext2, a "
+                               f"Hub id or a dataset folder), not of {source}")
     if source == "c4":
         texts, why = _c4_texts()
         if texts is not None:
@@ -128,10 +207,32 @@ def load_texts(source: str) -> tuple[list[str], str]:
             raise CalibrationError(f"the shipped calibration sample {SHIPPED_SAMPLE} is missing (run from a "
                                    f"source checkout, or pass a file path)")
         return read_texts(SHIPPED_SAMPLE), f"the shipped C4 sample {SHIPPED_SAMPLE}"
+    if source in NAMED:
+        repo, config, own_split, own_column, joined = NAMED[source]
+        split, column = split or own_split, column or own_column
+        where = f"{repo}{f' ({config})' if config else ''}, split {split} via datasets"
+        return _dataset_texts(repo, config, split, column, joined), where
+    if dataset:
+        split = split or "train"
+        return _dataset_texts(source, None, split, column), f"{source}, split {split} via datasets"
     return read_texts(source), f"{source}"
 
 
-def calibration_windows(tokenizer, texts: list[str], n_samples: int, seqlen: int, seed: int,
+def render(tokenizer, doc) -> str:
+    """A document's text: a conversation through the tokenizer's chat template."""
+    if isinstance(doc, str):
+        return doc
+    if not getattr(tokenizer, "chat_template", None):
+        raise CalibrationError("the calibration data holds conversations (messages), but the model's tokenizer has "
+                               "no chat template to render them: use a text column or file")
+    try:
+        return tokenizer.apply_chat_template(doc, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - a template that refuses the conversation (roles out of order, …)
+        raise CalibrationError(f"the chat template refused a calibration conversation: {first_line(e)[:200]}") \
+            from None
+
+
+def calibration_windows(tokenizer, texts: list, n_samples: int, seqlen: int, seed: int,
                         notes: list[str] | None = None) -> torch.Tensor:
     """``[n_samples, seqlen]`` token ids: seeded random windows over the shuffled, concatenated documents.
     When the text is shorter than ``n_samples · seqlen`` tokens the windows overlap; ``notes`` gets a line
@@ -142,7 +243,7 @@ def calibration_windows(tokenizer, texts: list[str], n_samples: int, seqlen: int
     want = n_samples * seqlen + seqlen
     ids: list[int] = []
     for k in order:
-        ids.extend(tokenizer(texts[k], add_special_tokens=False, verbose=False)["input_ids"] + sep)
+        ids.extend(tokenizer(render(tokenizer, texts[k]), add_special_tokens=False, verbose=False)["input_ids"] + sep)
         if len(ids) >= want:
             break
     if len(ids) < seqlen:

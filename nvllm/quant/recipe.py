@@ -52,6 +52,8 @@ class QuantizeConfig:
     clip: bool = True
     max_shrink: float = 0.5
     calib_dataset: str = "c4"
+    calib_split: str | None = None     # a dataset's split (None: its own, or train)
+    calib_column: str | None = None    # a dataset's column (None: text, else messages)
     calib_samples: int = 128
     calib_seqlen: int = 2048
     seed: int = 0
@@ -145,8 +147,8 @@ _SECTIONS = {
              "static_groups": ("static_groups", bool)},
     "awq": {"n_grid": ("n_grid", int), "duo_scaling": ("duo_scaling", bool), "clip": ("clip", bool),
             "max_shrink": ("max_shrink", float)},
-    "calibration": {"dataset": ("calib_dataset", str), "samples": ("calib_samples", int),
-                    "seqlen": ("calib_seqlen", int), "seed": ("seed", int)},
+    "calibration": {"dataset": ("calib_dataset", str), "split": ("calib_split", str), "column": ("calib_column", str),
+                    "samples": ("calib_samples", int), "seqlen": ("calib_seqlen", int), "seed": ("seed", int)},
 }
 
 
