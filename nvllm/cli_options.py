@@ -1,4 +1,5 @@
-"""Engine options shared by every command that builds an engine (generate, serve, bench, eval).
+"""Engine options shared by every command that builds an engine (generate, serve, bench, eval, pipeline), and the
+commands' one way to fail.
 
 `engine_options` adds the flags to a Typer command's signature and hands the command one EngineConfig, so
 the flags are declared once and parsed the same way everywhere."""
@@ -25,6 +26,16 @@ def fail(message: str, code: int = 2):
 
     console().print(f"[bold red]error:[/] {message}", highlight=False, markup=True, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def check_gate_thresholds(max_drop: float | None, max_drop_rel: float | None) -> None:
+    """The regression gate's thresholds (eval --baseline, pipeline), or one line and exit 2."""
+    from nvllm.eval.regression import check_thresholds
+
+    try:
+        check_thresholds(max_drop, max_drop_rel)
+    except ValueError as e:
+        fail(str(e))
 
 
 def panel_option(panel: str):
