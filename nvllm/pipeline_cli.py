@@ -32,6 +32,8 @@ def pipeline(
                                                          rich_help_panel=_Q)] = None,
     calib_split: Annotated[Optional[str], typer.Option(help="a dataset's split", rich_help_panel=_Q)] = None,
     calib_column: Annotated[Optional[str], typer.Option(help="a dataset's column", rich_help_panel=_Q)] = None,
+    calib_config: Annotated[Optional[str], typer.Option(help="a Hub dataset's configuration",
+                                                        rich_help_panel=_Q)] = None,
     calib_samples: Annotated[Optional[int], typer.Option(rich_help_panel=_Q)] = None,
     calib_seqlen: Annotated[Optional[int], typer.Option(rich_help_panel=_Q)] = None,
     recipe: Annotated[Optional[str], typer.Option(help="YAML recipe; flags override it", rich_help_panel=_Q)] = None,
@@ -79,7 +81,7 @@ def pipeline(
         # --seed and --device also set the calibration's seed and device, where given; else the recipe's hold
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
                            quantize_lm_head=quantize_lm_head, calib_dataset=calib_dataset,
-                           calib_split=calib_split, calib_column=calib_column,
+                           calib_split=calib_split, calib_column=calib_column, calib_config=calib_config,
                            calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                            seed=engine_config.seed if _given(ctx, "seed") else None,
                            device=engine_config.device if _given(ctx, "device") else None,

@@ -42,6 +42,8 @@ def quantize(
     calib_column: Annotated[Optional[str], typer.Option(help="a dataset's column: text, or conversations rendered "
                                                         "by the chat template (default text, else messages)",
                                                         rich_help_panel=_CAL)] = None,
+    calib_config: Annotated[Optional[str], typer.Option(help="a Hub dataset's configuration (e.g. "
+                                                        "wikitext-2-raw-v1)", rich_help_panel=_CAL)] = None,
     calib_samples: Annotated[Optional[int], typer.Option(help="windows (default 128)", rich_help_panel=_CAL)] = None,
     calib_seqlen: Annotated[Optional[int], typer.Option(help="tokens per window (default 2048)",
                                                         rich_help_panel=_CAL)] = None,
@@ -71,8 +73,8 @@ def quantize(
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
                            quantize_lm_head=quantize_lm_head, checkpoint_format=checkpoint_format,
                            calib_dataset=calib_dataset, calib_split=calib_split, calib_column=calib_column,
-                           calib_samples=calib_samples, calib_seqlen=calib_seqlen, seed=seed, device=device,
-                           max_shard_size=max_shard_size)
+                           calib_config=calib_config, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
+                           seed=seed, device=device, max_shard_size=max_shard_size)
         summary = q.quantize_model(model or demo_model_path(), out, cfg, overwrite, progress=bar.update,
                                    on_start=bar.start, revision=revision)
     except q.USER_ERRORS as e:

@@ -121,6 +121,21 @@ def test_a_prefilled_add_cancelled_while_it_lands_still_hands_over_its_kv_target
         for t in handed:  # what the transfer thread does on finding them aborted
             await asyncio.wrap_future(engine.call(lambda e, seq=t.seq: e.handoff.arrived(seq, False)))
         assert bm.num_free_blocks == bm.num_blocks and not core.has_unfinished_requests()
+        # a receiver that fails after taking some targets: the add fails whole, the rest are freed at once
+        taken = []
+
+        def flaky(t):
+            if t.seq.index == 1:
+                raise RuntimeError("the transfer thread is gone")
+            taken.append(t)
+
+        with pytest.raises(RuntimeError, match="thread is gone"):
+            await engine.open_stream().add_prefilled("s", prompt, params, time.time(),
+                                                     [PrefilledSample(7) for _ in range(4)], receive=flaky)
+        assert [t.seq.index for t in taken] == [0] and "s" not in core.requests
+        assert bm.num_blocks - bm.num_free_blocks == len(taken[0].block_ids)  # the one the transfer owns
+        await asyncio.wrap_future(engine.call(lambda e: e.handoff.arrived(taken[0].seq, False)))
+        assert bm.num_free_blocks == bm.num_blocks and engine.is_running
         await engine.shutdown()
 
     asyncio.run(main())

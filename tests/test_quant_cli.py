@@ -4,6 +4,7 @@ recipes, calibration sources, and every bad input ending in one clear line and a
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -62,9 +63,9 @@ def test_shipped_recipes_validate(tmp_path):
     assert build_config(str(r), max_shard_size="1GB").max_shard_size == "1GB"      # the flag over the recipe
     r.write_text("method: awq\ncalibration: {dataset: HuggingFaceH4/ultrachat_200k, split: train_sft, column: "
                  "messages}\n")
-    cfg = build_config(str(r), calib_split="test_sft")
-    assert (cfg.calib_dataset, cfg.calib_split, cfg.calib_column) == ("HuggingFaceH4/ultrachat_200k", "test_sft",
-                                                                      "messages")
+    cfg = build_config(str(r), calib_split="test_sft", calib_config="default")
+    assert (cfg.calib_dataset, cfg.calib_split, cfg.calib_column, cfg.calib_config) == (
+        "HuggingFaceH4/ultrachat_200k", "test_sft", "messages", "default")
 
 
 @pytest.mark.parametrize("body, message", [
@@ -292,9 +293,19 @@ def test_calibration_from_a_dataset_folder_and_from_conversations(tmp_path):
     folder.mkdir()
     (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     docs, where = C.load_texts(str(folder), column="body")
-    assert docs == [r["body"] for r in rows] and where == f"{folder}, split train via datasets"
-    docs, _ = C.load_texts(str(folder))  # no text column: the conversations
-    assert docs == [r["messages"] for r in rows]
+    assert docs == [r["body"] for r in rows] and where == f"{folder}, split train, column body via datasets"
+    docs, where = C.load_texts(str(folder))  # no text column: the conversations
+    assert docs == [r["messages"] for r in rows] and where.endswith("column messages via datasets")
+    # a folder save_to_disk wrote (a DatasetDict: its splits), nulls of a nullable column skipped
+    import datasets
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["one cat", None, "two cats"]}),
+                          "test": datasets.Dataset.from_dict({"text": ["a dog"]})}).save_to_disk(str(saved))
+    assert C.load_texts(str(saved))[0] == ["one cat", "two cats"]
+    assert C.load_texts(str(saved), split="test")[0] == ["a dog"]
+    with pytest.raises(C.CalibrationError, match=r"has no split 'validation' \(it has train, test\): pass "
+                                                 r"--calib-split"):
+        C.load_texts(str(saved), split="validation")
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": r["messages"]}) for r in rows))
     assert C.load_texts(str(tmp_path / "chat.jsonl"))[0] == docs
 
@@ -310,7 +321,7 @@ def test_calibration_from_a_dataset_folder_and_from_conversations(tmp_path):
     code, out = run("--method", "rtn", "--group-size", "32", "--calib-dataset", str(folder), "--calib-column",
                     "body", "--calib-samples", "4", "--calib-seqlen", "16", "--no-progress", "--out",
                     str(tmp_path / "q"))
-    assert code == 0 and f"calibration tokens from {folder}, split train via datasets" in out, out
+    assert code == 0 and f"calibration tokens from {folder}, split train, column body via datasets" in out, out
 
 
 def test_bad_calibration_datasets_are_one_line(tmp_path, monkeypatch):
@@ -321,20 +332,45 @@ def test_bad_calibration_datasets_are_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(C, "_hub_reachable", lambda timeout=3.0: False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    unreachable = "not a local file or folder, and the Hugging Face Hub is not reachable"
+    zstd = importlib.util.find_spec("zstandard") is not None
     for args, message in (
             ([str(folder)], f"calibration dataset {folder} has no text or messages column (it has body, n): pass "
                             "--calib-column"),
             ([str(folder), "--calib-column", "nope"], f"calibration dataset {folder} has no column 'nope'"),
             ([str(folder), "--calib-column", "n"], f"{folder}: row 0 of 'n' is neither text nor a conversation"),
-            ([str(folder), "--calib-split", "test"], f"cannot load calibration dataset {folder} (split test): "),
-            ([str(tmp_path / "d.jsonl"), "--calib-split", "train"], "--calib-split and --calib-column choose the "
-                                                                     "part of a dataset"),
-            (["calib", "--calib-column", "text"], "--calib-split and --calib-column choose the part of a dataset"),
-            (["pileval"], "cannot load calibration dataset mit-han-lab/pile-val-backup: huggingface.co is not "
-                          "reachable (with HF_HUB_OFFLINE=1 a copy in the datasets cache is used)"),
-            (["someone/some-set"], "cannot load calibration dataset someone/some-set: huggingface.co is not "
-                                   "reachable")):
+            ([str(folder), "--calib-split", "test"], f"cannot load calibration dataset {folder}, split test: "),
+            ([str(tmp_path / "d.jsonl"), "--calib-split", "train"], "--calib-split, --calib-column and "
+                                                                     "--calib-config choose the part of a dataset"),
+            (["calib", "--calib-column", "text"], "choose the part of a dataset (pileval, wikitext2, a Hub id or a "
+                                                  "dataset folder), not of calib"),
+            (["pileval"], f"cannot load calibration dataset mit-han-lab/pile-val-backup: {unreachable} (with "
+                          "HF_HUB_OFFLINE=1 a copy in the datasets cache is used)" if zstd else
+                          "--calib-dataset mit-han-lab/pile-val-backup: its files need the zstandard package: pip "
+                          "install zstandard"),
+            (["wikitext2", "--calib-config", "wikitext-103-raw-v1"], "cannot load calibration dataset "
+                                                                     f"Salesforce/wikitext: {unreachable}"),
+            (["someone/some-set"], f"cannot load calibration dataset someone/some-set: {unreachable}"),
+            (["./no/such"], "calibration file not found: ./no/such"),     # a mistyped path is not a Hub id
+            (["../no-such/set"], "calibration file not found: ../no-such/set")):
         code, out = run("--method", "rtn", "--group-size", "32", "--calib-dataset", *args, "--out",
                         str(tmp_path / "q"), "--no-progress")
         assert code == 2 and message in out and "Traceback" not in out, (args, out)
         assert not (tmp_path / "q").exists()
+
+
+def test_the_hub_probe_follows_the_endpoint_proxies_and_offline_spellings(monkeypatch):
+    """Whether to try the Hub: HF_ENDPOINT's host (a mirror), not huggingface.co; behind a proxy the request decides;
+    HF_HUB_OFFLINE as huggingface_hub spells it."""
+    for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    assert not C._hub_reachable(timeout=2)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    assert C._hub_reachable(timeout=2)
+    assert not C._offline()
+    for spelling in ("1", "true", "YES", "on"):
+        monkeypatch.setenv("HF_HUB_OFFLINE", spelling)
+        assert C._offline()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert not C._offline()

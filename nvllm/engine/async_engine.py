@@ -107,8 +107,16 @@ class OutputStream:
         def add(e: LLMEngine) -> list[KVTarget]:
             targets = e.add_prefilled_request(request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs,
                                               lora_request, cache_salt, priority)
-            for t in targets if receive is not None else ():
-                receive(t)
+            handed = 0
+            try:
+                for t in targets if receive is not None else ():
+                    receive(t)
+                    handed += 1
+            except BaseException:  # nothing stays registered: the targets not handed over free their blocks here
+                e.abort_request(request_id)
+                for t in targets[handed:]:
+                    e.handoff.arrived(t.seq, False)
+                raise
             return targets
 
         return await self._add([request_id], add, emit=True)

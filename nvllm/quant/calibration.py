@@ -10,9 +10,11 @@ Sources
                code does.
   a file       ``.jsonl`` / ``.jsonl.gz`` / ``.json.gz`` (one JSON object with a ``"text"`` or ``"messages"`` field,
                or a string, per line), ``.json`` (a list of those) or ``.txt`` (the whole file is one document).
-  a dataset    a Hub dataset id (``owner/name``) or a local dataset folder, loaded by ``datasets``: ``split``
-               (default train) and ``column`` (default ``text``, else ``messages``) say what to read, as AutoAWQ's
-               ``split`` and ``text_column``.
+  a dataset    a Hub dataset id (``owner/name``) or a local folder, loaded by ``datasets`` (a folder
+               ``save_to_disk`` wrote through ``load_from_disk``; a folder of data files as ``load_dataset`` reads it,
+               its .txt files a document per line): ``split`` (default train), ``column`` (default ``text``, else
+               ``messages``) and ``config`` say what to read, as AutoAWQ's ``split`` and ``text_column`` and
+               llm-compressor's ``dataset_config_name``. A folder named like a named set is ``./NAME``.
 
 A document is a text, or a conversation (a list of ``{"role", "content"}`` messages, as in chat datasets such as
 ultrachat) that the model's chat template renders, as llm-compressor calibrates instruct models.
@@ -24,12 +26,15 @@ documents) until there are enough tokens; each sample is a window starting at a 
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import re
 import socket
 import zlib
 from pathlib import Path
+from typing import NamedTuple
+from urllib.parse import urlparse
 
 import torch
 
@@ -41,10 +46,22 @@ C4_REPO = "allenai/c4"
 C4_FILE = "en/c4-validation.00000-of-00008.json.gz"
 
 
-# the named Hub sets besides c4: (repo, config, split, column, joined into one text)
-NAMED = {"pileval": ("mit-han-lab/pile-val-backup", None, "validation", "text", False),
-         "wikitext2": ("Salesforce/wikitext", "wikitext-2-raw-v1", "train", "text", True)}
+
+
+class HubSet(NamedTuple):
+    repo: str
+    config: str | None
+    split: str
+    column: str
+    joined: bool = False              # its rows are lines of one text: joined into one document
+    needs: str | None = None          # a module its files need (pileval's are zstd-compressed)
+
+
+# the named Hub sets besides c4 (a folder of the same name is ./NAME)
+NAMED = {"pileval": HubSet("mit-han-lab/pile-val-backup", None, "validation", "text", needs="zstandard"),
+         "wikitext2": HubSet("Salesforce/wikitext", "wikitext-2-raw-v1", "train", "text", joined=True)}
 FILE_SUFFIXES = (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".txt")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 class CalibrationError(ValueError):
@@ -66,9 +83,9 @@ def _texts_from_lines(lines, where: str) -> list[str]:
 
 
 def _is_conversation(value) -> bool:
-    return (isinstance(value, list) and bool(value) and
-            all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in value))
+    """A list of messages with a role each (their content, text or parts or none, is the chat template's to take)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                           for m in value)
 
 
 def _text_of(item, where: str):
@@ -80,7 +97,7 @@ def _text_of(item, where: str):
     if isinstance(item, dict) and _is_conversation(item.get("messages")):
         return item["messages"]
     raise CalibrationError(f"{where}: expected a string or an object with a \"text\" field or \"messages\" (a "
-                           f"list of {{\"role\", \"content\"}})")
+                           f"list of {{\"role\", \"content\"}} messages)")
 
 
 def _blank(doc) -> bool:
@@ -120,11 +137,23 @@ def read_texts(path: str | os.PathLike) -> list:
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hub's endpoint (HF_ENDPOINT, a mirror, or huggingface.co) answers a connection; assumed so behind
+    a proxy, which only a request through it can tell."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        socket.create_connection((url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)),
+                                 timeout=timeout).close()
         return True
     except OSError:
         return False
+
+
+def _offline() -> bool:
+    """HF_HUB_OFFLINE / HF_DATASETS_OFFLINE as huggingface_hub reads them (1, true, yes, on)."""
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 def _c4_texts() -> tuple[list[str] | None, str]:
@@ -136,7 +165,7 @@ def _c4_texts() -> tuple[list[str] | None, str]:
     if _offline():
         return None, "the Hugging Face Hub is set offline"
     if not _hub_reachable():
-        return None, "huggingface.co is not reachable"
+        return None, "the Hugging Face Hub is not reachable"
     try:
         ds = datasets.load_dataset(C4_REPO, data_files={"validation": C4_FILE}, split="validation")
     except Exception as e:  # network, auth, disk: all mean "use the shipped sample"
@@ -144,25 +173,44 @@ def _c4_texts() -> tuple[list[str] | None, str]:
     return list(ds["text"]), ""
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
-
-
-def _dataset_texts(name: str, config: str | None, split: str, column: str | None, joined: bool = False) -> list:
-    """The documents of one column of a ``datasets`` dataset (a Hub id or a local folder)."""
+def _load_dataset(name: str, config: str | None, split: str, needs: str | None = None):
+    """A ``datasets`` Dataset: a folder ``save_to_disk`` wrote, a folder of data files, or a Hub id."""
     try:
         import datasets
     except ImportError:
         raise CalibrationError(f"--calib-dataset {name} is read through the datasets package, which is not "
                                f"installed: pip install 'nvllm[quant]' (or use calib or a local file)") from None
-    if not Path(name).is_dir() and not _offline() and not _hub_reachable():  # not half a minute of retries
-        raise CalibrationError(f"cannot load calibration dataset {name}: huggingface.co is not reachable (with "
-                               f"HF_HUB_OFFLINE=1 a copy in the datasets cache is used)")
+    folder = Path(name)
+    if folder.is_dir() and any((folder / f).is_file() for f in ("state.json", "dataset_dict.json")):
+        try:
+            ds = datasets.load_from_disk(str(folder))
+        except Exception as e:  # noqa: BLE001 - a damaged folder: one line
+            raise CalibrationError(f"cannot load calibration dataset {name}: {type(e).__name__}: "
+                                   f"{first_line(e)[:200]}") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise CalibrationError(f"calibration dataset {name} has no split {split!r} (it has "
+                                       f"{', '.join(ds)}): pass --calib-split")
+            ds = ds[split]
+        return ds
+    if needs is not None and importlib.util.find_spec(needs) is None:
+        raise CalibrationError(f"--calib-dataset {name}: its files need the {needs} package: pip install {needs}")
+    if not folder.is_dir() and not _offline() and not _hub_reachable():  # not half a minute of retries
+        raise CalibrationError(f"cannot load calibration dataset {name}: not a local file or folder, and the "
+                               f"Hugging Face Hub is not reachable (with HF_HUB_OFFLINE=1 a copy in the datasets "
+                               f"cache is used)")
     try:
-        ds = datasets.load_dataset(name, config, split=split)
-    except Exception as e:  # noqa: BLE001 - network, a missing split, a bad folder: one line, whatever the cause
-        raise CalibrationError(f"cannot load calibration dataset {name} (split {split}): {type(e).__name__}: "
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # noqa: BLE001 - network, a missing split or config, a bad folder: one line
+        where = "" if folder.is_dir() else " (not a local file or folder)"
+        raise CalibrationError(f"cannot load calibration dataset {name}{where}, split {split}: {type(e).__name__}: "
                                f"{first_line(e)[:200]}") from None
+
+
+def _dataset_texts(name: str, config: str | None, split: str, column: str | None, joined: bool = False,
+                   needs: str | None = None) -> tuple[list, str]:
+    """(the documents of one column of a ``datasets`` dataset, the column read)."""
+    ds = _load_dataset(name, config, split, needs)
     names = list(ds.column_names)
     if column is None:
         column = next((c for c in ("text", "messages") if c in names), None)
@@ -173,28 +221,33 @@ def _dataset_texts(name: str, config: str | None, split: str, column: str | None
         raise CalibrationError(f"calibration dataset {name} has no column {column!r} (it has {', '.join(names)})")
     docs = []
     for i, value in enumerate(ds[column]):
+        if value is None:  # a nullable column's empty rows
+            continue
         if not (isinstance(value, str) or _is_conversation(value)):
             raise CalibrationError(f"{name}: row {i} of {column!r} is neither text nor a conversation (a list of "
-                                   f"{{\"role\", \"content\"}}): {type(value).__name__}")
+                                   f"{{\"role\", \"content\"}} messages): {type(value).__name__} "
+                                   f"{str(value)[:60]!r}")
         docs.append(value)
     if joined:
         docs = ["\n\n".join(docs)]
     docs = [d for d in docs if not _blank(d)]
     if not docs:
         raise CalibrationError(f"calibration dataset {name} (split {split}, column {column!r}) holds no text")
-    return docs
+    return docs, column
 
 
-def load_texts(source: str, split: str | None = None, column: str | None = None) -> tuple[list, str]:
+def load_texts(source: str, split: str | None = None, column: str | None = None,
+               config: str | None = None) -> tuple[list, str]:
     """(documents, a line saying where they came from) for ``c4``, ``calib``, ``pileval``, ``wikitext2``, a file, a
-    dataset folder or a Hub dataset id. ``split`` / ``column``: which part of a dataset (named sets: their own)."""
+    dataset folder or a Hub dataset id. ``split`` / ``column`` / ``config``: which part of a dataset (named sets:
+    their own unless given)."""
     path = Path(source)
-    hub_id = not path.exists() and not source.lower().endswith(FILE_SUFFIXES) and re.fullmatch(r"[\w.-]+/[\w.-]+",
-                                                                                              source) is not None
+    hub_id = not path.exists() and not source.lower().endswith(FILE_SUFFIXES) and ".." not in source and \
+        HUB_ID.fullmatch(source) is not None
     dataset = source in NAMED or (source not in ("c4", "calib") and (path.is_dir() or hub_id))
-    if (split is not None or column is not None) and not dataset:
-        raise CalibrationError(f"--calib-split and --calib-column choose the part of a dataset (pileval, wikitext2, a "
-                               f"Hub id or a dataset folder), not of {source}")
+    if (split, column, config) != (None, None, None) and not dataset:
+        raise CalibrationError(f"--calib-split, --calib-column and --calib-config choose the part of a dataset "
+                               f"(pileval, wikitext2, a Hub id or a dataset folder), not of {source}")
     if source == "c4":
         texts, why = _c4_texts()
         if texts is not None:
@@ -207,14 +260,13 @@ def load_texts(source: str, split: str | None = None, column: str | None = None)
             raise CalibrationError(f"the shipped calibration sample {SHIPPED_SAMPLE} is missing (run from a "
                                    f"source checkout, or pass a file path)")
         return read_texts(SHIPPED_SAMPLE), f"the shipped C4 sample {SHIPPED_SAMPLE}"
-    if source in NAMED:
-        repo, config, own_split, own_column, joined = NAMED[source]
-        split, column = split or own_split, column or own_column
-        where = f"{repo}{f' ({config})' if config else ''}, split {split} via datasets"
-        return _dataset_texts(repo, config, split, column, joined), where
     if dataset:
-        split = split or "train"
-        return _dataset_texts(source, None, split, column), f"{source}, split {split} via datasets"
+        named = NAMED.get(source)
+        name, joined, needs = (named.repo, named.joined, named.needs) if named else (source, False, None)
+        config = config or (named.config if named else None)
+        split = split or (named.split if named else "train")
+        docs, column = _dataset_texts(name, config, split, column or (named.column if named else None), joined, needs)
+        return docs, f"{name}{f' ({config})' if config else ''}, split {split}, column {column} via datasets"
     return read_texts(source), f"{source}"
 
 

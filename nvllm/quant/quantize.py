@@ -187,7 +187,8 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
                              "tokens used")
         seqlen = limit
     tokenizer = load_tokenizer(model_dir)
-    texts, summary.calibration = load_texts(cfg.calib_dataset, cfg.calib_split, cfg.calib_column)
+    texts, summary.calibration = load_texts(cfg.calib_dataset, cfg.calib_split, cfg.calib_column,
+                                             cfg.calib_config)
     ids = calibration_windows(tokenizer, texts, cfg.calib_samples, seqlen, cfg.seed, summary.notes)
     summary.tokens = ids.numel()
     if on_start:

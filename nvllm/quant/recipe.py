@@ -54,6 +54,7 @@ class QuantizeConfig:
     calib_dataset: str = "c4"
     calib_split: str | None = None     # a dataset's split (None: its own, or train)
     calib_column: str | None = None    # a dataset's column (None: text, else messages)
+    calib_config: str | None = None    # a Hub dataset's configuration (None: its only one, or the named set's)
     calib_samples: int = 128
     calib_seqlen: int = 2048
     seed: int = 0
@@ -148,7 +149,8 @@ _SECTIONS = {
     "awq": {"n_grid": ("n_grid", int), "duo_scaling": ("duo_scaling", bool), "clip": ("clip", bool),
             "max_shrink": ("max_shrink", float)},
     "calibration": {"dataset": ("calib_dataset", str), "split": ("calib_split", str), "column": ("calib_column", str),
-                    "samples": ("calib_samples", int), "seqlen": ("calib_seqlen", int), "seed": ("seed", int)},
+                    "config": ("calib_config", str), "samples": ("calib_samples", int),
+                    "seqlen": ("calib_seqlen", int), "seed": ("seed", int)},
 }
 
 
