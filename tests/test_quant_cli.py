@@ -308,6 +308,15 @@ def test_calibration_from_a_dataset_folder_and_from_conversations(tmp_path):
         C.load_texts(str(saved), split="validation")
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": r["messages"]}) for r in rows))
     assert C.load_texts(str(tmp_path / "chat.jsonl"))[0] == docs
+    # ShareGPT's files (the ones `nvllm bench` reads): {"from", "value"} turns become messages
+    sharegpt = [{"id": str(i), "conversations": [{"from": "human", "value": f"Tell me about cat {i}."},
+                                                 {"from": "gpt", "value": "It liked milk."}]} for i in range(30)]
+    (tmp_path / "sharegpt.json").write_text(json.dumps(sharegpt))
+    assert C.load_texts(str(tmp_path / "sharegpt.json"))[0] == docs
+    (tmp_path / "sg").mkdir()
+    (tmp_path / "sg" / "train.jsonl").write_text("\n".join(json.dumps(r) for r in sharegpt))
+    assert C.load_texts(str(tmp_path / "sg")) == (docs, f"{tmp_path / 'sg'}, split train, column conversations "
+                                                        "via datasets")
 
     tok = load_tokenizer(demo_model_path())
     with pytest.raises(C.CalibrationError, match="no chat template"):
@@ -315,8 +324,9 @@ def test_calibration_from_a_dataset_folder_and_from_conversations(tmp_path):
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     text = "user: Tell me about cat 0.\nassistant: It liked milk.\n"
     assert C.render(tok, docs[0]) == text
-    want = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    want = tok(text, add_special_tokens=False)["input_ids"]  # the template's end, no EOS after it
     assert C.calibration_windows(tok, docs[:1], 1, len(want), seed=0)[0].tolist() == want
+    assert C.calibration_windows(tok, [text], 1, len(want) + 1, seed=0)[0].tolist() == want + [tok.eos_token_id]
 
     code, out = run("--method", "rtn", "--group-size", "32", "--calib-dataset", str(folder), "--calib-column",
                     "body", "--calib-samples", "4", "--calib-seqlen", "16", "--no-progress", "--out",
@@ -335,8 +345,8 @@ def test_bad_calibration_datasets_are_one_line(tmp_path, monkeypatch):
     unreachable = "not a local file or folder, and the Hugging Face Hub is not reachable"
     zstd = importlib.util.find_spec("zstandard") is not None
     for args, message in (
-            ([str(folder)], f"calibration dataset {folder} has no text or messages column (it has body, n): pass "
-                            "--calib-column"),
+            ([str(folder)], f"calibration dataset {folder} has no text, messages or conversations column (it has "
+                            "body, n): pass --calib-column"),
             ([str(folder), "--calib-column", "nope"], f"calibration dataset {folder} has no column 'nope'"),
             ([str(folder), "--calib-column", "n"], f"{folder}: row 0 of 'n' is neither text nor a conversation"),
             ([str(folder), "--calib-split", "test"], f"cannot load calibration dataset {folder}, split test: "),

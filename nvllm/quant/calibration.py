@@ -1,5 +1,5 @@
-"""Calibration data: text from C4 (or the sample shipped in calib/, or a local file), cut into seeded random
-windows of ``seqlen`` tokens.
+"""Calibration data: text (or conversations) from C4, the sample shipped in calib/, other Hub datasets or local files,
+cut into seeded random windows of ``seqlen`` tokens.
 
 Sources
   ``c4``       allenai/c4 (en, validation shard 0) through the ``datasets`` package when it is installed and the
@@ -8,19 +8,23 @@ Sources
   ``pileval``  mit-han-lab/pile-val-backup (validation), AutoAWQ's default calibration set.
   ``wikitext2`` Salesforce/wikitext (wikitext-2-raw-v1, train), its lines joined into one text as GPTQ's reference
                code does.
-  a file       ``.jsonl`` / ``.jsonl.gz`` / ``.json.gz`` (one JSON object with a ``"text"`` or ``"messages"`` field,
-               or a string, per line), ``.json`` (a list of those) or ``.txt`` (the whole file is one document).
+  a file       ``.jsonl`` / ``.jsonl.gz`` / ``.json.gz`` (one JSON object with a ``"text"``, ``"messages"`` or
+               ShareGPT ``"conversations"`` field, or a string, per line), ``.json`` (a list of those, as ShareGPT's
+               files) or ``.txt`` (the whole file is one document).
   a dataset    a Hub dataset id (``owner/name``) or a local folder, loaded by ``datasets`` (a folder
                ``save_to_disk`` wrote through ``load_from_disk``; a folder of data files as ``load_dataset`` reads it,
                its .txt files a document per line): ``split`` (default train), ``column`` (default ``text``, else
-               ``messages``) and ``config`` say what to read, as AutoAWQ's ``split`` and ``text_column`` and
-               llm-compressor's ``dataset_config_name``. A folder named like a named set is ``./NAME``.
+               ``messages``, else ``conversations``) and ``config`` say what to read, as AutoAWQ's ``split`` and
+               ``text_column`` and llm-compressor's ``dataset_config_name``. A folder named like a named set is
+               ``./NAME``.
 
 A document is a text, or a conversation (a list of ``{"role", "content"}`` messages, as in chat datasets such as
-ultrachat) that the model's chat template renders, as llm-compressor calibrates instruct models.
+ultrachat, or ShareGPT's ``{"from", "value"}`` turns) that the model's chat template renders, as llm-compressor
+calibrates instruct models.
 
-Windows: the documents are shuffled (seeded), tokenized without special tokens and joined (EOS between
-documents) until there are enough tokens; each sample is a window starting at a seeded random offset.
+Windows: the documents are shuffled (seeded), tokenized without special tokens and joined (EOS after each text; a
+rendered conversation ends as its template ends it) until there are enough tokens; each sample is a window
+starting at a seeded random offset.
 """
 
 from __future__ import annotations
@@ -82,22 +86,40 @@ def _texts_from_lines(lines, where: str) -> list[str]:
     return texts
 
 
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
 def _is_conversation(value) -> bool:
     """A list of messages with a role each (their content, text or parts or none, is the chat template's to take)."""
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                            for m in value)
 
 
+def _from_sharegpt(value):
+    """ShareGPT's turns (``{"from": "human" | "gpt" | "system", "value"}``) as messages; None when not such."""
+    turn = (lambda t: isinstance(t, dict) and t.get("from") in SHAREGPT_ROLES and isinstance(t.get("value"), str))
+    if not (isinstance(value, list) and value and all(turn(t) for t in value)):
+        return None
+    return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in value]
+
+
+def _conversation(value):
+    """A conversation as messages (ShareGPT's turns converted), or None."""
+    return value if _is_conversation(value) else _from_sharegpt(value)
+
+
 def _text_of(item, where: str):
-    """A document: a string, an object's ``"text"``, or its ``"messages"`` (a conversation)."""
+    """A document: a string, an object's ``"text"``, or its ``"messages"`` / ShareGPT ``"conversations"``."""
     if isinstance(item, str):
         return item
     if isinstance(item, dict) and isinstance(item.get("text"), str):
         return item["text"]
-    if isinstance(item, dict) and _is_conversation(item.get("messages")):
-        return item["messages"]
-    raise CalibrationError(f"{where}: expected a string or an object with a \"text\" field or \"messages\" (a "
-                           f"list of {{\"role\", \"content\"}} messages)")
+    for key in ("messages", "conversations"):
+        conversation = _conversation(item.get(key)) if isinstance(item, dict) else None
+        if conversation is not None:
+            return conversation
+    raise CalibrationError(f"{where}: expected a string or an object with a \"text\" field, \"messages\" (a list "
+                           f"of {{\"role\", \"content\"}} messages) or ShareGPT's \"conversations\"")
 
 
 def _blank(doc) -> bool:
@@ -213,21 +235,22 @@ def _dataset_texts(name: str, config: str | None, split: str, column: str | None
     ds = _load_dataset(name, config, split, needs)
     names = list(ds.column_names)
     if column is None:
-        column = next((c for c in ("text", "messages") if c in names), None)
+        column = next((c for c in ("text", "messages", "conversations") if c in names), None)
         if column is None:
-            raise CalibrationError(f"calibration dataset {name} has no text or messages column (it has "
-                                   f"{', '.join(names)}): pass --calib-column")
+            raise CalibrationError(f"calibration dataset {name} has no text, messages or conversations column (it "
+                                   f"has {', '.join(names)}): pass --calib-column")
     elif column not in names:
         raise CalibrationError(f"calibration dataset {name} has no column {column!r} (it has {', '.join(names)})")
     docs = []
     for i, value in enumerate(ds[column]):
         if value is None:  # a nullable column's empty rows
             continue
-        if not (isinstance(value, str) or _is_conversation(value)):
+        doc = value if isinstance(value, str) else _conversation(value)
+        if doc is None:
             raise CalibrationError(f"{name}: row {i} of {column!r} is neither text nor a conversation (a list of "
-                                   f"{{\"role\", \"content\"}} messages): {type(value).__name__} "
+                                   f"{{\"role\", \"content\"}} messages or ShareGPT turns): {type(value).__name__} "
                                    f"{str(value)[:60]!r}")
-        docs.append(value)
+        docs.append(doc)
     if joined:
         docs = ["\n\n".join(docs)]
     docs = [d for d in docs if not _blank(d)]
@@ -295,7 +318,9 @@ def calibration_windows(tokenizer, texts: list, n_samples: int, seqlen: int, see
     want = n_samples * seqlen + seqlen
     ids: list[int] = []
     for k in order:
-        ids.extend(tokenizer(render(tokenizer, texts[k]), add_special_tokens=False, verbose=False)["input_ids"] + sep)
+        doc = texts[k]  # a rendered conversation ends as its template ends it: no EOS after it
+        ids.extend(tokenizer(render(tokenizer, doc), add_special_tokens=False, verbose=False)["input_ids"] +
+                   (sep if isinstance(doc, str) else []))
         if len(ids) >= want:
             break
     if len(ids) < seqlen:
