@@ -86,7 +86,9 @@ def _texts_from_lines(lines, where: str) -> list[str]:
     return texts
 
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# ShareGPT's speakers (its dumps name the assistant gpt, and some chatgpt, bing or bard)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "system": "system",
+                  **dict.fromkeys(("gpt", "assistant", "chatgpt", "bing", "bard"), "assistant")}
 
 
 def _is_conversation(value) -> bool:
