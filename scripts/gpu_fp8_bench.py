@@ -2,9 +2,10 @@
 its torch reference, then timed against cuBLAS on the bf16 weight at each M, for 128×128 block scales (Qwen3-FP8,
 DeepSeek-V3) and per-row scales (``--quantization fp8``, FP8_DYNAMIC checkpoints). Up to M = 4 it also times the
 CUDA-core ``fp8_gemv``. ``--sweep``: a few tile configs of each kernel at M = 1, the best printed next to the
-default.
+default. With per-row scales and from 16 rows on it also times W8A8 (``nvllm.kernels.fp8_w8a8``: the tokens
+quantized to FP8, ``torch._scaled_mm``), after checking the token quantizer's bytes against torch's conversion.
 
-    python3 scripts/gpu_fp8_bench.py [--ms 1,2,4,8,16,64,256,2048] [--sweep]
+    python3 scripts/gpu_fp8_bench.py [--ms 1,2,4,8,16,64,256,2048] [--scales block128,row] [--sweep]
 
 Every call runs inside a CUDA graph with the weight rotated past L2 (``gemm_tuner.cuda_graph_timer``). The floor is
 the FP8 weight's bytes (and its scales') over the device-to-device copy bandwidth measured in the run. Writes
@@ -28,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nvllm.kernels.fp8_gemm import _pick_config, fp8_dequantize, fp8_gemm, fp8_gemm_reference, fp8_gemv  # noqa: E402
+from nvllm.kernels.fp8_w8a8 import quantize_tokens, quantize_tokens_reference, w8a8_linear, w8a8_reference  # noqa: E402
 from nvllm.kernels.gemm_tuner import cuda_graph_timer  # noqa: E402
 from nvllm.quant.fp8 import Fp8Scheme, quantize_blocks, quantize_rows, scale_rows  # noqa: E402
 
@@ -54,6 +56,7 @@ def weights(n: int, k: int, scales: str) -> list[tuple[torch.Tensor, torch.Tenso
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ms", default="1,2,4,8,16,64,256,2048")
+    ap.add_argument("--scales", default="block128,row")
     ap.add_argument("--sweep", action="store_true", help="also a few tile configs at M = 1")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -64,7 +67,7 @@ def main() -> int:
     print(f"{res['card']}, copy bandwidth {bw / 1e12:.2f} TB/s")
     ms = [int(m) for m in args.ms.split(",")]
     totals: dict[tuple[str, int], list[float]] = {}
-    for scales in ("block128", "row"):
+    for scales in args.scales.split(","):
         for name, (n, k) in SHAPES.items():
             ws = weights(n, k, scales)
             dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -84,6 +87,19 @@ def main() -> int:
                 row = {"scales": scales, "shape": name, "m": m, "fp8_us": t_fp8 * 1e6, "bf16_us": t_bf16 * 1e6,
                        "floor_us": floor_s * 1e6, "err": err, "config": _pick_config(m, k, bk, torch.bfloat16),
                        "dequant_matmul_us": t_deq * 1e6}
+                if scales == "row" and m >= 16:   # W8A8: the quantizer's bytes as torch's, the product as its reference
+                    qx, sx = quantize_tokens(x)
+                    want_q, want_s = quantize_tokens_reference(x)
+                    row["w8a8_bytes_equal"] = bool(torch.equal(qx.view(torch.uint8), want_q.view(torch.uint8))
+                                                   and torch.equal(sx, want_s))
+                    wref = w8a8_reference(x, q, s).float()
+                    row["w8a8_err"] = float((w8a8_linear(x, q, s).float() - wref).abs().max() / wref.abs().max())
+                    row["w8a8_vs_w8a16"] = float((wref - ref).abs().max() / ref.abs().max())
+                    if row["w8a8_err"] > 2e-2 or not row["w8a8_bytes_equal"]:
+                        raise SystemExit(f"{scales} {name} M={m}: w8a8 off its reference by {row['w8a8_err']:.3g} "
+                                         f"(quantizer bytes equal: {row['w8a8_bytes_equal']})")
+                    row["w8a8_us"] = cuda_graph_timer(lambda i: w8a8_linear(x, *ws[i % len(ws)][:2]), len(ws),
+                                                      floor_s) * 1e6
                 if m <= 4:   # the CUDA-core kernel for few rows: its default and, with --sweep, the best config
                     row["gemv_us"] = cuda_graph_timer(lambda i: fp8_gemv(x, *ws[i % len(ws)]), len(ws), floor_s) * 1e6
                     gerr = float((fp8_gemv(x, q, s, bk).float() - ref).abs().max() / ref.abs().max())
@@ -112,6 +128,8 @@ def main() -> int:
                 for j, key in enumerate(("fp8_us", "bf16_us", "floor_us", "gemv_us", "gemv_best_us")):
                     totals[(scales, m)][j] += row.get(key, 0.0) * LAYERS
                 best = f"  dequant+cuBLAS {row['dequant_matmul_us']:.2f} µs"
+                if "w8a8_us" in row:
+                    best += f"  w8a8 {row['w8a8_us']:.2f} µs (vs w8a16 {row['w8a8_vs_w8a16']:.1e})"
                 best += f"  best {row['best_us']:.2f} µs {row['best_config']}" if "best_us" in row else ""
                 if "gemv_us" in row:
                     best += f"  gemv {row['gemv_us']:.2f} µs"

@@ -11,7 +11,8 @@ the output tiles cannot fill the GPU (decode: M is the batch), K is split over p
 buffer (``nvllm.kernels.split_k``). ``fp8_gemv`` does the same for a few rows on the CUDA cores (``GEMV_MAX_M``).
 
 vLLM runs these checkpoints as W8A8 on GPUs with FP8 tensor cores (activations quantized per token); this keeps
-the activations in their dtype: the same weight bytes, no activation rounding.
+the activations in their dtype: the same weight bytes, no activation rounding. ``fp8_linear`` hands many rows of
+a weight with one scale a row to ``nvllm.kernels.fp8_w8a8`` from ``W8A8_MIN_M`` rows on.
 
 This file holds the op's three parts: the torch reference, the Triton kernel and the dispatch.
 """
@@ -25,6 +26,7 @@ import torch
 
 from nvllm.kernels import report
 from nvllm.kernels.backend import eager_triton, use_triton
+from nvllm.kernels.fp8_w8a8 import w8a8_linear, w8a8_supported
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
 from nvllm.quant.fp8 import dequantize_rows
 
@@ -38,6 +40,10 @@ DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_FP8_DEQUANT_MIN_M", "256"))
 H100, a 7B layer's four projections (docs/PERF.md run EJ): at 128 rows the fused kernel took 443 µs against 525
 for dequantize + cuBLAS (128×128 blocks) and 270 against 447 (per-row scales); at 256 rows 764 against 554 and 470
 against 469; at 2048 rows the dequantize path is 1.9–3.2× faster."""
+
+W8A8_MIN_M = int(os.environ.get("NVLLM_FP8_W8A8_MIN_M", "0"))
+"""From this many rows on, weights with one scale a row run as W8A8 (``nvllm.kernels.fp8_w8a8``: the tokens
+quantized to FP8, the product on the FP8 tensor cores) where ``w8a8_supported``. 0: off until timed on a GPU."""
 
 GEMV_ROWS = 8
 """The most rows ``fp8_gemv`` takes (its products are ``[rows, BLOCK_N, BLOCK_K]`` tiles in registers)."""
@@ -305,7 +311,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     triton_runs = use_triton(x)
-    if triton_runs and x2.shape[0] >= DEQUANT_MATMUL_MIN_M:
+    if triton_runs and W8A8_MIN_M and x2.shape[0] >= W8A8_MIN_M and w8a8_supported(x2, weight, block_k):
+        report.record("fp8_gemm", "fp8 w8a8 (per-token activations) torch._scaled_mm")
+        y = w8a8_linear(x2, weight, scale, bias)
+    elif triton_runs and x2.shape[0] >= DEQUANT_MATMUL_MIN_M:
         report.record("fp8_gemm", "triton fp8 dequant + torch matmul")
         y = torch.nn.functional.linear(x2, fp8_dequantize(weight, scale, block_k, x.dtype), bias)
     elif triton_runs and x2.shape[0] <= GEMV_MAX_M:

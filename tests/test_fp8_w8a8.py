@@ -1,0 +1,121 @@
+"""W8A8 FP8 (``nvllm.kernels.fp8_w8a8``) on the CPU: the Triton token quantizer under the interpreter gives torch's
+e4m3 bytes exactly (ties to even, subnormals), the product through ``torch._scaled_mm`` (its CPU build) equals its
+torch reference, and ``fp8_linear`` hands it many rows of a weight with one scale a row and names it."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from nvllm.kernels import report
+from nvllm.quant.fp8 import FP8_DTYPE, FP8_MAX, quantize_rows
+
+
+@pytest.fixture()
+def w8a8(monkeypatch):
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from nvllm.kernels import fp8_w8a8 as W
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not isinstance(W._quantize_tokens_kernel, InterpretedFunction):
+        importlib.reload(W)
+    return W
+
+
+def _every_e4m3_value_and_midpoint() -> torch.Tensor:
+    """All finite e4m3 magnitudes, the midpoints between neighbours (ties), points just off them, and values under
+    half the smallest subnormal, both signs, in one row whose largest magnitude is 448 (its scale is 1)."""
+    mags = torch.arange(0, 127, dtype=torch.uint8).view(FP8_DTYPE).float()   # codes 0..126: 0 to 448
+    mid = (mags[:-1] + mags[1:]) / 2
+    off = torch.cat([mid * (1 + 2 ** -20), mid * (1 - 2 ** -20)])
+    tiny = torch.tensor([2.0 ** -10, 3 * 2.0 ** -11, 2.0 ** -12, 2.0 ** -30, 1e-40])   # 1e-40: an fp32 subnormal
+    row = torch.cat([mags, mid, off, tiny])
+    return torch.cat([row, -row])
+
+
+def test_token_quantizer_gives_torch_bytes_exactly(w8a8):
+    row = _every_e4m3_value_and_midpoint()
+    q, s = w8a8.quantize_tokens(row[None])
+    want_q, want_s = w8a8.quantize_tokens_reference(row[None])
+    assert float(s) == float(want_s) == 1.0
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    # random rows of several dtypes and widths (a ragged last block), an all-zero row, a bf16 input
+    gen = torch.Generator().manual_seed(0)
+    for dtype, k in ((torch.float32, 200), (torch.bfloat16, 256), (torch.float16, 96)):
+        x = (torch.randn(5, k, generator=gen) * torch.logspace(-3, 2, 5)[:, None]).to(dtype)
+        x[2] = 0
+        q, s = w8a8.quantize_tokens(x)
+        want_q, want_s = w8a8.quantize_tokens_reference(x)
+        assert q.dtype == FP8_DTYPE and s.shape == (5, 1)
+        assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert float(w8a8.quantize_tokens(torch.zeros(1, 32))[1]) == torch.tensor(w8a8.MIN_SCALE).item()
+    with pytest.raises(ValueError, match="at most 32768"):
+        w8a8.quantize_tokens(torch.zeros(1, 32769))
+
+
+def test_w8a8_product_equals_its_reference_and_stays_near_w8a16(w8a8):
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 160, generator=gen) * 0.05
+    q, s = quantize_rows(w)                        # one scale a row: [48, 1]
+    x = (torch.randn(7, 160, generator=gen) * 2).to(torch.bfloat16)
+    b = torch.randn(48, generator=gen).to(torch.bfloat16)
+    assert w8a8.w8a8_supported(x, q, 160)
+    y = w8a8.w8a8_linear(x, q, s, b)
+    ref = w8a8.w8a8_reference(x, q, s, b).float()
+    assert y.dtype == torch.bfloat16 and y.shape == (7, 48)
+    assert float((y.float() - ref).abs().max()) <= 8e-3 * float(ref.abs().max())   # bf16 rounding of the output
+    exact = torch.nn.functional.linear(x.float(), q.float() * s, b.float())        # activations unrounded
+    assert float((y.float() - exact).abs().max()) <= 0.05 * float(exact.abs().max())
+    # what it refuses: block scales, activations other than bf16, sides not multiples of 16
+    qb, sb = quantize_rows(w, 32)
+    assert not w8a8.w8a8_supported(x, qb, 32)
+    assert not w8a8.w8a8_supported(x.half(), q, 160)
+    assert not w8a8.w8a8_supported(x[:, :150], quantize_rows(w[:, :150])[0], 150)
+
+
+def test_fp8_linear_hands_many_rows_to_w8a8_and_names_it(w8a8, monkeypatch):
+    from nvllm.kernels import fp8_gemm as G
+
+    gen = torch.Generator().manual_seed(2)
+    q, s = quantize_rows(torch.randn(32, 64, generator=gen) * 0.05)
+    x = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
+    monkeypatch.setattr(G, "w8a8_linear", w8a8.w8a8_linear)   # the interpreted module's
+    monkeypatch.setattr(G, "W8A8_MIN_M", 4)
+    monkeypatch.setattr(G, "DEQUANT_MATMUL_MIN_M", 10 ** 9)
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    report.reset()
+    y = G.fp8_linear(x, q, s, 64)
+    assert torch.equal(y, w8a8.w8a8_linear(x, q, s))
+    G.fp8_linear(x[:2], q, s, 64)                   # fewer rows: the W8A16 kernel
+    monkeypatch.setattr(G, "W8A8_MIN_M", 0)         # off (the default until timed)
+    G.fp8_linear(x, q, s, 64)
+    assert report.snapshot()["fp8_gemm"] == {"fp8 w8a8 (per-token activations) torch._scaled_mm": 1,
+                                             "triton w8a16 fp8": 2}
+    assert FP8_MAX == 448.0
+
+
+_COMPILE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nvllm.kernels.fp8_w8a8 import MIN_SCALE, _quantize_tokens_kernel
+sig = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32", "stride_qm": "i32",
+       "MIN_S": "constexpr", "BLOCK": "constexpr"}
+for block in (4096, 32768):
+    src = ASTSource(fn=_quantize_tokens_kernel, signature=sig, constexprs={(6,): MIN_SCALE, (7,): block})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full.f32" not in ptx, block   # IEEE divisions: torch's scales and bytes
+print("compiled")
+"""
+
+
+def test_token_quantizer_compiles_for_hopper_with_ieee_divisions():
+    """The interpreter divides as numpy does; on the GPU Triton's default fp32 division may miss by an ulp, which
+    would move bytes at ties: the kernel asks for round-to-nearest divisions, checked in its sm_90 PTX."""
+    from tests.test_quant_gemv_kernel import compile_for_hopper
+
+    compile_for_hopper(_COMPILE, "compiled")
