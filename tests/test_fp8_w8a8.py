@@ -53,10 +53,12 @@ def test_token_quantizer_gives_torch_bytes_exactly(w8a8):
         assert q.dtype == FP8_DTYPE and s.shape == (5, 1)
         assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert float(w8a8.quantize_tokens(torch.zeros(1, 32))[1]) == torch.tensor(w8a8.MIN_SCALE).item()
-    x = torch.randn(3, 5000, generator=gen) * 3          # rows of several chunks, the last one ragged
+    x = torch.randn(2, 4096, generator=gen) * 3          # the widest row it takes
     q, s = w8a8.quantize_tokens(x)
     want_q, want_s = w8a8.quantize_tokens_reference(x)
     assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    with pytest.raises(ValueError, match="at most 4096"):
+        w8a8.quantize_tokens(torch.zeros(1, 4097))
 
 
 def test_w8a8_product_equals_its_reference_and_stays_near_w8a16(w8a8):
@@ -77,6 +79,8 @@ def test_w8a8_product_equals_its_reference_and_stays_near_w8a16(w8a8):
     assert not w8a8.w8a8_supported(x, qb, 32)
     assert not w8a8.w8a8_supported(x.half(), q, 160)
     assert not w8a8.w8a8_supported(x[:, :150], quantize_rows(w[:, :150])[0], 150)
+    wide = torch.zeros(16, 4112, dtype=FP8_DTYPE)                                 # rows past MAX_ROW
+    assert not w8a8.w8a8_supported(torch.zeros(2, 4112, dtype=torch.bfloat16), wide, 4112)
 
 
 def test_fp8_linear_hands_many_rows_to_w8a8_and_names_it(w8a8, monkeypatch):
@@ -107,7 +111,7 @@ from triton.compiler import ASTSource
 from nvllm.kernels.fp8_w8a8 import MIN_SCALE, _quantize_tokens_kernel
 sig = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32", "stride_qm": "i32",
        "MIN_S": "constexpr", "BLOCK": "constexpr"}
-for block in (256, 2048):
+for block in (256, 4096):
     src = ASTSource(fn=_quantize_tokens_kernel, signature=sig, constexprs={(6,): MIN_SCALE, (7,): block})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
     assert "div.rn.f32" in ptx and "div.full.f32" not in ptx, block   # IEEE divisions: torch's scales and bytes

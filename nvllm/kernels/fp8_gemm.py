@@ -41,9 +41,12 @@ H100, a 7B layer's four projections (docs/PERF.md run EJ): at 128 rows the fused
 for dequantize + cuBLAS (128×128 blocks) and 270 against 447 (per-row scales); at 256 rows 764 against 554 and 470
 against 469; at 2048 rows the dequantize path is 1.9–3.2× faster."""
 
-W8A8_MIN_M = int(os.environ.get("NVLLM_FP8_W8A8_MIN_M", "0"))
+W8A8_MIN_M = int(os.environ.get("NVLLM_FP8_W8A8_MIN_M", "256"))
 """From this many rows on, weights with one scale a row run as W8A8 (``nvllm.kernels.fp8_w8a8``: the tokens
-quantized to FP8, the product on the FP8 tensor cores) where ``w8a8_supported``. 0: off until timed on a GPU."""
+quantized to FP8, the product on the FP8 tensor cores) where ``w8a8_supported`` (0: never). H100, Qwen2.5-7B's
+q/k/v, o and gate_up (docs/PERF.md run EL): at 256 rows 18.9, 18.5 and 78.2 µs against 34.5, 25.6 and 266.7 for
+dequantize + cuBLAS (bf16 weights: 16.8, 14.6, 111.3); at 2048 rows 85.3, 70.8 and 485.1 against 116.8, 94.6 and
+851.6 (bf16: 88.1, 74.7, 699.7); at 16 rows the W8A16 kernel was faster (11.8 against 19.4 µs for q/k/v)."""
 
 GEMV_ROWS = 8
 """The most rows ``fp8_gemv`` takes (its products are ``[rows, BLOCK_N, BLOCK_K]`` tiles in registers)."""

@@ -6,8 +6,8 @@ FP8 tensor cores through ``torch._scaled_mm`` (cuBLAS), row-wise scaled, bf16 ou
 Only weights with one scale a row (per-tensor or per-channel checkpoints, ``--quantization fp8``) qualify: 128×128
 block scales (Qwen3-FP8, DeepSeek-V3) change along K, which row-wise scaling cannot express.
 
-``quantize_tokens`` is one Triton program per row: the row's largest magnitude is taken, then every element (read
-again, from L2) encoded to e4m3's byte with integer arithmetic: round to nearest, ties to even, subnormals kept, as
+``quantize_tokens`` is one Triton program per row: the row is read once, its largest magnitude taken, and every
+element encoded to e4m3's byte with integer arithmetic: round to nearest, ties to even, subnormals kept, as
 ``Tensor.to(torch.float8_e4m3fn)`` rounds. Integer arithmetic gives the same bytes on the GPU and under the
 interpreter, whose own float8 conversion rounds ties away from zero and drops subnormals.
 
@@ -26,8 +26,9 @@ triton, tl, _jit = eager_triton()
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 """The smallest token scale (an all-zero row still divides by something), as vLLM's dynamic per-token quantizer."""
 
-BLOCK = 2048
-"""Elements of a row a program holds at a time."""
+MAX_ROW = 4096
+"""The longest row ``quantize_tokens`` takes: one program holds the row. Wider rows spilled (docs/PERF.md run EL:
+down_proj's 18944 inputs in 32768-wide programs made W8A8 slower than dequantize + cuBLAS); they keep W8A16."""
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -78,19 +79,14 @@ def _e4m3_bytes(v):
 @_jit
 def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, MIN_S: tl.constexpr,
                             BLOCK: tl.constexpr):
-    """One row: its largest magnitude over BLOCK-wide chunks, then the chunks again (from L2), encoded."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_xm + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) * (1.0 / 448.0), MIN_S)   # as torch: times the fp32 reciprocal
-    for k in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_xm + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
-        # an IEEE division, as torch's tensor division (the GPU's default fp32 division may miss by an ulp)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-        tl.store(q_ptr + row * stride_qm + k + offs, _e4m3_bytes(v), mask=k + offs < K)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) * (1.0 / 448.0), MIN_S)   # as torch: times the fp32 reciprocal
+    # an IEEE division, as torch's tensor division (the GPU's default fp32 division may miss by an ulp)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    tl.store(q_ptr + row * stride_qm + offs, _e4m3_bytes(v), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
@@ -98,23 +94,26 @@ def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, MIN_S:
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_tokens_reference``'s result from one Triton program a row."""
+    """``quantize_tokens_reference``'s result from one Triton program a row (rows of at most ``MAX_ROW``)."""
     M, K = x.shape
+    if K > MAX_ROW:
+        raise ValueError(f"quantize_tokens takes rows of at most {MAX_ROW} elements, got {K}")
     if x.stride(1) != 1:
         x = x.contiguous()
     q = torch.empty(M, K, dtype=torch.uint8, device=x.device)
     scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M:
         _quantize_tokens_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), MIN_S=MIN_SCALE,
-                                      BLOCK=min(BLOCK, triton.next_power_of_2(K)), num_warps=4)
+                                      BLOCK=triton.next_power_of_2(K), num_warps=4)
     return q.view(FP8_DTYPE), scale
 
 
 def w8a8_supported(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
     """Whether ``w8a8_linear`` can run this product: bf16 activations (row-wise scaled FP8 GEMMs write bf16), one
-    weight scale a row, both sides multiples of 16, and FP8 tensor cores (compute capability 8.9 on) or the CPU."""
+    weight scale a row, both sides multiples of 16, inputs of at most ``MAX_ROW``, and FP8 tensor cores (compute
+    capability 8.9 on) or the CPU."""
     N, K = weight.shape
-    if x.dtype != torch.bfloat16 or block_k < K or N % 16 or K % 16:
+    if x.dtype != torch.bfloat16 or block_k < K or N % 16 or K % 16 or K > MAX_ROW:
         return False
     if x.device.type == "cuda":
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
