@@ -61,6 +61,23 @@ def test_token_quantizer_gives_torch_bytes_exactly(w8a8):
         w8a8.quantize_tokens(torch.zeros(1, 4097))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # numpy's, dividing by inf / NaN
+def test_token_quantizer_keeps_nans_and_infinities_as_torch(w8a8):
+    """Triton's max and min drop NaNs; torch's amax and clamp keep them. A NaN makes its whole row NaN (scale and
+    bytes), an infinity an infinite scale (the row's finite values 0, the infinity itself NaN): as the reference,
+    so an overflow upstream shows instead of being clamped to ±448."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, nan, -2.0, 3.0], [1.0, -inf, 2.0, 0.5], [1.0, 2.0, 3.0, 4.0]])
+    q, s = w8a8.quantize_tokens(x)
+    want_q, want_s = w8a8.quantize_tokens_reference(x)
+    torch.testing.assert_close(s, want_s, equal_nan=True)
+    assert torch.isnan(s[0]).all() and torch.isinf(s[1]).all()
+    got, want = q.float(), want_q.float()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got[0]).all()
+    assert torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)])   # NaN bytes: 0x7F whatever the sign
+    assert set(q.view(torch.uint8)[torch.isnan(got)].tolist()) == {0x7F}
+
+
 def test_w8a8_product_equals_its_reference_and_stays_near_w8a16(w8a8):
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(48, 160, generator=gen) * 0.05
@@ -97,7 +114,7 @@ def test_fp8_linear_hands_many_rows_to_w8a8_and_names_it(w8a8, monkeypatch):
     y = G.fp8_linear(x, q, s, 64)
     assert torch.equal(y, w8a8.w8a8_linear(x, q, s))
     G.fp8_linear(x[:2], q, s, 64)                   # fewer rows: the W8A16 kernel
-    monkeypatch.setattr(G, "W8A8_MIN_M", 0)         # off (the default until timed)
+    monkeypatch.setattr(G, "W8A8_MIN_M", 0)         # off
     G.fp8_linear(x, q, s, 64)
     assert report.snapshot()["fp8_gemm"] == {"fp8 w8a8 (per-token activations) torch._scaled_mm": 1,
                                              "triton w8a16 fp8": 2}

@@ -16,6 +16,8 @@ This file holds the op's three parts: the torch reference, the Triton kernel and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from nvllm.kernels.backend import eager_triton
@@ -60,7 +62,8 @@ def _e4m3_bytes(v):
     """fp32 values with |v| ≤ 448 → their e4m3fn codes (uint8), ties to even, subnormals kept. The magnitude's fp32
     significand (implicit bit included) is shifted right to e4m3's 3 fraction bits at the value's exponent, never
     below e4m3's smallest normal exponent (-6: subnormals share its step 2^-9), rounding half to even on the bits
-    shifted out; ``(exponent + 6) · 8 + significand`` is then the code, a carry into the next binade included."""
+    shifted out; ``(exponent + 6) · 8 + significand`` is then the code, a carry into the next binade included.
+    A NaN is 0x7F, e4m3fn's NaN (its sign dropped: GPUs and CPUs make NaNs of different signs)."""
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     exp = ((bits >> 23) & 0xFF) - 127
@@ -72,20 +75,31 @@ def _e4m3_bytes(v):
     half = 1 << (shift - 1)
     up = (rest > half) | ((rest == half) & ((kept & 1) == 1))
     kept = kept + up.to(tl.int32)
-    code = tl.where(sig == 0, 0, (exp_c + 6) * 8 + kept)
-    return (code | sign).to(tl.uint8)
+    code = tl.where(sig == 0, 0, (exp_c + 6) * 8 + kept) | sign
+    return tl.where(_is_nan(v), 0x7F, code).to(tl.uint8)
+
+
+@_jit
+def _is_nan(v):
+    """By the bits: a comparison could be folded away by a compiler that assumes no NaNs."""
+    return (v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
 
 
 @_jit
 def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, MIN_S: tl.constexpr,
                             BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) * (1.0 / 448.0), MIN_S)   # as torch: times the fp32 reciprocal
+    # NaNs as torch's amax and clamp keep them (Triton's max and min drop them): a NaN anywhere makes the scale,
+    # and so every byte of the row, NaN; an infinity makes the scale infinite (the row's finite values 0)
+    nan = _is_nan(x)
+    scale = tl.maximum(tl.max(tl.where(nan, 0.0, tl.abs(x)), axis=0) * (1.0 / 448.0), MIN_S)  # torch's reciprocal
+    scale = tl.where(tl.max(nan.to(tl.int32), axis=0) > 0, float("nan"), scale)
     # an IEEE division, as torch's tensor division (the GPU's default fp32 division may miss by an ulp)
-    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    q = tl.math.div_rn(x, scale)
+    v = tl.where(_is_nan(q), q, tl.minimum(tl.maximum(q, -448.0), 448.0))
     tl.store(q_ptr + row * stride_qm + offs, _e4m3_bytes(v), mask=mask)
     tl.store(s_ptr + row, scale)
 
@@ -110,15 +124,31 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def w8a8_supported(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
     """Whether ``w8a8_linear`` can run this product: bf16 activations (row-wise scaled FP8 GEMMs write bf16), one
-    weight scale a row, both sides multiples of 16, inputs of at most ``MAX_ROW``, and FP8 tensor cores (compute
-    capability 8.9 on) or the CPU."""
+    weight scale a row, both sides multiples of 16, inputs of at most ``MAX_ROW``, and a Hopper GPU whose torch
+    runs row-wise scaled FP8 products (``_rowwise_scaled_mm_runs``), or the CPU."""
     N, K = weight.shape
     if x.dtype != torch.bfloat16 or block_k < K or N % 16 or K % 16 or K > MAX_ROW:
         return False
     if x.device.type == "cuda":
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        return torch.cuda.get_device_capability(index) >= (8, 9)
+        return _rowwise_scaled_mm_runs(index)
     return x.device.type == "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _rowwise_scaled_mm_runs(index: int) -> bool:
+    """Hopper (the GPUs it was timed on), and this torch's row-wise scaled ``_scaled_mm`` runs there: tried once
+    on 16×16 operands. Other GPUs with FP8 tensor cores are left out: torch's row-wise kernels needed sm_90 before
+    2.7, and cuBLASLt refuses them on sm_120. Never tried inside a CUDA graph capture (an error would end it)."""
+    if torch.cuda.get_device_capability(index)[0] != 9 or torch.cuda.is_current_stream_capturing():
+        return False
+    try:
+        a = torch.zeros(16, 16, device=f"cuda:{index}").to(FP8_DTYPE)
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=a.device),
+                         scale_b=torch.ones(1, 16, device=a.device), out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, TypeError):
+        return False
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor,
@@ -126,6 +156,7 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor,
     """``x [M, K]`` (bf16) times the FP8 weight ``[N, K]`` with scales ``[N]`` (or ``[N, 1]``) → ``[M, N]`` bf16:
     the tokens quantized (``quantize_tokens``), the product on ``torch._scaled_mm``."""
     qx, sx = quantize_tokens(x)
+    fused = bias is not None and bias.dtype == x.dtype   # added in fp32 before the one rounding
     y = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=row_scale.float().reshape(1, -1).contiguous(),
-                         out_dtype=x.dtype)
-    return y if bias is None else y + bias
+                         bias=bias if fused else None, out_dtype=x.dtype)
+    return y if bias is None or fused else y + bias
