@@ -142,3 +142,19 @@ def test_token_quantizer_compiles_for_hopper_with_ieee_divisions():
     from tests.test_quant_gemv_kernel import compile_for_hopper
 
     compile_for_hopper(_COMPILE, "compiled")
+
+
+def test_the_hopper_probe_runs_once_a_device_and_never_inside_a_capture(w8a8, monkeypatch):
+    """W8A8 runs on Hopper only, where a 16×16 row-wise ``_scaled_mm`` is tried once a device; inside a CUDA graph
+    capture the answer is no and nothing is tried or remembered (a failing try would end the capture)."""
+    calls = []
+    monkeypatch.setattr(w8a8, "_PROBED", {})
+    monkeypatch.setattr(w8a8, "_probe", lambda index: calls.append(index) or True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not w8a8._rowwise_scaled_mm_runs(0) and calls == [] and w8a8._PROBED == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert w8a8._rowwise_scaled_mm_runs(0) and w8a8._rowwise_scaled_mm_runs(0) and calls == [0]
+    monkeypatch.undo()
+    for capability in ((8, 9), (10, 0), (12, 0)):   # FP8 tensor cores, but not timed (or refused by torch)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert not w8a8._probe(0)

@@ -17,8 +17,6 @@ This file holds the op's three parts: the torch reference, the Triton kernel and
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from nvllm.kernels.backend import eager_triton
@@ -136,12 +134,23 @@ def w8a8_supported(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
     return x.device.type == "cpu"
 
 
-@functools.lru_cache(maxsize=None)
+_PROBED: dict[int, bool] = {}
+
+
 def _rowwise_scaled_mm_runs(index: int) -> bool:
-    """Hopper (the GPUs it was timed on), and this torch's row-wise scaled ``_scaled_mm`` runs there: tried once
-    on 16×16 operands. Other GPUs with FP8 tensor cores are left out: torch's row-wise kernels needed sm_90 before
-    2.7, and cuBLASLt refuses them on sm_120. Never tried inside a CUDA graph capture (an error would end it)."""
-    if torch.cuda.get_device_capability(index)[0] != 9 or torch.cuda.is_current_stream_capturing():
+    """Hopper (the GPUs it was timed on), and this torch's row-wise scaled ``_scaled_mm`` runs there: tried once a
+    device on 16×16 operands. Other GPUs with FP8 tensor cores are left out: torch's row-wise kernels needed sm_90
+    before 2.7, and cuBLASLt refuses them on sm_120. Never tried inside a CUDA graph capture (an error would end it):
+    until a call outside one has tried, the answer is no (the engine's warm-up runs before its captures)."""
+    if index not in _PROBED:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _PROBED[index] = _probe(index)
+    return _PROBED[index]
+
+
+def _probe(index: int) -> bool:
+    if torch.cuda.get_device_capability(index)[0] != 9:
         return False
     try:
         a = torch.zeros(16, 16, device=f"cuda:{index}").to(FP8_DTYPE)
