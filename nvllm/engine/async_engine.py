@@ -95,21 +95,22 @@ class OutputStream:
     async def add_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                             arrival_time: float, samples: list[PrefilledSample],
                             prompt_logprobs: list | None = None, lora_request: LoRARequest | None = None,
-                            cache_salt: str | None = None, priority: int = 0,
-                            receive: Callable[[KVTarget], None] | None = None) -> list[KVTarget]:
+                            cache_salt: str | None = None, priority: int = 0, *,
+                            receive: Callable[[KVTarget], None]) -> None:
         """Decode side of disaggregation: register a request a prefill worker started (LLMEngine.
-        add_prefilled_request); its first output (the first tokens) is in the stream at once. Returns where
-        the prompt KV of each sequence still decoding goes; ``receive`` gets each of them on the engine thread as
-        the request is registered, so a caller cancelled before the answer comes (the client gone) strands no
-        sequence: its transfer still runs, or finds the sequence aborted and frees its blocks."""
+        add_prefilled_request); its first output (the first tokens) is in the stream at once. ``receive`` gets
+        where the prompt KV of each sequence still decoding goes, on the engine thread as the request is registered
+        (and only there: nothing is returned to queue twice), so a caller cancelled before the answer comes (the
+        client gone) strands no sequence: its transfer still runs, or finds the sequence aborted and frees its
+        blocks."""
         await self._engine.precompile(params)
 
-        def add(e: LLMEngine) -> list[KVTarget]:
+        def add(e: LLMEngine) -> None:
             targets = e.add_prefilled_request(request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs,
                                               lora_request, cache_salt, priority)
             handed = 0
             try:
-                for t in targets if receive is not None else ():
+                for t in targets:
                     receive(t)
                     handed += 1
             except BaseException:  # nothing stays registered: the targets not handed over free their blocks here
@@ -117,9 +118,8 @@ class OutputStream:
                 for t in targets[handed:]:
                     e.handoff.arrived(t.seq, False)
                 raise
-            return targets
 
-        return await self._add([request_id], add, emit=True)
+        await self._add([request_id], add, emit=True)
 
     async def _add(self, request_ids: list[str], add: Callable[[LLMEngine], Any], emit: bool) -> Any:
         """add: queues request_ids on the engine (all, or none and raises). emit: the one request has output
