@@ -114,12 +114,13 @@ def _text_of(item, where: str):
     """A document: a string, an object's ``"text"``, or its ``"messages"`` / ShareGPT ``"conversations"``."""
     if isinstance(item, str):
         return item
-    if isinstance(item, dict) and isinstance(item.get("text"), str):
-        return item["text"]
-    for key in ("messages", "conversations"):
-        conversation = _conversation(item.get(key)) if isinstance(item, dict) else None
-        if conversation is not None:
-            return conversation
+    if isinstance(item, dict):
+        if isinstance(item.get("text"), str):
+            return item["text"]
+        for key in ("messages", "conversations"):
+            conversation = _conversation(item.get(key))
+            if conversation is not None:
+                return conversation
     raise CalibrationError(f"{where}: expected a string or an object with a \"text\" field, \"messages\" (a list "
                            f"of {{\"role\", \"content\"}} messages) or ShareGPT's \"conversations\"")
 
@@ -296,17 +297,19 @@ def load_texts(source: str, split: str | None = None, column: str | None = None,
 
 
 def render(tokenizer, doc) -> str:
-    """A document's text: a conversation through the tokenizer's chat template."""
+    """A document's text: a conversation through the tokenizer's chat template, as the server renders chats
+    (``nvllm.chat_template.render_chat``), without a generation prompt."""
+    from nvllm.chat_template import ChatTemplateError, render_chat
+
     if isinstance(doc, str):
         return doc
     if not getattr(tokenizer, "chat_template", None):
         raise CalibrationError("the calibration data holds conversations (messages), but the model's tokenizer has "
                                "no chat template to render them: use a text column or file")
     try:
-        return tokenizer.apply_chat_template(doc, tokenize=False)
-    except Exception as e:  # noqa: BLE001 - a template that refuses the conversation (roles out of order, …)
-        raise CalibrationError(f"the chat template refused a calibration conversation: {first_line(e)[:200]}") \
-            from None
+        return render_chat(tokenizer, tokenizer.chat_template, doc, add_generation_prompt=False)
+    except ChatTemplateError as e:  # a template that refuses the conversation (roles out of order, …)
+        raise CalibrationError(f"a calibration conversation: {first_line(e)[:200]}") from None
 
 
 def calibration_windows(tokenizer, texts: list, n_samples: int, seqlen: int, seed: int,
