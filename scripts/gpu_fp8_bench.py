@@ -2,8 +2,11 @@
 its torch reference, then timed against cuBLAS on the bf16 weight at each M, for 128×128 block scales (Qwen3-FP8,
 DeepSeek-V3) and per-row scales (``--quantization fp8``, FP8_DYNAMIC checkpoints). Up to M = 4 it also times the
 CUDA-core ``fp8_gemv``. ``--sweep``: a few tile configs of each kernel at M = 1, the best printed next to the
-default. With per-row scales and from 16 rows on it also times W8A8 (``nvllm.kernels.fp8_w8a8``: the tokens
-quantized to FP8, ``torch._scaled_mm``), after checking the token quantizer's bytes against torch's conversion.
+default. From 16 rows on it also times W8A8 (``nvllm.kernels.fp8_w8a8``: the tokens quantized to FP8,
+``torch._scaled_mm``) after checking its quantizer's bytes against torch's conversion: per token with per-row
+scales (rows of at most 4096 inputs), per token and 128 inputs with block scales and with per-row scales on wider
+rows, against the weight's 128×128 blocks and against 1×128 weight scales (``block_weight_scales``' layouts),
+with a bf16 bias fused.
 
     python3 scripts/gpu_fp8_bench.py [--ms 1,2,4,8,16,64,256,2048] [--scales block128,row] [--sweep]
 
@@ -29,7 +32,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nvllm.kernels.fp8_gemm import _pick_config, fp8_dequantize, fp8_gemm, fp8_gemm_reference, fp8_gemv  # noqa: E402
-from nvllm.kernels.fp8_w8a8 import quantize_tokens, quantize_tokens_reference, w8a8_linear, w8a8_reference  # noqa: E402
+from nvllm.kernels.fp8_w8a8 import (MAX_ROW, block_weight_scales, quantize_token_groups,  # noqa: E402
+                                    quantize_token_groups_reference, quantize_tokens, quantize_tokens_reference,
+                                    scaled_mm_runs, w8a8_block_linear, w8a8_block_reference, w8a8_linear,
+                                    w8a8_reference)
 from nvllm.kernels.gemm_tuner import cuda_graph_timer  # noqa: E402
 from nvllm.quant.fp8 import Fp8Scheme, quantize_blocks, quantize_rows, scale_rows  # noqa: E402
 
@@ -53,6 +59,32 @@ def weights(n: int, k: int, scales: str) -> list[tuple[torch.Tensor, torch.Tenso
     return [(u8.roll(i, 0).view(q.dtype), s, bk) for i in range(copies)]
 
 
+def block_w8a8(row: dict, x: torch.Tensor, ws: list, scales: str, floor_s: float) -> None:
+    """W8A8 per token and 128 inputs: the quantizer's bytes and scales against torch's, each weight-scale layout's
+    product (a bf16 bias fused) against its reference, then its time, into ``row``."""
+    q, s, bk = ws[0]
+    n, k = q.shape
+    qx, sx = quantize_token_groups(x)
+    want_q, want_s = quantize_token_groups_reference(x)
+    row["w8a8_block_bytes_differ"] = int((qx.view(torch.uint8) != want_q.view(torch.uint8)).sum())
+    row["w8a8_block_scales_differ"] = int((sx != want_s).sum())
+    if row["w8a8_block_bytes_differ"] or row["w8a8_block_scales_differ"]:
+        raise SystemExit(f"{scales} {row['shape']} M={row['m']}: the group quantizer's bytes / scales off torch's in "
+                         f"{row['w8a8_block_bytes_differ']} / {row['w8a8_block_scales_differ']} places")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    ref = w8a8_block_reference(x, q, s, bk, bias).float()
+    for layout in ("1x128", "128x128"):
+        wsc = block_weight_scales(s, bk, k, layout)
+        if wsc is None:
+            continue
+        err = float((w8a8_block_linear(x, q, wsc, bias).float() - ref).abs().max() / ref.abs().max())
+        row[f"w8a8_{layout}_err"] = err
+        if err > 2e-2:
+            raise SystemExit(f"{scales} {row['shape']} M={row['m']}: w8a8 {layout} off its reference by {err:.3g}")
+        row[f"w8a8_{layout}_us"] = cuda_graph_timer(lambda i: w8a8_block_linear(x, ws[i % len(ws)][0], wsc), len(ws),
+                                                    floor_s) * 1e6
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ms", default="1,2,4,8,16,64,256,2048")
@@ -64,7 +96,8 @@ def main() -> int:
 
     bw = measure_bandwidth()
     res = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "bandwidth_Bps": bw, "rows": []}
-    print(f"{res['card']}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    res["block_scaled_mm"] = scaled_mm_runs(torch.device("cuda"), "block")
+    print(f"{res['card']}, copy bandwidth {bw / 1e12:.2f} TB/s, block-wise _scaled_mm runs: {res['block_scaled_mm']}")
     ms = [int(m) for m in args.ms.split(",")]
     totals: dict[tuple[str, int], list[float]] = {}
     for scales in args.scales.split(","):
@@ -102,6 +135,8 @@ def main() -> int:
                                          "off torch's")
                     row["w8a8_us"] = cuda_graph_timer(lambda i: w8a8_linear(x, *ws[i % len(ws)][:2]), len(ws),
                                                       floor_s) * 1e6
+                if m >= 16 and res["block_scaled_mm"] and (scales == "block128" or k > MAX_ROW):
+                    block_w8a8(row, x, ws, scales, floor_s)
                 if m <= 4:   # the CUDA-core kernel for few rows: its default and, with --sweep, the best config
                     row["gemv_us"] = cuda_graph_timer(lambda i: fp8_gemv(x, *ws[i % len(ws)]), len(ws), floor_s) * 1e6
                     gerr = float((fp8_gemv(x, q, s, bk).float() - ref).abs().max() / ref.abs().max())
@@ -130,6 +165,10 @@ def main() -> int:
                 for j, key in enumerate(("fp8_us", "bf16_us", "floor_us", "gemv_us", "gemv_best_us")):
                     totals[(scales, m)][j] += row.get(key, 0.0) * LAYERS
                 best = f"  dequant+cuBLAS {row['dequant_matmul_us']:.2f} µs"
+                for layout in ("1x128", "128x128"):
+                    if f"w8a8_{layout}_us" in row:
+                        best += (f"  w8a8 {layout} {row[f'w8a8_{layout}_us']:.2f} µs "
+                                 f"(err {row[f'w8a8_{layout}_err']:.1e})")
                 if "w8a8_us" in row:
                     best += (f"  w8a8 {row['w8a8_us']:.2f} µs (vs w8a16 {row['w8a8_vs_w8a16']:.1e}; bytes/scales off "
                              f"torch's {row['w8a8_bytes_differ']}/{row['w8a8_scales_differ']})")

@@ -145,16 +145,19 @@ def test_token_quantizer_compiles_for_hopper_with_ieee_divisions():
 
 
 def test_the_hopper_probe_runs_once_a_device_and_never_inside_a_capture(w8a8, monkeypatch):
-    """W8A8 runs on Hopper only, where a 16×16 row-wise ``_scaled_mm`` is tried once a device; inside a CUDA graph
-    capture the answer is no and nothing is tried or remembered (a failing try would end the capture)."""
+    """W8A8 runs on Hopper only, where small row-wise and block-wise ``_scaled_mm`` products are tried once a device
+    and kind; inside a CUDA graph capture the answer is no and nothing is tried or remembered (a failing try would
+    end the capture)."""
     calls = []
+    dev = torch.device("cuda", 0)
     monkeypatch.setattr(w8a8, "_PROBED", {})
-    monkeypatch.setattr(w8a8, "_probe", lambda index: calls.append(index) or True)
+    monkeypatch.setattr(w8a8, "_probe", lambda index, kind: calls.append((index, kind)) or True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert not w8a8._rowwise_scaled_mm_runs(0) and calls == [] and w8a8._PROBED == {}
+    assert not w8a8.scaled_mm_runs(dev, "row") and calls == [] and w8a8._PROBED == {}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert w8a8._rowwise_scaled_mm_runs(0) and w8a8._rowwise_scaled_mm_runs(0) and calls == [0]
+    assert w8a8.scaled_mm_runs(dev, "row") and w8a8.scaled_mm_runs(dev, "row") and calls == [(0, "row")]
+    assert w8a8.scaled_mm_runs(dev, "block") and calls == [(0, "row"), (0, "block")]
     monkeypatch.undo()
     for capability in ((8, 9), (10, 0), (12, 0)):   # FP8 tensor cores, but not timed (or refused by torch)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
-        assert not w8a8._probe(0)
+        assert not w8a8._probe(0, "row") and not w8a8._probe(0, "block")

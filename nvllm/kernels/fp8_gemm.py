@@ -26,7 +26,7 @@ import torch
 
 from nvllm.kernels import report
 from nvllm.kernels.backend import eager_triton, use_triton
-from nvllm.kernels.fp8_w8a8 import w8a8_linear, w8a8_supported
+from nvllm.kernels.fp8_w8a8 import w8a8_block_linear, w8a8_block_supported, w8a8_linear, w8a8_supported
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
 from nvllm.quant.fp8 import dequantize_rows
 
@@ -305,9 +305,12 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, block_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ (q · s)ᵀ + bias``; ``x [..., K]`` → ``[..., N]`` in x's dtype: the Triton kernel where Triton runs
-    (``use_triton``), else the torch reference."""
+    (``use_triton``), else the torch reference. From ``W8A8_MIN_M`` rows: W8A8 with activations per token where
+    the weight has one scale a row (``w8a8_supported``), else per token and 128 inputs where ``block_scales`` (the
+    weight's scales as ``block_weight_scales`` lays them out) is given and the product runs
+    (``w8a8_block_supported``)."""
     K = weight.shape[1]
     if x.shape[-1] != K:
         raise ValueError(f"input has {x.shape[-1]} features, the FP8 layer expects {K}")
@@ -317,6 +320,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if triton_runs and W8A8_MIN_M and x2.shape[0] >= W8A8_MIN_M and w8a8_supported(x2, weight, block_k):
         report.record("fp8_gemm", "fp8 w8a8 (per-token activations) torch._scaled_mm")
         y = w8a8_linear(x2, weight, scale, bias)
+    elif (triton_runs and W8A8_MIN_M and x2.shape[0] >= W8A8_MIN_M and block_scales is not None
+          and w8a8_block_supported(x2, weight, block_k)):
+        report.record("fp8_gemm", "fp8 w8a8 (activations per token and 128 inputs) torch._scaled_mm")
+        y = w8a8_block_linear(x2, weight, block_scales, bias)
     elif triton_runs and x2.shape[0] >= DEQUANT_MATMUL_MIN_M:
         report.record("fp8_gemm", "triton fp8 dequant + torch matmul")
         y = torch.nn.functional.linear(x2, fp8_dequantize(weight, scale, block_k, x.dtype), bias)

@@ -1,18 +1,21 @@
 """FP8 activations for FP8-weight linears (W8A8, as vLLM runs FP8 checkpoints on GPUs with FP8 tensor cores; here on
-Hopper, where it was timed):
-``y = (qx · sx) @ (qw · sw)ᵀ (+ bias)`` with ``qx`` each token's row of x rounded to ``float8_e4m3fn`` under its own
-scale ``sx = max|x_row| / 448`` (dynamic, per token) and ``sw`` one scale per weight row. The product runs on the
-FP8 tensor cores through ``torch._scaled_mm`` (cuBLAS), row-wise scaled, bf16 out.
+Hopper, where it was timed): ``y = (qx · sx) @ (qw · sw)ᵀ (+ bias)``, the product on the FP8 tensor cores through
+``torch._scaled_mm`` (cuBLAS), bf16 out. Two ways to scale the activations, as vLLM's two FP8 paths:
 
-Only weights with one scale a row (per-tensor or per-channel checkpoints, ``--quantization fp8``) qualify: 128×128
-block scales (Qwen3-FP8, DeepSeek-V3) change along K, which row-wise scaling cannot express.
+- **per token** (``w8a8_linear``): each row of x under one scale ``sx = max|x_row| / 448`` (dynamic), for weights
+  with one scale a row (per-tensor or per-channel checkpoints, ``--quantization fp8``) of at most ``MAX_ROW``
+  inputs; row-wise scaled product.
+- **per token and 128 inputs** (``w8a8_block_linear``): each row's groups of ``GROUP`` inputs under their own scale,
+  for weights whose scales change along K in blocks of a multiple of 128 inputs (Qwen3-FP8, DeepSeek-V3's 128×128
+  blocks) and for rows wider than ``MAX_ROW``; block-wise scaled product (cuBLAS's 1×128 activation scales against
+  the weight's 128×128 blocks, or 1×128 weight scales, each weight row's scales repeated over its groups).
 
-``quantize_tokens`` is one Triton program per row: the row is read once, its largest magnitude taken, and every
-element encoded to e4m3's byte with integer arithmetic: round to nearest, ties to even, subnormals kept, as
+Both quantizers are Triton kernels that read x once, take the largest magnitude of the row (or group) and encode
+every element to e4m3's byte with integer arithmetic: round to nearest, ties to even, subnormals kept, as
 ``Tensor.to(torch.float8_e4m3fn)`` rounds. Integer arithmetic gives the same bytes on the GPU and under the
 interpreter, whose own float8 conversion rounds ties away from zero and drops subnormals.
 
-This file holds the op's three parts: the torch reference, the Triton kernel and the entry points.
+This file holds the op's three parts: the torch references, the Triton kernels and the entry points.
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ triton, tl, _jit = eager_triton()
 
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 """The smallest token scale (an all-zero row still divides by something), as vLLM's dynamic per-token quantizer."""
+
+GROUP = 128
+"""Inputs per activation scale of the block-wise product (cuBLAS's 1×128 block scaling)."""
+
+GROUPS_PER_PROGRAM = 8
+"""Groups one program of ``quantize_token_groups`` quantizes (1024 inputs)."""
 
 MAX_ROW = 4096
 """The longest row ``quantize_tokens`` takes: one program holds the row. Wider rows spilled (docs/PERF.md run EL:
@@ -43,12 +52,35 @@ def quantize_tokens_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+def quantize_token_groups_reference(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` → (``float8_e4m3fn [M, K]``, fp32 scales ``[M, ceil(K / group)]``): as
+    ``quantize_tokens_reference`` for each group of ``group`` inputs of a row (the last one may be shorter)."""
+    M, K = x.shape
+    G = -(-K // group)
+    xf = torch.nn.functional.pad(x.float(), (0, G * group - K)).view(M, G, group)
+    scale = (xf.abs().amax(dim=-1) * (1.0 / FP8_MAX)).clamp(min=MIN_SCALE)
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(M, G * group)[:, :K].contiguous(), scale
+
+
 def w8a8_reference(x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """Both operands quantized and dequantized, the product in fp32, cast to x's dtype."""
     qx, sx = quantize_tokens_reference(x)
     xd = qx.float() * sx
     wd = weight.float() * row_scale.float().reshape(-1, 1)
+    y = torch.nn.functional.linear(xd, wd, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def w8a8_block_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """As ``w8a8_reference`` with the activations scaled per token and ``GROUP`` inputs, and the weight's scales
+    ``[N, ceil(K / block_k)]`` (``nvllm.quant.fp8``'s layout: one per row and block of ``block_k`` inputs)."""
+    qx, sx = quantize_token_groups_reference(x)
+    K = x.shape[1]
+    xd = qx.float() * sx.repeat_interleave(GROUP, dim=1)[:, :K]
+    wd = weight.float() * scale.float().repeat_interleave(block_k, dim=1)[:, :K]
     y = torch.nn.functional.linear(xd, wd, None if bias is None else bias.float())
     return y.to(x.dtype)
 
@@ -85,22 +117,47 @@ def _is_nan(v):
 
 
 @_jit
+def _scale_of(x, MIN_S: tl.constexpr, AXIS: tl.constexpr):
+    """The scale of ``x``'s values along AXIS, ``max(max|x| · (1/448), MIN_S)``, as torch's: NaNs kept as torch's
+    amax and clamp keep them (Triton's max and min drop them): a NaN makes the scale, and so every byte under it,
+    NaN; an infinity makes the scale infinite (the finite values 0)."""
+    nan = _is_nan(x)
+    scale = tl.maximum(tl.max(tl.where(nan, 0.0, tl.abs(x)), axis=AXIS) * (1.0 / 448.0), MIN_S)  # torch's reciprocal
+    return tl.where(tl.max(nan.to(tl.int32), axis=AXIS) > 0, float("nan"), scale)
+
+
+@_jit
+def _encode(x, scale):
+    """``x / scale`` clamped to ±448, as e4m3 bytes. An IEEE division, as torch's tensor division (the GPU's default
+    fp32 division may miss by an ulp)."""
+    q = tl.math.div_rn(x, scale)
+    return _e4m3_bytes(tl.where(_is_nan(q), q, tl.minimum(tl.maximum(q, -448.0), 448.0)))
+
+
+@_jit
 def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, MIN_S: tl.constexpr,
                             BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    # NaNs as torch's amax and clamp keep them (Triton's max and min drop them): a NaN anywhere makes the scale,
-    # and so every byte of the row, NaN; an infinity makes the scale infinite (the row's finite values 0)
-    nan = _is_nan(x)
-    scale = tl.maximum(tl.max(tl.where(nan, 0.0, tl.abs(x)), axis=0) * (1.0 / 448.0), MIN_S)  # torch's reciprocal
-    scale = tl.where(tl.max(nan.to(tl.int32), axis=0) > 0, float("nan"), scale)
-    # an IEEE division, as torch's tensor division (the GPU's default fp32 division may miss by an ulp)
-    q = tl.math.div_rn(x, scale)
-    v = tl.where(_is_nan(q), q, tl.minimum(tl.maximum(q, -448.0), 448.0))
-    tl.store(q_ptr + row * stride_qm + offs, _e4m3_bytes(v), mask=mask)
+    scale = _scale_of(x, MIN_S, 0)
+    tl.store(q_ptr + row * stride_qm + offs, _encode(x, scale), mask=mask)
     tl.store(s_ptr + row, scale)
+
+
+@_jit
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm, stride_sg,
+                            MIN_S: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    """One row's groups ``[pid1 · GROUPS, (pid1 + 1) · GROUPS)`` of GROUP inputs: a scale each."""
+    row = tl.program_id(0).to(tl.int64)
+    gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = gs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = _scale_of(x, MIN_S, 1)
+    tl.store(q_ptr + row * stride_qm + cols, _encode(x, scale[:, None]), mask=mask)
+    tl.store(s_ptr + row * stride_sm + gs * stride_sg, scale, mask=gs < G)
 
 
 # ------------------------------------------------------------------------------------------- entry points
@@ -121,43 +178,80 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(FP8_DTYPE), scale
 
 
+def quantize_token_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_token_groups_reference``'s result (any row width): ``GROUPS_PER_PROGRAM`` groups a Triton program.
+    The scales ``[M, ceil(K / GROUP)]`` are stored column by column (strides ``(1, M)``), the layout cuBLAS's 1×128
+    activation scales take."""
+    M, K = x.shape
+    G = -(-K // GROUP)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty(M, K, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(G, M, dtype=torch.float32, device=x.device).t()
+    if M:
+        _quantize_groups_kernel[(M, triton.cdiv(G, GROUPS_PER_PROGRAM))](
+            x, q, scale, K, G, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), MIN_S=MIN_SCALE,
+            GROUP=GROUP, GROUPS=GROUPS_PER_PROGRAM, num_warps=4)
+    return q.view(FP8_DTYPE), scale
+
+
 def w8a8_supported(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
     """Whether ``w8a8_linear`` can run this product: bf16 activations (row-wise scaled FP8 GEMMs write bf16), one
     weight scale a row, both sides multiples of 16, inputs of at most ``MAX_ROW``, and a Hopper GPU whose torch
-    runs row-wise scaled FP8 products (``_rowwise_scaled_mm_runs``), or the CPU."""
+    runs row-wise scaled FP8 products (``scaled_mm_runs``), or the CPU."""
     N, K = weight.shape
     if x.dtype != torch.bfloat16 or block_k < K or N % 16 or K % 16 or K > MAX_ROW:
         return False
-    if x.device.type == "cuda":
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        return _rowwise_scaled_mm_runs(index)
-    return x.device.type == "cpu"
+    return x.device.type == "cpu" or (x.device.type == "cuda" and scaled_mm_runs(x.device, "row"))
 
 
-_PROBED: dict[int, bool] = {}
+def w8a8_block_supported(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
+    """Whether ``w8a8_block_linear`` can run this product: bf16 activations, weight scales along K in blocks of a
+    multiple of ``GROUP`` inputs (or one a row), both sides multiples of 16, and a Hopper GPU whose torch runs
+    block-wise scaled FP8 products (``scaled_mm_runs``: cuBLAS 12.9 on; no CPU build has them)."""
+    N, K = weight.shape
+    if x.dtype != torch.bfloat16 or N % 16 or K % 16 or (block_k < K and block_k % GROUP):
+        return False
+    return x.device.type == "cuda" and scaled_mm_runs(x.device, "block")
 
 
-def _rowwise_scaled_mm_runs(index: int) -> bool:
-    """Hopper (the GPUs it was timed on), and this torch's row-wise scaled ``_scaled_mm`` runs there: tried once a
-    device on 16×16 operands. Other GPUs with FP8 tensor cores are left out: torch's row-wise kernels needed sm_90
-    before 2.7, and cuBLASLt refuses them on sm_120. Never tried inside a CUDA graph capture (an error would end it):
-    until a call outside one has tried, the answer is no (the engine's warm-up runs before its captures)."""
-    if index not in _PROBED:
+_PROBED: dict[tuple[int, str], bool] = {}
+
+
+def scaled_mm_runs(device: torch.device, kind: str) -> bool:
+    """Hopper (the GPUs it was timed on), and this torch's ``_scaled_mm`` runs there with ``kind`` scales ("row":
+    row-wise, "block": 1×128 activations against 1×128 and 128×128 weight blocks, a bf16 bias fused): tried once a
+    device on small operands. Other GPUs with FP8 tensor cores are left out: torch's row-wise kernels needed sm_90
+    before 2.7, cuBLASLt refuses them on sm_120, and its block-wise scaling is Hopper's. Never tried inside a CUDA
+    graph capture (an error would end it): until a call outside one has tried, the answer is no (the engine's
+    warm-up runs before its captures)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if (index, kind) not in _PROBED:
         if torch.cuda.is_current_stream_capturing():
             return False
-        _PROBED[index] = _probe(index)
-    return _PROBED[index]
+        _PROBED[(index, kind)] = _probe(index, kind)
+    return _PROBED[(index, kind)]
 
 
-def _probe(index: int) -> bool:
+def _probe(index: int, kind: str) -> bool:
     if torch.cuda.get_device_capability(index)[0] != 9:
         return False
+    dev = torch.device("cuda", index)
     try:
-        a = torch.zeros(16, 16, device=f"cuda:{index}").to(FP8_DTYPE)
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=a.device),
-                         scale_b=torch.ones(1, 16, device=a.device), out_dtype=torch.bfloat16)
+        if kind == "row":
+            a = torch.zeros(16, 16, device=dev).to(FP8_DTYPE)
+            torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=dev),
+                             scale_b=torch.ones(1, 16, device=dev), out_dtype=torch.bfloat16)
+            return True
+        K = 4 * GROUP
+        x = torch.zeros(16, K, device=dev, dtype=torch.bfloat16)
+        w = torch.zeros(GROUP, K, device=dev).to(FP8_DTYPE)
+        bias = torch.zeros(GROUP, device=dev, dtype=torch.bfloat16)
+        for layout in ("1x128", "128x128"):
+            scales = block_weight_scales(torch.ones(GROUP, 4, device=dev), GROUP, K, layout)
+            w8a8_block_linear(x, w, scales, bias)
         return True
-    except (RuntimeError, TypeError):
+    except (RuntimeError, TypeError, ValueError):
         return False
 
 
@@ -169,4 +263,46 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor,
     fused = bias is not None and bias.dtype == x.dtype   # added in fp32 before the one rounding
     y = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=row_scale.float().reshape(1, -1).contiguous(),
                          bias=bias if fused else None, out_dtype=x.dtype)
+    return y if bias is None or fused else y + bias
+
+
+def block_weight_scales(scale: torch.Tensor, block_k: int, in_features: int,
+                        layout: str = "auto") -> torch.Tensor | None:
+    """A weight's scales ``[N, ceil(K / block_k)]`` (``nvllm.quant.fp8``'s layout, ``K = in_features``) as
+    ``w8a8_block_linear``'s ``torch._scaled_mm`` takes them, or None where it cannot (blocks along K not a multiple
+    of ``GROUP``):
+
+    - "128x128": 128×128 blocks, ``[ceil(K/128), ceil(N/128)]`` whose transpose is contiguous; only where every 128
+      rows share their scales and a row of block scales is 16 bytes a multiple (cuBLAS);
+    - "1x128": one scale a row and 128 inputs, ``[ceil(K/128), N]`` contiguous (each row's block or row scale
+      repeated over its groups);
+    - "auto": "128x128" where it applies, else "1x128".
+
+    Made once a layer (``Fp8Linear.w8a8_scales``): the 1×128 copy holds 4 bytes a weight row and 128 inputs."""
+    N, kb = scale.shape
+    groups = -(-in_features // GROUP)
+    if block_k < in_features and block_k % GROUP:
+        return None
+    if layout in ("auto", "128x128") and block_k == GROUP and groups % 4 == 0:
+        compact = scale[::GROUP]
+        if torch.equal(compact.repeat_interleave(GROUP, dim=0)[:N], scale):
+            return compact.float().contiguous().t()
+    if layout == "128x128":
+        return None
+    if block_k >= in_features:   # one scale a row
+        per_group = scale[:, :1].expand(N, groups)
+    else:
+        per_group = scale.repeat_interleave(block_k // GROUP, dim=1)[:, :groups]
+    return per_group.float().t().contiguous()
+
+
+def w8a8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K]`` (bf16) times the FP8 weight ``[N, K]`` → ``[M, N]`` bf16: the tokens quantized per ``GROUP``
+    inputs (``quantize_token_groups``), the product on ``torch._scaled_mm`` with block-wise scales
+    (``weight_scales`` from ``block_weight_scales``)."""
+    qx, sx = quantize_token_groups(x)
+    fused = bias is not None and bias.dtype == x.dtype
+    y = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scales, bias=bias if fused else None,
+                         out_dtype=x.dtype)
     return y if bias is None or fused else y + bias

@@ -23,7 +23,8 @@ from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, Part, take_shard
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.attention_partials import finished_attention
-from nvllm.kernels.fp8_gemm import fp8_linear
+from nvllm.kernels.fp8_gemm import W8A8_MIN_M, fp8_linear
+from nvllm.kernels.fp8_w8a8 import MAX_ROW, block_weight_scales, scaled_mm_runs
 from nvllm.layers.linear import Linear, sum_over_ranks
 from nvllm.quant.fp8 import FP8_DTYPE, FP8_MAX, Fp8Scheme, quantize_rows, scale_rows
 
@@ -56,6 +57,7 @@ class Fp8Linear(nn.Module):
             self.input_scale = nn.Parameter(torch.ones(len(self.output_sizes), dtype=torch.float32),
                                             requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.w8a8_scales: torch.Tensor | None = None   # see prepare_w8a8
 
     @property
     def scale(self) -> torch.Tensor:
@@ -129,6 +131,17 @@ class Fp8Linear(nn.Module):
         if self.bias is not None:
             self.bias.data.uniform_(-1e-2, 1e-2, generator=generator)
 
+    def prepare_w8a8(self) -> None:
+        """After loading (the loader calls it, before any CUDA graph capture): the weight's scales as the block-wise
+        W8A8 product takes them (``block_weight_scales``), where it runs on this GPU and the layer would use it:
+        scales that change along K, or rows wider than the per-token quantizer takes. None elsewhere."""
+        self.w8a8_scales = None
+        K = self.in_features
+        if self.block_k >= K and K <= MAX_ROW:   # one scale a row: the per-token product
+            return
+        if self.weight.device.type == "cuda" and W8A8_MIN_M and scaled_mm_runs(self.weight.device, "block"):
+            self.w8a8_scales = block_weight_scales(self.scale, self.block_k, K)
+
     # ---- forward -------------------------------------------------------------------------------------------
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``SiLU(gate) · up`` of this gate/up layer's output."""
@@ -141,9 +154,9 @@ class Fp8Linear(nn.Module):
         layer's partial output to ``sum_over_ranks``."""
         x = finished_attention(x)
         if self.tp is None or self.tp.size == 1:
-            y = fp8_linear(x, self.weight, self.scale, self.block_k, self.bias)
+            y = fp8_linear(x, self.weight, self.scale, self.block_k, self.bias, self.w8a8_scales)
             return y if out is None else out.copy_(y)
-        y = fp8_linear(x, self.weight, self.scale, self.block_k)
+        y = fp8_linear(x, self.weight, self.scale, self.block_k, block_scales=self.w8a8_scales)
         return sum_over_ranks(self, y, out) if reduce else y
 
     def extra_repr(self) -> str:

@@ -232,6 +232,8 @@ def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torc
     for m in model.modules():   # quantized layers: validate and cache their packed weights now, not mid-capture
         if hasattr(m, "quant_weight"):
             m.quant_weight()
+        if hasattr(m, "prepare_w8a8"):
+            m.prepare_w8a8()
     return model.eval()
 
 
