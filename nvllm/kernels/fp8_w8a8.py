@@ -212,7 +212,12 @@ def w8a8_block_supported(x: torch.Tensor, weight: torch.Tensor, block_k: int) ->
     N, K = weight.shape
     if x.dtype != torch.bfloat16 or N % 16 or K % 16 or (block_k < K and block_k % GROUP):
         return False
-    return x.device.type == "cuda" and scaled_mm_runs(x.device, "block")
+    return block_scaled_mm_runs(x.device)
+
+
+def block_scaled_mm_runs(device: torch.device) -> bool:
+    """Whether block-wise scaled products run on ``device``: a Hopper GPU (``scaled_mm_runs``)."""
+    return device.type == "cuda" and scaled_mm_runs(device, "block")
 
 
 _PROBED: dict[tuple[int, str], bool] = {}

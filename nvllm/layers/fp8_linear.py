@@ -24,7 +24,7 @@ from nvllm.distributed.partition import LinearShard, Part, take_shard
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.attention_partials import finished_attention
 from nvllm.kernels.fp8_gemm import W8A8_MIN_M, fp8_linear
-from nvllm.kernels.fp8_w8a8 import MAX_ROW, block_weight_scales, scaled_mm_runs
+from nvllm.kernels.fp8_w8a8 import MAX_ROW, block_scaled_mm_runs, block_weight_scales
 from nvllm.layers.linear import Linear, sum_over_ranks
 from nvllm.quant.fp8 import FP8_DTYPE, FP8_MAX, Fp8Scheme, quantize_rows, scale_rows
 
@@ -139,7 +139,7 @@ class Fp8Linear(nn.Module):
         K = self.in_features
         if self.block_k >= K and K <= MAX_ROW:   # one scale a row: the per-token product
             return
-        if self.weight.device.type == "cuda" and W8A8_MIN_M and scaled_mm_runs(self.weight.device, "block"):
+        if W8A8_MIN_M and block_scaled_mm_runs(self.weight.device):
             self.w8a8_scales = block_weight_scales(self.scale, self.block_k, K)
 
     # ---- forward -------------------------------------------------------------------------------------------
