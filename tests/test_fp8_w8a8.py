@@ -132,11 +132,19 @@ for block in (256, 4096):
     src = ASTSource(fn=_quantize_tokens_kernel, signature=sig, constexprs={(6,): MIN_SCALE, (7,): block})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
     assert "div.rn.f32" in ptx and "div.full.f32" not in ptx, block   # IEEE divisions: torch's scales and bytes
+from nvllm.kernels.fp8_w8a8 import GROUP, GROUPS_PER_PROGRAM, _quantize_groups_kernel
+sig = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "K": "i32", "G": "i32", "stride_xm": "i32",
+       "stride_qm": "i32", "stride_sm": "i32", "stride_sg": "i32", "MIN_S": "constexpr", "GROUP": "constexpr",
+       "GROUPS": "constexpr"}
+src = ASTSource(fn=_quantize_groups_kernel, signature=sig,
+                constexprs={(9,): MIN_SCALE, (10,): GROUP, (11,): GROUPS_PER_PROGRAM})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+assert "div.rn.f32" in ptx and "div.full.f32" not in ptx
 print("compiled")
 """
 
 
-def test_token_quantizer_compiles_for_hopper_with_ieee_divisions():
+def test_quantizers_compile_for_hopper_with_ieee_divisions():
     """The interpreter divides as numpy does; on the GPU Triton's default fp32 division may miss by an ulp, which
     would move bytes at ties: the kernel asks for round-to-nearest divisions, checked in its sm_90 PTX."""
     from tests.test_quant_gemv_kernel import compile_for_hopper
@@ -161,3 +169,146 @@ def test_the_hopper_probe_runs_once_a_device_and_never_inside_a_capture(w8a8, mo
     for capability in ((8, 9), (10, 0), (12, 0)):   # FP8 tensor cores, but not timed (or refused by torch)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
         assert not w8a8._probe(0, "row") and not w8a8._probe(0, "block")
+
+
+# ------------------------------------------------------------------ activations per token and 128 inputs
+
+
+def emulated_block_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None):
+    """``torch._scaled_mm`` with block-wise scales, as its CUDA build takes them (no CPU build does): the shapes and
+    strides its checks ask for (1×128 scales outer-dim-major, 128×128 ones inner-dim-major), then the product of
+    the dequantized operands in fp32, the bias added before the one rounding."""
+    M, K = a.shape
+    N = b.shape[1]
+    G = -(-K // 128)
+    assert a.dtype == b.dtype == FP8_DTYPE and b.stride(0) == 1          # row-major times column-major
+    assert scale_a.shape == (M, G) and (M == 1 or scale_a.stride(0) == 1) and (G == 1 or scale_a.stride(1) == M)
+    wt = scale_b.t()
+    if wt.shape == (N, G):                                                 # 1×128 weight scales
+        assert (N == 1 or wt.stride(0) == 1) and (G == 1 or wt.stride(1) == N)
+        sw = wt.repeat_interleave(128, dim=1)[:, :K]
+    else:                                                                  # 128×128 blocks
+        assert wt.shape == (-(-N // 128), G) and wt.is_contiguous() and G % 4 == 0
+        sw = wt.repeat_interleave(128, dim=0)[:N].repeat_interleave(128, dim=1)[:, :K]
+    y = (a.float() * scale_a.repeat_interleave(128, dim=1)[:, :K]) @ (b.t().float() * sw).t()
+    return (y if bias is None else y + bias.float()).to(out_dtype)
+
+
+def test_group_quantizer_gives_torch_bytes_and_the_scale_layout_cublas_takes(w8a8):
+    row = _every_e4m3_value_and_midpoint()                                 # 1006 values: 8 groups, the last short
+    x = torch.stack([row, row * 3, row.flip(0)])
+    x[1, 130] = float("nan")                                               # one group of one row NaN, only it
+    q, s = w8a8.quantize_token_groups(x)
+    want_q, want_s = w8a8.quantize_token_groups_reference(x)
+    assert s.shape == (3, 8) and s.stride() == (1, 3)                      # column by column
+    torch.testing.assert_close(s, want_s, equal_nan=True, rtol=0, atol=0)
+    assert torch.isnan(s[1, 1]) and not torch.isnan(s[1, [0, 2, 3, 4, 5, 6, 7]]).any()
+    got, want = q.view(torch.uint8), want_q.view(torch.uint8)
+    nan = torch.isnan(want_q.float())
+    assert torch.equal(got[~nan], want[~nan]) and set(got[nan].tolist()) == {0x7F}
+    gen = torch.Generator().manual_seed(3)
+    for dtype, k in ((torch.bfloat16, 18944), (torch.float16, 48), (torch.float32, 1280)):   # 148 groups; one short
+        x = (torch.randn(4, k, generator=gen) * torch.logspace(-3, 2, 4)[:, None]).to(dtype)
+        x[:, 128:256] = 0                                                  # an all-zero group: the smallest scale
+        q, s = w8a8.quantize_token_groups(x)
+        want_q, want_s = w8a8.quantize_token_groups_reference(x)
+        assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        if k > 128:
+            assert float(s[0, 1]) == torch.tensor(w8a8.MIN_SCALE).item()
+    assert w8a8.quantize_token_groups(torch.zeros(0, 256))[1].shape == (0, 2)
+
+
+def _block_weight(n: int, k: int, block: tuple[int, int], gen: torch.Generator):
+    from nvllm.quant.fp8 import Fp8Scheme, quantize_blocks, scale_rows
+
+    q, s = quantize_blocks(torch.randn(n, k, generator=gen) * 0.05, block)
+    return q, scale_rows(s, Fp8Scheme("block", block), n, k, "w")
+
+
+def test_block_weight_scales_in_both_layouts_give_the_reference_product(w8a8, monkeypatch):
+    """Each weight-scale layout, fed to ``_scaled_mm`` as its CUDA build checks it, gives the reference product:
+    128×128 blocks (compact), 128×128 blocks whose rows disagree (a fused layer's shards off the blocks: 1×128),
+    256-input blocks and one scale a row (repeated over the groups); 64-input blocks cannot run."""
+    monkeypatch.setattr(torch, "_scaled_mm", emulated_block_scaled_mm)
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(5, 512, generator=gen) * 2).to(torch.bfloat16)
+    bias = torch.randn(272, generator=gen).to(torch.bfloat16)
+    q, s = _block_weight(272, 512, (128, 128), gen)                       # a short last block of rows
+    compact = w8a8.block_weight_scales(s, 128, 512)
+    assert compact.shape == (4, 3) and compact.t().is_contiguous()
+    per_group = w8a8.block_weight_scales(s, 128, 512, "1x128")
+    assert per_group.shape == (4, 272) and per_group.is_contiguous()
+    ref = w8a8.w8a8_block_reference(x, q, s, 128, bias).float()
+    for scales in (compact, per_group):
+        y = w8a8.w8a8_block_linear(x, q, scales, bias)
+        assert y.dtype == torch.bfloat16 and y.shape == (5, 272)
+        assert float((y.float() - ref).abs().max()) <= 8e-3 * float(ref.abs().max())
+    exact = torch.nn.functional.linear(x.float(), q.float() * s.repeat_interleave(128, dim=1), bias.float())
+    assert float((y.float() - exact).abs().max()) <= 0.05 * float(exact.abs().max())   # activations rounded
+    shifted = torch.cat([s[:16], s[:-16]])                                 # rows 16 off the 128-row blocks
+    assert w8a8.block_weight_scales(shifted, 128, 512).shape == (4, 272)
+    q6, s6 = _block_weight(256, 384, (128, 128), gen)                      # 3 groups: rows not 16 bytes a multiple
+    assert w8a8.block_weight_scales(s6, 128, 384).shape == (3, 256)
+    assert w8a8.block_weight_scales(s6, 128, 384, "128x128") is None
+    for block, k in (((256, 256), 640), ((64, 64), 512)):
+        qb, sb = _block_weight(128, k, block, gen)
+        scales = w8a8.block_weight_scales(sb, block[1], k)
+        if block[1] % 128:
+            assert scales is None
+            continue
+        xb = x.new_ones(3, k)
+        y = w8a8.w8a8_block_linear(xb, qb, scales)
+        torch.testing.assert_close(y.float(), w8a8.w8a8_block_reference(xb, qb, sb, block[1]).float(), rtol=8e-3,
+                                   atol=1e-3)
+    qr, sr = quantize_rows(torch.randn(64, 4352, generator=gen) * 0.05)    # one scale a row, 34 groups
+    scales = w8a8.block_weight_scales(sr, 4352, 4352)
+    assert scales.shape == (34, 64)
+    xr = torch.randn(2, 4352, generator=gen).to(torch.bfloat16)
+    torch.testing.assert_close(w8a8.w8a8_block_linear(xr, qr, scales).float(),
+                               w8a8.w8a8_block_reference(xr, qr, sr, 4352).float(), rtol=8e-3, atol=2e-3)
+    # torch's own shape check (its meta function) takes both layouts
+    a = torch.empty(8, 512, dtype=FP8_DTYPE, device="meta")
+    sa = torch.empty(4, 8, device="meta").t()
+    for scales in (compact, per_group):
+        b = torch.empty(272, 512, dtype=FP8_DTYPE, device="meta").t()
+        assert torch.ops.aten._scaled_mm(a, b, sa, scales.to("meta"), out_dtype=torch.bfloat16).shape == (8, 272)
+
+
+def test_fp8_linear_and_the_layer_hand_block_scales_to_w8a8_and_name_it(w8a8, monkeypatch):
+    from nvllm.kernels import fp8_gemm as G
+    from nvllm.layers import fp8_linear as L
+    from nvllm.quant.fp8 import Fp8Scheme
+
+    monkeypatch.setattr(torch, "_scaled_mm", emulated_block_scaled_mm)
+    monkeypatch.setattr(G, "w8a8_block_linear", w8a8.w8a8_block_linear)
+    monkeypatch.setattr(G, "w8a8_block_supported", w8a8.w8a8_block_supported)
+    monkeypatch.setattr(w8a8, "block_scaled_mm_runs", lambda device: True)
+    monkeypatch.setattr(L, "block_scaled_mm_runs", lambda device: True)
+    monkeypatch.setattr(G, "W8A8_MIN_M", 4)
+    monkeypatch.setattr(G, "DEQUANT_MATMUL_MIN_M", 10 ** 9)
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    gen = torch.Generator().manual_seed(5)
+    layer = L.Fp8Linear(512, 384, True, None, Fp8Scheme("block", (128, 128)), torch.bfloat16)
+    q, s = _block_weight(384, 512, (128, 128), gen)
+    layer.weight.data.copy_(q)
+    layer.scale.data.copy_(s)
+    layer.bias.data.normal_(generator=gen)
+    layer.prepare_w8a8()
+    assert layer.w8a8_scales.shape == (4, 3)                              # 128×128 blocks, compact
+    x = torch.randn(6, 512, generator=gen).to(torch.bfloat16)
+    report.reset()
+    y = layer(x)
+    torch.testing.assert_close(y, w8a8.w8a8_block_linear(x, q, layer.w8a8_scales, layer.bias), rtol=0, atol=0)
+    layer(x[:2])                                                          # fewer rows: the W8A16 kernel
+    assert report.snapshot()["fp8_gemm"] == {"fp8 w8a8 (activations per token and 128 inputs) torch._scaled_mm": 1,
+                                             "triton w8a16 fp8": 1}
+    # what the layer leaves to other paths: one scale a row of at most 4096 inputs (per token), blocks of 64
+    rows = L.Fp8Linear(256, 64, False, None, Fp8Scheme("channel"), torch.bfloat16)
+    small = L.Fp8Linear(256, 64, False, None, Fp8Scheme("block", (64, 64)), torch.bfloat16)
+    wide = L.Fp8Linear(4352, 64, False, None, Fp8Scheme("channel"), torch.bfloat16)
+    for m in (rows, small, wide):
+        m.prepare_w8a8()
+    assert rows.w8a8_scales is None and small.w8a8_scales is None and wide.w8a8_scales.shape == (34, 64)
+    monkeypatch.setattr(L, "block_scaled_mm_runs", lambda device: False)  # no Hopper GPU: nothing made
+    layer.prepare_w8a8()
+    assert layer.w8a8_scales is None
