@@ -183,6 +183,7 @@ def emulated_block_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None):
     G = -(-K // 128)
     assert a.dtype == b.dtype == FP8_DTYPE and b.stride(0) == 1          # row-major times column-major
     assert scale_a.shape == (M, G) and (M == 1 or scale_a.stride(0) == 1) and (G == 1 or scale_a.stride(1) == M)
+    assert M % 4 == 0                                                      # 16-byte columns (an H100 refused 257)
     wt = scale_b.t()
     if wt.shape == (N, G):                                                 # 1×128 weight scales
         assert (N == 1 or wt.stride(0) == 1) and (G == 1 or wt.stride(1) == N)

@@ -60,11 +60,9 @@ def test_w8a8_through_the_engine(case, tmp_path, monkeypatch):
             w8a16(monkeypatch)
         llm = make_llm(str(path), device="cuda", dtype="bfloat16", max_num_seqs=260, enable_prefix_caching=False,
                        **kw, **(extra or {}))
-        mlp, attn = llm.engine.runner.model.layers[0].mlp, llm.engine.runner.model.layers[0].self_attn
-        layers = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj, "gate_up_proj": mlp.gate_up_proj,
-                  "down_proj": mlp.down_proj}
+        layer = llm.engine.runner.model.layers[0]
         for lname, shape in want.items():
-            got = layers[lname].w8a8_scales
+            got = getattr(layer, lname).w8a8_scales
             assert (got is None if shape is None or extra is None else tuple(got.shape) == shape), (lname, got)
         report.reset()
         lps = prompt_logprobs(llm, ids)

@@ -178,16 +178,17 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(FP8_DTYPE), scale
 
 
-def quantize_token_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_token_groups(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_token_groups_reference``'s result (any row width): ``GROUPS_PER_PROGRAM`` groups a Triton program.
     The scales ``[M, ceil(K / GROUP)]`` are stored column by column (strides ``(1, M)``), the layout cuBLAS's 1×128
-    activation scales take."""
+    activation scales take. ``rows``: return that many rows (at least M); those past M are left unset."""
     M, K = x.shape
     G = -(-K // GROUP)
     if x.stride(1) != 1:
         x = x.contiguous()
-    q = torch.empty(M, K, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(G, M, dtype=torch.float32, device=x.device).t()
+    rows = M if rows is None else rows
+    q = torch.empty(rows, K, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(G, rows, dtype=torch.float32, device=x.device).t()
     if M:
         _quantize_groups_kernel[(M, triton.cdiv(G, GROUPS_PER_PROGRAM))](
             x, q, scale, K, G, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), MIN_S=MIN_SCALE,
@@ -305,9 +306,12 @@ def w8a8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` (bf16) times the FP8 weight ``[N, K]`` → ``[M, N]`` bf16: the tokens quantized per ``GROUP``
     inputs (``quantize_token_groups``), the product on ``torch._scaled_mm`` with block-wise scales
-    (``weight_scales`` from ``block_weight_scales``)."""
-    qx, sx = quantize_token_groups(x)
+    (``weight_scales`` from ``block_weight_scales``). cuBLAS takes the activation scales' columns at 16-byte
+    boundaries only (an H100 refused 257 rows): the rows are rounded up to a multiple of 4 for the product, the
+    extra rows' outputs (of unset inputs) dropped."""
+    M = x.shape[0]
+    qx, sx = quantize_token_groups(x, -(-M // 4) * 4)
     fused = bias is not None and bias.dtype == x.dtype
     y = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scales, bias=bias if fused else None,
-                         out_dtype=x.dtype)
+                         out_dtype=x.dtype)[:M]
     return y if bias is None or fused else y + bias
