@@ -2,11 +2,11 @@
 its torch reference, then timed against cuBLAS on the bf16 weight at each M, for 128×128 block scales (Qwen3-FP8,
 DeepSeek-V3) and per-row scales (``--quantization fp8``, FP8_DYNAMIC checkpoints). Up to M = 4 it also times the
 CUDA-core ``fp8_gemv``. ``--sweep``: a few tile configs of each kernel at M = 1, the best printed next to the
-default. From 16 rows on it also times W8A8 (``nvllm.kernels.fp8_w8a8``: the tokens quantized to FP8,
+default. From 8 rows on it also times W8A8 (``nvllm.kernels.fp8_w8a8``: the tokens quantized to FP8,
 ``torch._scaled_mm``) after checking its quantizer's bytes against torch's conversion: per token with per-row
-scales (rows of at most 4096 inputs), per token and 128 inputs with block scales and with per-row scales on wider
-rows, against the weight's 128×128 blocks and against 1×128 weight scales (``block_weight_scales``' layouts),
-with a bf16 bias fused.
+scales (rows of at most 4096 inputs), and per token and 128 inputs against the weight's 128×128 blocks and against
+1×128 weight scales (``block_weight_scales``' layouts; per-row scales repeated over the groups), with a bf16 bias
+fused.
 
     python3 scripts/gpu_fp8_bench.py [--ms 1,2,4,8,16,64,256,2048] [--scales block128,row] [--sweep]
 
@@ -120,7 +120,7 @@ def main() -> int:
                 row = {"scales": scales, "shape": name, "m": m, "fp8_us": t_fp8 * 1e6, "bf16_us": t_bf16 * 1e6,
                        "floor_us": floor_s * 1e6, "err": err, "config": _pick_config(m, k, bk, torch.bfloat16),
                        "dequant_matmul_us": t_deq * 1e6}
-                if scales == "row" and m >= 16:   # W8A8: the quantizer's bytes as torch's, the product as its reference
+                if scales == "row" and m >= 8 and k <= MAX_ROW:   # W8A8 per token: bytes as torch's, product as ref
                     qx, sx = quantize_tokens(x)
                     want_q, want_s = quantize_tokens_reference(x)
                     row["w8a8_bytes_differ"] = int((qx.view(torch.uint8) != want_q.view(torch.uint8)).sum())
@@ -135,7 +135,7 @@ def main() -> int:
                                          "off torch's")
                     row["w8a8_us"] = cuda_graph_timer(lambda i: w8a8_linear(x, *ws[i % len(ws)][:2]), len(ws),
                                                       floor_s) * 1e6
-                if m >= 16 and res["block_scaled_mm"] and (scales == "block128" or k > MAX_ROW):
+                if m >= 8 and res["block_scaled_mm"]:
                     block_w8a8(row, x, ws, scales, floor_s)
                 if m <= 4:   # the CUDA-core kernel for few rows: its default and, with --sweep, the best config
                     row["gemv_us"] = cuda_graph_timer(lambda i: fp8_gemv(x, *ws[i % len(ws)]), len(ws), floor_s) * 1e6

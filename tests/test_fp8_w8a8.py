@@ -101,13 +101,16 @@ def test_w8a8_product_equals_its_reference_and_stays_near_w8a16(w8a8):
 
 
 def test_fp8_linear_hands_many_rows_to_w8a8_and_names_it(w8a8, monkeypatch):
+    """From ``W8A8_LARGE_M`` rows a weight with one scale a row takes the per-token product (no block-wise scales
+    here: below that, the W8A16 kernel)."""
     from nvllm.kernels import fp8_gemm as G
 
     gen = torch.Generator().manual_seed(2)
     q, s = quantize_rows(torch.randn(32, 64, generator=gen) * 0.05)
     x = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
     monkeypatch.setattr(G, "w8a8_linear", w8a8.w8a8_linear)   # the interpreted module's
-    monkeypatch.setattr(G, "W8A8_MIN_M", 4)
+    monkeypatch.setattr(G, "W8A8_MIN_M", 2)
+    monkeypatch.setattr(G, "W8A8_LARGE_M", 4)
     monkeypatch.setattr(G, "DEQUANT_MATMUL_MIN_M", 10 ** 9)
     monkeypatch.setenv("NVLLM_KERNELS", "triton")
     report.reset()
@@ -174,6 +177,9 @@ def test_the_hopper_probe_runs_once_a_device_and_never_inside_a_capture(w8a8, mo
 # ------------------------------------------------------------------ activations per token and 128 inputs
 
 
+_SCALED_MM = torch._scaled_mm
+
+
 def emulated_block_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None):
     """``torch._scaled_mm`` with block-wise scales, as its CUDA build takes them (no CPU build does): the shapes and
     strides its checks ask for (1×128 scales outer-dim-major, 128×128 ones inner-dim-major), then the product of
@@ -181,6 +187,8 @@ def emulated_block_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None):
     M, K = a.shape
     N = b.shape[1]
     G = -(-K // 128)
+    if scale_a.shape == (M, 1) and scale_b.shape == (1, N):               # row-wise: the CPU build runs it
+        return _SCALED_MM(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
     assert a.dtype == b.dtype == FP8_DTYPE and b.stride(0) == 1          # row-major times column-major
     assert scale_a.shape == (M, G) and (M == 1 or scale_a.stride(0) == 1) and (G == 1 or scale_a.stride(1) == M)
     assert M % 4 == 0                                                      # 16-byte columns (an H100 refused 257)
@@ -276,16 +284,19 @@ def test_block_weight_scales_in_both_layouts_give_the_reference_product(w8a8, mo
 
 
 def test_fp8_linear_and_the_layer_hand_block_scales_to_w8a8_and_name_it(w8a8, monkeypatch):
+    """The layer keeps 1×128 weight scales (and its 128×128 blocks where it has them) once loaded; ``fp8_linear``
+    runs 1×128 from ``W8A8_MIN_M`` rows, the blocks (or per-token row scales) from ``W8A8_LARGE_M``."""
     from nvllm.kernels import fp8_gemm as G
     from nvllm.layers import fp8_linear as L
     from nvllm.quant.fp8 import Fp8Scheme
 
     monkeypatch.setattr(torch, "_scaled_mm", emulated_block_scaled_mm)
-    monkeypatch.setattr(G, "w8a8_block_linear", w8a8.w8a8_block_linear)
-    monkeypatch.setattr(G, "w8a8_block_supported", w8a8.w8a8_block_supported)
+    for name in ("w8a8_block_linear", "w8a8_block_supported", "w8a8_linear", "w8a8_supported"):
+        monkeypatch.setattr(G, name, getattr(w8a8, name))                # the interpreted module's
     monkeypatch.setattr(w8a8, "block_scaled_mm_runs", lambda device: True)
     monkeypatch.setattr(L, "block_scaled_mm_runs", lambda device: True)
     monkeypatch.setattr(G, "W8A8_MIN_M", 4)
+    monkeypatch.setattr(G, "W8A8_LARGE_M", 8)
     monkeypatch.setattr(G, "DEQUANT_MATMUL_MIN_M", 10 ** 9)
     monkeypatch.setenv("NVLLM_KERNELS", "triton")
     gen = torch.Generator().manual_seed(5)
@@ -295,21 +306,35 @@ def test_fp8_linear_and_the_layer_hand_block_scales_to_w8a8_and_name_it(w8a8, mo
     layer.scale.data.copy_(s)
     layer.bias.data.normal_(generator=gen)
     layer.prepare_w8a8()
-    assert layer.w8a8_scales.shape == (4, 3)                              # 128×128 blocks, compact
-    x = torch.randn(6, 512, generator=gen).to(torch.bfloat16)
+    scales = layer.w8a8_scales
+    assert scales.keys() == {"1x128", "128x128"} and scales["1x128"].shape == (4, 384)
+    assert scales["128x128"].shape == (4, 3)
+    x = torch.randn(8, 512, generator=gen).to(torch.bfloat16)
     report.reset()
-    y = layer(x)
-    torch.testing.assert_close(y, w8a8.w8a8_block_linear(x, q, layer.w8a8_scales, layer.bias), rtol=0, atol=0)
+    for rows, layout in ((6, "1x128"), (8, "128x128")):
+        y = layer(x[:rows])
+        torch.testing.assert_close(y, w8a8.w8a8_block_linear(x[:rows], q, scales[layout], layer.bias), rtol=0,
+                                   atol=0)
     layer(x[:2])                                                          # fewer rows: the W8A16 kernel
-    assert report.snapshot()["fp8_gemm"] == {"fp8 w8a8 (activations per token and 128 inputs) torch._scaled_mm": 1,
+    block = "fp8 w8a8 (activations per token and 128 inputs, {} weight scales) torch._scaled_mm"
+    assert report.snapshot()["fp8_gemm"] == {block.format("1x128"): 1, block.format("128x128"): 1,
                                              "triton w8a16 fp8": 1}
-    # what the layer leaves to other paths: one scale a row of at most 4096 inputs (per token), blocks of 64
+    # one scale a row: 1×128 below W8A8_LARGE_M rows, per token from there where the row is at most 4096 wide
     rows = L.Fp8Linear(256, 64, False, None, Fp8Scheme("channel"), torch.bfloat16)
-    small = L.Fp8Linear(256, 64, False, None, Fp8Scheme("block", (64, 64)), torch.bfloat16)
     wide = L.Fp8Linear(4352, 64, False, None, Fp8Scheme("channel"), torch.bfloat16)
-    for m in (rows, small, wide):
+    small = L.Fp8Linear(256, 64, False, None, Fp8Scheme("block", (64, 64)), torch.bfloat16)
+    for m in (rows, wide, small):
+        m.scale.data.uniform_(1e-3, 2e-3, generator=gen)
         m.prepare_w8a8()
-    assert rows.w8a8_scales is None and small.w8a8_scales is None and wide.w8a8_scales.shape == (34, 64)
+    assert rows.w8a8_scales.keys() == {"1x128"} and rows.w8a8_scales["1x128"].shape == (2, 64)
+    assert wide.w8a8_scales["1x128"].shape == (34, 64) and small.w8a8_scales is None
+    report.reset()
+    for m, k in ((rows, 256), (wide, 4352)):
+        xs = torch.randn(8, k, generator=gen).to(torch.bfloat16)
+        m(xs[:6])
+        m(xs)
+    assert report.snapshot()["fp8_gemm"] == {block.format("1x128"): 3,
+                                             "fp8 w8a8 (per-token activations) torch._scaled_mm": 1}
     monkeypatch.setattr(L, "block_scaled_mm_runs", lambda device: False)  # no Hopper GPU: nothing made
     layer.prepare_w8a8()
     assert layer.w8a8_scales is None

@@ -11,8 +11,8 @@ the output tiles cannot fill the GPU (decode: M is the batch), K is split over p
 buffer (``nvllm.kernels.split_k``). ``fp8_gemv`` does the same for a few rows on the CUDA cores (``GEMV_MAX_M``).
 
 vLLM runs these checkpoints as W8A8 on GPUs with FP8 tensor cores (activations quantized per token); this keeps
-the activations in their dtype: the same weight bytes, no activation rounding. ``fp8_linear`` hands many rows of
-a weight with one scale a row to ``nvllm.kernels.fp8_w8a8`` from ``W8A8_MIN_M`` rows on.
+the activations in their dtype: the same weight bytes, no activation rounding. From ``W8A8_MIN_M`` rows on,
+``fp8_linear`` hands the product to ``nvllm.kernels.fp8_w8a8`` where that runs (``w8a8_path``).
 
 This file holds the op's three parts: the torch reference, the Triton kernel and the dispatch.
 """
@@ -41,12 +41,14 @@ H100, a 7B layer's four projections (docs/PERF.md run EJ): at 128 rows the fused
 for dequantize + cuBLAS (128×128 blocks) and 270 against 447 (per-row scales); at 256 rows 764 against 554 and 470
 against 469; at 2048 rows the dequantize path is 1.9–3.2× faster."""
 
-W8A8_MIN_M = int(os.environ.get("NVLLM_FP8_W8A8_MIN_M", "256"))
-"""From this many rows on, weights with one scale a row run as W8A8 (``nvllm.kernels.fp8_w8a8``: the tokens
-quantized to FP8, the product on the FP8 tensor cores) where ``w8a8_supported`` (0: never). H100, Qwen2.5-7B's
-q/k/v, o and gate_up (docs/PERF.md run EL): at 256 rows 18.9, 18.5 and 78.2 µs against 34.5, 25.6 and 266.7 for
-dequantize + cuBLAS (bf16 weights: 16.8, 14.6, 111.3); at 2048 rows 85.3, 70.8 and 485.1 against 116.8, 94.6 and
-851.6 (bf16: 88.1, 74.7, 699.7); at 16 rows the W8A16 kernel was faster (11.8 against 19.4 µs for q/k/v)."""
+W8A8_MIN_M = int(os.environ.get("NVLLM_FP8_W8A8_MIN_M", "16"))
+"""From this many rows on, FP8 weights run as W8A8 (``nvllm.kernels.fp8_w8a8``: the tokens quantized to FP8, the
+product on the FP8 tensor cores) where it runs (Hopper; 0: never), up to ``W8A8_LARGE_M`` rows with activations
+per token and 128 inputs against 1×128 weight scales. MEASURED_BELOW"""
+
+W8A8_LARGE_M = int(os.environ.get("NVLLM_FP8_W8A8_LARGE_M", "256"))
+"""From this many rows on, W8A8 takes 128×128 weight blocks where the checkpoint has them, and activations per
+token against row scales where the weight has one scale a row of at most ``MAX_ROW`` inputs. MEASURED_BELOW"""
 
 GEMV_ROWS = 8
 """The most rows ``fp8_gemv`` takes (its products are ``[rows, BLOCK_N, BLOCK_K]`` tiles in registers)."""
@@ -305,25 +307,24 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
-               bias: torch.Tensor | None = None, block_scales: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, w8a8_scales: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """``y = x @ (q · s)ᵀ + bias``; ``x [..., K]`` → ``[..., N]`` in x's dtype: the Triton kernel where Triton runs
-    (``use_triton``), else the torch reference. From ``W8A8_MIN_M`` rows: W8A8 with activations per token where
-    the weight has one scale a row (``w8a8_supported``), else per token and 128 inputs where ``block_scales`` (the
-    weight's scales as ``block_weight_scales`` lays them out) is given and the product runs
-    (``w8a8_block_supported``)."""
+    (``use_triton``), else the torch reference. From ``W8A8_MIN_M`` rows, W8A8 (``w8a8_path``); ``w8a8_scales``
+    are the weight's scales as the block-wise products take them (``w8a8_weight_scales``)."""
     K = weight.shape[1]
     if x.shape[-1] != K:
         raise ValueError(f"input has {x.shape[-1]} features, the FP8 layer expects {K}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     triton_runs = use_triton(x)
-    if triton_runs and W8A8_MIN_M and x2.shape[0] >= W8A8_MIN_M and w8a8_supported(x2, weight, block_k):
+    w8a8 = w8a8_path(x2, weight, block_k, w8a8_scales) if triton_runs else None
+    if w8a8 == "row":
         report.record("fp8_gemm", "fp8 w8a8 (per-token activations) torch._scaled_mm")
         y = w8a8_linear(x2, weight, scale, bias)
-    elif (triton_runs and W8A8_MIN_M and x2.shape[0] >= W8A8_MIN_M and block_scales is not None
-          and w8a8_block_supported(x2, weight, block_k)):
-        report.record("fp8_gemm", "fp8 w8a8 (activations per token and 128 inputs) torch._scaled_mm")
-        y = w8a8_block_linear(x2, weight, block_scales, bias)
+    elif w8a8 is not None:
+        report.record("fp8_gemm", f"fp8 w8a8 (activations per token and 128 inputs, {w8a8} weight scales) "
+                                  "torch._scaled_mm")
+        y = w8a8_block_linear(x2, weight, w8a8_scales[w8a8], bias)
     elif triton_runs and x2.shape[0] >= DEQUANT_MATMUL_MIN_M:
         report.record("fp8_gemm", "triton fp8 dequant + torch matmul")
         y = torch.nn.functional.linear(x2, fp8_dequantize(weight, scale, block_k, x.dtype), bias)
@@ -337,3 +338,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         report.record("fp8_gemm", "torch dequant+matmul")
         y = fp8_gemm_reference(x2, weight, scale, block_k, bias)
     return y.reshape(*lead, weight.shape[0])
+
+
+def w8a8_path(x: torch.Tensor, weight: torch.Tensor, block_k: int,
+              w8a8_scales: dict[str, torch.Tensor] | None) -> str | None:
+    """Which W8A8 product ``fp8_linear`` runs for ``x [M, K]``, None for none: below ``W8A8_MIN_M`` rows none; from
+    ``W8A8_LARGE_M`` rows "row" (per-token, ``w8a8_supported``) or "128x128" where the weight allows; else "1x128"
+    where ``w8a8_scales`` has it and the block-wise product runs (``w8a8_block_supported``)."""
+    M = x.shape[0]
+    if not W8A8_MIN_M or M < W8A8_MIN_M:
+        return None
+    large = M >= W8A8_LARGE_M
+    if large and w8a8_supported(x, weight, block_k):
+        return "row"
+    if not w8a8_scales or not w8a8_block_supported(x, weight, block_k):
+        return None
+    return "128x128" if large and "128x128" in w8a8_scales else "1x128" if "1x128" in w8a8_scales else None

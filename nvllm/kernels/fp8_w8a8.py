@@ -284,7 +284,8 @@ def block_weight_scales(scale: torch.Tensor, block_k: int, in_features: int,
       repeated over its groups);
     - "auto": "128x128" where it applies, else "1x128".
 
-    Made once a layer (``Fp8Linear.w8a8_scales``): the 1×128 copy holds 4 bytes a weight row and 128 inputs."""
+    Made once a layer (``w8a8_weight_scales``): the 1×128 copy holds 4 bytes a weight row and 128 inputs (3 % of
+    the FP8 weight's bytes)."""
     N, kb = scale.shape
     groups = -(-in_features // GROUP)
     if block_k < in_features and block_k % GROUP:
@@ -300,6 +301,16 @@ def block_weight_scales(scale: torch.Tensor, block_k: int, in_features: int,
     else:
         per_group = scale.repeat_interleave(block_k // GROUP, dim=1)[:, :groups]
     return per_group.float().t().contiguous()
+
+
+def w8a8_weight_scales(scale: torch.Tensor, block_k: int, in_features: int) -> dict[str, torch.Tensor]:
+    """The layouts of ``block_weight_scales`` a layer keeps for ``w8a8_block_linear``: "1x128" wherever the
+    block-wise product can run (empty dict elsewhere), and "128x128" where that applies too (128×128 blocks)."""
+    per_group = block_weight_scales(scale, block_k, in_features, "1x128")
+    if per_group is None:
+        return {}
+    compact = block_weight_scales(scale, block_k, in_features, "128x128")
+    return {"1x128": per_group} | ({} if compact is None else {"128x128": compact})
 
 
 def w8a8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,

@@ -24,7 +24,7 @@ from nvllm.distributed.partition import LinearShard, Part, take_shard
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.attention_partials import finished_attention
 from nvllm.kernels.fp8_gemm import W8A8_MIN_M, fp8_linear
-from nvllm.kernels.fp8_w8a8 import MAX_ROW, block_scaled_mm_runs, block_weight_scales
+from nvllm.kernels.fp8_w8a8 import block_scaled_mm_runs, w8a8_weight_scales
 from nvllm.layers.linear import Linear, sum_over_ranks
 from nvllm.quant.fp8 import FP8_DTYPE, FP8_MAX, Fp8Scheme, quantize_rows, scale_rows
 
@@ -57,7 +57,7 @@ class Fp8Linear(nn.Module):
             self.input_scale = nn.Parameter(torch.ones(len(self.output_sizes), dtype=torch.float32),
                                             requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.w8a8_scales: torch.Tensor | None = None   # see prepare_w8a8
+        self.w8a8_scales: dict[str, torch.Tensor] | None = None   # see prepare_w8a8
 
     @property
     def scale(self) -> torch.Tensor:
@@ -133,14 +133,11 @@ class Fp8Linear(nn.Module):
 
     def prepare_w8a8(self) -> None:
         """After loading (the loader calls it, before any CUDA graph capture): the weight's scales as the block-wise
-        W8A8 product takes them (``block_weight_scales``), where it runs on this GPU and the layer would use it:
-        scales that change along K, or rows wider than the per-token quantizer takes. None elsewhere."""
+        W8A8 products take them (``w8a8_weight_scales``), where they run on this GPU (``fp8_linear`` picks among
+        them by the number of rows). None elsewhere."""
         self.w8a8_scales = None
-        K = self.in_features
-        if self.block_k >= K and K <= MAX_ROW:   # one scale a row: the per-token product
-            return
         if W8A8_MIN_M and block_scaled_mm_runs(self.weight.device):
-            self.w8a8_scales = block_weight_scales(self.scale, self.block_k, K)
+            self.w8a8_scales = w8a8_weight_scales(self.scale, self.block_k, self.in_features) or None
 
     # ---- forward -------------------------------------------------------------------------------------------
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +153,7 @@ class Fp8Linear(nn.Module):
         if self.tp is None or self.tp.size == 1:
             y = fp8_linear(x, self.weight, self.scale, self.block_k, self.bias, self.w8a8_scales)
             return y if out is None else out.copy_(y)
-        y = fp8_linear(x, self.weight, self.scale, self.block_k, block_scales=self.w8a8_scales)
+        y = fp8_linear(x, self.weight, self.scale, self.block_k, w8a8_scales=self.w8a8_scales)
         return sum_over_ranks(self, y, out) if reduce else y
 
     def extra_repr(self) -> str:
