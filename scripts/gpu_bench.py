@@ -83,7 +83,8 @@ QUANT_CONFIGS = {
     # the LM head quantized too (GPTQModel's lm_head=True, nvllm quantize --quantize-lm-head)
     "gptq-head": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
                   "checkpoint_format": "gptq", "lm_head": True},
-    # FP8 weights in 128×128 blocks (Qwen3-*-FP8, DeepSeek-V3), served W8A16; keys say w8
+    # FP8 weights in 128×128 blocks (Qwen3-*-FP8, DeepSeek-V3): W8A16 at batch 1, W8A8 on Hopper from
+    # nvllm.kernels.fp8_gemm.W8A8_MIN_M rows; keys say w8
     "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]},
 }
 
@@ -386,7 +387,7 @@ def table(res: dict) -> str:
         bits = "w8" if method.startswith("fp8") else "w4"
         k = f"nvllm_{method}_{bits}{suffix}_tpot_ms"
         if k in res:
-            what = "W8A16 fp8 block 128" if bits == "w8" else "W4A16 g128"
+            what = "fp8 block 128" if bits == "w8" else "W4A16 g128"
             line = f"{method}{suffix} {what} TPOT {res[k]:.2f} ms = {1000 / res[k]:.0f} tok/s"
             if "nvllm_graphs_tpot_ms" in res:
                 line += f" ({res['nvllm_graphs_tpot_ms'] / res[k]:.2f}x nvllm bf16)"

@@ -5,8 +5,9 @@ The layer holds ``weight`` (``float8_e4m3fn [out, in]``) and one fp32 scale per 
 under the checkpoint's scale name (``weight_scale`` or ``weight_scale_inv``). A fused projection (q/k/v,
 gate/up) is filled shard by shard as the dense ``Linear`` is: each checkpoint scale — one per tensor, per row or
 per block — is spread over its shard's rows, so shards need not align with the checkpoint's blocks.
-``input_scale`` (static activation schemes) is kept per shard and not applied (W8A16, see the module doc of
-``nvllm.kernels.fp8_gemm``).
+``input_scale`` (static activation schemes) is kept per shard and not applied (``nvllm.kernels.fp8_gemm`` runs
+W8A16, or W8A8 with scales it computes from the activations). Once loaded, the layer also keeps its scales as the
+W8A8 products take them (``prepare_w8a8``).
 
 Tensor parallelism: column-parallel ranks keep their rows of the weight and of the scales; row-parallel ranks
 their inputs and the scale columns of those inputs (the split must fall on whole input blocks:

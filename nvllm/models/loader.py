@@ -190,8 +190,11 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
     qcfg, plan = found
     head = LM_HEAD in plan
     if log and qcfg.fp8 is not None:
-        logger.info("quantized checkpoint: %s, %s (served W8A16%s); %d of %d decoder linears quantized (the rest, "
-                    "embeddings and lm_head in full precision)", qcfg.method, qcfg.fp8.describe(),
+        from nvllm.kernels.fp8_gemm import W8A8_MIN_M
+
+        w8a8 = f", W8A8 from {W8A8_MIN_M} rows on Hopper GPUs" if W8A8_MIN_M else ""
+        logger.info("quantized checkpoint: %s, %s (served W8A16%s%s); %d of %d decoder linears quantized (the "
+                    "rest, embeddings and lm_head in full precision)", qcfg.method, qcfg.fp8.describe(), w8a8,
                     ": the checkpoint's activation scales are not applied" if any(
                         s.static_inputs for s in plan.values()) else "", len(plan), total)
     elif log:
