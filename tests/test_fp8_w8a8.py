@@ -338,3 +338,26 @@ def test_fp8_linear_and_the_layer_hand_block_scales_to_w8a8_and_name_it(w8a8, mo
     monkeypatch.setattr(L, "block_scaled_mm_runs", lambda device: False)  # no Hopper GPU: nothing made
     layer.prepare_w8a8()
     assert layer.w8a8_scales is None
+
+
+def test_the_loader_lays_out_the_w8a8_scales_of_a_128x128_checkpoint(tmp_path, monkeypatch):
+    """Loading a Qwen3-FP8-style checkpoint where the block-wise product runs leaves every FP8 layer with its
+    1×128 and 128×128 scales (from the checkpoint's blocks), before any CUDA graph is captured."""
+    from nvllm.layers import fp8_linear as L
+    from tests.conftest import build_tiny_model, make_llm
+    from tests.quant_utils import fp8_blocks, write_fp8
+
+    monkeypatch.setattr(L, "block_scaled_mm_runs", lambda device: True)
+    base = build_tiny_model("qwen2", tmp_path / "base", hidden_size=512, intermediate_size=512, num_attention_heads=4,
+                            num_key_value_heads=2, num_hidden_layers=1)
+    path = write_fp8(base, tmp_path / "fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]},
+                     fp8_blocks((128, 128)))
+    llm = make_llm(str(path), enforce_eager=True)
+    layer = llm.engine.runner.model.layers[0]
+    for name, n in (("qkv_proj", 1024), ("o_proj", 512), ("gate_up_proj", 1024), ("down_proj", 512)):
+        linear = getattr(layer, name)
+        scales = linear.w8a8_scales
+        assert scales["1x128"].shape == (4, n) and scales["128x128"].shape == (4, n // 128), name
+        want = linear.scale.t()                                                 # [groups, N]: one per row and block
+        assert torch.equal(scales["1x128"], want) and torch.equal(scales["128x128"].t(), linear.scale[::128]), name
+    llm.close()
