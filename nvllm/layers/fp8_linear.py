@@ -25,7 +25,7 @@ from nvllm.distributed.partition import LinearShard, Part, take_shard
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.attention_partials import finished_attention
 from nvllm.kernels.fp8_gemm import W8A8_MIN_M, fp8_linear
-from nvllm.kernels.fp8_w8a8 import block_scaled_mm_runs, w8a8_weight_scales
+from nvllm.kernels.fp8_w8a8 import block_scaled_mm_runs, scaled_mm_runs, w8a8_weight_scales
 from nvllm.layers.linear import Linear, sum_over_ranks
 from nvllm.quant.fp8 import FP8_DTYPE, FP8_MAX, Fp8Scheme, quantize_rows, scale_rows
 
@@ -135,9 +135,14 @@ class Fp8Linear(nn.Module):
     def prepare_w8a8(self) -> None:
         """After loading (the loader calls it, before any CUDA graph capture): the weight's scales as the block-wise
         W8A8 products take them (``w8a8_weight_scales``), where they run on this GPU (``fp8_linear`` picks among
-        them by the number of rows). None elsewhere."""
+        them by the number of rows). None elsewhere. Both products are tried on the GPU now, outside any capture
+        (``scaled_mm_runs``), so a prefill graph captured before any eager product of many rows still takes them."""
         self.w8a8_scales = None
-        if W8A8_MIN_M and block_scaled_mm_runs(self.weight.device):
+        if not W8A8_MIN_M:
+            return
+        if self.weight.device.type == "cuda":
+            scaled_mm_runs(self.weight.device, "row")
+        if block_scaled_mm_runs(self.weight.device):
             self.w8a8_scales = w8a8_weight_scales(self.scale, self.block_k, self.in_features) or None
 
     # ---- forward -------------------------------------------------------------------------------------------
