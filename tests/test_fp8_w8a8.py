@@ -189,6 +189,8 @@ def emulated_block_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None):
     G = -(-K // 128)
     if scale_a.shape == (M, 1) and scale_b.shape == (1, N):               # row-wise: the CPU build runs it
         return _SCALED_MM(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    assert K % 16 == 0 and N % 16 == 0 and a.stride(1) == 1
+    assert scale_a.dtype == scale_b.dtype == torch.float32 and (bias is None or bias.dtype == out_dtype)
     assert a.dtype == b.dtype == FP8_DTYPE and b.stride(0) == 1          # row-major times column-major
     assert scale_a.shape == (M, G) and (M == 1 or scale_a.stride(0) == 1) and (G == 1 or scale_a.stride(1) == M)
     assert M % 4 == 0                                                      # 16-byte columns (an H100 refused 257)
@@ -243,34 +245,41 @@ def test_block_weight_scales_in_both_layouts_give_the_reference_product(w8a8, mo
     x = (torch.randn(5, 512, generator=gen) * 2).to(torch.bfloat16)
     bias = torch.randn(272, generator=gen).to(torch.bfloat16)
     q, s = _block_weight(272, 512, (128, 128), gen)                       # a short last block of rows
-    compact = w8a8.block_weight_scales(s, 128, 512)
+    compact = w8a8.block_weight_scales(s, 128, 512, "128x128")
     assert compact.shape == (4, 3) and compact.t().is_contiguous()
     per_group = w8a8.block_weight_scales(s, 128, 512, "1x128")
     assert per_group.shape == (4, 272) and per_group.is_contiguous()
     ref = w8a8.w8a8_block_reference(x, q, s, 128, bias).float()
+    exact = torch.nn.functional.linear(x.float(), q.float() * s.repeat_interleave(128, dim=1), bias.float())
     for scales in (compact, per_group):
         y = w8a8.w8a8_block_linear(x, q, scales, bias)
         assert y.dtype == torch.bfloat16 and y.shape == (5, 272)
         assert float((y.float() - ref).abs().max()) <= 8e-3 * float(ref.abs().max())
-    exact = torch.nn.functional.linear(x.float(), q.float() * s.repeat_interleave(128, dim=1), bias.float())
-    assert float((y.float() - exact).abs().max()) <= 0.05 * float(exact.abs().max())   # activations rounded
+        assert float((y.float() - exact).abs().max()) <= 0.05 * float(exact.abs().max())   # activations rounded
+    wrong = s.clone()
+    wrong[:128] *= 2                                                        # a layout read otherwise shows
+    for scales in (w8a8.block_weight_scales(wrong, 128, 512, "128x128"), w8a8.block_weight_scales(wrong, 128, 512,
+                                                                                                "1x128")):
+        y = w8a8.w8a8_block_linear(x, q, scales, bias)
+        assert float((y.float() - ref).abs().max()) > 0.1 * float(ref.abs().max())
     shifted = torch.cat([s[:16], s[:-16]])                                 # rows 16 off the 128-row blocks
-    assert w8a8.block_weight_scales(shifted, 128, 512).shape == (4, 272)
+    assert w8a8.block_weight_scales(shifted, 128, 512, "128x128") is None
+    assert w8a8.w8a8_weight_scales(shifted, 128, 512).keys() == {"1x128"}
     q6, s6 = _block_weight(256, 384, (128, 128), gen)                      # 3 groups: rows not 16 bytes a multiple
-    assert w8a8.block_weight_scales(s6, 128, 384).shape == (3, 256)
+    assert w8a8.w8a8_weight_scales(s6, 128, 384)["1x128"].shape == (3, 256)
     assert w8a8.block_weight_scales(s6, 128, 384, "128x128") is None
     for block, k in (((256, 256), 640), ((64, 64), 512)):
         qb, sb = _block_weight(128, k, block, gen)
-        scales = w8a8.block_weight_scales(sb, block[1], k)
+        scales = w8a8.block_weight_scales(sb, block[1], k, "1x128")
         if block[1] % 128:
-            assert scales is None
+            assert scales is None and w8a8.w8a8_weight_scales(sb, block[1], k) == {}
             continue
-        xb = x.new_ones(3, k)
+        xb = torch.randn(3, k, generator=gen).to(torch.bfloat16)
         y = w8a8.w8a8_block_linear(xb, qb, scales)
         torch.testing.assert_close(y.float(), w8a8.w8a8_block_reference(xb, qb, sb, block[1]).float(), rtol=8e-3,
                                    atol=1e-3)
     qr, sr = quantize_rows(torch.randn(64, 4352, generator=gen) * 0.05)    # one scale a row, 34 groups
-    scales = w8a8.block_weight_scales(sr, 4352, 4352)
+    scales = w8a8.block_weight_scales(sr, 4352, 4352, "1x128")
     assert scales.shape == (34, 64)
     xr = torch.randn(2, 4352, generator=gen).to(torch.bfloat16)
     torch.testing.assert_close(w8a8.w8a8_block_linear(xr, qr, scales).float(),
@@ -335,6 +344,14 @@ def test_fp8_linear_and_the_layer_hand_block_scales_to_w8a8_and_name_it(w8a8, mo
         m(xs)
     assert report.snapshot()["fp8_gemm"] == {block.format("1x128"): 3,
                                              "fp8 w8a8 (per-token activations) torch._scaled_mm": 1}
+    # fp16 activations: the layer keeps no W8A8 scales, and given some, fp8_linear still runs W8A16
+    half = L.Fp8Linear(512, 384, False, None, Fp8Scheme("block", (128, 128)), torch.float16)
+    half.scale.data.copy_(s)
+    half.prepare_w8a8()
+    assert half.w8a8_scales is None
+    report.reset()
+    G.fp8_linear(x.half(), q, s, 128, w8a8_scales=scales)
+    assert report.snapshot()["fp8_gemm"] == {"triton w8a16 fp8": 1}
     monkeypatch.setattr(L, "block_scaled_mm_runs", lambda device: False)  # no Hopper GPU: nothing made
     layer.prepare_w8a8()
     assert layer.w8a8_scales is None
@@ -352,7 +369,7 @@ def test_the_loader_lays_out_the_w8a8_scales_of_a_128x128_checkpoint(tmp_path, m
                             num_key_value_heads=2, num_hidden_layers=1)
     path = write_fp8(base, tmp_path / "fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]},
                      fp8_blocks((128, 128)))
-    llm = make_llm(str(path), enforce_eager=True)
+    llm = make_llm(str(path), enforce_eager=True, dtype="bfloat16")
     layer = llm.engine.runner.model.layers[0]
     for name, n in (("qkv_proj", 1024), ("o_proj", 512), ("gate_up_proj", 1024), ("down_proj", 512)):
         linear = getattr(layer, name)

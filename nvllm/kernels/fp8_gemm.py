@@ -43,11 +43,11 @@ against 469; at 2048 rows the dequantize path is 1.9–3.2× faster."""
 
 W8A8_MIN_M = int(os.environ.get("NVLLM_FP8_W8A8_MIN_M", "16"))
 """From this many rows on, FP8 weights run as W8A8 (``nvllm.kernels.fp8_w8a8``: the tokens quantized to FP8, the
-product on the FP8 tensor cores) where it runs (Hopper; 0: never), below ``W8A8_LARGE_M`` rows with activations
-per token and 128 inputs against 1×128 weight scales. H100, a Qwen2.5-7B layer's four projections (docs/PERF.md
-run EO), µs for W8A16 against 1×128 W8A8: 128×128 blocks 118.9 / 114.3 at 8 rows, 124.2 / 115.1 at 16, 222.4 /
-118.7 at 64, 439.4 / 136.8 at 128; one scale a row 108.3 / 111.3 at 8, 111.3 / 115.4 at 16, 152.2 / 118.8 at 32,
-267.7 / 136.4 at 128."""
+product on the FP8 tensor cores) where torch's block-wise scaled products run (Hopper, cuBLAS 12.9 on; 0: never),
+below ``W8A8_LARGE_M`` rows with activations per token and 128 inputs against 1×128 weight scales. H100, a
+Qwen2.5-7B layer's four projections (docs/PERF.md run EO), µs for W8A16 against 1×128 W8A8: 128×128 blocks 118.9 /
+114.3 at 8 rows, 124.2 / 115.1 at 16, 222.4 / 118.7 at 64, 439.4 / 136.8 at 128; one scale a row 108.3 / 111.3 at
+8, 111.3 / 115.4 at 16, 152.2 / 118.8 at 32, 267.7 / 136.4 at 128."""
 
 W8A8_LARGE_M = int(os.environ.get("NVLLM_FP8_W8A8_LARGE_M", "256"))
 """From this many rows on, W8A8 takes 128×128 weight blocks where the checkpoint has them, and activations per
@@ -350,7 +350,10 @@ def w8a8_path(x: torch.Tensor, weight: torch.Tensor, block_k: int,
               w8a8_scales: dict[str, torch.Tensor] | None) -> str | None:
     """Which W8A8 product ``fp8_linear`` runs for ``x [M, K]``, None for none: below ``W8A8_MIN_M`` rows none; from
     ``W8A8_LARGE_M`` rows "row" (per-token, ``w8a8_supported``) or "128x128" where the weight allows; else "1x128"
-    where ``w8a8_scales`` has it and the block-wise product runs (``w8a8_block_supported``)."""
+    where ``w8a8_scales`` has it and the block-wise product runs (``w8a8_block_supported``). Where only row-wise
+    products run (torch built before cuBLAS 12.9), weights with one scale a row take the per-token product from
+    ``W8A8_LARGE_M`` rows only: below that it was slower than W8A16 (run EO: 19.6 against 11.7 µs for q/k/v at 16
+    rows)."""
     M = x.shape[0]
     if not W8A8_MIN_M or M < W8A8_MIN_M:
         return None

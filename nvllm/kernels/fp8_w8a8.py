@@ -6,9 +6,11 @@ Hopper, where it was timed): ``y = (qx · sx) @ (qw · sw)ᵀ (+ bias)``, the pr
   with one scale a row (per-tensor or per-channel checkpoints, ``--quantization fp8``) of at most ``MAX_ROW``
   inputs; row-wise scaled product.
 - **per token and 128 inputs** (``w8a8_block_linear``): each row's groups of ``GROUP`` inputs under their own scale,
-  for weights whose scales change along K in blocks of a multiple of 128 inputs (Qwen3-FP8, DeepSeek-V3's 128×128
-  blocks) and for rows wider than ``MAX_ROW``; block-wise scaled product (cuBLAS's 1×128 activation scales against
-  the weight's 128×128 blocks, or 1×128 weight scales, each weight row's scales repeated over its groups).
+  for weights with one scale a row or scales that change along K in blocks of a multiple of 128 inputs (Qwen3-FP8,
+  DeepSeek-V3's 128×128 blocks); block-wise scaled product (cuBLAS's 1×128 activation scales against the weight's
+  128×128 blocks, or 1×128 weight scales, each weight row's scales repeated over its groups).
+
+Which one runs at how many rows is ``nvllm.kernels.fp8_gemm.w8a8_path``'s choice (measured).
 
 Both quantizers are Triton kernels that read x once, take the largest magnitude of the row (or group) and encode
 every element to e4m3's byte with integer arithmetic: round to nearest, ties to even, subnormals kept, as
@@ -38,7 +40,8 @@ GROUPS_PER_PROGRAM = 8
 
 MAX_ROW = 4096
 """The longest row ``quantize_tokens`` takes: one program holds the row. Wider rows spilled (docs/PERF.md run EL:
-down_proj's 18944 inputs in 32768-wide programs made W8A8 slower than dequantize + cuBLAS); they keep W8A16."""
+down_proj's 18944 inputs in 32768-wide programs made W8A8 slower than dequantize + cuBLAS); they take the block-wise
+product."""
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -178,15 +181,15 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(FP8_DTYPE), scale
 
 
-def quantize_token_groups(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_token_groups(x: torch.Tensor, pad_rows_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_token_groups_reference``'s result (any row width): ``GROUPS_PER_PROGRAM`` groups a Triton program.
     The scales ``[M, ceil(K / GROUP)]`` are stored column by column (strides ``(1, M)``), the layout cuBLAS's 1×128
-    activation scales take. ``rows``: return that many rows (at least M); those past M are left unset."""
+    activation scales take. ``pad_rows_to``: return that many rows (at least M); those past M are left unset."""
     M, K = x.shape
     G = -(-K // GROUP)
     if x.stride(1) != 1:
         x = x.contiguous()
-    rows = M if rows is None else rows
+    rows = M if pad_rows_to is None else pad_rows_to
     q = torch.empty(rows, K, dtype=torch.uint8, device=x.device)
     scale = torch.empty(G, rows, dtype=torch.float32, device=x.device).t()
     if M:
@@ -240,25 +243,30 @@ def scaled_mm_runs(device: torch.device, kind: str) -> bool:
 
 
 def _probe(index: int, kind: str) -> bool:
+    """Small products of random operands against their torch reference: a torch that takes the layouts but reads
+    them otherwise answers no. The block-wise one has 18 rows (padded to 20), 144 outputs (a short last block) and
+    a bias, in both weight-scale layouts."""
     if torch.cuda.get_device_capability(index)[0] != 9:
         return False
     dev = torch.device("cuda", index)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(18, 4 * GROUP, device=dev, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(144, 4 * GROUP, device=dev, generator=gen) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    bias = torch.randn(144, device=dev, generator=gen).to(torch.bfloat16)
     try:
         if kind == "row":
-            a = torch.zeros(16, 16, device=dev).to(FP8_DTYPE)
-            torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=dev),
-                             scale_b=torch.ones(1, 16, device=dev), out_dtype=torch.bfloat16)
-            return True
-        K = 4 * GROUP
-        x = torch.zeros(16, K, device=dev, dtype=torch.bfloat16)
-        w = torch.zeros(GROUP, K, device=dev).to(FP8_DTYPE)
-        bias = torch.zeros(GROUP, device=dev, dtype=torch.bfloat16)
-        for layout in ("1x128", "128x128"):
-            scales = block_weight_scales(torch.ones(GROUP, 4, device=dev), GROUP, K, layout)
-            w8a8_block_linear(x, w, scales, bias)
-        return True
+            s = torch.rand(144, 1, device=dev, generator=gen) + 0.5
+            return _close(w8a8_linear(x, w, s, bias), w8a8_reference(x, w, s, bias))
+        s = (torch.rand(2, 4, device=dev, generator=gen) + 0.5).repeat_interleave(GROUP, dim=0)[:144]
+        ref = w8a8_block_reference(x, w, s, GROUP, bias)
+        return all(_close(w8a8_block_linear(x, w, block_weight_scales(s, GROUP, 4 * GROUP, layout), bias), ref)
+                   for layout in ("1x128", "128x128"))
     except (RuntimeError, TypeError, ValueError):
         return False
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor) -> bool:
+    return bool((y.float() - ref.float()).abs().max() <= 2e-2 * ref.float().abs().max())
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor,
@@ -269,11 +277,10 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor,
     fused = bias is not None and bias.dtype == x.dtype   # added in fp32 before the one rounding
     y = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=row_scale.float().reshape(1, -1).contiguous(),
                          bias=bias if fused else None, out_dtype=x.dtype)
-    return y if bias is None or fused else y + bias
+    return y if bias is None or fused else y + bias.to(y.dtype)
 
 
-def block_weight_scales(scale: torch.Tensor, block_k: int, in_features: int,
-                        layout: str = "auto") -> torch.Tensor | None:
+def block_weight_scales(scale: torch.Tensor, block_k: int, in_features: int, layout: str) -> torch.Tensor | None:
     """A weight's scales ``[N, ceil(K / block_k)]`` (``nvllm.quant.fp8``'s layout, ``K = in_features``) as
     ``w8a8_block_linear``'s ``torch._scaled_mm`` takes them, or None where it cannot (blocks along K not a multiple
     of ``GROUP``):
@@ -281,8 +288,7 @@ def block_weight_scales(scale: torch.Tensor, block_k: int, in_features: int,
     - "128x128": 128×128 blocks, ``[ceil(K/128), ceil(N/128)]`` whose transpose is contiguous; only where every 128
       rows share their scales and a row of block scales is 16 bytes a multiple (cuBLAS);
     - "1x128": one scale a row and 128 inputs, ``[ceil(K/128), N]`` contiguous (each row's block or row scale
-      repeated over its groups);
-    - "auto": "128x128" where it applies, else "1x128".
+      repeated over its groups).
 
     Made once a layer (``w8a8_weight_scales``): the 1×128 copy holds 4 bytes a weight row and 128 inputs (3 % of
     the FP8 weight's bytes)."""
@@ -290,12 +296,11 @@ def block_weight_scales(scale: torch.Tensor, block_k: int, in_features: int,
     groups = -(-in_features // GROUP)
     if block_k < in_features and block_k % GROUP:
         return None
-    if layout in ("auto", "128x128") and block_k == GROUP and groups % 4 == 0:
-        compact = scale[::GROUP]
-        if torch.equal(compact.repeat_interleave(GROUP, dim=0)[:N], scale):
-            return compact.float().contiguous().t()
     if layout == "128x128":
-        return None
+        compact = scale[::GROUP]
+        if block_k != GROUP or groups % 4 or not torch.equal(compact.repeat_interleave(GROUP, dim=0)[:N], scale):
+            return None
+        return compact.float().contiguous().t()
     if block_k >= in_features:   # one scale a row
         per_group = scale[:, :1].expand(N, groups)
     else:
@@ -325,4 +330,4 @@ def w8a8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scales: torc
     fused = bias is not None and bias.dtype == x.dtype
     y = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scales, bias=bias if fused else None,
                          out_dtype=x.dtype)[:M]
-    return y if bias is None or fused else y + bias
+    return y if bias is None or fused else y + bias.to(y.dtype)

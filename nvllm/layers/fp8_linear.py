@@ -24,7 +24,8 @@ from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, Part, take_shard
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.attention_partials import finished_attention
-from nvllm.kernels.fp8_gemm import W8A8_MIN_M, fp8_linear
+from nvllm.kernels import fp8_gemm
+from nvllm.kernels.fp8_gemm import fp8_linear
 from nvllm.kernels.fp8_w8a8 import block_scaled_mm_runs, scaled_mm_runs, w8a8_weight_scales
 from nvllm.layers.linear import Linear, sum_over_ranks
 from nvllm.quant.fp8 import FP8_DTYPE, FP8_MAX, Fp8Scheme, quantize_rows, scale_rows
@@ -58,6 +59,7 @@ class Fp8Linear(nn.Module):
             self.input_scale = nn.Parameter(torch.ones(len(self.output_sizes), dtype=torch.float32),
                                             requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.dtype = dtype                                         # the activations' (the model's)
         self.w8a8_scales: dict[str, torch.Tensor] | None = None   # see prepare_w8a8
 
     @property
@@ -135,10 +137,11 @@ class Fp8Linear(nn.Module):
     def prepare_w8a8(self) -> None:
         """After loading (the loader calls it, before any CUDA graph capture): the weight's scales as the block-wise
         W8A8 products take them (``w8a8_weight_scales``), where they run on this GPU (``fp8_linear`` picks among
-        them by the number of rows). None elsewhere. Both products are tried on the GPU now, outside any capture
-        (``scaled_mm_runs``), so a prefill graph captured before any eager product of many rows still takes them."""
+        them by the number of rows): bf16 activations, both sides multiples of 16. None elsewhere. Both products are
+        tried on the GPU now, outside any capture (``scaled_mm_runs``), so a prefill graph captured before any eager
+        product of many rows still takes them."""
         self.w8a8_scales = None
-        if not W8A8_MIN_M:
+        if not fp8_gemm.W8A8_MIN_M or self.dtype != torch.bfloat16 or self.out_features % 16 or self.in_features % 16:
             return
         if self.weight.device.type == "cuda":
             scaled_mm_runs(self.weight.device, "row")

@@ -192,7 +192,7 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
     if log and qcfg.fp8 is not None:
         from nvllm.kernels.fp8_gemm import W8A8_MIN_M
 
-        w8a8 = f", W8A8 from {W8A8_MIN_M} rows on Hopper GPUs" if W8A8_MIN_M else ""
+        w8a8 = f", W8A8 from {W8A8_MIN_M} rows with bf16 activations on Hopper GPUs" if W8A8_MIN_M else ""
         logger.info("quantized checkpoint: %s, %s (served W8A16%s%s); %d of %d decoder linears quantized (the "
                     "rest, embeddings and lm_head in full precision)", qcfg.method, qcfg.fp8.describe(), w8a8,
                     ": the checkpoint's activation scales are not applied" if any(
