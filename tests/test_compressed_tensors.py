@@ -1,7 +1,7 @@
-"""llm-compressor checkpoints (compressed-tensors, pack-quantized W4A16 / W8A16): written here by the
-compressed-tensors library itself from a tiny random Qwen2 (its own packing, its own config.json), served by nvllm,
-and checked against the same library's decompressed weights run through HF transformers: every prompt logprob
-equal. Group and channel scales, symmetric and zero-point weights (a zero point of 0 included) and a quantized LM
+"""llm-compressor checkpoints (compressed-tensors, pack-quantized W4A16 / W8A16, int-quantized W8A8): written here by
+the compressed-tensors library itself from a tiny random Qwen2 (its own packing, its own config.json), served by
+nvllm, and checked against the same library's decompressed weights run through HF transformers: every prompt logprob
+equal (W8A8 checkpoints run W8A16: their activations are not quantized). Group and channel scales, symmetric and zero-point weights (a zero point of 0 included) and a quantized LM
 head. Act-order groups (``weight_g_idx``, which the library no longer writes) are checked on the library's packing
 against the format's formula. Configs nvllm cannot serve are one clear error."""
 
@@ -107,6 +107,12 @@ def _config(tmp_path: Path, **changes) -> Path:
     (dict(weights={"strategy": "tensor"}), "strategy 'tensor'"),
     (dict(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
     (dict(transform_config={"config_groups": {"u": {}}}), "transforms"),
+    (dict(format="int-quantized", weights={"num_bits": 4}), "8-bit weights"),
+    (dict(format="int-quantized", weights={"num_bits": 8}, input_activations={"num_bits": 8, "type": "float"}),
+     "input activations other than 8-bit int"),
+    (dict(format="int-quantized", weights={"num_bits": 8},
+          input_activations={"num_bits": 8, "type": "int", "strategy": "group", "group_size": 32}),
+     "input activation strategy 'group'"),
 ])
 def test_configs_it_cannot_serve_are_one_clear_error(changes, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
@@ -167,7 +173,8 @@ def test_config_spellings_the_library_accepts(spelling):
     weights = {k: v for k, v in weights.items() if v is not None}
     QuantizationArgs.model_validate(weights)  # the library takes it
     raw = {"config_groups": {"g": {"targets": ["Linear"], "weights": weights}}, "format": "pack-quantized"}
-    assert weight_scheme(raw) == {"bits": 4, "group_size": 32, "sym": True, "actorder": None}
+    assert weight_scheme(raw) == {"bits": 4, "group_size": 32, "sym": True, "actorder": None,
+                                  "format": "pack-quantized", "activations": None}
 
 
 def test_malformed_tensors_are_refused():
@@ -186,11 +193,16 @@ def test_malformed_tensors_are_refused():
         sym.translate("m", {"weight_packed": packed, "weight_scale": scale, "weight_g_idx": torch.zeros(60)})
 
 
-def test_a_pickle_checkpoint_loads_the_same(tmp_path):
-    """Saved as pytorch_model.bin (tensor names unknown until read), with --allow-pickle: the same logprobs."""
+@pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized"])
+def test_a_pickle_checkpoint_loads_the_same(fmt, tmp_path):
+    """Saved as pytorch_model.bin (tensor names unknown until read), with --allow-pickle: the same logprobs (an
+    int-quantized module's weight told from a dense one's by its int8 dtype)."""
     from safetensors.torch import load_file
 
-    write_checkpoint(tmp_path / "ckpt", bits=4, sym=False, strategy="group")
+    if fmt == "pack-quantized":
+        write_checkpoint(tmp_path / "ckpt", bits=4, sym=False, strategy="group")
+    else:
+        write_w8a8(tmp_path / "ckpt", static=True)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
     want = make_llm(str(tmp_path / "ckpt")).generate({"prompt_token_ids": IDS}, params, use_tqdm=False)[0]
     torch.save(load_file(tmp_path / "ckpt" / "model.safetensors"), tmp_path / "ckpt" / "pytorch_model.bin")
@@ -199,3 +211,73 @@ def test_a_pickle_checkpoint_loads_the_same(tmp_path):
                                                                        use_tqdm=False)[0]
     assert [{t: round(lp.logprob, 5) for t, lp in d.items()} for d in got.prompt_logprobs[1:]] == \
         [{t: round(lp.logprob, 5) for t, lp in d.items()} for d in want.prompt_logprobs[1:]]
+
+
+def write_w8a8(out: Path, sym: bool = True, strategy: str = "channel", static: bool = False) -> dict:
+    """A W8A8 checkpoint as llm-compressor writes it (``int-quantized``: int8 weights a byte each, min-max scales
+    rounded to fp16; int8 input activations per token, dynamic, or ``static`` per tensor with an ``input_scale``),
+    by the library's own compressor; returns the library's decompressed weights of the quantized modules."""
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    src = build_tiny_model("qwen2", out.parent / f"{out.name}-base")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    weights = {"num_bits": 8, "type": "int", "symmetric": sym, "strategy": strategy}
+    if strategy == "group":
+        weights["group_size"] = 32
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor" if static else "token",
+            "dynamic": not static}
+    config = QuantizationConfig.model_validate({"config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": weights, "input_activations": acts}}, "ignore": ["lm_head"],
+        "format": "int-quantized"})
+    apply_quantization_config(model, config)
+    for name, m in model.named_modules():
+        if not hasattr(m, "weight_scale"):
+            continue
+        w = m.weight.data
+        per_group = w.reshape(w.shape[0], -1, 32 if strategy == "group" else w.shape[1])
+        scale, zero = calculate_qparams(per_group.amin(-1), per_group.amax(-1), m.quantization_scheme.weights)
+        m.weight_scale.data.copy_(scale.half().float().reshape(m.weight_scale.shape))
+        if hasattr(m, "weight_zero_point"):
+            m.weight_zero_point.data.copy_(zero.reshape(m.weight_zero_point.shape))
+        if static:
+            m.input_scale.data.fill_(0.02)
+    save_compressed(model, out, src, "int-quantized")
+    return {f"{name}.weight": m.weight.detach().clone() for name, m in model.named_modules()
+            if hasattr(m, "weight_scale")}
+
+
+W8A8_CASES = {
+    "channel, dynamic tokens": dict(),
+    "channel, static tensor scale": dict(static=True),
+    "g32 zero points": dict(sym=False, strategy="group"),
+}
+
+
+@pytest.mark.parametrize("case", list(W8A8_CASES))
+def test_w8a8_checkpoints_served_w8a16_as_the_library_decompresses_them(case, tmp_path, caplog):
+    """llm-compressor's W8A8 (``int-quantized``): the library's own int8 tensors read into the GPTQ 8-bit path give
+    every prompt logprob of its decompressed weights in transformers (activations unquantized on both sides); the
+    log says the activations are not quantized, and that static input scales are left out."""
+    from tests.quant_utils import hf_model
+
+    weights = write_w8a8(tmp_path / "ckpt", **W8A8_CASES[case])
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "int-quantized"
+    with torch.no_grad():
+        want = torch.log_softmax(hf_model(tmp_path / "ckpt-base", weights)(torch.tensor([IDS])).logits[0], dim=-1)
+    report.reset()
+    with caplog.at_level("INFO", logger="nvllm"):
+        llm = make_llm(str(tmp_path / "ckpt"), enable_prefix_caching=False)
+    out = llm.generate({"prompt_token_ids": IDS}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20),
+                       use_tqdm=False)[0]
+    errors = [abs(lp.logprob - float(want[pos - 1, tok])) for pos in range(1, len(IDS))
+              for tok, lp in out.prompt_logprobs[pos].items()]
+    assert max(errors) < 1e-4, max(errors)
+    model = llm.engine.runner.model
+    assert type(model.layers[0].qkv_proj).__name__ == "QuantLinear" and type(model.lm_head).__name__ != "QuantLMHead"
+    assert "quant_gemm" in report.snapshot()
+    static = W8A8_CASES[case].get("static", False)
+    assert f"int8 activations ({'static tensor' if static else 'dynamic token'}) are not quantized" in caplog.text
+    assert ("static activation tensors (input_scale, input_zero_point) are not used" in caplog.text) == static

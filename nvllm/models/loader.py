@@ -199,8 +199,10 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
                         s.static_inputs for s in plan.values()) else "", len(plan), total)
     elif log:
         logger.info("quantized checkpoint: %s %d-bit, group size %d; %d of %d decoder linears quantized (the "
-                    "rest and embeddings in full precision); lm_head %s", qcfg.method, qcfg.bits,
-                    qcfg.group_size, len(plan) - head, total, "quantized" if head else "in full precision")
+                    "rest and embeddings in full precision); lm_head %s%s", qcfg.method, qcfg.bits,
+                    qcfg.group_size, len(plan) - head, total, "quantized" if head else "in full precision",
+                    f"; served W8A16: the checkpoint's int8 activations ({qcfg.activations}) are not quantized"
+                    if qcfg.activations else "")
     return plan
 
 
@@ -231,6 +233,9 @@ def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torc
                 model.load_weights(weights if view is None else view(weights))
             except ValueError as e:  # a compressed-tensors module that cannot be translated
                 raise ConfigError(f"{config.model}: {e}") from e
+            if view is not None and view.dropped:
+                logger.info("the checkpoint's %d static activation tensors (input_scale, input_zero_point) are "
+                            "not used: its linears run W8A16", view.dropped)
         logger.info("loaded %s from %s", arch, config.model)
     for m in model.modules():   # quantized layers: validate and cache their packed weights now, not mid-capture
         if hasattr(m, "quant_weight"):

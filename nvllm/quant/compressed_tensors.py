@@ -1,5 +1,7 @@
-"""Checkpoints written by llm-compressor (``quant_method: compressed-tensors``, ``format: pack-quantized``): weight-only
-INT4 and INT8 (W4A16, W8A16), group or channel scales, symmetric or with zero points, act-order groups.
+"""Checkpoints written by llm-compressor (``quant_method: compressed-tensors``): ``format: pack-quantized``, weight-only
+INT4 and INT8 (W4A16, W8A16), group or channel scales, symmetric or with zero points, act-order groups; and
+``format: int-quantized``, INT8 weights stored a byte each, as llm-compressor's W8A8 (SmoothQuant / GPTQ ``W8A8``
+schemes) writes them with int8 activations (dynamic per token, or a static per-tensor ``input_scale``).
 
 A quantized module's tensors, as compressed-tensors' ``PackedQuantizationCompressor`` writes them:
   ``weight_packed`` int32 ``[out, in*bits/32]``: packed along *in*, element ``i`` of a word in bits ``i*bits ..``
@@ -7,12 +9,17 @@ A quantized module's tensors, as compressed-tensors' ``PackedQuantizationCompres
   ``weight_scale`` ``[out, G]``; ``weight_shape`` int ``[2]``;
   ``weight_zero_point`` (asymmetric only) int32 ``[out*bits/32, G]``: packed along *out*, the same offset;
   ``weight_g_idx`` int ``[in]`` (``actorder: group``). ``w = (q - z) * s``.
+``int-quantized`` (compressed-tensors' ``IntQuantizationCompressor``): ``weight`` int8 ``[out, in]`` (signed codes),
+``weight_scale`` ``[out, G]``, ``weight_zero_point`` int8 ``[out, G]`` (asymmetric only), ``input_scale`` /
+``input_zero_point`` for static activations.
 
 nvllm serves them through its GPTQ v1 path: the loader reads each module translated (``GPTQView``). The words of
 ``weight_packed`` transposed are GPTQ's ``qweight`` (the same fields along the input, the offset code being
 GPTQ's unsigned code); the scales are transposed; the zero points are repacked along *out* as v1 stores them
 (``zero - 1``, a symmetric layer's being ``2^(bits-1)``). v1 cannot hold a zero point of 0: such a (group,
 column) is stored mirrored, as AWQ's are (codes ``2^bits - 1 - q``, zero ``2^bits - 1``, scale ``-s``).
+``int-quantized`` weights are packed into the same words. Their activations are not quantized: nvllm serves them
+W8A16 (the same weights; no activation rounding) and drops static ``input_scale`` tensors, saying so.
 """
 
 from __future__ import annotations
@@ -32,8 +39,10 @@ _ARGS = {"type": "int", "dynamic": False, "observer": "minmax", "observer_kwargs
 
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
+INT_FORMAT = "int-quantized"                              # INT8 weights a byte each (llm-compressor's W8A8)
 FLOAT_FORMATS = ("float-quantized", "naive-quantized")   # FP8 weights stored as they are (nvllm.quant.fp8)
 _PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+_INT_PARTS = ("weight", "weight_scale", "weight_zero_point", "input_scale", "input_zero_point")
 
 
 def is_compressed_tensors(raw: dict[str, Any] | None) -> bool:
@@ -42,9 +51,10 @@ def is_compressed_tensors(raw: dict[str, Any] | None) -> bool:
 
 def weight_scheme(raw: dict[str, Any]) -> dict[str, Any] | Fp8Scheme:
     """The one weight scheme of a ``compressed-tensors`` config, checked: ``{"bits", "group_size" (-1 for channel),
-    "sym", "actorder"}`` for int weights, an ``Fp8Scheme`` for FP8 weights. Anything else (int weights with
-    activation quantization, another format, sparsity, transforms, a quantized KV cache, groups with different
-    schemes) is one ValueError naming it."""
+    "sym", "actorder", "format", "activations"}`` for int weights (``activations``: the int8 activation scheme of an
+    ``int-quantized`` checkpoint, not applied, else None), an ``Fp8Scheme`` for FP8 weights. Anything else (packed
+    weights with activation quantization, another format, sparsity, transforms, a quantized KV cache, groups with
+    different schemes) is one ValueError naming it."""
     groups = raw.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
@@ -57,13 +67,17 @@ def weight_scheme(raw: dict[str, Any]) -> dict[str, Any] | Fp8Scheme:
         if isinstance(w, dict) and str(w.get("type", "int")).lower() == "float":
             schemes.append(_float_weights(name, fmt, w, g.get("input_activations"), g.get("output_activations")))
             continue
-        if fmt != FORMAT:
+        if fmt not in (FORMAT, INT_FORMAT):
             raise ValueError(f"unsupported compressed-tensors format {fmt!r}: nvllm serves {FORMAT!r} (weight-only "
-                             f"INT4/INT8: W4A16, W8A16)")
-        if g.get("input_activations") is not None or g.get("output_activations") is not None:
-            raise ValueError(f"compressed-tensors config group {name!r} quantizes activations (W8A8 and the like): "
-                             f"nvllm serves weight-only checkpoints (W4A16, W8A16)")
-        schemes.append(_weights(name, g.get("weights")))
+                             f"INT4/INT8: W4A16, W8A16) and {INT_FORMAT!r} (INT8 weights: W8A8 checkpoints)")
+        if g.get("output_activations") is not None or (fmt == FORMAT and g.get("input_activations") is not None):
+            raise ValueError(f"compressed-tensors config group {name!r} quantizes activations (W4A8 and the like): "
+                             f"nvllm serves packed weight-only checkpoints (W4A16, W8A16) and {INT_FORMAT!r} W8A8")
+        scheme = _weights(name, g.get("weights"))
+        if fmt == INT_FORMAT and (scheme["bits"] != 8 or scheme["actorder"] is not None):
+            raise ValueError(f"compressed-tensors {INT_FORMAT!r} config group {name!r}: nvllm serves 8-bit weights "
+                             f"without act-order groups there")
+        schemes.append(scheme | {"format": fmt, "activations": _int_activations(name, g.get("input_activations"))})
     if any(s != schemes[0] for s in schemes):
         raise ValueError("compressed-tensors config groups give different weight schemes: nvllm serves one "
                          "scheme for every quantized module")
@@ -88,6 +102,21 @@ def _float_weights(group: str, fmt: Any, w: dict[str, Any], inputs: Any, outputs
     if outputs is not None:
         raise ValueError(f"compressed-tensors config group {group!r} quantizes output activations: not served")
     return fp8.compressed_tensors_scheme(w, inputs)
+
+
+def _int_activations(group: str, a: Any) -> str | None:
+    """An ``int-quantized`` group's input activation scheme as the log names it ("dynamic token", "static tensor"),
+    None for none; what is not int8 per token or per tensor is a ValueError."""
+    if a is None:
+        return None
+    if not isinstance(a, dict) or str(a.get("type", "int")).lower() != "int" or a.get("num_bits") != 8:
+        raise ValueError(f"compressed-tensors config group {group!r}: input activations other than 8-bit int are "
+                         f"not served")
+    strategy = str(a.get("strategy") or "tensor").lower()
+    if strategy not in ("token", "tensor"):
+        raise ValueError(f"compressed-tensors config group {group!r}: input activation strategy {strategy!r} is not "
+                         f"served (token, tensor)")
+    return f"{'dynamic' if a.get('dynamic') else 'static'} {strategy}"
 
 
 def _weights(group: str, w: Any) -> dict[str, Any]:
@@ -138,11 +167,13 @@ def ignored(raw: dict[str, Any], name: str) -> bool:
 
 
 def gptq_keys(keys: set[str]) -> set[str]:
-    """Tensor names as the GPTQ path knows them (a module's ``weight_packed`` stands for its ``qweight``)."""
+    """Tensor names as the GPTQ path knows them: a quantized module (one with a ``weight_scale``) stands for its
+    ``qweight``, ``qzeros``, ``scales`` and ``g_idx``."""
+    quantized = {k.rpartition(".")[0] for k in keys if k.endswith(".weight_scale")}
     out = set()
     for k in keys:
         module, _, leaf = k.rpartition(".")
-        if leaf in _PARTS:
+        if module in quantized and leaf in _PARTS + _INT_PARTS:
             out.update(f"{module}.{t}" for t in ("qweight", "qzeros", "scales", "g_idx"))
         else:
             out.add(k)
@@ -152,27 +183,42 @@ def gptq_keys(keys: set[str]) -> set[str]:
 class GPTQView:
     """Checkpoint tensors with every compressed-tensors module translated into GPTQ v1's ``qweight``, ``qzeros``,
     ``scales`` and ``g_idx``. ``keys``: the checkpoint's tensor names; a module's tensors are held until all of
-    them have arrived (shards may split a module)."""
+    them have arrived (shards may split a module). ``int-quantized``: a module is quantized when it has a
+    ``weight_scale`` (its ``weight`` is then int8); its static ``input_scale`` / ``input_zero_point`` are dropped."""
 
     def __init__(self, scheme: dict[str, Any], keys: set[str]):
         self.bits, self.sym = scheme["bits"], scheme["sym"]
-        self.needs = {"weight_packed", "weight_scale"} | ({"weight_g_idx"} if scheme["actorder"] == "group" else
-                                                          set()) | (set() if self.sym else {"weight_zero_point"})
+        self.int_format = scheme.get("format") == INT_FORMAT
+        self.parts = _INT_PARTS if self.int_format else _PARTS
+        weight = "weight" if self.int_format else "weight_packed"
+        self.needs = {weight, "weight_scale"} | ({"weight_g_idx"} if scheme["actorder"] == "group" else
+                                                 set()) | (set() if self.sym else {"weight_zero_point"})
         self.stored: dict[str, set[str]] = {}  # module → its compressed-tensors tensors in the checkpoint
+        quantized = {k.rpartition(".")[0] for k in keys if k.endswith(".weight_scale")}
         for k in keys:
             module, _, leaf = k.rpartition(".")
-            if leaf in _PARTS:
+            if leaf in self.parts and module in quantized:
                 self.stored.setdefault(module, set()).add(leaf)
         for module, leaves in sorted(self.stored.items()):
             if not self.needs <= leaves:
                 raise ValueError(f"compressed-tensors module {module!r} lacks "
                                  f"{', '.join(sorted(self.needs - leaves))}")
+        self.dropped = 0   # static activation tensors left out
+
+    def _ours(self, module: str, leaf: str, tensor: torch.Tensor) -> bool:
+        """Whether the tensor belongs to a quantized module: known from the names, else (a pickle checkpoint) an
+        ``int-quantized`` module's int8 ``weight`` or any other of its parts."""
+        if leaf not in self.parts:
+            return False
+        if module in self.stored:
+            return True
+        return not self.stored and (not self.int_format or leaf != "weight" or tensor.dtype == torch.int8)
 
     def __call__(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             module, _, leaf = name.rpartition(".")
-            if leaf not in _PARTS:
+            if not self._ours(module, leaf, tensor):
                 yield name, tensor
                 continue
             parts = pending.setdefault(module, {})
@@ -188,10 +234,7 @@ class GPTQView:
     def translate(self, module: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One module's tensors → GPTQ v1 (see the module doc)."""
         bits, per_word = self.bits, 32 // self.bits
-        packed, scale = parts["weight_packed"], parts["weight_scale"]
-        if packed.dtype != torch.int32 or packed.dim() != 2:
-            raise ValueError(f"{module}.weight_packed must be a 2-D int32 tensor, got {packed.dtype} "
-                             f"{tuple(packed.shape)}")
+        packed, scale = self._packed(module, parts), parts["weight_scale"]
         out_f, in_f = packed.shape[0], packed.shape[1] * per_word
         shape = parts.get("weight_shape")
         if shape is not None and [int(x) for x in shape.flatten()] != [out_f, in_f]:
@@ -204,6 +247,12 @@ class GPTQView:
         scales = scale.t().to(torch.float16).contiguous()
         if self.sym:
             zeros = torch.full((groups, out_f), 1 << (bits - 1), dtype=torch.int64)
+        elif self.int_format:
+            zp = parts["weight_zero_point"]
+            if zp.dtype != torch.int8 or tuple(zp.shape) != (out_f, groups):
+                raise ValueError(f"{module}.weight_zero_point must be int8 [{out_f}, {groups}], got {zp.dtype} "
+                                 f"{tuple(zp.shape)}")
+            zeros = zp.t().to(torch.int64) + (1 << (bits - 1))      # [G, out], unsigned
         else:
             zp = parts["weight_zero_point"]
             rows = -(-out_f // per_word)
@@ -226,8 +275,23 @@ class GPTQView:
             qweight = pack_rows(q, bits)
             zeros = torch.where(mirror, top, zeros)
             scales = torch.where(mirror, -scales, scales)
+        self.dropped += sum(k in parts for k in ("input_scale", "input_zero_point"))
         return {"qweight": qweight, "qzeros": pack_cols(zeros - 1, bits), "scales": scales, "g_idx": g_idx}
 
+    def _packed(self, module: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The module's codes as ``weight_packed``'s words ``[out, in*bits/32]`` (``int-quantized``: its int8
+        ``weight`` offset to unsigned codes and packed)."""
+        if not self.int_format:
+            packed = parts["weight_packed"]
+            if packed.dtype != torch.int32 or packed.dim() != 2:
+                raise ValueError(f"{module}.weight_packed must be a 2-D int32 tensor, got {packed.dtype} "
+                                 f"{tuple(packed.shape)}")
+            return packed
+        w = parts["weight"]
+        if w.dtype != torch.int8 or w.dim() != 2 or w.shape[1] % 4:
+            raise ValueError(f"{module}.weight must be a 2-D int8 tensor with inputs in whole words of 4, got "
+                             f"{w.dtype} {tuple(w.shape)}")
+        return pack_cols(w.to(torch.int64) + 128, 8)
 
 
 def pack_compressed_tensors(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bits: int,

@@ -56,6 +56,7 @@ class QuantConfig:
     sym: bool
     packing: str       # "awq_gemm" | "gptq_v1" (compressed-tensors int: read translated into it) | "fp8"
     fp8: Fp8Scheme | None = None   # FP8 weights (quant_method fp8, compressed-tensors float): nvllm.quant.fp8
+    activations: str | None = None   # compressed-tensors int-quantized: its int8 activation scheme, not applied
 
 
 _SYNONYMS = {"w_bit": "bits", "q_group_size": "group_size"}
@@ -73,7 +74,7 @@ def parse_quantization_config(cfg: dict[str, Any]) -> QuantConfig:
         if isinstance(w, Fp8Scheme):
             return _fp8_config(method, w)
         return QuantConfig(method, w["bits"], w["group_size"], desc_act=w["actorder"] == "group", sym=w["sym"],
-                           packing="gptq_v1")
+                           packing="gptq_v1", activations=w["activations"])
     if method == "fp8":
         return _fp8_config(method, fp8_method_scheme(cfg))
     if method not in ("awq", "gptq"):
