@@ -191,6 +191,12 @@ def test_malformed_tensors_are_refused():
     sym = GPTQView({"bits": 4, "group_size": 32, "sym": True, "actorder": "group"}, set())
     with pytest.raises(ValueError, match="weight_g_idx must give each of the 64 inputs a group"):
         sym.translate("m", {"weight_packed": packed, "weight_scale": scale, "weight_g_idx": torch.zeros(60)})
+    w8a8 = {"bits": 8, "group_size": -1, "sym": True, "actorder": None, "format": "int-quantized"}
+    with pytest.raises(ValueError, match="'m' lacks weight_scale"):              # a static input scale, no scale
+        GPTQView(w8a8, {"m.weight", "m.input_scale", "dense.weight"})
+    with pytest.raises(ValueError, match="2-D int8 tensor with inputs in whole words of 4"):
+        GPTQView(w8a8, set()).translate("m", {"weight": torch.zeros(16, 6, dtype=torch.int8),
+                                              "weight_scale": torch.ones(16, 1)})
 
 
 @pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized"])

@@ -43,6 +43,11 @@ INT_FORMAT = "int-quantized"                              # INT8 weights a byte 
 FLOAT_FORMATS = ("float-quantized", "naive-quantized")   # FP8 weights stored as they are (nvllm.quant.fp8)
 _PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 _INT_PARTS = ("weight", "weight_scale", "weight_zero_point", "input_scale", "input_zero_point")
+_MARKS = set(_PARTS + _INT_PARTS) - {"weight"}   # a module with one of these is quantized (``weight``: any module)
+
+
+def _quantized_modules(keys: set[str]) -> set[str]:
+    return {module for module, _, leaf in (k.rpartition(".") for k in keys) if leaf in _MARKS}
 
 
 def is_compressed_tensors(raw: dict[str, Any] | None) -> bool:
@@ -167,9 +172,9 @@ def ignored(raw: dict[str, Any], name: str) -> bool:
 
 
 def gptq_keys(keys: set[str]) -> set[str]:
-    """Tensor names as the GPTQ path knows them: a quantized module (one with a ``weight_scale``) stands for its
-    ``qweight``, ``qzeros``, ``scales`` and ``g_idx``."""
-    quantized = {k.rpartition(".")[0] for k in keys if k.endswith(".weight_scale")}
+    """Tensor names as the GPTQ path knows them: a quantized module (one with a ``weight_packed``, a
+    ``weight_scale``, …) stands for its ``qweight``, ``qzeros``, ``scales`` and ``g_idx``."""
+    quantized = _quantized_modules(keys)
     out = set()
     for k in keys:
         module, _, leaf = k.rpartition(".")
@@ -184,7 +189,8 @@ class GPTQView:
     """Checkpoint tensors with every compressed-tensors module translated into GPTQ v1's ``qweight``, ``qzeros``,
     ``scales`` and ``g_idx``. ``keys``: the checkpoint's tensor names; a module's tensors are held until all of
     them have arrived (shards may split a module). ``int-quantized``: a module is quantized when it has a
-    ``weight_scale`` (its ``weight`` is then int8); its static ``input_scale`` / ``input_zero_point`` are dropped."""
+    ``weight_scale`` or other parts besides ``weight`` (which is then int8); its static ``input_scale`` /
+    ``input_zero_point`` are dropped."""
 
     def __init__(self, scheme: dict[str, Any], keys: set[str]):
         self.bits, self.sym = scheme["bits"], scheme["sym"]
@@ -194,7 +200,7 @@ class GPTQView:
         self.needs = {weight, "weight_scale"} | ({"weight_g_idx"} if scheme["actorder"] == "group" else
                                                  set()) | (set() if self.sym else {"weight_zero_point"})
         self.stored: dict[str, set[str]] = {}  # module → its compressed-tensors tensors in the checkpoint
-        quantized = {k.rpartition(".")[0] for k in keys if k.endswith(".weight_scale")}
+        quantized = _quantized_modules(keys)
         for k in keys:
             module, _, leaf = k.rpartition(".")
             if leaf in self.parts and module in quantized:
