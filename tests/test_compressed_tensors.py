@@ -1,9 +1,10 @@
 """llm-compressor checkpoints (compressed-tensors, pack-quantized W4A16 / W8A16, int-quantized W8A8): written here by
 the compressed-tensors library itself from a tiny random Qwen2 (its own packing, its own config.json), served by
 nvllm, and checked against the same library's decompressed weights run through HF transformers: every prompt logprob
-equal (W8A8 checkpoints run W8A16: their activations are not quantized). Group and channel scales, symmetric and zero-point weights (a zero point of 0 included) and a quantized LM
-head. Act-order groups (``weight_g_idx``, which the library no longer writes) are checked on the library's packing
-against the format's formula. Configs nvllm cannot serve are one clear error."""
+equal (W8A8 checkpoints run W8A16: their activations are not quantized). Group and channel scales, symmetric and
+zero-point weights (a zero point of 0 included) and a quantized LM head. Act-order groups (``weight_g_idx``, which
+the library no longer writes) are checked on the library's packing against the format's formula. Configs nvllm
+cannot serve are one clear error."""
 
 from __future__ import annotations
 
@@ -17,10 +18,9 @@ from nvllm import SamplingParams
 from nvllm.config import ConfigError
 from nvllm.kernels import report
 from tests.conftest import build_tiny_model, make_llm
-from tests.quant_utils import save_compressed
+from tests.quant_utils import IDS, engine_errors, save_compressed
 
 ct = pytest.importorskip("compressed_tensors")
-IDS = [1, 5, 9, 33, 100, 7, 42, 250, 3]
 
 
 def write_checkpoint(out: Path, bits: int, sym: bool, strategy: str, group_size: int = 32,
@@ -72,13 +72,8 @@ def test_served_as_the_library_decompresses_them(case, tmp_path):
     with torch.no_grad():
         want = torch.log_softmax(ref(torch.tensor([IDS])).logits[0].float(), dim=-1)
     report.reset()
-    llm = make_llm(str(tmp_path / "ckpt"), enable_prefix_caching=False)
-    out = llm.generate({"prompt_token_ids": IDS}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20),
-                       use_tqdm=False)[0]
-    errors = [abs(lp.logprob - float(want[pos - 1, tok])) for pos in range(1, len(IDS))
-              for tok, lp in out.prompt_logprobs[pos].items()]
-    assert max(errors) < 1e-4, max(errors)
-    assert out.outputs[0].token_ids == [int(want[-1].argmax())]
+    err, llm = engine_errors(tmp_path / "ckpt", want)
+    assert err < 1e-4, err
     model = llm.engine.runner.model
     assert type(model.layers[0].qkv_proj).__name__ == "QuantLinear"
     assert (type(model.lm_head).__name__ == "QuantLMHead") == (case == "w4a16 quantized lm_head")
@@ -275,12 +270,8 @@ def test_w8a8_checkpoints_served_w8a16_as_the_library_decompresses_them(case, tm
         want = torch.log_softmax(hf_model(tmp_path / "ckpt-base", weights)(torch.tensor([IDS])).logits[0], dim=-1)
     report.reset()
     with caplog.at_level("INFO", logger="nvllm"):
-        llm = make_llm(str(tmp_path / "ckpt"), enable_prefix_caching=False)
-    out = llm.generate({"prompt_token_ids": IDS}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20),
-                       use_tqdm=False)[0]
-    errors = [abs(lp.logprob - float(want[pos - 1, tok])) for pos in range(1, len(IDS))
-              for tok, lp in out.prompt_logprobs[pos].items()]
-    assert max(errors) < 1e-4, max(errors)
+        err, llm = engine_errors(tmp_path / "ckpt", want)
+    assert err < 1e-4, err
     model = llm.engine.runner.model
     assert type(model.layers[0].qkv_proj).__name__ == "QuantLinear" and type(model.lm_head).__name__ != "QuantLMHead"
     assert "quant_gemm" in report.snapshot()
