@@ -71,6 +71,21 @@ def demo_dir() -> str:
     return demo_model_path()
 
 
+def interpreted_kernels(monkeypatch, module: str, kernel: str):
+    """``nvllm.kernels.<module>`` with its Triton kernels run by the interpreter: TRITON_INTERPRET set, and the module
+    reloaded when ``kernel`` was compiled at import (skipped without Triton)."""
+    import importlib
+
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    mod = importlib.import_module(f"nvllm.kernels.{module}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not isinstance(getattr(mod, kernel), InterpretedFunction):
+        importlib.reload(mod)
+    return mod
+
+
 def make_llm(model: str, **kw):
     from nvllm import LLM
 

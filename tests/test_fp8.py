@@ -8,7 +8,6 @@ interpreter against its torch reference."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 from pathlib import Path
@@ -21,7 +20,7 @@ from nvllm import SamplingParams
 from nvllm.config import ConfigError
 from nvllm.kernels import report
 from nvllm.quant.fp8 import FP8_DTYPE, FP8_MAX, Fp8Scheme, dequantize_rows, quantize_blocks, quantize_rows, scale_rows
-from tests.conftest import build_tiny_model, make_llm
+from tests.conftest import build_tiny_model, interpreted_kernels, make_llm
 from tests.quant_utils import IDS, PROJ, engine_errors, fp8_blocks, hf_logprobs, save_compressed, write_fp8
 
 def dense_copy(fp8_dir: Path, out: Path, block: tuple[int, int] | None = None) -> Path:
@@ -84,15 +83,7 @@ def test_scale_rows_refuses_shapes_that_do_not_fit():
 
 @pytest.fixture()
 def interpreted_kernel(monkeypatch):
-    pytest.importorskip("triton")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from nvllm.kernels import fp8_gemm as G
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if not isinstance(G._fp8_gemm_kernel, InterpretedFunction):
-        importlib.reload(G)
-    return G
+    return interpreted_kernels(monkeypatch, "fp8_gemm", "_fp8_gemm_kernel")
 
 
 @pytest.mark.parametrize("m, n, k, block_k, dtype, bias", [

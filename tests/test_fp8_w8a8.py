@@ -4,26 +4,18 @@ torch reference, and ``fp8_linear`` hands it many rows of a weight with one scal
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
 
 from nvllm.kernels import report
 from nvllm.quant.fp8 import FP8_DTYPE, FP8_MAX, quantize_rows
+from tests.conftest import interpreted_kernels
 
 
 @pytest.fixture()
 def w8a8(monkeypatch):
-    pytest.importorskip("triton")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from nvllm.kernels import fp8_w8a8 as W
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if not isinstance(W._quantize_tokens_kernel, InterpretedFunction):
-        importlib.reload(W)
-    return W
+    return interpreted_kernels(monkeypatch, "fp8_w8a8", "_quantize_tokens_kernel")
 
 
 def _every_e4m3_value_and_midpoint() -> torch.Tensor:

@@ -362,4 +362,4 @@ def w8a8_path(x: torch.Tensor, weight: torch.Tensor, block_k: int,
         return "row"
     if not w8a8_scales or not w8a8_block_supported(x, weight, block_k):
         return None
-    return "128x128" if large and "128x128" in w8a8_scales else "1x128" if "1x128" in w8a8_scales else None
+    return "128x128" if large and "128x128" in w8a8_scales else "1x128"   # w8a8_weight_scales: "1x128" always
