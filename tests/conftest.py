@@ -34,6 +34,15 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True, "head_dim": 32}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
+    # mixtures of experts: Qwen3-MoE with a dense first layer, Qwen2-MoE with its shared expert, Mixtral
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "tie_word_embeddings": False, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 40, "norm_topk_prob": True, "mlp_only_layers": [0]}),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "tie_word_embeddings": False, "num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 48}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
 }
 
 

@@ -2,11 +2,11 @@
 
 Two ranks give what one rank gives — greedy tokens, seeded samples, logprobs and prompt logprobs — for the demo
 model (with chunked prefill, prefix caching and an int8 KV cache), tiny Llama / Qwen2 (one KV head, so it is
-replicated) / Qwen3 models, and AWQ, act-order GPTQ and FP8 (block scales) copies; speculative decoding keeps a
-split target's greedy output. The shards of every weight put back together are the full weights. A worker killed
-mid-run ends the engine with an error within seconds (a server then exits 1), a worker's start-up error reaches rank
-0 as itself, a model that does not split is one ConfigError before any process starts, and `nvllm generate
---tensor-parallel-size 2` works.
+replicated) / Qwen3 models, Qwen2-MoE and Qwen3-MoE mixtures of experts, and AWQ, act-order GPTQ and FP8 (block
+scales) copies; speculative decoding keeps a split target's greedy output. The shards of every weight put back
+together are the full weights. A worker killed mid-run ends the engine with an error within seconds (a server then
+exits 1), a worker's start-up error reaches rank 0 as itself, a model that does not split is one ConfigError before
+any process starts, and `nvllm generate --tensor-parallel-size 2` works.
 """
 
 from __future__ import annotations
@@ -52,11 +52,14 @@ def models(tmp_path_factory) -> dict[str, str]:
     llama = build_tiny_model("llama", root / "llama", intermediate_size=128, mlp_bias=True)
     qwen2 = build_tiny_model("qwen2", root / "qwen2", intermediate_size=128, num_key_value_heads=1)
     qwen3 = build_tiny_model("qwen3", root / "qwen3", intermediate_size=128)
+    qwen2_moe = build_tiny_model("qwen2-moe", root / "qwen2-moe")   # experts of 24 and a shared expert of 48
+    qwen3_moe = build_tiny_model("qwen3-moe", root / "qwen3-moe")   # a dense layer 0, then experts of 40
     write_by_hand(qwen2, root / "awq", "awq", group=32)
     write_by_hand(llama, root / "gptq", "gptq", group=32, sym=False, act_order=True)
     write_fp8(llama, root / "fp8", {"quant_method": "fp8", "weight_block_size": [32, 32]}, fp8_blocks((32, 32)))
     return {"llama": str(llama), "qwen2-kv1": str(qwen2), "qwen3": str(qwen3), "awq": str(root / "awq"),
-            "gptq-actorder": str(root / "gptq"), "fp8-blocks": str(root / "fp8")}
+            "gptq-actorder": str(root / "gptq"), "fp8-blocks": str(root / "fp8"), "qwen2-moe": str(qwen2_moe),
+            "qwen3-moe": str(qwen3_moe)}
 
 
 def assert_workers_gone(llm) -> None:
@@ -213,6 +216,7 @@ CASES = {  # case → (model, ranks, engine options)
     "llama-4-ranks": ("llama", 4, {}),  # 2 KV heads over 4 ranks: ranks 0, 1 hold head 0; ranks 2, 3 head 1
     "qwen2-kv1": ("qwen2-kv1", 2, {}), "qwen3": ("qwen3", 2, {}), "awq": ("awq", 2, {}),
     "gptq-actorder": ("gptq-actorder", 2, {}), "fp8-blocks": ("fp8-blocks", 2, {}),
+    "qwen2-moe": ("qwen2-moe", 2, {}), "qwen3-moe": ("qwen3-moe", 2, {}),
 }
 
 

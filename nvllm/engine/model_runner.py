@@ -35,9 +35,10 @@ from nvllm.layers.attention import (AttentionMetadata, allocate_kv_caches, kv_ca
 from nvllm.layers.linear import interleave_gate_ups
 from nvllm.layers.sampler import Sampler, SampleRow, batch_token_logprobs, host_tensor
 from nvllm.lora.layers import lora_mapping
-from nvllm.lora.manager import LoRAManager, loads_message
+from nvllm.lora.manager import LoRAManager, layer_linears, loads_message
 from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model, model_len_limit, quantization_plan
 from nvllm.models.registry import resolve_architecture
+from nvllm.models.llama import ModelShape
 
 logger = logging.getLogger("nvllm")
 _GiB = 1 << 30
@@ -87,7 +88,6 @@ class ModelRunner:
         import weakref
 
         from nvllm.distributed.worker_pool import WorkerPool
-        from nvllm.models.llama import ModelShape
 
         arch, _ = resolve_architecture(self.hf_config)
         n = self.config.tensor_parallel_size
@@ -231,7 +231,7 @@ class ModelRunner:
             return 0
         total = 0
         for layer in self.model.layers:
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            for name in layer_linears(layer):
                 lin = getattr(layer, name)
                 lin = getattr(lin, "base", lin)
                 total += c.max_lora_rank * len(lin.output_sizes) * (lin.in_features + lin.out_features)
@@ -246,12 +246,10 @@ class ModelRunner:
         from nvllm.models.hub import resolve_model_path
 
         hf = load_hf_config(resolve_model_path(spec.draft_model))
-        h, inter, layers, vocab = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size
-        heads = hf.num_attention_heads
-        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-        head_dim = getattr(hf, "head_dim", None) or h // heads
-        params = layers * (h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h + 3 * h * inter) \
-            + vocab * h * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
+        s = ModelShape(hf, resolve_architecture(hf)[0])
+        h, layers, heads, kv_heads, head_dim = s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim
+        params = layers * (h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h) + s.mlp_parameters() \
+            + s.vocab_size * h * (1 if s.tie_word_embeddings else 2)
         return params * self.dtype.itemsize, kv_cache_bytes_per_token(layers, kv_heads, head_dim, self.dtype,
                                                                       self.config.kv_cache_dtype)
 

@@ -102,7 +102,7 @@ def interleave_gate_ups(model, block: int = GATE_UP_BLOCK) -> int:
     Quantized layers, and shapes cuBLAS runs, keep their layout (their SiLU·mul stays a kernel of its own)."""
     done = 0
     for layer in model.layers:
-        gate_up = layer.gate_up_proj
+        gate_up = getattr(layer, "gate_up_proj", None)   # none in a mixture-of-experts layer
         if not (isinstance(gate_up, Linear) and gate_up.tp is None and gate_up.out_features % (2 * block) == 0):
             continue
         n, k = gate_up.weight.shape

@@ -28,6 +28,15 @@ logger = logging.getLogger("nvllm")
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+def layer_linears(layer) -> list[str]:
+    """The names of a decoder layer's linears that take adapters (all four); ConfigError for a layer whose MLP
+    is a mixture of experts, which takes none."""
+    if getattr(layer, "moe", None) is not None:
+        raise ConfigError("LoRA adapters are not supported on mixture-of-experts models (their experts take none); "
+                          "serve the model without --enable-lora")
+    return list(_LINEARS)
+
+
 class LoRAManager:
     def __init__(self, model, dtype: torch.dtype, device: torch.device, max_loras: int, max_lora_rank: int,
                  allow_pickle: bool = False, max_cpu_loras: int | None = None, mirrored: bool = False):
@@ -36,7 +45,7 @@ class LoRAManager:
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.linears: dict[str, LoRALinear] = {}
         for i, layer in enumerate(model.layers):
-            for attr in _LINEARS:
+            for attr in layer_linears(layer):
                 wrapped = LoRALinear(getattr(layer, attr), max_loras, max_lora_rank, dtype, device)
                 setattr(layer, attr, wrapped)
                 self.linears[f"layers.{i}.{attr}"] = wrapped

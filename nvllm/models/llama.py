@@ -1,6 +1,8 @@
 """One decoder for the Llama family: Llama (incl. llama3 RoPE scaling), Mistral, Qwen2/2.5 (qkv bias) and
-Qwen3 (per-head q/k RMSNorm). GQA, tied or untied embeddings. Parameter names follow the HF checkpoints
-except for the fused q/k/v and gate/up projections, which the loader fills shard by shard.
+Qwen3 (per-head q/k RMSNorm), and their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE, whose sparse
+layers take a ``SparseMoeBlock`` (nvllm.layers.moe) for the MLP. GQA, tied or untied embeddings. Parameter names
+follow the HF checkpoints except for the fused q/k/v and gate/up projections, which the loader fills shard by
+shard, and the stacked experts.
 
 Tensor parallelism (``tp``, a TPGroup): each rank builds the same modules at its own sizes — its query and KV
 heads, its slice of the intermediate size and of the (padded) vocabulary — and every layer narrows the
@@ -23,6 +25,7 @@ from nvllm.kernels.partial_sum import PartialSum
 from nvllm.layers.attention import Attention, AttentionMetadata
 from nvllm.layers.embed_head import LMHead, VocabEmbedding
 from nvllm.layers.linear import Linear
+from nvllm.layers.moe import SparseMoeBlock, moe_param_for, moe_shape
 from nvllm.layers.norm import RMSNorm
 from nvllm.layers.fp8_linear import Fp8Linear
 from nvllm.layers.quant_linear import QuantLinear
@@ -39,8 +42,9 @@ STACKED = {
 
 logger = logging.getLogger("nvllm")
 
-_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # the architectures whose HF code reads attention_bias
-_MLP_BIAS = ("LlamaForCausalLM",)                             # and mlp_bias
+_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # whose HF code reads attention_bias
+_MLP_BIAS = ("LlamaForCausalLM",)                                                   # and mlp_bias
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
              "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings"}
@@ -67,9 +71,10 @@ class ModelShape:
         # the biases as HF's modeling code builds them: attention_bias counts for Llama and Qwen3 (q/k/v and o),
         # mlp_bias for Llama only; Qwen2 always has q/k/v biases; Mistral has none, whatever its config says
         attention_bias = architecture in _ATTENTION_BIAS and bool(getattr(c, "attention_bias", False))
-        self.qkv_bias = architecture == "Qwen2ForCausalLM" or attention_bias
+        self.qkv_bias = architecture == "Qwen2ForCausalLM" or attention_bias or (
+            architecture == "Qwen2MoeForCausalLM" and bool(getattr(c, "qkv_bias", True)))
         self.o_bias = attention_bias
-        self.qk_norm = architecture == "Qwen3ForCausalLM"
+        self.qk_norm = architecture in _QK_NORM
         self.mlp_bias = architecture in _MLP_BIAS and bool(getattr(c, "mlp_bias", False))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position"):
@@ -85,7 +90,24 @@ class ModelShape:
         self.tp_size, self.tp_rank = tp_size, tp_rank
         q, kv = head_parts(self.num_heads, self.num_kv_heads, self.head_dim, tp_size, tp_rank)
         self.num_local_heads, self.num_local_kv_heads = q.size // self.head_dim, kv.size // self.head_dim
-        self.local_intermediate_size = even_part(self.intermediate_size, tp_size, tp_rank, "intermediate_size").size
+        self.moe = moe_shape(c, architecture, tp_size, tp_rank)   # None: every layer's MLP is dense
+        dense = self.moe is None or len(self.moe.sparse_layers) < self.num_layers
+        self.local_intermediate_size = \
+            even_part(self.intermediate_size, tp_size, tp_rank, "intermediate_size").size if dense else 0
+
+    def sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` takes the mixture of experts for its MLP."""
+        return self.moe is not None and layer in self.moe.sparse_layers
+
+    def mlp_parameters(self) -> int:
+        """Parameters of all the layers' MLPs (experts and routers included), the whole model's."""
+        h, dense = self.hidden_size, 3 * self.hidden_size * self.intermediate_size
+        if self.moe is None:
+            return self.num_layers * dense
+        m, n = self.moe, len(self.moe.sparse_layers)
+        sparse = m.num_experts * (3 * h * m.intermediate_size + h) + (3 * h * m.shared_intermediate_size + h
+                                                                     if m.shared_part is not None else 0)
+        return n * sparse + (self.num_layers - n) * dense
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, output_sizes: list[int] | None,
@@ -102,9 +124,10 @@ def make_linear(in_features: int, out_features: int, bias: bool, output_sizes: l
 
 class DecoderLayer(nn.Module):
     def __init__(self, s: ModelShape, dtype: torch.dtype, quant: dict[str, QuantScheme] | None = None,
-                 tp: TPGroup | None = None, rotary: RotaryEmbedding | None = None):
+                 tp: TPGroup | None = None, rotary: RotaryEmbedding | None = None, index: int = 0):
         """``quant``: scheme of each of this layer's quantized linears ("qkv_proj", …); the others are dense.
-        ``rotary``: the cos/sin tables every layer shares (built here if not given)."""
+        ``rotary``: the cos/sin tables every layer shares (built here if not given). ``index``: the layer's place
+        in the model (which decides whether its MLP is a mixture of experts)."""
         super().__init__()
         self.s = s
         quant = quant or {}
@@ -122,6 +145,9 @@ class DecoderLayer(nn.Module):
         self.rotary = rotary or RotaryEmbedding(s.head_dim, s.max_position, s.rope_theta, s.rope_scaling)
         self.attn = Attention(s.num_local_heads, s.num_local_kv_heads, s.head_dim, s.head_dim ** -0.5)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.moe = SparseMoeBlock(s.hidden_size, s.moe, dtype, tp) if s.sparse(index) else None
+        if self.moe is not None:
+            return
         self.gate_up_proj = make_linear(s.hidden_size, 2 * inter, s.mlp_bias, [inter, inter], dtype,
                                         quant.get("gate_up_proj"), shards["gate_up_proj"], tp)
         self.down_proj = make_linear(inter, s.hidden_size, s.mlp_bias, None, dtype, quant.get("down_proj"),
@@ -185,6 +211,8 @@ class DecoderLayer(nn.Module):
         the next RMSNorm's residual add finishes it, as the post-attention norm does o_proj's."""
         hidden = self.o_proj(attn_out, partial=True)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.moe is not None:
+            return self.moe(hidden), residual
         hidden = self.down_proj(self.gate_up_proj.silu_and_mul(hidden), partial=True)
         return hidden, residual
 
@@ -212,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(s.head_dim, s.max_position, s.rope_theta, s.rope_scaling)
         self.layers = nn.ModuleList(
             DecoderLayer(s, dtype, {k.rsplit(".", 1)[1]: v for k, v in plan.items() if k.startswith(f"layers.{i}.")},
-                         tp, rotary)
+                         tp, rotary, i)
             for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
         self.lm_head = LMHead(s.vocab_size, s.hidden_size, dtype,
@@ -239,6 +267,8 @@ class LlamaForCausalLM(nn.Module):
         if name == "lm_head.weight" and self.shape.tie_word_embeddings:
             return None
         name = name.replace("model.", "", 1) if name.startswith("model.") else name
+        if self.shape.moe is not None and (moe := moe_param_for(name, self.shape.moe.sparse_layers)) is not None:
+            return moe
         name = name.replace(".self_attn.", ".").replace(".mlp.", ".")
         for frag, (fused, shard) in STACKED.items():
             if frag in name:
@@ -293,8 +323,11 @@ class LlamaForCausalLM(nn.Module):
                            "lm_head.weight differs from them: it is not used (as in vLLM and transformers 4; "
                            "transformers 5 uses it). --hf-overrides '{\"tie_word_embeddings\": false}' uses it.")
 
-    def _shards_of(self, pname: str) -> list[int | None]:
-        owner = self.get_submodule(pname.rsplit(".", 1)[0])
+    def _shards_of(self, pname: str) -> list:
+        owner_name, leaf = pname.rsplit(".", 1)
+        owner = self.get_submodule(owner_name)
+        if hasattr(owner, "shards"):    # the stacked experts: a checkpoint tensor per expert and projection
+            return owner.shards(leaf)
         if isinstance(owner, (Linear, QuantLinear, Fp8Linear)) and len(owner.output_sizes) > 1:
             return list(range(len(owner.output_sizes)))
         return [None]

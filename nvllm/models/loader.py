@@ -171,9 +171,14 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
             from nvllm.quant.compressed_tensors import gptq_keys
 
             keys = gptq_keys(keys)
-        found = serving_plan(config.model, hf_config, ModelShape(hf_config, arch), keys)
+        shape = ModelShape(hf_config, arch)
+        found = serving_plan(config.model, hf_config, shape, keys)
     except ValueError as e:
         raise ConfigError(f"{config.model}: {e}") from e
+    if shape.moe is not None and (found is not None or config.quantization is not None):
+        what = f"a {found[0].method} checkpoint" if found else f"--quantization {config.quantization}"
+        raise ConfigError(f"{config.model}: {arch} is a mixture of experts, which nvllm serves in full precision "
+                          f"only ({what} was given); serve the unquantized model")
     total = 4 * hf_config.num_hidden_layers
     if config.quantization == "fp8" and found is None:   # quantized while it loads (nvllm.quant.fp8)
         if log:

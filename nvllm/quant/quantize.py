@@ -76,7 +76,10 @@ def _check_model(model_dir: str):
     if not glob.glob(os.path.join(model_dir, "*.safetensors")):
         raise QuantizeError(f"no safetensors weights in {model_dir} (nvllm quantize reads safetensors checkpoints)")
     arch, _ = resolve_architecture(hf_config)
-    return hf_config, arch, ModelShape(hf_config, arch)
+    shape = ModelShape(hf_config, arch)
+    if shape.moe is not None:
+        raise QuantizeError(f"{model_dir} is a mixture of experts ({arch}): nvllm quantize handles dense models only")
+    return hf_config, arch, shape
 
 
 def plan_linears(shape, scheme: QuantScheme) -> tuple[set[str], dict[str, str]]:

@@ -1,0 +1,158 @@
+"""Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral) beyond the HF comparisons every architecture gets in
+test_engine_vs_hf.py: which layers are sparse (HF's rule), routing against transformers' own routers, the
+checkpoint's expert tensors (missing, extra), the fused experts op against a per-token loop written from the
+definition, and the features that refuse a mixture of experts with one clear error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from nvllm.cli import app
+from nvllm.config import ConfigError
+from nvllm.kernels import report
+from nvllm.kernels.fused_moe import fused_experts
+from nvllm.layers.moe import moe_shape, route
+from tests.conftest import build_tiny_model, make_llm
+from tests.test_engine_vs_hf import PROMPT, check_against_hf
+
+
+def _config(kind: str, **overrides):
+    from tests.conftest import ARCHS
+
+    cfg_name, _, extra = ARCHS[kind]
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2)
+    return getattr(transformers, cfg_name)(**{**kw, **extra, **overrides})
+
+
+@pytest.mark.parametrize("overrides, sparse", [
+    ({"mlp_only_layers": [0]}, {1, 2, 3, 4, 5}),
+    ({"mlp_only_layers": [], "decoder_sparse_step": 2}, {1, 3, 5}),
+    ({"mlp_only_layers": [3], "decoder_sparse_step": 3}, {2, 5}),
+])
+def test_sparse_layers_follow_hf(overrides, sparse):
+    c = _config("qwen3-moe", **overrides)
+    m = moe_shape(c, "Qwen3MoeForCausalLM")
+    hf = transformers.Qwen3MoeForCausalLM(c)
+    assert set(m.sparse_layers) == sparse
+    assert {i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")} == sparse
+    assert moe_shape(_config("mixtral"), "MixtralForCausalLM").sparse_layers == frozenset(range(6))
+    assert moe_shape(_config("qwen3-moe", num_experts=0), "Qwen3MoeForCausalLM") is None
+    assert moe_shape(c, "Qwen3ForCausalLM") is None
+
+
+def test_bad_expert_counts_are_config_errors():
+    with pytest.raises(ConfigError, match="num_experts_per_tok 9 must be between 1 and num_experts 8"):
+        moe_shape(_config("qwen3-moe", num_experts_per_tok=9), "Qwen3MoeForCausalLM")
+    edited = SimpleNamespace(**{**_config("qwen3-moe").to_dict(), "moe_intermediate_size": None})
+    with pytest.raises(ConfigError, match="moe_intermediate_size must be a non-negative integer, got None"):
+        moe_shape(edited, "Qwen3MoeForCausalLM")
+    with pytest.raises(ConfigError, match="moe_intermediate_size 40 is not divisible by tensor_parallel_size 3"):
+        moe_shape(_config("qwen3-moe"), "Qwen3MoeForCausalLM", 3, 0)
+
+
+@pytest.mark.parametrize("kind, arch, dtype", [("qwen3-moe", "Qwen3MoeForCausalLM", torch.bfloat16),
+                                                ("qwen2-moe", "Qwen2MoeForCausalLM", torch.float32),
+                                                ("mixtral", "MixtralForCausalLM", torch.bfloat16)])
+def test_routing_equals_the_hf_router(kind, arch, dtype):
+    c = _config(kind, norm_topk_prob=False) if kind == "qwen2-moe" else _config(kind)
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)(c).to(dtype)
+    router = hf.model.layers[1].mlp.gate
+    with torch.no_grad():
+        router.weight.normal_()
+        x = torch.randn(9, c.hidden_size, dtype=dtype)
+        logits, hf_weights, hf_ids = router(x)
+    m = moe_shape(c, arch)
+    weights, ids = route(logits, m.top_k, m.renormalize, m.weights_in_dtype)
+    assert torch.equal(ids, hf_ids)
+    assert weights.dtype == torch.float32
+    torch.testing.assert_close(weights, hf_weights.float(), rtol=0, atol=0)
+
+
+def test_fused_experts_equals_a_loop_over_tokens():
+    """The op from its definition, token by token and slot by slot, in float64."""
+    g = torch.Generator().manual_seed(0)
+    t, e, k, h, i = 7, 5, 2, 12, 10
+    x = torch.randn(t, h, generator=g)
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g) / 3, torch.randn(e, h, i, generator=g) / 3
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    ids[3] = torch.tensor([4, 0])          # expert 4 once, the others as they fall
+    weights = torch.rand(t, k, generator=g)
+    want = torch.zeros(t, h, dtype=torch.float64)
+    for r in range(t):
+        for j in range(k):
+            w = w13[ids[r, j]].double()
+            gate, up = w[:i] @ x[r].double(), w[i:] @ x[r].double()
+            want[r] += weights[r, j].double() * (w2[ids[r, j]].double() @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen3_moe_with_sparse_steps_matches_hf(tmp_path):
+    path = build_tiny_model("qwen3-moe", tmp_path / "m", num_hidden_layers=3, mlp_only_layers=[],
+                            decoder_sparse_step=2, norm_topk_prob=False)
+    check_against_hf(path, PROMPT, 8)
+
+
+def test_the_kernel_report_names_the_experts_op(tiny_models):
+    llm = make_llm(str(tiny_models["qwen3-moe"]))
+    with report.recording() as made:
+        llm.generate([PROMPT], use_tqdm=False)
+    assert any(op == "fused_moe" for op, _ in made)
+
+
+def _edited(src, dst, drop=(), add=None):
+    """A copy of the checkpoint at ``src`` without the tensors named in ``drop`` and with ``add``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    for name in drop:
+        del tensors[name]
+    tensors.update(add or {})
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_missing_and_extra_expert_tensors_are_config_errors(tiny_models, tmp_path):
+    src = tiny_models["mixtral"]
+    missing = _edited(src, tmp_path / "missing", drop=["model.layers.1.block_sparse_moe.experts.3.w3.weight"])
+    with pytest.raises(ConfigError, match=r"missing tensors: layers.1.moe.experts.w13\[shard \(3, 1\)\]"):
+        make_llm(str(missing))
+    extra = _edited(src, tmp_path / "extra", add={"model.layers.0.block_sparse_moe.experts.4.w1.weight":
+                                                   torch.zeros(96, 64)})
+    with pytest.raises(ConfigError, match="the config has 4 experts"):
+        make_llm(str(extra))
+    wrong = _edited(src, tmp_path / "wrong", add={"model.layers.0.block_sparse_moe.experts.2.w2.weight":
+                                                   torch.zeros(64, 95)})
+    with pytest.raises(ConfigError, match=r"shape mismatch for 'model.layers.0.block_sparse_moe.experts.2.w2"):
+        make_llm(str(wrong))
+
+
+def test_features_without_expert_support_refuse_clearly(tiny_models, tmp_path):
+    path = str(tiny_models["qwen3-moe"])
+    with pytest.raises(ConfigError, match="mixture of experts, which nvllm serves in full precision only "
+                                          r"\(--quantization fp8 was given\)"):
+        make_llm(path, quantization="fp8")
+    with pytest.raises(ConfigError, match="LoRA adapters are not supported on mixture-of-experts models"):
+        make_llm(path, enable_lora=True)
+    gptq = tmp_path / "gptq"
+    shutil.copytree(path, gptq)
+    cfg = json.loads((gptq / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                                  "sym": True}
+    (gptq / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="a gptq checkpoint was given"):
+        make_llm(str(gptq))
+    result = CliRunner().invoke(app, ["quantize", "--model", path, "--method", "rtn", "--out", str(tmp_path / "q")])
+    assert result.exit_code != 0
+    assert "is a mixture of experts (Qwen3MoeForCausalLM): nvllm quantize handles dense models only" in \
+        " ".join(result.output.split())
+    assert not (tmp_path / "q").exists()
