@@ -14,13 +14,26 @@ This file holds the op's three parts: the torch reference, the Triton kernels an
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
-from nvllm.kernels import report
+from nvllm.kernels import pdl, report
+from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.backend import use_triton
+from nvllm.kernels.jit import lazy_jit
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
+
+NUM_WARPS = 4
+
+
+_jit = lazy_jit
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -43,11 +56,150 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     return terms.sum(1).to(x.dtype)
 
 
+# ------------------------------------------------------------------------------------------------- Triton
+
+
+def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The T·k (token, slot) pairs of ``topk_ids [T, k]``, as flat ids ``t·k + j``, grouped by expert (experts in
+    order, tokens in order within one) and each group padded with the sentinel ``T·k`` to a multiple of
+    ``block_m`` → ``(sorted_ids int32 [max_padded], block_experts int32 [max_padded // block_m],
+    num_padded int32 [1])``. ``block_experts[b]``: the expert of rows ``[b·block_m, (b+1)·block_m)``, -1 for
+    blocks at or past ``num_padded``. ``max_padded = T·k + E·(block_m − 1)`` rounded up to ``block_m``.
+
+    Free of host synchronisation (it runs inside CUDA graph capture): every output size follows from
+    (T·k, E, block_m) alone."""
+    flat = topk_ids.reshape(-1).long()
+    n = flat.numel()
+    dev = flat.device
+    max_padded = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    pad_start = pad_end - padded
+    count_start = counts.cumsum(0) - counts
+    experts, order = torch.sort(flat, stable=True)
+    dest = pad_start[experts] + torch.arange(n, device=dev) - count_start[experts]  # group start + rank in it
+    sorted_ids = torch.full((max_padded,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(0, max_padded, block_m, device=dev)
+    block_experts = torch.searchsorted(pad_end, starts, right=True)  # experts whose group ends at or before
+    block_experts = block_experts.masked_fill_(starts >= pad_end[-1], -1).to(torch.int32)
+    return sorted_ids, block_experts, pad_end[-1:].to(torch.int32)
+
+
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, c_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr, weights_ptr,
+    N, K,                                     # C's columns, the reduction length
+    num_valid,                                # T·k: the sentinel, and the rows of C
+    stride_am, stride_we, stride_wn, stride_cm,   # A [*, K], W [E, N, K], C [T·k, N] (last strides 1)
+    TOP_K: tl.constexpr,                      # A's row of sorted row r: r // TOP_K (1: A has C's rows)
+    MUL_WEIGHT: tl.constexpr,                 # C = product rounded to A's dtype · weights[r], in fp32
+    UPCAST: tl.constexpr,                     # interpreter + 16-bit: feed tl.dot fp32 copies (gemm's note)
+    DOT_PRECISION: tl.constexpr,              # "ieee" for fp32 inputs
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
+):
+    """Program (b, n): C[r, n·BLOCK_N : (n+1)·BLOCK_N] = A[r // TOP_K] @ W[e]ᵀ for the rows r of sorted block
+    b (sentinels skipped), e = block_experts[b]; fp32 accumulation, stored rounded to A's dtype (``MUL_WEIGHT``:
+    then times the routing weight, in fp32). Blocks at or past num_padded[0] return at once."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_b * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows = tl.load(sorted_ids_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    mask_m = rows < num_valid
+    rows = tl.where(mask_m, rows, 0).to(tl.int64)
+    expert = tl.load(block_experts_ptr + pid_b).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (rows // TOP_K)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)     # [BLOCK_K, BLOCK_N]
+        if UPCAST:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = acc.to(a_ptr.dtype.element_ty)    # F.linear's rounding
+    if MUL_WEIGHT:
+        out = out.to(tl.float32) * tl.load(weights_ptr + rows, mask=mask_m, other=0.0)[:, None]
+    tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+_moe_gemm_kernel.do_not_specialize = ("num_valid",)   # varies with the batch (see nvllm.kernels.jit)
+
+
+def _block_m(rows: int, num_experts: int) -> int:
+    """Rows per block from the mean rows an expert gets: 16 (tl.dot's least) for decode-sized batches, up to 64."""
+    per_expert = rows / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+
+
+def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor,
+              block_experts: torch.Tensor, num_padded: torch.Tensor, weights: torch.Tensor | None,
+              top_k: int, block_m: int) -> None:
+    """C[r] = A[r // top_k] @ W[e]ᵀ (module doc's rounding) over the sorted rows; see ``_moe_gemm_kernel``."""
+    import triton
+
+    n, k = w.shape[1], w.shape[2]
+    block_n = max(16, min(64 if block_m <= 32 else 128, triton.next_power_of_2(n)))
+    block_k = max(16, min(64, triton.next_power_of_2(k)))
+    sixteen_bit = a.dtype in (torch.float16, torch.bfloat16)
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    _jit(_moe_gemm_kernel)[grid](
+        a, w, c, sorted_ids, block_experts, num_padded, weights if weights is not None else c,
+        n, k, c.shape[0],
+        a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        TOP_K=top_k, MUL_WEIGHT=weights is not None,
+        UPCAST=sixteen_bit and _interpreting(), DOT_PRECISION="tf32" if sixteen_bit else "ieee",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=NUM_WARPS, **pdl.launch_args(a),
+    )
+
+
+def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``fused_experts_reference``: ``align_tokens``, the grouped GEMM over w13 into
+    [T·k, 2I] (x's dtype), ``silu_and_mul``, the grouped GEMM over w2 times the routing weights into fp32
+    [T·k, H], the k terms of each token summed. No host synchronisation (CUDA-graph capturable)."""
+    t, top_k = topk_ids.shape
+    num_experts, hidden, inter = w2.shape
+    assert x.shape == (t, hidden) and w13.shape == (num_experts, 2 * inter, hidden), (x.shape, w13.shape, w2.shape)
+    assert x.stride(-1) == 1 and w13.is_contiguous() and w2.is_contiguous()
+    assert w13.dtype == x.dtype and w2.dtype == x.dtype, (x.dtype, w13.dtype, w2.dtype)
+    if t == 0:
+        return x.new_empty(0, hidden)
+    rows = t * top_k
+    block_m = _block_m(rows, num_experts)
+    sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, block_m)
+    h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
+    _moe_gemm(x, w13, h, sorted_ids, block_experts, num_padded, None, top_k, block_m)
+    act = silu_and_mul(h)
+    y = torch.empty(rows, hidden, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    _moe_gemm(act, w2, y, sorted_ids, block_experts, num_padded, weights, 1, block_m)
+    return y.view(t, top_k, hidden).sum(1).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------------------------- dispatch
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """The module doc's op. x [T, H] contiguous; w13, w2 contiguous, x's dtype."""
+    if use_triton(x):
+        report.record("fused_moe", "triton fused_moe")
+        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
     report.record("fused_moe", "torch reference")
     return fused_experts_reference(x, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,143 @@
+"""The Triton fused MoE (``align_tokens`` and the grouped GEMM) against its torch reference, on the CPU under the
+Triton interpreter.
+
+Tolerances (max |kernel − reference| ≤ tol · max |reference|):
+  fp32: 1e-5 (the GEMMs sum K in another order);
+  fp16: 4 ulps (2⁻⁸): an fp32 difference in the last bit may flip one rounding of an intermediate;
+  bf16: 4 ulps (2⁻⁵) — the 3.9 interpreter converts fp32 → bf16 by truncation (the GPU rounds to nearest
+        even, as torch does), so the gate/up and down products are each up to one ulp low.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from nvllm.kernels import report  # noqa: E402
+from nvllm.kernels.fused_moe import (  # noqa: E402
+    align_tokens, fused_experts, fused_experts_reference, fused_experts_triton)
+
+TOL = {torch.float32: 1e-5, torch.float16: 2 ** -8, torch.bfloat16: 2 ** -5}
+
+
+def _problem(t, e, k, hidden, inter, dtype, ids=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(e, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
+    if ids is None:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    ids = ids.to(torch.int32).reshape(t, k)
+    weights = torch.softmax(torch.randn(t, k, generator=g), dim=-1)
+    return x, w13, w2, weights, ids
+
+
+def _check_align(topk_ids, num_experts, block_m):
+    sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, block_m)
+    t, k = topk_ids.shape
+    n = t * k
+    max_padded = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    assert sorted_ids.dtype == block_experts.dtype == num_padded.dtype == torch.int32
+    assert sorted_ids.shape == (max_padded,) and block_experts.shape == (max_padded // block_m,)
+    assert num_padded.shape == (1,)
+    flat = topk_ids.reshape(-1).tolist()
+    ids = sorted_ids.tolist()
+    total = int(num_padded[0])
+    assert total % block_m == 0 and all(i == n for i in ids[total:])
+    real = [i for i in ids[:total] if i != n]
+    assert sorted(real) == list(range(n))  # every (t, j) exactly once
+    # walk the groups: per expert in order, its pairs in flat order, then sentinels up to a block boundary
+    pos = 0
+    for e in range(num_experts):
+        mine = [i for i in range(n) if flat[i] == e]
+        padded = -(-len(mine) // block_m) * block_m
+        assert ids[pos:pos + len(mine)] == mine
+        assert all(i == n for i in ids[pos + len(mine):pos + padded])
+        assert block_experts[pos // block_m:(pos + padded) // block_m].tolist() == [e] * (padded // block_m)
+        pos += padded
+    assert pos == total
+    assert all(b == -1 for b in block_experts[total // block_m:].tolist())
+
+
+@pytest.mark.parametrize("t, e, k, block_m", [(5, 4, 2, 16), (1, 8, 1, 16), (7, 3, 3, 4), (0, 2, 1, 16)])
+def test_align_tokens(t, e, k, block_m):
+    g = torch.Generator().manual_seed(t + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    _check_align(ids.long(), e, block_m)
+
+
+def test_align_tokens_idle_and_full_experts():
+    """Experts 0, 2 and 5 get nothing; 1 gets every token (a group of several blocks), 3 and 4 some."""
+    ids = torch.tensor([[1, 3], [1, 4], [4, 1], [1, 3], [3, 1]] * 4, dtype=torch.int32)
+    _check_align(ids, 6, 4)
+    _check_align(ids, 6, 16)
+    _check_align(torch.ones(9, 1, dtype=torch.int64), 3, 4)  # exactly whole blocks, for one expert
+
+
+def test_align_tokens_sizes_depend_only_on_shape():
+    """Output sizes follow from (T·k, E, block_m), never from the routing: nothing to read back to the host."""
+    a = align_tokens(torch.zeros(6, 2, dtype=torch.int32), 5, 16)
+    b = align_tokens(torch.arange(12, dtype=torch.int32).reshape(6, 2) % 5, 5, 16)
+    c = align_tokens(torch.zeros(3, 4, dtype=torch.int32), 5, 16)
+    assert [x.shape for x in a] == [x.shape for x in b] == [x.shape for x in c]
+
+
+CASES = [  # (T, E, k, H, I)
+    pytest.param(5, 4, 2, 64, 32, id="T5-E4-k2"),
+    pytest.param(1, 4, 2, 40, 24, id="T1-odd-dims"),
+    pytest.param(6, 3, 1, 72, 20, id="k1"),
+    pytest.param(3, 3, 3, 24, 40, id="k=E"),
+    pytest.param(40, 2, 1, 48, 24, id="block_m32"),
+    pytest.param(150, 3, 2, 40, 16, id="block_m64"),
+]
+DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in (torch.float32, torch.float16, torch.bfloat16)]
+
+
+def _assert_close(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not torch.isnan(out).any()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= TOL[dtype] * ref.float().abs().max().item(), err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, e, k, hidden, inter", CASES)
+def test_fused_experts_triton(t, e, k, hidden, inter, dtype):
+    args = _problem(t, e, k, hidden, inter, dtype)
+    _assert_close(fused_experts_triton(*args), fused_experts_reference(*args), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_experts_one_expert_takes_all(dtype):
+    """Every token to experts 2 and 0 (several blocks of one expert, experts 1 and 3 idle), H and I odd."""
+    t, e, k = 20, 4, 2
+    ids = torch.tensor([[2, 0]] * t)
+    args = _problem(t, e, k, 33, 17, dtype, ids=ids)
+    _assert_close(fused_experts_triton(*args), fused_experts_reference(*args), dtype)
+
+
+def test_fused_experts_empty_batch():
+    x, w13, w2, weights, ids = _problem(0, 3, 2, 24, 16, torch.float32)
+    out = fused_experts_triton(x, w13, w2, weights, ids)
+    assert out.shape == (0, 24) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_experts_dispatch_records(monkeypatch, dtype):
+    """NVLLM_KERNELS=triton: the Triton path runs (its SiLU·mul too) and the report says so."""
+    args = _problem(3, 4, 2, 32, 16, dtype)
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    with report.recording() as made:
+        out = fused_experts(*args)
+    assert made[("fused_moe", "triton fused_moe")] == 1
+    assert report.snapshot()["fused_moe"]["triton fused_moe"] >= 1
+    assert made[("silu_and_mul", "triton silu_and_mul")] == 1
+    _assert_close(out, fused_experts_reference(*args), dtype)
+    monkeypatch.setenv("NVLLM_KERNELS", "torch")
+    with report.recording() as made:
+        fused_experts(*args)
+    assert made[("fused_moe", "torch reference")] == 1
