@@ -1,5 +1,6 @@
-"""The Triton fused MoE (``align_tokens`` and the grouped GEMM) against its torch reference, on the CPU under the
-Triton interpreter.
+"""The Triton fused MoE (``align_tokens`` and the grouped GEMM of larger batches, the GEMVs of decode-sized ones)
+against its torch reference, on the CPU under the Triton interpreter. Tests that name a path force it by setting
+``SMALL_ROWS`` (the T·k up to which the GEMVs run) and check, by counting the host wrappers' calls, that it ran.
 
 Tolerances (max |kernel − reference| ≤ tol · max |reference|):
   fp32: 1e-5 (the GEMMs sum K in another order);
@@ -17,7 +18,7 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from nvllm.kernels import report  # noqa: E402
+from nvllm.kernels import fused_moe, report  # noqa: E402
 from nvllm.kernels.fused_moe import (  # noqa: E402
     align_tokens, fused_experts, fused_experts_reference, fused_experts_triton)
 
@@ -104,20 +105,95 @@ def _assert_close(out, ref, dtype):
     assert err <= TOL[dtype] * ref.float().abs().max().item(), err
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts of the calls, per host wrapper, made by the Triton path (the wrappers still run)."""
+    counts = {name: 0 for name in ("align_tokens", "_moe_gemm", "_moe_gemv_up", "_moe_gemv_down")}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in counts:
+        monkeypatch.setattr(fused_moe, name, counting(name, getattr(fused_moe, name)))
+    return counts
+
+
+SMALL = {"align_tokens": 0, "_moe_gemm": 0, "_moe_gemv_up": 1, "_moe_gemv_down": 1}
+LARGE = {"align_tokens": 1, "_moe_gemm": 2, "_moe_gemv_up": 0, "_moe_gemv_down": 0}
+PATHS = [pytest.param("small", id="small"), pytest.param("large", id="large")]
+
+
+def _run_path(path, args, monkeypatch, launches):
+    """fused_experts_triton on ``path`` (forced through SMALL_ROWS), having checked that path ran."""
+    monkeypatch.setattr(fused_moe, "SMALL_ROWS", 1 << 30 if path == "small" else 0)
+    out = fused_experts_triton(*args)
+    assert launches == (SMALL if path == "small" else LARGE)
+    return out
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t, e, k, hidden, inter", CASES)
-def test_fused_experts_triton(t, e, k, hidden, inter, dtype):
+def test_fused_experts_triton(t, e, k, hidden, inter, dtype, path, monkeypatch, launches):
     args = _problem(t, e, k, hidden, inter, dtype)
-    _assert_close(fused_experts_triton(*args), fused_experts_reference(*args), dtype)
+    _assert_close(_run_path(path, args, monkeypatch, launches), fused_experts_reference(*args), dtype)
 
 
+SMALL_CASES = [  # decode shapes: (T, E, k, H, I), H and I not multiples of 16
+    pytest.param(1, 6, 2, 40, 24, id="T1-k2"),
+    pytest.param(1, 5, 5, 33, 17, id="T1-k=E"),
+    pytest.param(3, 7, 3, 72, 20, id="T3-k3"),
+    pytest.param(3, 4, 4, 24, 40, id="T3-k=E"),
+    pytest.param(3, 10, 10, 40, 20, id="T3-k10"),   # more slots than the down kernel loads at once: two groups
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, e, k, hidden, inter", SMALL_CASES)
+def test_fused_experts_small_batch(t, e, k, hidden, inter, dtype, monkeypatch, launches):
+    """The decode GEMVs at the default SMALL_ROWS (every case is under it)."""
+    assert t * k <= fused_moe.SMALL_ROWS
+    args = _problem(t, e, k, hidden, inter, dtype, seed=k)
+    out = fused_experts_triton(*args)
+    assert launches == SMALL
+    _assert_close(out, fused_experts_reference(*args), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_experts_small_batch_repeated_experts(dtype, monkeypatch, launches):
+    """An expert in several tokens' slots and at different slots (2 in all three tokens, 0 in two), one expert idle:
+    each pair reads its own expert, and each token sums its own slots, in their order. int64 ids, as the router's
+    topk gives them."""
+    ids = torch.tensor([[2, 0, 5], [4, 2, 0], [2, 5, 1]])
+    *args, _ = _problem(3, 6, 3, 34, 18, dtype, ids=ids)
+    args = (*args, ids)
+    out = fused_experts_triton(*args)
+    assert launches == SMALL
+    _assert_close(out, fused_experts_reference(*args), dtype)
+
+
+@pytest.mark.parametrize("t, k, expected", [(32, 2, SMALL), (8, 8, SMALL), (13, 5, LARGE), (9, 8, LARGE)],
+                         ids=["64-rows", "64-rows-k8", "65-rows", "72-rows"])
+def test_fused_experts_path_threshold(t, k, expected, launches):
+    """At the default SMALL_ROWS (64): up to 64 (token, slot) pairs the GEMVs, from 65 the sort and grouped GEMM."""
+    assert fused_moe.SMALL_ROWS == 64
+    args = _problem(t, 16, k, 24, 16, torch.float32)
+    out = fused_experts_triton(*args)
+    assert launches == expected
+    _assert_close(out, fused_experts_reference(*args), torch.float32)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_fused_experts_one_expert_takes_all(dtype):
+def test_fused_experts_one_expert_takes_all(dtype, path, monkeypatch, launches):
     """Every token to experts 2 and 0 (several blocks of one expert, experts 1 and 3 idle), H and I odd."""
     t, e, k = 20, 4, 2
     ids = torch.tensor([[2, 0]] * t)
     args = _problem(t, e, k, 33, 17, dtype, ids=ids)
-    _assert_close(fused_experts_triton(*args), fused_experts_reference(*args), dtype)
+    _assert_close(_run_path(path, args, monkeypatch, launches), fused_experts_reference(*args), dtype)
 
 
 def test_fused_experts_empty_batch():
@@ -127,12 +203,14 @@ def test_fused_experts_empty_batch():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_fused_experts_dispatch_records(monkeypatch, dtype):
-    """NVLLM_KERNELS=triton: the Triton path runs (its SiLU·mul too) and the report says so."""
+def test_fused_experts_dispatch_records(monkeypatch, launches, dtype):
+    """NVLLM_KERNELS=triton: the Triton path runs (its SiLU·mul too; the GEMVs at this size) and the report says
+    so."""
     args = _problem(3, 4, 2, 32, 16, dtype)
     monkeypatch.setenv("NVLLM_KERNELS", "triton")
     with report.recording() as made:
         out = fused_experts(*args)
+    assert launches == SMALL
     assert made[("fused_moe", "triton fused_moe")] == 1
     assert report.snapshot()["fused_moe"]["triton fused_moe"] >= 1
     assert made[("silu_and_mul", "triton silu_and_mul")] == 1

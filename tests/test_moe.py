@@ -156,3 +156,22 @@ def test_features_without_expert_support_refuse_clearly(tiny_models, tmp_path):
     assert "is a mixture of experts (Qwen3MoeForCausalLM): nvllm quantize handles dense models only" in \
         " ".join(result.output.split())
     assert not (tmp_path / "q").exists()
+
+
+def test_triton_path_matches_the_torch_path(tiny_models, monkeypatch):
+    """The whole engine on the Triton kernels (interpreted) against the torch references: prompts in chunks of 16
+    tokens (48 expert rows: the sorted grouped GEMMs) and decode steps of three sequences (the small-batch path)."""
+    from nvllm import SamplingParams
+    from nvllm.kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "SMALL_ROWS", 16)
+    prompts = [PROMPT, PROMPT[:7], PROMPT[5:]]
+    got = {}
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv("NVLLM_KERNELS", kernels)
+        llm = make_llm(str(tiny_models["qwen2-moe"]), max_num_batched_tokens=16, block_size=8)
+        report.reset()
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        got[kernels] = ([o.outputs[0].token_ids for o in outs], report.snapshot()["fused_moe"])
+    assert got["triton"][0] == got["torch"][0]
+    assert set(got["torch"][1]) == {"torch reference"} and set(got["triton"][1]) == {"triton fused_moe"}

@@ -9,7 +9,10 @@ Rounding: each expert's gate/up product, SiLU·mul and down product are rounded 
 ``F.linear`` / ``silu_and_mul`` round them; the routing weight multiplies the rounded down product in fp32 and
 the k terms of a token are summed in fp32 in slot order, rounded once.
 
-This file holds the op's three parts: the torch reference, the Triton kernels and the dispatch.
+This file holds the op's three parts: the torch reference, the Triton kernels and the dispatch. The Triton part
+has two paths, chosen from T·k (a host int, so no synchronisation): up to ``SMALL_ROWS`` (token, slot) pairs
+(decode) two GEMV kernels read each pair's expert straight from ``topk_ids``, the down one summing a token's k
+terms in place; larger batches sort the pairs by expert (``align_tokens``) and run a grouped GEMM twice.
 """
 
 from __future__ import annotations
@@ -27,6 +30,22 @@ from nvllm.kernels.jit import lazy_jit
 tl = None  # triton.language, bound by lazy_jit at the first launch
 
 NUM_WARPS = 4
+
+# The small-batch (decode) path runs for T·k ≤ SMALL_ROWS; larger batches take the sorted grouped GEMM. Read at
+# each call (tests lower it to reach the other path at small shapes).
+SMALL_ROWS = 64
+
+# Block sizes of the decode GEMVs. Each is bound by weight bandwidth, so what counts is how many weight bytes the
+# whole grid has in flight per K step, and that every SM has programs. Up: one program per (pair, 32 rows of
+# w13): T·k = 8, 2I = 1536 gives 384 programs, a [32, 128] tile each per step (3 MB in flight over the grid).
+# Down: the grid is only T × H/BLOCK_N, so 8 columns of w2 a program (H = 2048 at T = 1: 256 programs), and a
+# program loads up to GEMV_DOWN_SLOTS slots' tiles at once ([8, 8, 128]) rather than one slot after the other, or
+# a T = 1 step would have only 512 KB (one slot's tiles) in flight per K step, over k·I/BLOCK_K steps in a row.
+# (Sizes reasoned from those counts for Qwen3-30B-A3B's experts in bf16, not yet swept on a GPU.)
+GEMV_UP_BLOCK_N = 32
+GEMV_DOWN_BLOCK_N = 8
+GEMV_DOWN_SLOTS = 8    # most slots loaded at once (a power of two)
+GEMV_BLOCK_K = 128     # K step of both (next_pow2(K) if smaller, at least 16)
 
 
 _jit = lazy_jit
@@ -168,11 +187,137 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: tor
     )
 
 
+def _moe_gemv_up_kernel(
+    x_ptr, w_ptr, h_ptr, ids_ptr,
+    N, K,                                     # 2I, H
+    stride_xm, stride_we, stride_wn, stride_hm,   # x [T, H], w13 [E, 2I, H], h [T·k, 2I] (last strides 1)
+    TOP_K: tl.constexpr,                      # k: pair p is token p // k's slot p % k
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
+):
+    """Program (p, n): h[p, n·BLOCK_N : (n+1)·BLOCK_N] = x[p // k] @ w13[e]ᵀ for those rows, e = topk_ids.flat[p]:
+    a GEMV without tl.dot (fp32 products summed over K in fp32), stored rounded to h's dtype (x's)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm + offs_k
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # K fast
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        acc += tl.sum(w * a[None, :], axis=1)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, acc.to(h_ptr.dtype.element_ty), mask=mask_n)
+
+
+# Nothing here varies with the batch (T shows only in the grid): no do_not_specialize (nvllm.kernels.jit).
+
+
+def _moe_gemv_down_kernel(
+    act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr,
+    N, K,                                     # H, I
+    stride_am, stride_we, stride_wn, stride_om,   # act [T·k, I], w2 [E, H, I], out [T, H] (last strides 1)
+    TOP_K: tl.constexpr,                      # k; ids [T, k] and weights [T, k] (fp32) contiguous
+    SLOTS: tl.constexpr,                      # slots whose tiles are loaded at once (a power of two)
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
+):
+    """Program (t, n): out[t, n·BLOCK_N : (n+1)·BLOCK_N] = Σ_j weights[t, j] · y_j, y_j = act[t·k + j] @ w2[e_j]ᵀ
+    for those rows (fp32 accumulation, rounded to out's dtype and back), e_j = ids[t, j]; the terms summed in fp32
+    in slot order and rounded once. The slots go in groups of SLOTS, each group's weight tiles in one load
+    ([SLOTS, BLOCK_N, BLOCK_K]) so that a program has SLOTS times the bytes in flight of one slot's GEMV."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tok = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_s = tl.arange(0, SLOTS)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for j0 in tl.static_range(0, TOP_K, SLOTS):
+        mask_s = offs_s < TOP_K - j0
+        pairs = tok * TOP_K + j0 + offs_s                                             # act's rows: t·k + j
+        experts = tl.load(ids_ptr + pairs, mask=mask_s, other=0).to(tl.int64)
+        a_ptrs = act_ptr + pairs[:, None] * stride_am + offs_k[None, :]                  # [SLOTS, BLOCK_K]
+        w_ptrs = (w_ptr + experts[:, None, None] * stride_we + offs_n.to(tl.int64)[None, :, None] * stride_wn
+                  + offs_k[None, None, :])                                               # [SLOTS, BLOCK_N, BLOCK_K]
+        mask_sn = mask_s[:, None, None] & mask_n[None, :, None]
+        part = tl.zeros((SLOTS, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=mask_s[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=mask_sn & mask_k[None, None, :], other=0.0).to(tl.float32)
+            part += tl.sum(w * a[:, None, :], axis=2)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        weight = tl.load(weights_ptr + pairs, mask=mask_s, other=0.0)
+        terms = part.to(out_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]    # F.linear's rounding, · w
+        for s in tl.static_range(SLOTS):        # slot order; row s of terms taken exactly (the others add zeros)
+            if j0 + s < TOP_K:
+                acc += tl.sum(tl.where(offs_s[:, None] == s, terms, 0.0), axis=0)
+    tl.store(out_ptr + tok * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def _gemv_block_k(k: int) -> int:
+    import triton
+
+    return max(16, min(GEMV_BLOCK_K, triton.next_power_of_2(k)))
+
+
+def _moe_gemv_up(x: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    """h[p] = x[p // k] @ w13[topk_ids.flat[p]]ᵀ, rounded to x's dtype; see ``_moe_gemv_up_kernel``."""
+    import triton
+
+    n, k = w13.shape[1], w13.shape[2]
+    grid = (h.shape[0], triton.cdiv(n, GEMV_UP_BLOCK_N))
+    _jit(_moe_gemv_up_kernel)[grid](
+        x, w13, h, topk_ids,
+        n, k,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        TOP_K=topk_ids.shape[1], BLOCK_N=GEMV_UP_BLOCK_N, BLOCK_K=_gemv_block_k(k),
+        num_warps=NUM_WARPS, **pdl.launch_args(x),
+    )
+
+
+def _moe_gemv_down(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor) -> None:
+    """out[t] = Σ_j topk_weights[t, j] · act[t·k + j] @ w2[topk_ids[t, j]]ᵀ (module doc's rounding); see
+    ``_moe_gemv_down_kernel``."""
+    import triton
+
+    n, k = w2.shape[1], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    grid = (out.shape[0], triton.cdiv(n, GEMV_DOWN_BLOCK_N))
+    _jit(_moe_gemv_down_kernel)[grid](
+        act, w2, out, topk_ids, topk_weights,
+        n, k,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=top_k, SLOTS=min(GEMV_DOWN_SLOTS, triton.next_power_of_2(top_k)),
+        BLOCK_N=GEMV_DOWN_BLOCK_N, BLOCK_K=_gemv_block_k(k),
+        num_warps=NUM_WARPS, **pdl.launch_args(act),
+    )
+
+
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor) -> torch.Tensor:
-    """Same contract as ``fused_experts_reference``: ``align_tokens``, the grouped GEMM over w13 into
-    [T·k, 2I] (x's dtype), ``silu_and_mul``, the grouped GEMM over w2 times the routing weights into fp32
-    [T·k, H], the k terms of each token summed. No host synchronisation (CUDA-graph capturable)."""
+    """Same contract as ``fused_experts_reference``. No host synchronisation (CUDA-graph capturable); the path
+    follows from T·k alone:
+
+    - T·k ≤ ``SMALL_ROWS`` (decode): ``_moe_gemv_up`` into [T·k, 2I] (x's dtype), ``silu_and_mul``, then
+      ``_moe_gemv_down`` straight into [T, H], the weighted sum of each token's k terms done in the kernel. Three
+      launches, no sort.
+    - larger: ``align_tokens``, the grouped GEMM over w13 into [T·k, 2I] (x's dtype), ``silu_and_mul``, the
+      grouped GEMM over w2 times the routing weights into fp32 [T·k, H], the k terms of each token summed."""
     t, top_k = topk_ids.shape
     num_experts, hidden, inter = w2.shape
     assert x.shape == (t, hidden) and w13.shape == (num_experts, 2 * inter, hidden), (x.shape, w13.shape, w2.shape)
@@ -181,6 +326,14 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     if t == 0:
         return x.new_empty(0, hidden)
     rows = t * top_k
+    if rows <= SMALL_ROWS:
+        ids = topk_ids.contiguous()
+        h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
+        _moe_gemv_up(x, w13, h, ids)
+        act = silu_and_mul(h)
+        out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+        _moe_gemv_down(act, w2, out, ids, topk_weights.to(torch.float32).contiguous())
+        return out
     block_m = _block_m(rows, num_experts)
     sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, block_m)
     h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)

@@ -1,0 +1,169 @@
+"""Mixture-of-experts models on one GPU: the fused experts op, then the engine on Qwen3-30B-A3B's shapes (random bf16
+weights, load_format dummy) against HF transformers on the same shapes, in one call.
+
+    python3 scripts/gpu_moe_bench.py [--layers 48] [--ts 1,8,64,512,4096] [--skip-hf] [--skip-engine]
+
+1. ``fused_experts`` (Triton) against its torch reference (the per-expert loop transformers runs) at the expert shapes
+   of Qwen3-30B-A3B (128 experts of 2048 → 768, 8 a token) and Mixtral-8x7B (8 of 4096 → 14336, 2 a token), random
+   routing: the largest difference over the largest output, µs a call inside a CUDA graph (a capture that fails is
+   an error: the engine captures the op in its decode graphs), and the floor: the bytes of the distinct experts the
+   tokens touch over the copy bandwidth measured in the run.
+2. The engine (``--layers`` of Qwen3-30B-A3B's 48; 61 GB of weights at 48): batch-1 TPOT (the ``bench latency`` path,
+   greedy), decode steps at batch 8 and 32 with 256-token contexts, and the floor: the bytes a batch-1 token reads
+   (attention, router, 8 experts a layer, LM head) over the copy bandwidth. HF transformers eager (``generate``) on
+   the same shapes gives its TPOT; the greedy tokens of the two are not compared (random weights in two layouts).
+
+Writes $OUT/moe_bench.json (``--out`` overrides $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import torch  # noqa: E402
+
+from gpu_bench import decode_step_ms, measure_bandwidth  # noqa: E402
+from hf_baselines import hf_baseline  # noqa: E402
+from nvllm.kernels.fused_moe import fused_experts, fused_experts_reference  # noqa: E402
+from nvllm.layers.moe import route  # noqa: E402
+
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}   # E, k, H, I
+
+
+def graph_us(call, iters: int = 20, reps: int = 7) -> float:
+    """µs a call: ``iters`` calls captured in one CUDA graph, the median of ``reps`` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            call()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / iters)
+    return sorted(times)[reps // 2]
+
+
+def kernel_runs(res: dict, ts: list[int], bandwidth: float) -> None:
+    for name, (e, k, h, i) in SHAPES.items():
+        gen = torch.Generator("cuda").manual_seed(0)
+        w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h ** -0.5).to(torch.bfloat16)
+        w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i ** -0.5).to(torch.bfloat16)
+        per_expert = (w13[0].numel() + w2[0].numel()) * 2
+        for t in ts:
+            x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+            logits = torch.randn(t, e, device="cuda", generator=gen)
+            weights, ids = route(logits, k, True, True)
+            got = fused_experts(x, w13, w2, weights, ids)
+            ref = fused_experts_reference(x, w13, w2, weights, ids)
+            err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            us = graph_us(lambda: fused_experts(x, w13, w2, weights, ids))
+            floor = 1e6 * (ids.unique().numel() * per_expert + 4 * t * h) / bandwidth
+            row = {"t": t, "rel_err": err, "us": us, "floor_us": floor}
+            if t <= 64:   # the reference syncs on the host (it is never captured): timed with events, eagerly
+                s, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                fused_experts_reference(x, w13, w2, weights, ids)
+                s.record()
+                for _ in range(5):
+                    fused_experts_reference(x, w13, w2, weights, ids)
+                en.record()
+                en.synchronize()
+                row["reference_us"] = s.elapsed_time(en) * 1e3 / 5
+            res.setdefault("kernel", {}).setdefault(name, []).append(row)
+            print(f"{name} T={t}: rel err {err:.2e}, {us:.1f} µs (floor {floor:.1f})"
+                  + (f", reference {row['reference_us']:.1f} µs" if "reference_us" in row else ""), flush=True)
+        w13 = w2 = None   # freed before the next shape
+        torch.cuda.empty_cache()
+
+
+def model_dir(layers: int, tokenizer_dir: Path) -> Path:
+    from transformers import Qwen2Tokenizer
+
+    d = Path(tempfile.mkdtemp(prefix="qwen3moe-"))
+    cfg = json.loads((REPO / "scripts/models/qwen3-30b-a3b/config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (d / "config.json").write_text(json.dumps(cfg))
+    Qwen2Tokenizer(vocab=str(tokenizer_dir / "vocab.json"), merges=str(tokenizer_dir / "merges.txt")).save_pretrained(d)
+    return d
+
+
+def token_bytes(cfg: dict) -> int:
+    """Bytes a batch-1 decode token reads: attention's four projections, router, k experts a layer, LM head."""
+    h, hd, heads, kv = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    layer = h * hd * (heads + 2 * kv) + heads * hd * h + cfg["num_experts"] * h \
+        + cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"]
+    return 2 * (cfg["num_hidden_layers"] * layer + cfg["vocab_size"] * h)
+
+
+def engine_runs(res: dict, d: Path, bandwidth: float) -> None:
+    from nvllm.bench.offline import run_latency
+    from nvllm.config import EngineConfig
+    from nvllm.llm import LLM
+
+    config = EngineConfig(model=str(d), load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
+                          log_stats_interval=0)
+    llm = LLM.from_config(config)
+    lat = run_latency(config, batch_size=1, input_len=128, output_len=128, num_iters_warmup=1, num_iters=3,
+                      progress=False, llm=llm, temperature=0)
+    res["nvllm_tpot_ms"] = lat["median_tpot_ms"]
+    res["nvllm_kernel_report"] = lat["kernel_report"]
+    res["floor_tpot_ms"] = 1e3 * token_bytes(json.loads((d / "config.json").read_text())) / bandwidth
+    for b in (8, 32):
+        res[f"nvllm_b{b}_step_ms"] = decode_step_ms(llm, b, 256, steps=16)
+    print(f"nvllm TPOT {res['nvllm_tpot_ms']:.3f} ms (floor {res['floor_tpot_ms']:.3f}); decode step b8 "
+          f"{res['nvllm_b8_step_ms']:.3f} ms, b32 {res['nvllm_b32_step_ms']:.3f} ms", flush=True)
+    llm.close()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--ts", default="1,8,64,512,4096")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    res: dict = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("NVLLM_COMMIT", ""),
+                 "layers": args.layers}
+    out = Path(args.out) / "moe_bench.json"
+    bandwidth = res["bandwidth_bytes_s"] = measure_bandwidth()
+    print(f"{res['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    kernel_runs(res, [int(t) for t in args.ts.split(",")], bandwidth)
+    out.write_text(json.dumps(res, indent=1))
+    d = model_dir(args.layers, Path(args.tokenizer_dir))
+    if not args.skip_engine:
+        engine_runs(res, d, bandwidth)
+        out.write_text(json.dumps(res, indent=1))
+    if not args.skip_hf:
+        hf_baseline(d, res)
+        print(f"HF transformers TPOT {res['hf_tpot_ms']:.3f} ms", flush=True)
+        out.write_text(json.dumps(res, indent=1))
+    shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

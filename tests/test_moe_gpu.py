@@ -1,0 +1,58 @@
+"""Mixtures of experts on a GPU (skipped elsewhere; run there with ``TRITON_INTERPRET=0``): the compiled fused experts
+op against its reference at the published expert shapes, and tiny Qwen3-MoE / Qwen2-MoE / Mixtral models through the
+engine — fp32 against HF transformers' forward and greedy tokens, bf16 with CUDA graphs against the same engine
+run eagerly, with the kernel report naming the Triton op."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("needs a CUDA device and compiled Triton kernels (TRITON_INTERPRET=0)", allow_module_level=True)
+
+from nvllm import SamplingParams  # noqa: E402
+from nvllm.kernels import report  # noqa: E402
+from nvllm.kernels.fused_moe import fused_experts, fused_experts_reference  # noqa: E402
+from nvllm.layers.moe import route  # noqa: E402
+from tests.conftest import build_tiny_model, make_llm  # noqa: E402
+from tests.test_engine_vs_hf import PROMPT, check_against_hf  # noqa: E402
+
+SHAPE = dict(vocab_size=512, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+             max_position_embeddings=1024, initializer_range=0.05)
+MOE = {"qwen3-moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=96),
+       "qwen2-moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=96,
+                         shared_expert_intermediate_size=160),
+       "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=200)}
+
+
+@pytest.mark.parametrize("e, k, h, i", [(128, 8, 2048, 768), (8, 2, 4096, 14336), (60, 4, 2048, 1408)])
+@pytest.mark.parametrize("t", [1, 3, 64, 700])
+def test_fused_experts_at_published_shapes(e, k, h, i, t):
+    """Qwen3-30B-A3B, Mixtral-8x7B and Qwen1.5-MoE-A2.7B experts, bf16, routing from random logits."""
+    gen = torch.Generator("cuda").manual_seed(t)
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h ** -0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i ** -0.5).bfloat16()
+    x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
+    weights, ids = route(torch.randn(t, e, device="cuda", generator=gen), k, True, True)
+    ref = fused_experts_reference(x, w13, w2, weights, ids).float()
+    got = fused_experts(x, w13, w2, weights, ids).float()
+    assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("kind", list(MOE))
+def test_tiny_moe_models_through_the_engine(kind, tmp_path):
+    path = build_tiny_model(kind, tmp_path / kind, **SHAPE, **MOE[kind])
+    check_against_hf(path, PROMPT, 16, device="cuda", dtype="float32")
+    prompts = [{"prompt_token_ids": PROMPT[i:i + 6]} for i in range(12)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for name, extra in (("graphs", {}), ("eager", {"enforce_eager": True})):
+        llm = make_llm(str(path), device="cuda", dtype="bfloat16", **extra)
+        report.reset()
+        tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert set(report.snapshot()["fused_moe"]) == {"triton fused_moe"}
+        llm.close()
+    assert tokens["graphs"] == tokens["eager"]
