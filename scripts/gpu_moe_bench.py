@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from gpu_bench import decode_step_ms, measure_bandwidth  # noqa: E402
 from hf_baselines import hf_baseline  # noqa: E402
 from nvllm.kernels.fused_moe import fused_experts, fused_experts_reference  # noqa: E402
-from nvllm.layers.moe import route  # noqa: E402
+from nvllm.kernels.moe_routing import route  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}   # E, k, H, I
 

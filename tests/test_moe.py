@@ -18,7 +18,8 @@ from nvllm.cli import app
 from nvllm.config import ConfigError
 from nvllm.kernels import report
 from nvllm.kernels.fused_moe import fused_experts
-from nvllm.layers.moe import moe_shape, route
+from nvllm.kernels.moe_routing import route
+from nvllm.layers.moe import moe_shape
 from tests.conftest import build_tiny_model, make_llm
 from tests.test_engine_vs_hf import PROMPT, check_against_hf
 

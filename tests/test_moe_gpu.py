@@ -16,7 +16,7 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 from nvllm import SamplingParams  # noqa: E402
 from nvllm.kernels import report  # noqa: E402
 from nvllm.kernels.fused_moe import fused_experts, fused_experts_reference  # noqa: E402
-from nvllm.layers.moe import route  # noqa: E402
+from nvllm.kernels.moe_routing import route, route_reference, route_triton  # noqa: E402
 from tests.conftest import build_tiny_model, make_llm  # noqa: E402
 from tests.test_engine_vs_hf import PROMPT, check_against_hf  # noqa: E402
 
@@ -40,6 +40,15 @@ def test_fused_experts_at_published_shapes(e, k, h, i, t):
     ref = fused_experts_reference(x, w13, w2, weights, ids).float()
     got = fused_experts(x, w13, w2, weights, ids).float()
     assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("e, k", [(128, 8), (8, 2), (60, 4)])
+def test_routing_kernel_equals_the_reference(e, k):
+    logits = (torch.randn(300, e, device="cuda", generator=torch.Generator("cuda").manual_seed(e)) * 3).bfloat16()
+    want_w, want_ids = route_reference(logits, k, True, True)
+    got_w, got_ids = route_triton(logits, k, True, True)
+    assert torch.equal(got_ids.long(), want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=2 ** -8, atol=2 ** -8)
 
 
 @pytest.mark.parametrize("kind", list(MOE))

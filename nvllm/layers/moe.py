@@ -28,6 +28,7 @@ from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, Part, even_part, take_shard
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.fused_moe import fused_experts
+from nvllm.kernels.moe_routing import route
 from nvllm.layers.linear import Linear
 
 ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
@@ -136,17 +137,6 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids)
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool, in_dtype: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] → (weights [T, k] fp32, expert ids [T, k]) as the module doc says."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if in_dtype:
-        weights = weights.to(logits.dtype).float()
-    return weights, ids
 
 
 class SparseMoeBlock(nn.Module):
