@@ -1,6 +1,7 @@
 """The Triton fused MoE (``align_tokens`` and the grouped GEMM of larger batches, the GEMVs of decode-sized ones)
 against its torch reference, on the CPU under the Triton interpreter. Tests that name a path force it by setting
-``SMALL_ROWS`` (the T·k up to which the GEMVs run) and check, by counting the host wrappers' calls, that it ran.
+``SMALL_ROWS`` (the T·k up to which the GEMVs run; by default T·k ≤ E) and check, by counting the host wrappers'
+calls, that it ran.
 
 Tolerances (max |kernel − reference| ≤ tol · max |reference|):
   fp32: 1e-5 (the GEMMs sum K in another order);
@@ -154,8 +155,8 @@ SMALL_CASES = [  # decode shapes: (T, E, k, H, I), H and I not multiples of 16
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t, e, k, hidden, inter", SMALL_CASES)
 def test_fused_experts_small_batch(t, e, k, hidden, inter, dtype, monkeypatch, launches):
-    """The decode GEMVs at the default SMALL_ROWS (every case is under it)."""
-    assert t * k <= fused_moe.SMALL_ROWS
+    """The decode GEMVs (forced where T·k > E)."""
+    monkeypatch.setattr(fused_moe, "SMALL_ROWS", 64)
     args = _problem(t, e, k, hidden, inter, dtype, seed=k)
     out = fused_experts_triton(*args)
     assert launches == SMALL
@@ -167,6 +168,7 @@ def test_fused_experts_small_batch_repeated_experts(dtype, monkeypatch, launches
     """An expert in several tokens' slots and at different slots (2 in all three tokens, 0 in two), one expert idle:
     each pair reads its own expert, and each token sums its own slots, in their order. int64 ids, as the router's
     topk gives them."""
+    monkeypatch.setattr(fused_moe, "SMALL_ROWS", 64)
     ids = torch.tensor([[2, 0, 5], [4, 2, 0], [2, 5, 1]])
     *args, _ = _problem(3, 6, 3, 34, 18, dtype, ids=ids)
     args = (*args, ids)
@@ -175,11 +177,13 @@ def test_fused_experts_small_batch_repeated_experts(dtype, monkeypatch, launches
     _assert_close(out, fused_experts_reference(*args), dtype)
 
 
-@pytest.mark.parametrize("t, k, expected", [(32, 2, SMALL), (8, 8, SMALL), (13, 5, LARGE), (9, 8, LARGE)],
-                         ids=["64-rows", "64-rows-k8", "65-rows", "72-rows"])
+@pytest.mark.parametrize("t, k, expected", [(8, 2, SMALL), (4, 4, SMALL), (1, 16, SMALL), (17, 1, LARGE),
+                                             (3, 6, LARGE)],
+                         ids=["16-rows", "16-rows-k4", "16-rows-k16", "17-rows", "18-rows"])
 def test_fused_experts_path_threshold(t, k, expected, launches):
-    """At the default SMALL_ROWS (64): up to 64 (token, slot) pairs the GEMVs, from 65 the sort and grouped GEMM."""
-    assert fused_moe.SMALL_ROWS == 64
+    """By default (SMALL_ROWS None) the GEMVs while the (token, slot) pairs are no more than the 16 experts, from 17
+    the sort and grouped GEMM."""
+    assert fused_moe.SMALL_ROWS is None
     args = _problem(t, 16, k, 24, 16, torch.float32)
     out = fused_experts_triton(*args)
     assert launches == expected
@@ -206,7 +210,7 @@ def test_fused_experts_empty_batch():
 def test_fused_experts_dispatch_records(monkeypatch, launches, dtype):
     """NVLLM_KERNELS=triton: the Triton path runs (its SiLU·mul too; the GEMVs at this size) and the report says
     so."""
-    args = _problem(3, 4, 2, 32, 16, dtype)
+    args = _problem(3, 8, 2, 32, 16, dtype)
     monkeypatch.setenv("NVLLM_KERNELS", "triton")
     with report.recording() as made:
         out = fused_experts(*args)

@@ -10,8 +10,8 @@ Rounding: each expert's gate/up product, SiLU·mul and down product are rounded 
 the k terms of a token are summed in fp32 in slot order, rounded once.
 
 This file holds the op's three parts: the torch reference, the Triton kernels and the dispatch. The Triton part
-has two paths, chosen from T·k (a host int, so no synchronisation): up to ``SMALL_ROWS`` (token, slot) pairs
-(decode) two GEMV kernels read each pair's expert straight from ``topk_ids``, the down one summing a token's k
+has two paths, chosen from T·k (a host int, so no synchronisation): up to E (token, slot) pairs (decode) two
+GEMV kernels read each pair's expert straight from ``topk_ids``, the down one summing a token's k
 terms in place; larger batches sort the pairs by expert (``align_tokens``) and run a grouped GEMM twice.
 """
 
@@ -31,21 +31,23 @@ tl = None  # triton.language, bound by lazy_jit at the first launch
 
 NUM_WARPS = 4
 
-# The small-batch (decode) path runs for T·k ≤ SMALL_ROWS; larger batches take the sorted grouped GEMM. Read at
-# each call (tests lower it to reach the other path at small shapes).
-SMALL_ROWS = 64
+# The small-batch (decode) path runs while the (token, slot) pairs are no more than the experts (T·k ≤ E: at most
+# one pair an expert on average); beyond that the sorted grouped GEMM, which reads each expert's weights once for all
+# its rows, was faster on an H100 (PERF.md, run ES: Qwen3-30B-A3B's 128 experts crossed between 128 and 256 pairs,
+# Mixtral's 8 between 8 and 16). ``SMALL_ROWS``, when set, replaces the rule (tests force either path with it). Read
+# at each call.
+SMALL_ROWS: int | None = None
 
-# Block sizes of the decode GEMVs. Each is bound by weight bandwidth, so what counts is how many weight bytes the
-# whole grid has in flight per K step, and that every SM has programs. Up: one program per (pair, 32 rows of
-# w13): T·k = 8, 2I = 1536 gives 384 programs, a [32, 128] tile each per step (3 MB in flight over the grid).
-# Down: the grid is only T × H/BLOCK_N, so 8 columns of w2 a program (H = 2048 at T = 1: 256 programs), and a
-# program loads up to GEMV_DOWN_SLOTS slots' tiles at once ([8, 8, 128]) rather than one slot after the other, or
-# a T = 1 step would have only 512 KB (one slot's tiles) in flight per K step, over k·I/BLOCK_K steps in a row.
-# (Sizes reasoned from those counts for Qwen3-30B-A3B's experts in bf16, not yet swept on a GPU.)
-GEMV_UP_BLOCK_N = 32
-GEMV_DOWN_BLOCK_N = 8
+# Block sizes of the decode GEMVs, bound by weight bandwidth, swept on an H100 over Qwen3-30B-A3B's and Mixtral's
+# experts at T = 1 and 4 (run ES; 72 settings): 16 rows of w13 a program for the up GEMV, 4 columns of w2 for the
+# down one (its grid is only T × H/BLOCK_N: H = 2048 at T = 1 gives 512 programs), K steps of 256, 8 warps — 9 %
+# below the first guess (32, 8, 128, 4 warps) on average, 33.1 against 40.5 µs at Qwen3-30B-A3B's T = 1. The down
+# kernel loads up to GEMV_DOWN_SLOTS slots' tiles at once rather than one slot after the other.
+GEMV_UP_BLOCK_N = 16
+GEMV_DOWN_BLOCK_N = 4
 GEMV_DOWN_SLOTS = 8    # most slots loaded at once (a power of two)
-GEMV_BLOCK_K = 128     # K step of both (next_pow2(K) if smaller, at least 16)
+GEMV_NUM_WARPS = 8
+GEMV_BLOCK_K = 256     # K step of both (next_pow2(K) if smaller, at least 16)
 
 
 _jit = lazy_jit
@@ -285,7 +287,7 @@ def _moe_gemv_up(x: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, topk_ids: 
         n, k,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         TOP_K=topk_ids.shape[1], BLOCK_N=GEMV_UP_BLOCK_N, BLOCK_K=_gemv_block_k(k),
-        num_warps=NUM_WARPS, **pdl.launch_args(x),
+        num_warps=GEMV_NUM_WARPS, **pdl.launch_args(x),
     )
 
 
@@ -304,7 +306,7 @@ def _moe_gemv_down(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, topk_
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=top_k, SLOTS=min(GEMV_DOWN_SLOTS, triton.next_power_of_2(top_k)),
         BLOCK_N=GEMV_DOWN_BLOCK_N, BLOCK_K=_gemv_block_k(k),
-        num_warps=NUM_WARPS, **pdl.launch_args(act),
+        num_warps=GEMV_NUM_WARPS, **pdl.launch_args(act),
     )
 
 
@@ -313,7 +315,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     """Same contract as ``fused_experts_reference``. No host synchronisation (CUDA-graph capturable); the path
     follows from T·k alone:
 
-    - T·k ≤ ``SMALL_ROWS`` (decode): ``_moe_gemv_up`` into [T·k, 2I] (x's dtype), ``silu_and_mul``, then
+    - T·k ≤ E (decode; ``SMALL_ROWS`` when set): ``_moe_gemv_up`` into [T·k, 2I] (x's dtype), ``silu_and_mul``, then
       ``_moe_gemv_down`` straight into [T, H], the weighted sum of each token's k terms done in the kernel. Three
       launches, no sort.
     - larger: ``align_tokens``, the grouped GEMM over w13 into [T·k, 2I] (x's dtype), ``silu_and_mul``, the
@@ -326,7 +328,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     if t == 0:
         return x.new_empty(0, hidden)
     rows = t * top_k
-    if rows <= SMALL_ROWS:
+    if rows <= (num_experts if SMALL_ROWS is None else SMALL_ROWS):
         ids = topk_ids.contiguous()
         h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
         _moe_gemv_up(x, w13, h, ids)
