@@ -167,6 +167,14 @@ def _block_m(rows: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
 
 
+def gemm_tiles(block_m: int, n: int, k: int) -> dict:
+    """The grouped GEMM's other tile sizes and launch settings for blocks of ``block_m`` rows, W [E, n, k]."""
+    import triton
+
+    return dict(BLOCK_N=max(16, min(64 if block_m <= 32 else 128, triton.next_power_of_2(n))),
+                BLOCK_K=max(16, min(64, triton.next_power_of_2(k))), num_warps=NUM_WARPS, num_stages=3)
+
+
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor,
               block_experts: torch.Tensor, num_padded: torch.Tensor, weights: torch.Tensor | None,
               top_k: int, block_m: int) -> None:
@@ -174,18 +182,16 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: tor
     import triton
 
     n, k = w.shape[1], w.shape[2]
-    block_n = max(16, min(64 if block_m <= 32 else 128, triton.next_power_of_2(n)))
-    block_k = max(16, min(64, triton.next_power_of_2(k)))
+    tiles = gemm_tiles(block_m, n, k)
     sixteen_bit = a.dtype in (torch.float16, torch.bfloat16)
-    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    grid = (block_experts.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
     _jit(_moe_gemm_kernel)[grid](
         a, w, c, sorted_ids, block_experts, num_padded, weights if weights is not None else c,
         n, k, c.shape[0],
         a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         TOP_K=top_k, MUL_WEIGHT=weights is not None,
         UPCAST=sixteen_bit and _interpreting(), DOT_PRECISION="tf32" if sixteen_bit else "ieee",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=NUM_WARPS, **pdl.launch_args(a),
+        BLOCK_M=block_m, **tiles, **pdl.launch_args(a),
     )
 
 
