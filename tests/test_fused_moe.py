@@ -223,3 +223,11 @@ def test_fused_experts_dispatch_records(monkeypatch, launches, dtype):
     with report.recording() as made:
         fused_experts(*args)
     assert made[("fused_moe", "torch reference")] == 1
+
+
+def test_fused_experts_blocks_of_128_rows(monkeypatch, launches):
+    """From 128 rows an expert the grouped GEMM takes blocks of 128 (two experts of 130 and 126 rows here)."""
+    assert fused_moe._block_m(256, 2) == 128 and fused_moe._block_m(254, 2) == 64
+    ids = torch.tensor([0] * 130 + [1] * 126)[:, None]
+    args = _problem(256, 2, 1, 24, 16, torch.float32, ids=ids)
+    _assert_close(_run_path("large", args, monkeypatch, launches), fused_experts_reference(*args), torch.float32)
