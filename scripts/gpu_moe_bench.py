@@ -9,9 +9,11 @@ weights, load_format dummy) against HF transformers on the same shapes, in one c
    an error: the engine captures the op in its decode graphs), and the floor: the bytes of the distinct experts the
    tokens touch over the copy bandwidth measured in the run.
 2. The engine (``--layers`` of Qwen3-30B-A3B's 48; 61 GB of weights at 48): batch-1 TPOT (the ``bench latency`` path,
-   greedy), decode steps at batch 8 and 32 with 256-token contexts, and the floor: the bytes a batch-1 token reads
+   greedy), decode steps at batch 8 and 32 with 256-token contexts, the time to the first token of one prompt of 512
+   and of 2048 tokens, and the floor: the bytes a batch-1 token reads
    (attention, router, 8 experts a layer, LM head) over the copy bandwidth. HF transformers eager (``generate``) on
-   the same shapes gives its TPOT; the greedy tokens of the two are not compared (random weights in two layouts).
+   the same shapes gives its TPOT and its forward time for prompts of the same lengths; the greedy tokens of the two
+   are not compared (random weights in two layouts).
 
 Writes $OUT/moe_bench.json (``--out`` overrides $OUT).
 """
@@ -130,8 +132,13 @@ def engine_runs(res: dict, d: Path, bandwidth: float) -> None:
     res["floor_tpot_ms"] = 1e3 * token_bytes(json.loads((d / "config.json").read_text())) / bandwidth
     for b in (8, 32):
         res[f"nvllm_b{b}_step_ms"] = decode_step_ms(llm, b, 256, steps=16)
+    for n in (512, 2048):   # one prompt of n tokens: the time to its first token
+        p = run_latency(config, batch_size=1, input_len=n, output_len=1, num_iters_warmup=1, num_iters=5,
+                        progress=False, llm=llm)
+        res[f"nvllm_ttft_{n}_ms"] = p["median_ttft_ms"]
     print(f"nvllm TPOT {res['nvllm_tpot_ms']:.3f} ms (floor {res['floor_tpot_ms']:.3f}); decode step b8 "
-          f"{res['nvllm_b8_step_ms']:.3f} ms, b32 {res['nvllm_b32_step_ms']:.3f} ms", flush=True)
+          f"{res['nvllm_b8_step_ms']:.3f} ms, b32 {res['nvllm_b32_step_ms']:.3f} ms; TTFT 512 "
+          f"{res['nvllm_ttft_512_ms']:.1f} ms, 2048 {res['nvllm_ttft_2048_ms']:.1f} ms", flush=True)
     llm.close()
     del llm
     gc.collect()
@@ -160,7 +167,8 @@ def main() -> None:
         out.write_text(json.dumps(res, indent=1))
     if not args.skip_hf:
         hf_baseline(d, res)
-        print(f"HF transformers TPOT {res['hf_tpot_ms']:.3f} ms", flush=True)
+        print(f"HF transformers TPOT {res['hf_tpot_ms']:.3f} ms; prefill 512 {res['hf_prefill_512_ms']:.1f} ms, "
+              f"2048 {res['hf_prefill_2048_ms']:.1f} ms", flush=True)
         out.write_text(json.dumps(res, indent=1))
     shutil.rmtree(d, ignore_errors=True)
 
