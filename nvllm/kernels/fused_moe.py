@@ -163,7 +163,7 @@ _moe_gemm_kernel.do_not_specialize = ("num_valid",)   # varies with the batch (s
 
 def _block_m(rows: int, num_experts: int) -> int:
     """Rows per block from the mean rows an expert gets: 16 (tl.dot's least) for small batches, up to 128 from 128
-    rows an expert (an H100 sweep, PERF.md run EX: Mixtral's experts at 2048 tokens 4229 → 3756 µs)."""
+    rows an expert (an H100 sweep, PERF.md run EY: Mixtral's experts at 2048 tokens 4229 → 3756 µs)."""
     per_expert = rows / num_experts
     return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64 if per_expert < 128 else 128
 
