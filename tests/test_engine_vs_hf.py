@@ -63,10 +63,13 @@ def test_layers_share_one_pair_of_rotary_tables(tiny_models):
 @pytest.mark.parametrize("kind, flags", [("llama", {"attention_bias": True}), ("qwen3", {"attention_bias": True}),
                                           ("llama", {"mlp_bias": True}), ("mistral", {"attention_bias": True,
                                                                                      "mlp_bias": True}),
-                                          ("qwen2", {"mlp_bias": True}), ("llama", {"hidden_act": "swish"})])
+                                          ("qwen2", {"mlp_bias": True}), ("llama", {"hidden_act": "swish"}),
+                                          ("qwen3-moe", {"attention_bias": True}), ("qwen2-moe", {"qkv_bias": False}),
+                                          ("qwen2-moe", {"mlp_only_layers": [1], "norm_topk_prob": True})])
 def test_config_flags_as_hf_reads_them(tmp_path, kind, flags):
-    """``attention_bias``: HF gives q/k/v and o_proj biases to Llama and Qwen3 (random here, as every tiny model's
-    biases), ``mlp_bias`` the MLP's to Llama; Mistral and Qwen2 ignore both flags. "swish" is SiLU."""
+    """``attention_bias``: HF gives q/k/v and o_proj biases to Llama, Qwen3 and Qwen3-MoE (random here, as every tiny
+    model's biases), ``mlp_bias`` the MLP's to Llama; Mistral and Qwen2 ignore both flags. "swish" is SiLU. Qwen2-MoE
+    reads ``qkv_bias``; with ``mlp_only_layers`` it mixes a dense layer with sparse ones."""
     from tests.conftest import build_tiny_model
 
     check_against_hf(build_tiny_model(kind, tmp_path / kind, **flags), PROMPT, 16)

@@ -57,6 +57,47 @@ def test_bad_expert_counts_are_config_errors():
         moe_shape(edited, "Qwen3MoeForCausalLM")
     with pytest.raises(ConfigError, match="moe_intermediate_size 40 is not divisible by tensor_parallel_size 3"):
         moe_shape(_config("qwen3-moe"), "Qwen3MoeForCausalLM", 3, 0)
+    with pytest.raises(ConfigError, match="moe_intermediate_size must be positive with 8 experts"):
+        moe_shape(_config("qwen3-moe", moe_intermediate_size=0), "Qwen3MoeForCausalLM")
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size must be a positive integer, got 0"):
+        moe_shape(_config("qwen2-moe", shared_expert_intermediate_size=0), "Qwen2MoeForCausalLM")
+
+
+def test_an_unused_dense_intermediate_size_need_not_split():
+    """Every layer sparse: the dense intermediate_size (97 here) is never built, so it need not divide by the ranks;
+    with a dense layer it must."""
+    from nvllm.distributed.partition import check_tensor_parallel
+    from nvllm.models.llama import ModelShape
+
+    c = _config("qwen3-moe", intermediate_size=97, mlp_only_layers=[])
+    check_tensor_parallel(ModelShape(c, "Qwen3MoeForCausalLM", 2), 2, None)
+    with pytest.raises(ConfigError, match="intermediate_size 97 is not divisible by tensor_parallel_size 2"):
+        c = _config("qwen3-moe", intermediate_size=97, mlp_only_layers=[0])
+        check_tensor_parallel(ModelShape(c, "Qwen3MoeForCausalLM", 2), 2, None)
+
+
+@pytest.mark.parametrize("kind, arch", [("qwen3-moe", "Qwen3MoeForCausalLM"), ("qwen2-moe", "Qwen2MoeForCausalLM"),
+                                        ("mixtral", "MixtralForCausalLM")])
+def test_mlp_parameters_count_what_transformers_builds(kind, arch):
+    from nvllm.models.llama import ModelShape
+
+    c = _config(kind, mlp_only_layers=[2]) if kind != "mixtral" else _config(kind)
+    hf = getattr(transformers, arch)(c)
+    want = sum(p.numel() for n, p in hf.named_parameters() if ".mlp." in n or ".block_sparse_moe." in n)
+    assert ModelShape(c, arch).mlp_parameters() == want
+
+
+def test_qwen3_moe_sliding_window_caps_every_layer():
+    """transformers slides every Qwen3-MoE layer when use_sliding_window is set, whatever max_window_layers says."""
+    from nvllm.models.loader import model_len_limit
+
+    c = _config("qwen3-moe", use_sliding_window=True, sliding_window=16, max_window_layers=6,
+                max_position_embeddings=256)
+    c.architectures = ["Qwen3MoeForCausalLM"]
+    assert model_len_limit(c, warn=False) == 16
+    c = _config("qwen3-moe", use_sliding_window=False, sliding_window=16, max_position_embeddings=256)
+    c.architectures = ["Qwen3MoeForCausalLM"]
+    assert model_len_limit(c, warn=False) == 256
 
 
 @pytest.mark.parametrize("kind, arch, dtype", [("qwen3-moe", "Qwen3MoeForCausalLM", torch.bfloat16),
@@ -142,8 +183,15 @@ def test_features_without_expert_support_refuse_clearly(tiny_models, tmp_path):
     with pytest.raises(ConfigError, match="mixture of experts, which nvllm serves in full precision only "
                                           r"\(--quantization fp8 was given\)"):
         make_llm(path, quantization="fp8")
-    with pytest.raises(ConfigError, match="LoRA adapters are not supported on mixture-of-experts models"):
-        make_llm(path, enable_lora=True)
+    from nvllm.engine import model_runner
+
+    def no_loading(*a, **k):
+        raise AssertionError("the weights were loaded before the refusal")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_runner, "load_model", no_loading)
+        with pytest.raises(ConfigError, match="LoRA adapters are not supported on mixture-of-experts models"):
+            make_llm(path, enable_lora=True)
     gptq = tmp_path / "gptq"
     shutil.copytree(path, gptq)
     cfg = json.loads((gptq / "config.json").read_text())
@@ -176,3 +224,15 @@ def test_triton_path_matches_the_torch_path(tiny_models, monkeypatch):
         got[kernels] = ([o.outputs[0].token_ids for o in outs], report.snapshot()["fused_moe"])
     assert got["triton"][0] == got["torch"][0]
     assert set(got["torch"][1]) == {"torch reference"} and set(got["triton"][1]) == {"triton fused_moe"}
+
+
+def test_speculative_decoding_keeps_a_mixture_of_experts_greedy_output(tiny_models):
+    from nvllm import SamplingParams
+
+    prompts = [PROMPT + PROMPT[:6], PROMPT[3:]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in make_llm(str(tiny_models["qwen3-moe"])).generate(prompts, greedy,
+                                                                                              use_tqdm=False)]
+    llm = make_llm(str(tiny_models["qwen3-moe"]), speculative="k=3,method=ngram")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    assert llm.engine.stats.spec.num_drafts > 0

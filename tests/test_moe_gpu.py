@@ -69,6 +69,8 @@ def test_tiny_moe_models_through_the_engine(kind, tmp_path):
         llm = make_llm(str(path), device="cuda", dtype="bfloat16", kv_cache_memory=1, **extra)
         report.reset()
         tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        # two sequences: decode steps of T·k ≤ E (the GEMVs; twelve take the sorted grouped GEMM)
+        tokens[name] += [o.outputs[0].token_ids for o in llm.generate(prompts[:2], greedy, use_tqdm=False)]
         assert set(report.snapshot()["fused_moe"]) == {"triton fused_moe"}
         llm.close()
     assert tokens["graphs"] == tokens["eager"]

@@ -47,3 +47,15 @@ def test_empty_batch_and_the_dispatch(monkeypatch):
     with report.recording() as made:
         route(torch.randn(2, 8), 2, True, True)
     assert ("moe_routing", "triton top-k routing") in made
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # inf − inf, on purpose
+def test_non_finite_logits_give_nan_weights_and_valid_ids():
+    """A row with an infinite or NaN logit (an overflowing token) gets NaN weights, as torch gives, and expert ids
+    within range: the expert kernels index weights by them."""
+    logits = torch.tensor([[0.1, float("inf"), 0.3, 0.0, 0.2, 0.5], [0.1, float("nan"), 0.3, 0.0, 0.2, 0.5],
+                           [0.1, 0.7, 0.3, 0.0, 0.2, 0.5]])
+    w, ids = route_triton(logits, 2, True, False)
+    assert ((ids >= 0) & (ids < 6)).all()
+    assert w[:2].isnan().all() and not w[2].isnan().any()
+    assert ids[2].tolist() == route_reference(logits, 2, True, False)[1][2].tolist()

@@ -2,11 +2,11 @@
 
 Two ranks give what one rank gives — greedy tokens, seeded samples, logprobs and prompt logprobs — for the demo
 model (with chunked prefill, prefix caching and an int8 KV cache), tiny Llama / Qwen2 (one KV head, so it is
-replicated) / Qwen3 models, Qwen2-MoE and Qwen3-MoE mixtures of experts, and AWQ, act-order GPTQ and FP8 (block
-scales) copies; speculative decoding keeps a split target's greedy output. The shards of every weight put back
-together are the full weights. A worker killed mid-run ends the engine with an error within seconds (a server then
-exits 1), a worker's start-up error reaches rank 0 as itself, a model that does not split is one ConfigError before
-any process starts, and `nvllm generate --tensor-parallel-size 2` works.
+replicated) / Qwen3 models, Qwen2-MoE, Qwen3-MoE and Mixtral mixtures of experts, and AWQ, act-order GPTQ and FP8
+(block scales) copies; speculative decoding keeps a split target's greedy output. The shards of every weight put
+back together are the full weights. A worker killed mid-run ends the engine with an error within seconds (a server
+then exits 1), a worker's start-up error reaches rank 0 as itself, a model that does not split is one ConfigError
+before any process starts, and `nvllm generate --tensor-parallel-size 2` works.
 """
 
 from __future__ import annotations
@@ -54,12 +54,13 @@ def models(tmp_path_factory) -> dict[str, str]:
     qwen3 = build_tiny_model("qwen3", root / "qwen3", intermediate_size=128)
     qwen2_moe = build_tiny_model("qwen2-moe", root / "qwen2-moe")   # experts of 24 and a shared expert of 48
     qwen3_moe = build_tiny_model("qwen3-moe", root / "qwen3-moe")   # a dense layer 0, then experts of 40
+    mixtral = build_tiny_model("mixtral", root / "mixtral")         # w1 / w3 / w2 experts of 96
     write_by_hand(qwen2, root / "awq", "awq", group=32)
     write_by_hand(llama, root / "gptq", "gptq", group=32, sym=False, act_order=True)
     write_fp8(llama, root / "fp8", {"quant_method": "fp8", "weight_block_size": [32, 32]}, fp8_blocks((32, 32)))
     return {"llama": str(llama), "qwen2-kv1": str(qwen2), "qwen3": str(qwen3), "awq": str(root / "awq"),
             "gptq-actorder": str(root / "gptq"), "fp8-blocks": str(root / "fp8"), "qwen2-moe": str(qwen2_moe),
-            "qwen3-moe": str(qwen3_moe)}
+            "qwen3-moe": str(qwen3_moe), "mixtral": str(mixtral)}
 
 
 def assert_workers_gone(llm) -> None:
@@ -196,6 +197,28 @@ def request_mix() -> tuple[list, list[SamplingParams]]:
     return ps, params
 
 
+def test_expert_shards_put_together_are_the_full_experts(models):
+    """Qwen2-MoE over two ranks: each expert's gate and up rows and down columns split in halves, the shared expert
+    likewise, the router whole on each rank."""
+    full, ranks = rank_models(models["qwen2-moe"])
+    for i, layer in enumerate(full.layers):
+        whole, pieces = layer.moe, [r.layers[i].moe for r in ranks]
+        inter = whole.experts.w2.shape[2] // 2
+        w13 = [p.experts.w13 for p in pieces]
+        torch.testing.assert_close(torch.cat([w[:, :inter] for w in w13] + [w[:, inter:] for w in w13], dim=1),
+                                   whole.experts.w13)
+        torch.testing.assert_close(torch.cat([p.experts.w2 for p in pieces], dim=2), whole.experts.w2)
+        s = whole.shared_expert.down_proj.weight.shape[1] // 2
+        gu = [p.shared_expert.gate_up_proj.weight for p in pieces]
+        torch.testing.assert_close(torch.cat([w[:s] for w in gu] + [w[s:] for w in gu]),
+                                   whole.shared_expert.gate_up_proj.weight)
+        torch.testing.assert_close(torch.cat([p.shared_expert.down_proj.weight for p in pieces], dim=1),
+                                   whole.shared_expert.down_proj.weight)
+        for p in pieces:
+            assert torch.equal(p.gate.weight, whole.gate.weight)
+            assert torch.equal(p.shared_expert_gate.weight, whole.shared_expert_gate.weight)
+
+
 def compare(one, two) -> None:
     for a, b in zip(one, two):
         assert a.prompt_logprobs is None or len(a.prompt_logprobs) == len(b.prompt_logprobs)
@@ -216,7 +239,7 @@ CASES = {  # case → (model, ranks, engine options)
     "llama-4-ranks": ("llama", 4, {}),  # 2 KV heads over 4 ranks: ranks 0, 1 hold head 0; ranks 2, 3 head 1
     "qwen2-kv1": ("qwen2-kv1", 2, {}), "qwen3": ("qwen3", 2, {}), "awq": ("awq", 2, {}),
     "gptq-actorder": ("gptq-actorder", 2, {}), "fp8-blocks": ("fp8-blocks", 2, {}),
-    "qwen2-moe": ("qwen2-moe", 2, {}), "qwen3-moe": ("qwen3-moe", 2, {}),
+    "qwen2-moe": ("qwen2-moe", 2, {}), "qwen3-moe": ("qwen3-moe", 2, {}), "mixtral": ("mixtral", 2, {}),
 }
 
 

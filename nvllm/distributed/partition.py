@@ -114,9 +114,12 @@ def layer_shards(shape, tp_size: int, rank: int) -> dict[str, LinearShard | None
     if tp_size == 1:
         return dict.fromkeys(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     q, kv = head_parts(shape.num_heads, shape.num_kv_heads, shape.head_dim, tp_size, rank)
-    inter = even_part(shape.intermediate_size, tp_size, rank, "intermediate_size")
-    return {"qkv_proj": LinearShard(outputs=(q, kv, kv)), "o_proj": LinearShard(inputs=q),
-            "gate_up_proj": LinearShard(outputs=(inter, inter)), "down_proj": LinearShard(inputs=inter)}
+    shards = {"qkv_proj": LinearShard(outputs=(q, kv, kv)), "o_proj": LinearShard(inputs=q),
+              "gate_up_proj": None, "down_proj": None}
+    if shape.local_intermediate_size:   # a model whose every MLP is a mixture of experts has no dense one to split
+        inter = even_part(shape.intermediate_size, tp_size, rank, "intermediate_size")
+        shards.update(gate_up_proj=LinearShard(outputs=(inter, inter)), down_proj=LinearShard(inputs=inter))
+    return shards
 
 
 def check_tensor_parallel(shape, tp_size: int, quant_plan: dict | None) -> None:

@@ -35,7 +35,7 @@ from nvllm.layers.attention import (AttentionMetadata, allocate_kv_caches, kv_ca
 from nvllm.layers.linear import interleave_gate_ups
 from nvllm.layers.sampler import Sampler, SampleRow, batch_token_logprobs, host_tensor
 from nvllm.lora.layers import lora_mapping
-from nvllm.lora.manager import LoRAManager, layer_linears, loads_message
+from nvllm.lora.manager import MOE_REFUSAL, LoRAManager, layer_linears, loads_message
 from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model, model_len_limit, quantization_plan
 from nvllm.models.registry import resolve_architecture
 from nvllm.models.llama import ModelShape
@@ -72,6 +72,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
         self.tp = tp or TPGroup.single()
         self.workers = None
+        if config.enable_lora and ModelShape(self.hf_config, resolve_architecture(self.hf_config)[0]).moe is not None:
+            raise ConfigError(MOE_REFUSAL)   # before any weight loads
         if tp is None and config.tensor_parallel_size > 1:
             self._start_workers()
             try:

@@ -5,7 +5,8 @@
 
 — what HF transformers' routers compute (``nvllm.layers.moe``). In torch that is five or six kernels a layer (softmax,
 top-k, sum, division, two casts), a few µs each on a decode step's critical path; the Triton kernel does it in one
-launch, a program a token, the k picks taken one at a time (the largest, the lowest expert id among equals).
+launch, a program a token, the k picks taken one at a time (the largest, the lowest expert id among equals). A row
+with a NaN or an infinite logit gets NaN weights, as in torch, and valid expert ids.
 
 This file holds the op's three parts: the torch reference, the Triton kernel and the dispatch.
 """
@@ -58,13 +59,14 @@ def _route_kernel(
     p = tl.exp(x - tl.max(x, axis=0))
     p = tl.where(valid, p, 0.0)
     p = p / tl.sum(p, axis=0)
+    nan_row = tl.max(tl.where(valid & (p != p), 1, 0), axis=0) > 0   # an infinite or NaN logit
     left = tl.where(valid, p, -1.0)           # probabilities not yet taken (taken and padding: −1)
     slots = tl.arange(0, K_PAD)
     weights = tl.zeros((K_PAD,), tl.float32)
     ids = tl.zeros((K_PAD,), tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(left, axis=0)
-        pick = tl.min(tl.where(left == best, offs, BLOCK_E), axis=0)
+        pick = tl.minimum(tl.min(tl.where(left == best, offs, BLOCK_E), axis=0), E - 1)   # NaN rows: in range
         weights = tl.where(slots == j, best, weights)
         ids = tl.where(slots == j, pick, ids)
         left = tl.where(offs == pick, -1.0, left)
@@ -72,6 +74,7 @@ def _route_kernel(
         weights = weights / tl.sum(weights, axis=0)
     if ROUND:
         weights = weights.to(logits_ptr.dtype.element_ty).to(tl.float32)
+    weights = tl.where(nan_row, float("nan"), weights)
     keep = slots < TOP_K
     tl.store(weights_ptr + t * TOP_K + slots, weights, mask=keep)
     tl.store(ids_ptr + t * TOP_K + slots, ids, mask=keep)

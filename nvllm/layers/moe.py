@@ -66,6 +66,8 @@ def moe_shape(hf_config, architecture: str, tp_size: int = 1, tp_rank: int = 0) 
             raise ConfigError(f"config.json: {name} must be a non-negative integer, got {v!r}")
     if n == 0:
         return None
+    if inter == 0:
+        raise ConfigError(f"config.json: moe_intermediate_size must be positive with {n} experts")
     if not 1 <= k <= n:
         raise ConfigError(f"config.json: num_experts_per_tok {k} must be between 1 and num_experts {n}")
     if architecture == "MixtralForCausalLM":
@@ -74,7 +76,12 @@ def moe_shape(hf_config, architecture: str, tp_size: int = 1, tp_rank: int = 0) 
         step = getattr(c, "decoder_sparse_step", 1) or 1
         dense = set(getattr(c, "mlp_only_layers", None) or [])
         sparse = frozenset(i for i in range(c.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
-    shared = getattr(c, "shared_expert_intermediate_size", 0) if architecture == "Qwen2MoeForCausalLM" else 0
+    shared = 0
+    if architecture == "Qwen2MoeForCausalLM":   # transformers always builds Qwen2-MoE's shared expert
+        shared = getattr(c, "shared_expert_intermediate_size", None)
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
+            raise ConfigError(f"config.json: shared_expert_intermediate_size must be a positive integer, got "
+                              f"{shared!r}")
     return MoeShape(
         num_experts=n, top_k=k, intermediate_size=inter,
         part=even_part(inter, tp_size, tp_rank, "moe_intermediate_size"),

@@ -28,12 +28,15 @@ logger = logging.getLogger("nvllm")
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+MOE_REFUSAL = ("LoRA adapters are not supported on mixture-of-experts models (their experts take none); serve the "
+               "model without --enable-lora")
+
+
 def layer_linears(layer) -> list[str]:
     """The names of a decoder layer's linears that take adapters (all four); ConfigError for a layer whose MLP
     is a mixture of experts, which takes none."""
     if getattr(layer, "moe", None) is not None:
-        raise ConfigError("LoRA adapters are not supported on mixture-of-experts models (their experts take none); "
-                          "serve the model without --enable-lora")
+        raise ConfigError(MOE_REFUSAL)
     return list(_LINEARS)
 
 

@@ -77,9 +77,11 @@ def model_len_limit(hf_config, requested: int | None = None, warn: bool = True) 
     layer_types = getattr(c, "layer_types", None)
     if layer_types:  # the layers' kinds, as transformers derives them (Qwen2/3: from max_window_layers)
         uses_window = window and "sliding_attention" in layer_types
-    else:            # Mistral; Qwen2 configs of older transformers: layers from max_window_layers on slide
-        uses_window = window and getattr(c, "use_sliding_window", True) is not False \
-            and (getattr(c, "max_window_layers", None) or 0) < c.num_hidden_layers
+    else:            # Mistral, Mixtral; Qwen2 configs of older transformers: layers from max_window_layers on
+        # slide; every Qwen3-MoE layer slides when use_sliding_window is set (transformers ignores max_window_layers)
+        first = 0 if "Qwen3MoeForCausalLM" in (getattr(c, "architectures", None) or []) else \
+            getattr(c, "max_window_layers", None) or 0
+        uses_window = window and getattr(c, "use_sliding_window", True) is not False and first < c.num_hidden_layers
     if requested is not None:
         if requested > limit:
             what = ("max_position_embeddings" if limit == c.max_position_embeddings
@@ -163,7 +165,7 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
     checkpoint (see nvllm.quant.plan), else None. A quantized head with tensor parallelism is a ConfigError."""
     from nvllm.models.llama import ModelShape
     from nvllm.quant.fp8 import ONLINE
-    from nvllm.quant.plan import LINEARS, LM_HEAD, serving_plan
+    from nvllm.quant.plan import LINEARS, LM_HEAD, read_quantization_config, serving_plan
 
     keys = None if config.load_format == "dummy" else checkpoint_keys(config.model)
     try:
@@ -172,13 +174,15 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
 
             keys = gptq_keys(keys)
         shape = ModelShape(hf_config, arch)
+        raw = read_quantization_config(config.model, hf_config)
+        if shape.moe is not None and (raw is not None or config.quantization is not None):
+            what = (f"a {raw.get('quant_method', 'quantized') if isinstance(raw, dict) else 'quantized'} checkpoint"
+                    if raw is not None else f"--quantization {config.quantization}")
+            raise ConfigError(f"{config.model}: {arch} is a mixture of experts, which nvllm serves in full precision "
+                              f"only ({what} was given); serve the unquantized model")
         found = serving_plan(config.model, hf_config, shape, keys)
     except ValueError as e:
         raise ConfigError(f"{config.model}: {e}") from e
-    if shape.moe is not None and (found is not None or config.quantization is not None):
-        what = f"a {found[0].method} checkpoint" if found else f"--quantization {config.quantization}"
-        raise ConfigError(f"{config.model}: {arch} is a mixture of experts, which nvllm serves in full precision "
-                          f"only ({what} was given); serve the unquantized model")
     total = 4 * hf_config.num_hidden_layers
     if config.quantization == "fp8" and found is None:   # quantized while it loads (nvllm.quant.fp8)
         if log:
