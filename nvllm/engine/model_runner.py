@@ -36,9 +36,9 @@ from nvllm.layers.linear import interleave_gate_ups
 from nvllm.layers.sampler import Sampler, SampleRow, batch_token_logprobs, host_tensor
 from nvllm.lora.layers import lora_mapping
 from nvllm.lora.manager import MOE_REFUSAL, LoRAManager, layer_linears, loads_message
+from nvllm.models.llama import ModelShape
 from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model, model_len_limit, quantization_plan
 from nvllm.models.registry import resolve_architecture
-from nvllm.models.llama import ModelShape
 
 logger = logging.getLogger("nvllm")
 _GiB = 1 << 30

@@ -68,8 +68,9 @@ class ModelShape:
         self.max_position = c.max_position_embeddings
         self.rope_theta, self.rope_scaling = rope_parameters(c)
         self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
-        # the biases as HF's modeling code builds them: attention_bias counts for Llama and Qwen3 (q/k/v and o),
-        # mlp_bias for Llama only; Qwen2 always has q/k/v biases; Mistral has none, whatever its config says
+        # the biases as HF's modeling code builds them: attention_bias counts for Llama, Qwen3 and Qwen3-MoE (q/k/v
+        # and o), mlp_bias for Llama only; Qwen2 always has q/k/v biases, Qwen2-MoE unless qkv_bias is false;
+        # Mistral and Mixtral have none, whatever their config says
         attention_bias = architecture in _ATTENTION_BIAS and bool(getattr(c, "attention_bias", False))
         self.qkv_bias = architecture == "Qwen2ForCausalLM" or attention_bias or (
             architecture == "Qwen2MoeForCausalLM" and bool(getattr(c, "qkv_bias", True)))
