@@ -46,3 +46,11 @@ def triton_on(device: torch.device | str) -> bool:
     if choice == "triton":
         return triton_available()
     return torch.device(device).type == "cuda" and triton_available()
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under its CPU interpreter. Its ``tl.dot`` (Triton 3.9) multiplies 16-bit tiles as
+    their raw bits, so kernels that take an ``UPCAST`` flag feed it fp32 copies there (loads, unpacking and stores
+    keep their dtypes); those kernels call only builtins (``tl.full``, not the ``@jit`` helper ``tl.zeros``), so they
+    still interpret when ``triton.language`` was imported before ``TRITON_INTERPRET`` was set."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -25,7 +25,7 @@ import os
 import torch
 
 from nvllm.kernels import report
-from nvllm.kernels.backend import eager_triton, use_triton
+from nvllm.kernels.backend import eager_triton, interpreting, use_triton
 from nvllm.kernels.fp8_w8a8 import w8a8_block_linear, w8a8_block_supported, w8a8_linear, w8a8_supported
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
 from nvllm.quant.fp8 import dequantize_rows
@@ -195,10 +195,6 @@ def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block_k: int, dtyp
     return out
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _pick_config(M: int, K: int, block_k: int, dtype: torch.dtype) -> dict[str, int]:
     """Tile sizes (a first choice, not yet measured per shape): small M takes 16-row tiles and split-K, larger M
     wider tiles. BLOCK_K is the largest of 128 / 64 / 32 / 16 inside one scale block."""
@@ -303,7 +299,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k
         k_per_split,
         BK_S=block_k if block_k < K else K, HAS_BIAS=has_bias, ATOMIC=atomic, NATIVE=native_fp8(x.device),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=x.dtype == torch.bfloat16 and _interpreting(),
+        UPCAST_DOT=x.dtype == torch.bfloat16 and interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return finish_split_k(out, bias, x.dtype, split_k)

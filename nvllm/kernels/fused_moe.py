@@ -17,14 +17,12 @@ terms in place; larger batches sort the pairs by expert (``align_tokens``) and r
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from nvllm.kernels import pdl, report
 from nvllm.kernels.activation import silu_and_mul
-from nvllm.kernels.backend import use_triton
+from nvllm.kernels.backend import interpreting, use_triton
 from nvllm.kernels.jit import lazy_jit
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
@@ -51,10 +49,6 @@ GEMV_BLOCK_K = 256     # K step of both (next_pow2(K) if smaller, at least 16)
 
 
 _jit = lazy_jit
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -191,7 +185,7 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: tor
         n, k, c.shape[0],
         a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         TOP_K=top_k, MUL_WEIGHT=weights is not None,
-        UPCAST=sixteen_bit and _interpreting(), DOT_PRECISION="tf32" if sixteen_bit else "ieee",
+        UPCAST=sixteen_bit and interpreting(), DOT_PRECISION="tf32" if sixteen_bit else "ieee",
         BLOCK_M=block_m, **tiles, **pdl.launch_args(a),
     )
 

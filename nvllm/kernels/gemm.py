@@ -62,14 +62,13 @@ imported lazily (the package imports without it).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
 from nvllm.kernels import pdl, report
 from nvllm.kernels.activation import silu_and_mul, silu_and_mul_reference
-from nvllm.kernels.backend import use_triton
+from nvllm.kernels.backend import interpreting, use_triton
 from nvllm.kernels.gemm_table import (  # noqa: F401 - the table's API, re-exported beside gemm
     _BUCKETS, _TABLE, CUBLAS, FMA_MAX_M, MAX_TUNED_M, SkinnyConfig, _cdiv, _next_pow2, clear_gemm_table, gemm_bucket,
     gemm_choice, gemm_table, gemm_table_path, load_gemm_table, save_gemm_table, set_gemm_choice)
@@ -85,10 +84,6 @@ _DEFER_MAX_PER_THREAD = 32  # fma: accumulate full tiles when ≤ this many fp32
 
 
 _jit = lazy_jit
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -365,7 +360,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         EVEN_K=K % bk == 0,
         # Triton 3.9's CPU interpreter multiplies 16-bit tl.dot operands as raw bits: give it fp32 copies
         # (exact: a product of two bf16/fp16 values fits fp32), numerically what the GPU computes
-        UPCAST=sixteen_bit and _interpreting(),
+        UPCAST=sixteen_bit and interpreting(),
         DOT_PRECISION="tf32" if sixteen_bit else "ieee",
         FMA_STAGES=config.num_stages,
         BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=bk,

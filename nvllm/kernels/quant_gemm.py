@@ -43,7 +43,7 @@ from nvllm.kernels import report
 from nvllm.kernels.attention_partials import AttentionPartials
 from nvllm.kernels.partial_sum import PartialSum, take
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output, store_tile
-from nvllm.kernels.backend import eager_triton, use_triton
+from nvllm.kernels.backend import eager_triton, interpreting, use_triton
 from nvllm.kernels.quant_gemv import gemv_supported, gemv_tuned, quant_gemv
 from nvllm.quant.formats import QuantWeight
 
@@ -175,7 +175,7 @@ def _quant_gemm_kernel(
     mask_m = offs_m < M
     offs_n, mask_n, wn, mask_wn = _tile_columns(pid_n, N, BITS, BLOCK_N)
 
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)   # (tl.full, a builtin: see _interpreting)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)   # (tl.full, a builtin: see backend.interpreting)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -214,14 +214,6 @@ def _dequant_kernel(
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_k[:, None] * stride_ok + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
              mask=(offs_k < K)[:, None] & mask_n[None, :])
-
-
-def _interpreting() -> bool:
-    """Under Triton's CPU interpreter (Triton 3.9) ``tl.dot`` multiplies bf16 tiles as their raw uint16 bits,
-    so the kernel upcasts the bf16 operands first (loads, unpacking and stores stay bf16). The kernels also
-    call only builtins (``tl.full``, not the ``@jit`` helper ``tl.zeros``), so they still interpret when
-    ``triton.language`` was imported before ``TRITON_INTERPRET`` was set."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _pick_config(M: int, K: int, group: int, act_order: bool, dtype: torch.dtype) -> dict[str, int]:
@@ -283,7 +275,7 @@ def quant_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
         BITS=bits, AWQ=fmt == "awq", GROUP=group_size, USE_GIDX=act_order, UNIFORM_GROUP=uniform,
         HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=x.dtype == torch.bfloat16 and _interpreting(),
+        UPCAST_DOT=x.dtype == torch.bfloat16 and interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
