@@ -54,21 +54,28 @@ _jit = lazy_jit
 # ---------------------------------------------------------------------------------------------- reference
 
 
-def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                            topk_ids: torch.Tensor) -> torch.Tensor:
-    """Expert by expert, over the tokens routed to it (the loop HF transformers runs)."""
+def experts_reference(x: torch.Tensor, expert, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Expert by expert, over the tokens routed to it (the loop HF transformers runs); ``expert(e)`` gives expert
+    e's (w13 [2I, H], w2 [H, I]), multiplied in their dtype's precision (x's, or fp32 for a dequantized expert),
+    each product rounded to x's dtype."""
     t, k = topk_ids.shape
-    inter = w2.shape[2]
-    terms = torch.zeros(t, k, w2.shape[1], dtype=torch.float32, device=x.device)
+    terms = torch.zeros(t, k, x.shape[1], dtype=torch.float32, device=x.device)
     flat = topk_ids.reshape(-1)
     for e in flat.unique().tolist():
         rows = (flat == e).nonzero().squeeze(1)
         tok, slot = rows // k, rows % k
-        h = F.linear(x[tok], w13[e])
+        w13, w2 = expert(e)
+        inter = w2.shape[1]
+        h = F.linear(x[tok].to(w13.dtype), w13).to(x.dtype)
         act = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(act, w2[e])
+        y = F.linear(act.to(w2.dtype), w2).to(x.dtype)
         terms[tok, slot] = y.float() * topk_weights[tok, slot].float()[:, None]
     return terms.sum(1).to(x.dtype)
+
+
+def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor) -> torch.Tensor:
+    return experts_reference(x, lambda e: (w13[e], w2[e]), topk_weights, topk_ids)
 
 
 # ------------------------------------------------------------------------------------------------- Triton

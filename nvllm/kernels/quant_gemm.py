@@ -146,7 +146,10 @@ def _dequant_tile(qw_ptr, qz_ptr, s_ptr, gidx_ptr, k0, k_end, offs_n, mask_n, wn
         z = tl.reshape((zw[:, :, None] >> n_fields[None, None, :]) & MASK, (BLOCK_K, BLOCK_N))
     if not AWQ:
         z = z + 1                                                   # GPTQ v1 stores zero - 1
-    return (q - z).to(tl.float32) * s
+    # q − z as a float without an int-to-float conversion of every code (a quarter-rate instruction): 2^23 + q has q in
+    # its mantissa; subtracting 2^23 + z leaves q − z exactly
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
+    return (qf - (z.to(tl.float32) + 8388608.0)) * s
 
 
 @_jit
