@@ -17,7 +17,11 @@ from nvllm.quant import formats as F
 from nvllm.quant import quant_config as QC
 from tests.conftest import REPO, TOKENIZER_FILES, make_llm
 
-PROJ = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+# a decoder projection: attention's and a dense MLP's, and a mixture of experts' (Qwen's experts and shared expert,
+# Mixtral's w1/w3/w2); group 1 is the layer
+PROJ = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.(?:experts\.\d+\.|shared_expert\.)?"
+                  r"(q|k|v|o|gate|up|down)_proj\.weight$|model\.layers\.(\d+)\.block_sparse_moe\.experts\.\d+\.w[123]"
+                  r"\.weight$")
 HELD_OUT = REPO / "tests" / "data" / "wikitext-2-test-head.raw"
 
 
@@ -40,7 +44,7 @@ def write_by_hand(src: Path, dst: Path, fmt: str, bits: int = 4, group: int = 32
         else:
             g_idx = None
             if act_order:   # the same input order for all projections reading the same input
-                gen = torch.Generator().manual_seed(int(m.group(1)) * 10 + t.shape[1])
+                gen = torch.Generator().manual_seed(int(m.group(1) or m.group(4)) * 10 + t.shape[1])
                 g_idx = F.act_order_g_idx(torch.randperm(t.shape[1], generator=gen), group)
             qw = F.quantize_to_gptq(t, bits, group, sym=sym, g_idx=g_idx)
         out.update({f"{base}.{k}": v for k, v in qw.tensors().items()})

@@ -58,9 +58,16 @@ def models(tmp_path_factory) -> dict[str, str]:
     write_by_hand(qwen2, root / "awq", "awq", group=32)
     write_by_hand(llama, root / "gptq", "gptq", group=32, sym=False, act_order=True)
     write_fp8(llama, root / "fp8", {"quant_method": "fp8", "weight_block_size": [32, 32]}, fp8_blocks((32, 32)))
+    # quantized experts split in two: Qwen3-MoE's of 128 (two groups of 32 a rank; its dense layer 0 too), Mixtral's of
+    # 96 (three groups of 16 a rank)
+    qwen3_moe_128 = build_tiny_model("qwen3-moe", root / "qwen3-moe-128", moe_intermediate_size=128,
+                                     intermediate_size=128)
+    write_by_hand(qwen3_moe_128, root / "qwen3-moe-gptq", "gptq", group=32, sym=False)
+    write_by_hand(mixtral, root / "mixtral-awq", "awq", group=16)
     return {"llama": str(llama), "qwen2-kv1": str(qwen2), "qwen3": str(qwen3), "awq": str(root / "awq"),
             "gptq-actorder": str(root / "gptq"), "fp8-blocks": str(root / "fp8"), "qwen2-moe": str(qwen2_moe),
-            "qwen3-moe": str(qwen3_moe), "mixtral": str(mixtral)}
+            "qwen3-moe": str(qwen3_moe), "mixtral": str(mixtral), "qwen3-moe-gptq": str(root / "qwen3-moe-gptq"),
+            "mixtral-awq": str(root / "mixtral-awq")}
 
 
 def assert_workers_gone(llm) -> None:
@@ -219,6 +226,23 @@ def test_expert_shards_put_together_are_the_full_experts(models):
             assert torch.equal(p.shared_expert_gate.weight, whole.shared_expert_gate.weight)
 
 
+@pytest.mark.parametrize("name", ["qwen3-moe-gptq", "mixtral-awq"])
+def test_quantized_expert_shards_put_together_are_the_full_experts(models, name):
+    """Packed experts over two ranks: each rank's dequantized gate/up columns and down rows are the whole model's."""
+    full, ranks = rank_models(models[name])
+    for i, layer in enumerate(full.layers):
+        if layer.moe is None:
+            continue
+        whole = layer.moe.experts.expert_weights()
+        pieces = [r.layers[i].moe.experts.expert_weights() for r in ranks]
+        inter = whole[1].in_features // 2
+        for e in range(whole[0].num_experts):
+            w13 = [p[0].dequantize(e) for p in pieces]
+            torch.testing.assert_close(torch.cat([w[:inter] for w in w13] + [w[inter:] for w in w13]),
+                                       whole[0].dequantize(e))
+            torch.testing.assert_close(torch.cat([p[1].dequantize(e) for p in pieces], dim=1), whole[1].dequantize(e))
+
+
 def compare(one, two) -> None:
     for a, b in zip(one, two):
         assert a.prompt_logprobs is None or len(a.prompt_logprobs) == len(b.prompt_logprobs)
@@ -240,6 +264,7 @@ CASES = {  # case → (model, ranks, engine options)
     "qwen2-kv1": ("qwen2-kv1", 2, {}), "qwen3": ("qwen3", 2, {}), "awq": ("awq", 2, {}),
     "gptq-actorder": ("gptq-actorder", 2, {}), "fp8-blocks": ("fp8-blocks", 2, {}),
     "qwen2-moe": ("qwen2-moe", 2, {}), "qwen3-moe": ("qwen3-moe", 2, {}), "mixtral": ("mixtral", 2, {}),
+    "qwen3-moe-gptq": ("qwen3-moe-gptq", 2, {}), "mixtral-awq": ("mixtral-awq", 2, {}),
 }
 
 
@@ -406,7 +431,21 @@ def test_shapes_that_do_not_split_are_one_config_error(models, tmp_path):
         make_llm(str(tmp_path / "awq"), tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive integer"):
         make_llm(models["llama"], tensor_parallel_size=0)
+    # Mixtral's AWQ experts of 96 in groups of 16 over 4 ranks: 24 inputs a rank
+    with pytest.raises(ConfigError, match="cannot split the awq 4-bit layers.0.experts over tensor_parallel_size 4: "
+                                          "each rank's 24 inputs are not a whole number of groups of 16"):
+        make_llm(models["mixtral-awq"], tensor_parallel_size=4)
     assert not multiprocessing.active_children()  # refused before any process started
+
+
+def test_act_order_experts_do_not_split(tmp_path):
+    """An act-order down projection's inputs may point to any group: refused over two ranks, with its reason."""
+    src = build_tiny_model("qwen3-moe", tmp_path / "m", moe_intermediate_size=128, intermediate_size=128)
+    write_by_hand(src, tmp_path / "q", "gptq", group=32, act_order=True)
+    full, ranks = rank_models(str(tmp_path / "q"))
+    assert full.layers[1].moe.experts.expert_weights()[1].g_idx is not None
+    with pytest.raises(ConfigError, match="act-order \\(desc_act\\) experts cannot be split over tensor-parallel"):
+        ranks[0].layers[1].moe.experts.expert_weights()
 
 
 def test_cli_generate_with_two_ranks():

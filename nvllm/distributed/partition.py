@@ -122,9 +122,24 @@ def layer_shards(shape, tp_size: int, rank: int) -> dict[str, LinearShard | None
     return shards
 
 
+def _rank_pieces(shape, shards: dict, unit: str) -> list[tuple[int, list[int], Part | None]]:
+    """(inputs, output sizes, the row-parallel Part of the inputs or None) of each linear of quantization-plan unit
+    ``unit`` (``qkv_proj``, …, ``experts``, ``shared_expert.down_proj``) on rank 0."""
+    h = shape.hidden_size
+    if unit == "experts" or unit.startswith("shared_expert."):
+        part = shape.moe.part if unit == "experts" else shape.moe.shared_part
+        gate_up, down = (h, [part.size, part.size], None), (part.size, [h], part)
+        return [gate_up, down] if unit == "experts" else [gate_up] if unit.endswith("gate_up_proj") else [down]
+    shard = shards[unit]
+    if shard.row_parallel:
+        return [(shard.inputs.size, [h], shard.inputs)]
+    return [(h, [p.size for p in shard.outputs], None)]
+
+
 def check_tensor_parallel(shape, tp_size: int, quant_plan: dict | None) -> None:
     """Raise one ConfigError when the model cannot be split over ``tp_size`` ranks: heads or intermediate size
-    not divisible, or a quantized linear whose rank pieces are not whole packed words / whole groups."""
+    not divisible, or a quantized linear (or expert stack) whose rank pieces are not whole packed words / whole
+    groups."""
     if tp_size == 1:
         return
     shards = layer_shards(shape, tp_size, 0)
@@ -132,17 +147,13 @@ def check_tensor_parallel(shape, tp_size: int, quant_plan: dict | None) -> None:
         if name == "lm_head":   # split by vocabulary (nvllm.layers.embed_head.QuantLMHead)
             quant_head_part(shape.vocab_size, tp_size, 0)
             continue
-        fused = name.rsplit(".", 1)[1]
-        shard = shards[fused]
-        if shard.row_parallel:
-            local_in, outs = shard.inputs.size, [shape.hidden_size]
-            group = scheme.group_for(shard.inputs.total)
-            problem = None if scheme.group_size == -1 or local_in % group == 0 else \
-                f"each rank's {local_in} inputs are not a whole number of groups of {group}"
-        else:
-            local_in, outs, group = shape.hidden_size, [p.size for p in shard.outputs], None
+        for local_in, outs, rows in _rank_pieces(shape, shards, name.split(".", 2)[2]):
             problem = None
-        problem = problem or scheme.packing_problem(local_in, outs)
-        if problem:
-            raise ConfigError(f"cannot split the {scheme.fmt} {scheme.bits}-bit {name} over tensor_parallel_size "
-                              f"{tp_size}: {problem}")
+            if rows is not None:
+                group = scheme.group_for(rows.total)
+                if scheme.group_size != -1 and local_in % group:
+                    problem = f"each rank's {local_in} inputs are not a whole number of groups of {group}"
+            problem = problem or scheme.packing_problem(local_in, outs)
+            if problem:
+                raise ConfigError(f"cannot split the {scheme.fmt} {scheme.bits}-bit {name} over "
+                                  f"tensor_parallel_size {tp_size}: {problem}")

@@ -26,10 +26,11 @@ from torch import nn
 from nvllm.config import ConfigError
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, Part, even_part, take_shard
-from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.fused_moe import fused_experts
 from nvllm.kernels.moe_routing import route
 from nvllm.layers.linear import Linear
+from nvllm.layers.linear_factory import make_linear
+from nvllm.layers.quant_experts import QuantExperts
 
 ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
@@ -47,6 +48,8 @@ class MoeShape:
     renormalize: bool
     weights_in_dtype: bool
     sparse_layers: frozenset[int]
+    hf_names: tuple[str, tuple[str, str, str]] = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    """the checkpoint's block module and its experts' (gate, up, down) modules"""
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -87,16 +90,18 @@ def moe_shape(hf_config, architecture: str, tp_size: int = 1, tp_rank: int = 0) 
         part=even_part(inter, tp_size, tp_rank, "moe_intermediate_size"),
         shared_part=even_part(shared, tp_size, tp_rank, "shared_expert_intermediate_size") if shared else None,
         renormalize=architecture == "MixtralForCausalLM" or bool(getattr(c, "norm_topk_prob", False)),
-        weights_in_dtype=architecture != "MixtralForCausalLM", sparse_layers=sparse)
+        weights_in_dtype=architecture != "MixtralForCausalLM", sparse_layers=sparse,
+        hf_names=("block_sparse_moe", ("w1", "w3", "w2")) if architecture == "MixtralForCausalLM" else
+        ("mlp", ("gate_proj", "up_proj", "down_proj")))
 
 
 # a sparse layer's checkpoint tensors → (our parameter below ``layers.{i}.moe``, shard)
 _EXPERT = re.compile(r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
-                     r"\.weight$")
+                     r"\.(weight|qweight|qzeros|scales|g_idx|bias)$")
 _EXPERT_SHARD = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
                  "down_proj": ("w2", 2), "w2": ("w2", 2)}
 _BLOCK = re.compile(r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(gate|shared_expert_gate|shared_expert\.\w+)"
-                    r"\.weight$")
+                    r"\.(weight|qweight|qzeros|scales|g_idx|bias)$")
 _SHARED = {"shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0),
            "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
            "shared_expert.down_proj": ("shared_expert.down_proj", None)}
@@ -108,11 +113,13 @@ def moe_param_for(name: str, sparse_layers: frozenset[int]) -> tuple[str, object
     m = _EXPERT.match(name)
     if m and int(m.group(1)) in sparse_layers:
         leaf, j = _EXPERT_SHARD[m.group(3)]
+        kind = m.group(4)   # quantized experts' tensors: w13_qweight, …; a bias has no parameter (zero ones skip)
+        leaf += "" if kind == "weight" else f"_{kind}"
         return f"layers.{m.group(1)}.moe.experts.{leaf}", (int(m.group(2)), j)
     m = _BLOCK.match(name)
     if m and int(m.group(1)) in sparse_layers:
         module, shard = _SHARED.get(m.group(2), (m.group(2), None))
-        return f"layers.{m.group(1)}.moe.{module}.weight", shard
+        return f"layers.{m.group(1)}.moe.{module}.{m.group(3)}", shard
     return None
 
 
@@ -147,15 +154,21 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, hidden_size: int, m: MoeShape, dtype: torch.dtype, tp: TPGroup | None = None):
+    """``quant``: the schemes of what the checkpoint stores quantized — ``"experts"`` (``QuantExperts``),
+    ``"shared_expert.gate_up_proj"`` / ``"shared_expert.down_proj"``; the routers stay in full precision."""
+
+    def __init__(self, hidden_size: int, m: MoeShape, dtype: torch.dtype, tp: TPGroup | None = None,
+                 quant: dict | None = None):
         super().__init__()
+        quant = quant or {}
         self.m = m
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.gate = Linear(hidden_size, m.num_experts, False, None, dtype)
-        self.experts = Experts(hidden_size, m, dtype)
+        self.experts = QuantExperts(hidden_size, m, quant["experts"]) if "experts" in quant \
+            else Experts(hidden_size, m, dtype)
         self.shared_expert = None
         if m.shared_part is not None:
-            self.shared_expert = SharedExpert(hidden_size, m.shared_part, dtype, self.tp)
+            self.shared_expert = SharedExpert(hidden_size, m.shared_part, dtype, self.tp, quant)
             self.shared_expert_gate = Linear(hidden_size, 1, False, None, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,11 +182,13 @@ class SparseMoeBlock(nn.Module):
 class SharedExpert(nn.Module):
     """A dense SwiGLU every token takes (this rank's slice; its output left unsummed over the ranks)."""
 
-    def __init__(self, hidden_size: int, part: Part, dtype: torch.dtype, tp: TPGroup | None):
+    def __init__(self, hidden_size: int, part: Part, dtype: torch.dtype, tp: TPGroup | None, quant: dict):
         super().__init__()
         i = part.size
-        self.gate_up_proj = Linear(hidden_size, 2 * i, False, [i, i], dtype, LinearShard(outputs=(part, part)), tp)
-        self.down_proj = Linear(i, hidden_size, False, None, dtype, LinearShard(inputs=part), tp)
+        self.gate_up_proj = make_linear(hidden_size, 2 * i, False, [i, i], dtype,
+                                        quant.get("shared_expert.gate_up_proj"), LinearShard(outputs=(part, part)), tp)
+        self.down_proj = make_linear(i, hidden_size, False, None, dtype, quant.get("shared_expert.down_proj"),
+                                     LinearShard(inputs=part), tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce=False)
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x), reduce=False)

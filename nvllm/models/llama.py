@@ -19,18 +19,18 @@ from torch import nn
 
 from nvllm.config import ConfigError
 from nvllm.distributed.group import TPGroup
-from nvllm.distributed.partition import LinearShard, even_part, head_parts, layer_shards
+from nvllm.distributed.partition import even_part, head_parts, layer_shards
 from nvllm.kernels.attention_partials import AttentionPartials
 from nvllm.kernels.partial_sum import PartialSum
 from nvllm.layers.attention import Attention, AttentionMetadata
 from nvllm.layers.embed_head import LMHead, VocabEmbedding
 from nvllm.layers.linear import Linear
+from nvllm.layers.linear_factory import make_linear
 from nvllm.layers.moe import SparseMoeBlock, moe_param_for, moe_shape
 from nvllm.layers.norm import RMSNorm
 from nvllm.layers.fp8_linear import Fp8Linear
 from nvllm.layers.quant_linear import QuantLinear
 from nvllm.layers.rotary import RotaryEmbedding, rope_parameters
-from nvllm.quant.fp8 import Fp8Scheme
 from nvllm.quant.plan import QuantScheme
 
 # checkpoint name fragment → (fused parameter fragment, shard index)
@@ -111,22 +111,11 @@ class ModelShape:
         return n * sparse + (self.num_layers - n) * dense
 
 
-def make_linear(in_features: int, out_features: int, bias: bool, output_sizes: list[int] | None,
-                dtype: torch.dtype, scheme: QuantScheme | Fp8Scheme | None, shard: LinearShard | None = None,
-                tp: TPGroup | None = None) -> Linear | QuantLinear | Fp8Linear:
-    """A dense ``Linear``, or a ``QuantLinear`` (``Fp8Linear``) when the checkpoint stores this layer quantized
-    (in FP8). Sizes are this rank's; ``shard`` places them in the checkpoint's tensors (None: the whole layer)."""
-    if scheme is None:
-        return Linear(in_features, out_features, bias, output_sizes, dtype, shard, tp)
-    if isinstance(scheme, Fp8Scheme):
-        return Fp8Linear(in_features, out_features, bias, output_sizes, scheme, dtype, shard, tp)
-    return QuantLinear(in_features, out_features, bias, output_sizes, scheme, dtype, shard, tp)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, s: ModelShape, dtype: torch.dtype, quant: dict[str, QuantScheme] | None = None,
                  tp: TPGroup | None = None, rotary: RotaryEmbedding | None = None, index: int = 0):
-        """``quant``: scheme of each of this layer's quantized linears ("qkv_proj", …); the others are dense.
+        """``quant``: scheme of each of this layer's quantized linears ("qkv_proj", …, a sparse layer's "experts" and
+        "shared_expert.gate_up_proj", …); the others are dense.
         ``rotary``: the cos/sin tables every layer shares (built here if not given). ``index``: the layer's place
         in the model (which decides whether its MLP is a mixture of experts)."""
         super().__init__()
@@ -146,7 +135,7 @@ class DecoderLayer(nn.Module):
         self.rotary = rotary or RotaryEmbedding(s.head_dim, s.max_position, s.rope_theta, s.rope_scaling)
         self.attn = Attention(s.num_local_heads, s.num_local_kv_heads, s.head_dim, s.head_dim ** -0.5)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
-        self.moe = SparseMoeBlock(s.hidden_size, s.moe, dtype, tp) if s.sparse(index) else None
+        self.moe = SparseMoeBlock(s.hidden_size, s.moe, dtype, tp, quant) if s.sparse(index) else None
         if self.moe is not None:
             return
         self.gate_up_proj = make_linear(s.hidden_size, 2 * inter, s.mlp_bias, [inter, inter], dtype,
@@ -240,8 +229,8 @@ class LlamaForCausalLM(nn.Module):
         # positions (448 MiB in all), 64 MiB a layer at Llama 3.1's 131072
         rotary = RotaryEmbedding(s.head_dim, s.max_position, s.rope_theta, s.rope_scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(s, dtype, {k.rsplit(".", 1)[1]: v for k, v in plan.items() if k.startswith(f"layers.{i}.")},
-                         tp, rotary, i)
+            DecoderLayer(s, dtype, {k.removeprefix(f"layers.{i}."): v for k, v in plan.items()
+                                    if k.startswith(f"layers.{i}.")}, tp, rotary, i)
             for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
         self.lm_head = LMHead(s.vocab_size, s.hidden_size, dtype,

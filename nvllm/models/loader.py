@@ -165,7 +165,8 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
     checkpoint (see nvllm.quant.plan), else None. A quantized head with tensor parallelism is a ConfigError."""
     from nvllm.models.llama import ModelShape
     from nvllm.quant.fp8 import ONLINE
-    from nvllm.quant.plan import LINEARS, LM_HEAD, read_quantization_config, serving_plan
+    from nvllm.quant.plan import LINEARS, LM_HEAD, quantizable_units, read_quantization_config, serving_plan
+    from nvllm.quant.quant_config import parse_quantization_config
 
     keys = None if config.load_format == "dummy" else checkpoint_keys(config.model)
     try:
@@ -175,15 +176,16 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
             keys = gptq_keys(keys)
         shape = ModelShape(hf_config, arch)
         raw = read_quantization_config(config.model, hf_config)
-        if shape.moe is not None and (raw is not None or config.quantization is not None):
-            what = (f"a {raw.get('quant_method', 'quantized') if isinstance(raw, dict) else 'quantized'} checkpoint"
-                    if raw is not None else f"--quantization {config.quantization}")
-            raise ConfigError(f"{config.model}: {arch} is a mixture of experts, which nvllm serves in full precision "
-                              f"only ({what} was given); serve the unquantized model")
+        fp8 = "--quantization fp8" if config.quantization == "fp8" else \
+            "an FP8 checkpoint" if raw is not None and parse_quantization_config(raw).fp8 is not None else None
+        if shape.moe is not None and fp8:
+            raise ValueError(f"{arch} is a mixture of experts, whose experts nvllm serves in full precision or packed "
+                             f"4/8-bit (GPTQ, AWQ), not in FP8 ({fp8} was given)")
         found = serving_plan(config.model, hf_config, shape, keys)
     except ValueError as e:
         raise ConfigError(f"{config.model}: {e}") from e
-    total = 4 * hf_config.num_hidden_layers
+    total = len(quantizable_units(shape))
+    linears = "decoder linears" if shape.moe is None else "decoder linears and expert stacks"
     if config.quantization == "fp8" and found is None:   # quantized while it loads (nvllm.quant.fp8)
         if log:
             logger.info("--quantization fp8: the %d decoder linears are quantized to FP8 (e4m3, a scale per output "
@@ -207,9 +209,9 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
                     ": the checkpoint's activation scales are not applied" if any(
                         s.static_inputs for s in plan.values()) else "", len(plan), total)
     elif log:
-        logger.info("quantized checkpoint: %s %d-bit, group size %d; %d of %d decoder linears quantized (the "
+        logger.info("quantized checkpoint: %s %d-bit, group size %d; %d of %d %s quantized (the "
                     "rest and embeddings in full precision); lm_head %s%s", qcfg.method, qcfg.bits,
-                    qcfg.group_size, len(plan) - head, total, "quantized" if head else "in full precision",
+                    qcfg.group_size, len(plan) - head, total, linears, "quantized" if head else "in full precision",
                     f"; served W8A16: the checkpoint's int8 activations ({qcfg.activations}) are not quantized"
                     if qcfg.activations else "")
     return plan

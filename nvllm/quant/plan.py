@@ -158,6 +158,40 @@ def check_dynamic_overrides(raw: dict[str, Any]) -> None:
                              f"serves one setting for every quantized module (only '-:' exclusions)")
 
 
+def quantizable_units(shape) -> list[tuple[str, list[str], list[tuple[int, list[int]]]]]:
+    """Every unit the plan decides on, in order: (plan key, the HF modules it stands for — quantized as a whole or
+    not at all —, the (in_features, output sizes) of each of its linears). A dense layer has our four fused linears;
+    a sparse layer (a mixture of experts) its attention's two, ``experts`` (every expert's gate, up and down) and
+    Qwen2-MoE's ``shared_expert.gate_up_proj`` / ``shared_expert.down_proj``."""
+    units = []
+    m = shape.moe
+    for i in range(shape.num_layers):
+        sparse = m is not None and i in m.sparse_layers
+        for fused in LINEARS[:2] if sparse else LINEARS:
+            units.append((f"layers.{i}.{fused}", hf_module_names(i, fused), [output_sizes(shape, fused)]))
+        if not sparse:
+            continue
+        block, (gate, up, down) = m.hf_names
+        h, inter = shape.hidden_size, m.intermediate_size
+        units.append((f"layers.{i}.experts", [f"model.layers.{i}.{block}.experts.{e}.{p}" for e in range(m.num_experts)
+                                              for p in (gate, up, down)], [(h, [inter, inter]), (inter, [h])]))
+        if m.shared_part is not None:
+            s, base = m.shared_intermediate_size, f"model.layers.{i}.{block}.shared_expert"
+            units.append((f"layers.{i}.shared_expert.gate_up_proj", [f"{base}.gate_proj", f"{base}.up_proj"],
+                          [(h, [s, s])]))
+            units.append((f"layers.{i}.shared_expert.down_proj", [f"{base}.down_proj"], [(s, [h])]))
+    return units
+
+
+def routers(shape) -> list[str]:
+    """The HF modules of the routers (and Qwen2-MoE's shared-expert gates), which stay in full precision."""
+    if shape.moe is None:
+        return []
+    block = shape.moe.hf_names[0]
+    return [f"model.layers.{i}.{block}.{g}" for i in sorted(shape.moe.sparse_layers)
+            for g in (("gate", "shared_expert_gate") if shape.moe.shared_part is not None else ("gate",))]
+
+
 def output_sizes(shape, fused: str) -> tuple[int, list[int]]:
     """(in_features, output shard sizes) of one of our fused linears for a ``ModelShape``."""
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
@@ -183,6 +217,10 @@ def head_problem(shape, scheme: QuantScheme) -> str | None:
     return None if problem is None else problem.replace("output size", "vocabulary size")
 
 
+def _listed(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:3])}, … ({len(names)} modules)"
+
+
 def serving_plan(model_dir: str, hf_config, shape, checkpoint_keys: set[str] | None
                  ) -> tuple[QuantConfig, dict[str, QuantScheme | Fp8Scheme]] | None:
     """For a quantized checkpoint: its parsed config and ``{"layers.{i}.{fused}": scheme}`` for every linear it
@@ -198,26 +236,29 @@ def serving_plan(model_dir: str, hf_config, shape, checkpoint_keys: set[str] | N
     check_dynamic_overrides(raw)
     scheme = scheme_of(cfg)
     plan: dict[str, QuantScheme] = {}
-    for i in range(shape.num_layers):
-        for fused in LINEARS:
-            names = hf_module_names(i, fused)
-            in_f, outs = output_sizes(shape, fused)
-            layer_scheme = scheme
-            if checkpoint_keys is not None:
-                present = [_stored_quantized(scheme, n, checkpoint_keys) for n in names]
-                if any(present) and not all(present):
-                    raise ValueError(f"the checkpoint quantizes only some of {', '.join(names)}: nvllm fuses them "
-                                     f"into one linear, which is quantized as a whole or not at all")
-                quantized = all(present)
-                if quantized and isinstance(scheme, Fp8Scheme):
-                    layer_scheme = _fp8_as_stored(scheme, names, checkpoint_keys)
-            else:
-                quantized = not excluded_by_config(raw, names) and scheme.packing_problem(in_f, outs) is None
-            if quantized:
-                problem = scheme.packing_problem(in_f, outs)
-                if problem:
-                    raise ValueError(f"{names[0]} cannot be served as {scheme.fmt} {scheme.bits}-bit: {problem}")
-                plan[f"layers.{i}.{fused}"] = layer_scheme
+    for key, names, sizes in quantizable_units(shape):
+        layer_scheme = scheme
+        problems = [p for in_f, outs in sizes if (p := scheme.packing_problem(in_f, outs))]
+        if checkpoint_keys is not None:
+            present = [_stored_quantized(scheme, n, checkpoint_keys) for n in names]
+            if any(present) and not all(present):
+                what = "experts" if key.endswith(".experts") else "linear"
+                raise ValueError(f"the checkpoint quantizes only some of {_listed(names)}: nvllm stacks them into "
+                                 f"one {what}, which is quantized as a whole or not at all")
+            quantized = all(present)
+            if quantized and isinstance(scheme, Fp8Scheme):
+                layer_scheme = _fp8_as_stored(scheme, names, checkpoint_keys)
+        else:
+            quantized = not excluded_by_config(raw, names) and not problems
+        if quantized:
+            if problems:
+                raise ValueError(f"{names[0]} cannot be served as {scheme.fmt} {scheme.bits}-bit: {problems[0]}")
+            plan[key] = layer_scheme
+    if checkpoint_keys is not None:
+        for name in routers(shape):
+            if _stored_quantized(scheme, name, checkpoint_keys):
+                raise ValueError(f"the checkpoint stores the router {name} quantized: nvllm keeps routers in full "
+                                 f"precision (GPTQModel, AutoAWQ and llm-compressor leave them unquantized)")
     fp8 = isinstance(scheme, Fp8Scheme)
     if checkpoint_keys is not None:
         head = _stored_quantized(scheme, LM_HEAD, checkpoint_keys)

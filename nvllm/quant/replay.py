@@ -61,6 +61,8 @@ def layer_forward(layer, x: torch.Tensor, positions: torch.Tensor, tap: Tap | No
         return None
     flat = flat + layer.o_proj(attn)
     h = layer.post_attention_layernorm(flat)
+    if layer.moe is not None:   # a mixture of experts: served, not quantized by nvllm (no taps inside)
+        return (flat + layer.moe(h)).reshape(batch, seq, hidden)
     if emit("gate_up_proj", h):
         return None
     act = silu_and_mul(layer.gate_up_proj(h), getattr(layer.gate_up_proj, "interleave", 0))
