@@ -1,7 +1,8 @@
 """Mixture-of-experts models on one GPU: the fused experts op, then the engine on Qwen3-30B-A3B's shapes (random bf16
 weights, load_format dummy) against HF transformers on the same shapes, in one call.
 
-    python3 scripts/gpu_moe_bench.py [--layers 48] [--ts 1,8,64,512,4096] [--skip-hf] [--skip-engine]
+    python3 scripts/gpu_moe_bench.py [--layers 48] [--ts 1,8,64,512,4096] [--skip-hf] [--skip-engine] [--gptq]
+        [--sweep]
 
 1. ``fused_experts`` (Triton) against its torch reference (the per-expert loop transformers runs) at the expert shapes
    of Qwen3-30B-A3B (128 experts of 2048 → 768, 8 a token) and Mixtral-8x7B (8 of 4096 → 14336, 2 a token), random
@@ -14,6 +15,11 @@ weights, load_format dummy) against HF transformers on the same shapes, in one c
    (attention, router, 8 experts a layer, LM head) over the copy bandwidth. HF transformers eager (``generate``) on
    the same shapes gives its TPOT and its forward time for prompts of the same lengths; the greedy tokens of the two
    are not compared (random weights in two layouts).
+
+``--gptq``: also the 4-bit experts (GPTQ g128, ``nvllm.kernels.quant_moe``) in step 1, checked against their torch
+reference, and in step 2 the engine on the same shapes with a GPTQ 4-bit g128 config (every decoder linear and
+expert packed, router and LM head in bf16): its TPOT, decode steps and TTFT against the bf16 engine's in the same
+run. ``--sweep``: the 4-bit GEMV's block sizes and warps at T = 1 (both shapes) and 4 (Qwen3-30B-A3B), µs a call.
 
 Writes $OUT/moe_bench.json (``--out`` overrides $OUT).
 """
@@ -39,6 +45,8 @@ from gpu_bench import decode_step_ms, measure_bandwidth  # noqa: E402
 from hf_baselines import hf_baseline  # noqa: E402
 from nvllm.kernels.fused_moe import fused_experts, fused_experts_reference  # noqa: E402
 from nvllm.kernels.moe_routing import route  # noqa: E402
+from nvllm.kernels import quant_moe as QM  # noqa: E402
+from nvllm.quant.formats import quantize_to_gptq  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}   # E, k, H, I
 
@@ -98,6 +106,63 @@ def kernel_runs(res: dict, ts: list[int], bandwidth: float) -> None:
         torch.cuda.empty_cache()
 
 
+def gptq_experts(w: torch.Tensor, group: int = 128) -> QM.ExpertWeights:
+    """[E, N, K] bf16 experts → 4-bit GPTQ (symmetric, RTN) stacked as the kernels take them."""
+    qs = [quantize_to_gptq(w[e].float(), 4, group) for e in range(w.shape[0])]
+    return QM.ExpertWeights(torch.stack([q.qweight for q in qs]), torch.stack([q.qzeros for q in qs]),
+                            torch.stack([q.scales for q in qs]), None, 4, group)
+
+
+def packed_bytes(w: QM.ExpertWeights) -> int:
+    return sum(t[0].numel() * t.element_size() for t in (w.qweight, w.qzeros, w.scales))
+
+
+def quant_kernel_runs(res: dict, ts: list[int], bandwidth: float, sweep: bool) -> None:
+    """4-bit experts against their reference, µs a call in a CUDA graph and the floor (packed bytes of the experts
+    the tokens touch); ``sweep``: the GEMV's block sizes at T = 1 and 4."""
+    for name, (e, k, h, i) in SHAPES.items():
+        gen = torch.Generator("cuda").manual_seed(0)
+        w13 = gptq_experts((torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h ** -0.5).to(torch.bfloat16))
+        w2 = gptq_experts((torch.randn(e, h, i, device="cuda", generator=gen) * i ** -0.5).to(torch.bfloat16))
+        per_expert = packed_bytes(w13) + packed_bytes(w2)
+        for t in ts:
+            x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+            weights, ids = route(torch.randn(t, e, device="cuda", generator=gen), k, True, True)
+            got = QM.quant_experts(x, w13, w2, weights, ids)
+            ref = QM.quant_experts_reference(x, w13, w2, weights, ids) if t <= 512 else None
+            err = None if ref is None else ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            us = graph_us(lambda: QM.quant_experts(x, w13, w2, weights, ids))
+            floor = 1e6 * (ids.unique().numel() * per_expert + 4 * t * h) / bandwidth
+            res.setdefault("quant_kernel", {}).setdefault(name, []).append(
+                {"t": t, "rel_err": err, "us": us, "floor_us": floor})
+            print(f"gptq4 {name} T={t}: rel err {err if err is None else f'{err:.2e}'}, {us:.1f} µs (floor "
+                  f"{floor:.1f})", flush=True)
+            if sweep and (t == 1 or (t == 4 and name == "qwen3-30b-a3b")):
+                gemv_sweep(res, f"{name} T={t}", lambda: QM.quant_experts(x, w13, w2, weights, ids))
+        w13 = w2 = None
+        torch.cuda.empty_cache()
+
+
+def gemv_sweep(res: dict, case: str, call) -> None:
+    """µs a call of ``call`` for each GEMV setting (block N x block K x warps x stages), the five best printed."""
+    saved = (QM.GEMV_BLOCK_N, QM.GEMV_BLOCK_K, QM.GEMV_NUM_WARPS, QM.GEMV_NUM_STAGES, QM.GEMV_STEP_SUM)
+    rows = []
+    for bn in (16, 32, 64, 128):
+        for bk in (64, 128):
+            for nw in (1, 2, 4):
+                for st in (1,):
+                    for ss in (False, True):
+                        QM.GEMV_BLOCK_N, QM.GEMV_BLOCK_K, QM.GEMV_NUM_WARPS, QM.GEMV_NUM_STAGES, QM.GEMV_STEP_SUM = \
+                            bn, bk, nw, st, ss
+                        rows.append({"case": case, "setting": f"{bn}x{bk}x{nw}wx{st}s{'+sum' * ss}",
+                                     "us": graph_us(call)})
+    QM.GEMV_BLOCK_N, QM.GEMV_BLOCK_K, QM.GEMV_NUM_WARPS, QM.GEMV_NUM_STAGES, QM.GEMV_STEP_SUM = saved
+    res.setdefault("gemv_sweep", []).extend(rows)
+    best = sorted(rows, key=lambda r: r["us"])[:5]
+    print(f"  sweep {case}: shipped setting {res['quant_kernel'][case.split()[0]][-1]['us']:.1f}; best five: "
+          + "; ".join(f"{r['setting']} {r['us']:.1f}" for r in best), flush=True)
+
+
 def model_dir(layers: int, tokenizer_dir: Path) -> Path:
     from transformers import Qwen2Tokenizer
 
@@ -110,14 +175,18 @@ def model_dir(layers: int, tokenizer_dir: Path) -> Path:
 
 
 def token_bytes(cfg: dict) -> int:
-    """Bytes a batch-1 decode token reads: attention's four projections, router, k experts a layer, LM head."""
+    """Bytes a batch-1 decode token reads: attention's four projections, router, k experts a layer, LM head; with a
+    ``quantization_config`` the projections and experts at 4 bits plus a fp16 scale and a 4-bit zero a group."""
     h, hd, heads, kv = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    layer = h * hd * (heads + 2 * kv) + heads * hd * h + cfg["num_experts"] * h \
+    q = cfg.get("quantization_config")
+    per_weight = 2 if q is None else 0.5 + 2.5 / q["group_size"]
+    packed = h * hd * (heads + 2 * kv) + heads * hd * h \
         + cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"]
-    return 2 * (cfg["num_hidden_layers"] * layer + cfg["vocab_size"] * h)
+    layers = cfg["num_hidden_layers"] * (per_weight * packed + 2 * cfg["num_experts"] * h)
+    return int(layers + 2 * cfg["vocab_size"] * h)
 
 
-def engine_runs(res: dict, d: Path, bandwidth: float) -> None:
+def engine_runs(res: dict, d: Path, bandwidth: float, tag: str = "nvllm") -> None:
     from nvllm.bench.offline import run_latency
     from nvllm.config import EngineConfig
     from nvllm.llm import LLM
@@ -127,18 +196,18 @@ def engine_runs(res: dict, d: Path, bandwidth: float) -> None:
     llm = LLM.from_config(config)
     lat = run_latency(config, batch_size=1, input_len=128, output_len=128, num_iters_warmup=1, num_iters=3,
                       progress=False, llm=llm, temperature=0)
-    res["nvllm_tpot_ms"] = lat["median_tpot_ms"]
-    res["nvllm_kernel_report"] = lat["kernel_report"]
-    res["floor_tpot_ms"] = 1e3 * token_bytes(json.loads((d / "config.json").read_text())) / bandwidth
+    res[f"{tag}_tpot_ms"] = lat["median_tpot_ms"]
+    res[f"{tag}_kernel_report"] = lat["kernel_report"]
+    res[f"{tag}_floor_tpot_ms"] = 1e3 * token_bytes(json.loads((d / "config.json").read_text())) / bandwidth
     for b in (8, 32):
-        res[f"nvllm_b{b}_step_ms"] = decode_step_ms(llm, b, 256, steps=16)
+        res[f"{tag}_b{b}_step_ms"] = decode_step_ms(llm, b, 256, steps=16)
     for n in (512, 2048):   # one prompt of n tokens: the time to its first token
         p = run_latency(config, batch_size=1, input_len=n, output_len=1, num_iters_warmup=1, num_iters=5,
                         progress=False, llm=llm)
-        res[f"nvllm_ttft_{n}_ms"] = p["median_ttft_ms"]
-    print(f"nvllm TPOT {res['nvllm_tpot_ms']:.3f} ms (floor {res['floor_tpot_ms']:.3f}); decode step b8 "
-          f"{res['nvllm_b8_step_ms']:.3f} ms, b32 {res['nvllm_b32_step_ms']:.3f} ms; TTFT 512 "
-          f"{res['nvllm_ttft_512_ms']:.1f} ms, 2048 {res['nvllm_ttft_2048_ms']:.1f} ms", flush=True)
+        res[f"{tag}_ttft_{n}_ms"] = p["median_ttft_ms"]
+    print(f"{tag} TPOT {res[f'{tag}_tpot_ms']:.3f} ms (floor {res[f'{tag}_floor_tpot_ms']:.3f}); decode step b8 "
+          f"{res[f'{tag}_b8_step_ms']:.3f} ms, b32 {res[f'{tag}_b32_step_ms']:.3f} ms; TTFT 512 "
+          f"{res[f'{tag}_ttft_512_ms']:.1f} ms, 2048 {res[f'{tag}_ttft_2048_ms']:.1f} ms", flush=True)
     llm.close()
     del llm
     gc.collect()
@@ -151,6 +220,8 @@ def main() -> None:
     ap.add_argument("--ts", default="1,8,64,512,4096")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--gptq", action="store_true", help="also 4-bit GPTQ experts and engine")
+    ap.add_argument("--sweep", action="store_true", help="the 4-bit GEMV's block sizes (with --gptq)")
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -159,12 +230,27 @@ def main() -> None:
     out = Path(args.out) / "moe_bench.json"
     bandwidth = res["bandwidth_bytes_s"] = measure_bandwidth()
     print(f"{res['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    kernel_runs(res, [int(t) for t in args.ts.split(",")], bandwidth)
+    ts = [int(t) for t in args.ts.split(",")]
+    kernel_runs(res, ts, bandwidth)
+    if args.gptq:
+        quant_kernel_runs(res, ts, bandwidth, args.sweep)
     out.write_text(json.dumps(res, indent=1))
     d = model_dir(args.layers, Path(args.tokenizer_dir))
     if not args.skip_engine:
         engine_runs(res, d, bandwidth)
         out.write_text(json.dumps(res, indent=1))
+        if args.gptq:
+            dq = Path(tempfile.mkdtemp(prefix="qwen3moe-gptq-"))
+            shutil.copytree(d, dq, dirs_exist_ok=True)
+            cfg = json.loads((dq / "config.json").read_text())
+            cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+                                          "sym": True}
+            (dq / "config.json").write_text(json.dumps(cfg))
+            engine_runs(res, dq, bandwidth, "gptq")
+            res["gptq_speedup"] = res["nvllm_tpot_ms"] / res["gptq_tpot_ms"]
+            print(f"GPTQ 4-bit TPOT {res['gptq_tpot_ms']:.3f} ms: {res['gptq_speedup']:.2f}x bf16's", flush=True)
+            shutil.rmtree(dq, ignore_errors=True)
+            out.write_text(json.dumps(res, indent=1))
     if not args.skip_hf:
         hf_baseline(d, res)
         print(f"HF transformers TPOT {res['hf_tpot_ms']:.3f} ms; prefill 512 {res['hf_prefill_512_ms']:.1f} ms, "
