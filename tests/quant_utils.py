@@ -43,8 +43,12 @@ def write_by_hand(src: Path, dst: Path, fmt: str, bits: int = 4, group: int = 32
             qw = F.quantize_to_awq(t, group)
         else:
             g_idx = None
-            if act_order:   # the same input order for all projections reading the same input
-                gen = torch.Generator().manual_seed(int(m.group(1) or m.group(4)) * 10 + t.shape[1])
+            if act_order:   # the same input order for all projections reading the same input (an expert's own)
+                expert = re.search(r"experts\.(\d+)\.", name)
+                seed = int(m.group(1) or m.group(4)) * 10 + t.shape[1] + (1000 * (int(expert.group(1)) + 1)
+                                                                          if expert else 0)
+                seed += 500 if "down_proj" in name or ".w2." in name else 0   # down reads another input
+                gen = torch.Generator().manual_seed(seed)
                 g_idx = F.act_order_g_idx(torch.randperm(t.shape[1], generator=gen), group)
             qw = F.quantize_to_gptq(t, bits, group, sym=sym, g_idx=g_idx)
         out.update({f"{base}.{k}": v for k, v in qw.tensors().items()})

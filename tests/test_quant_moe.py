@@ -70,6 +70,10 @@ CASES = {  # id → problem arguments
     "w4-g16-k1": dict(group=16, k=1, t=5),
     "w4-12-pairs": dict(e=16, t=6, k=2),   # more than 8 (token, slot) pairs: the GEMV's step sums
     "w8-12-pairs-actorder": dict(bits=8, e=16, t=6, k=2, act_order=True, sym=False),
+    # inputs not a multiple of a K step, outputs not a multiple of a column tile
+    "w4-odd-one-group": dict(h=72, inter=40, group=-1, sym=False),
+    "w4-odd-actorder": dict(h=72, inter=40, group=8, act_order=True, sym=False),
+    "w8-odd-g8": dict(bits=8, h=72, inter=40, group=8),
 }
 
 
@@ -129,8 +133,12 @@ CHECKPOINTS = [  # (arch, fmt, bits, group, sym, act_order)
 ]
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("case", CHECKPOINTS, ids=["-".join(map(str, c[:4])) for c in CHECKPOINTS])
-def test_checkpoint_matches_dequantized_hf(tmp_path, moe_dirs, case):
+def test_checkpoint_matches_dequantized_hf(tmp_path, moe_dirs, case, kernels, monkeypatch):
+    """Each checkpoint through the torch references and through the Triton kernels (CPU interpreter): prompts of 24
+    tokens, 48 (token, slot) pairs, take the sorted grouped GEMM."""
+    monkeypatch.setenv("NVLLM_KERNELS", kernels)
     arch, fmt, bits, group, sym, act_order = case
     src = moe_dirs[arch]
     deq = write_by_hand(src, tmp_path / "q", fmt, bits, group, sym, act_order)

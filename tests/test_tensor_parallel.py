@@ -439,9 +439,13 @@ def test_shapes_that_do_not_split_are_one_config_error(models, tmp_path):
 
 
 def test_act_order_experts_do_not_split(tmp_path):
-    """An act-order down projection's inputs may point to any group: refused over two ranks, with its reason."""
+    """An act-order down projection's inputs may point to any group: refused over two ranks, with its reason — by
+    the engine from the config before any rank starts, and by the layer itself."""
     src = build_tiny_model("qwen3-moe", tmp_path / "m", moe_intermediate_size=128, intermediate_size=128)
     write_by_hand(src, tmp_path / "q", "gptq", group=32, act_order=True)
+    with pytest.raises(ConfigError, match="act-order \\(desc_act\\) experts cannot be split over tensor-parallel"):
+        make_llm(str(tmp_path / "q"), tensor_parallel_size=2)
+    assert not multiprocessing.active_children()
     full, ranks = rank_models(str(tmp_path / "q"))
     assert full.layers[1].moe.experts.expert_weights()[1].g_idx is not None
     with pytest.raises(ConfigError, match="act-order \\(desc_act\\) experts cannot be split over tensor-parallel"):

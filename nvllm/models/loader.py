@@ -176,12 +176,17 @@ def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = Tr
             keys = gptq_keys(keys)
         shape = ModelShape(hf_config, arch)
         raw = read_quantization_config(config.model, hf_config)
-        fp8 = "--quantization fp8" if config.quantization == "fp8" else \
-            "an FP8 checkpoint" if raw is not None and parse_quantization_config(raw).fp8 is not None else None
+        parsed = None if raw is None else parse_quantization_config(raw)
+        fp8 = "--quantization fp8" if config.quantization == "fp8" and raw is None else \
+            "an FP8 checkpoint" if parsed is not None and parsed.fp8 is not None else None
         if shape.moe is not None and fp8:
             raise ValueError(f"{arch} is a mixture of experts, whose experts nvllm serves in full precision or packed "
                              f"4/8-bit (GPTQ, AWQ), not in FP8 ({fp8} was given)")
         found = serving_plan(config.model, hf_config, shape, keys)
+        if found is not None and found[0].desc_act and config.tensor_parallel_size > 1 and any(
+                k.endswith(".experts") for k in found[1]):   # refused here, before any rank starts
+            raise ValueError("act-order (desc_act) experts cannot be split over tensor-parallel ranks: their down "
+                             "projections' inputs point to every rank's groups")
     except ValueError as e:
         raise ConfigError(f"{config.model}: {e}") from e
     total = len(quantizable_units(shape))
