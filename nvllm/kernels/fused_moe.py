@@ -110,6 +110,13 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_experts, pad_end[-1:].to(torch.int32)
 
 
+def _block_rows(sorted_ids_ptr, block_experts_ptr, pid_b, num_valid, BLOCK_M: tl.constexpr):
+    """Sorted block ``pid_b``'s rows (sentinels read as row 0, masked), their mask and the block's expert."""
+    rows = tl.load(sorted_ids_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    mask_m = rows < num_valid
+    return tl.where(mask_m, rows, 0).to(tl.int64), mask_m, tl.load(block_experts_ptr + pid_b).to(tl.int64)
+
+
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr, weights_ptr,
     N, K,                                     # C's columns, the reduction length
@@ -132,10 +139,7 @@ def _moe_gemm_kernel(
     pid_n = tl.program_id(1)
     if pid_b * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows = tl.load(sorted_ids_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
-    mask_m = rows < num_valid
-    rows = tl.where(mask_m, rows, 0).to(tl.int64)
-    expert = tl.load(block_experts_ptr + pid_b).to(tl.int64)
+    rows, mask_m, expert = _block_rows(sorted_ids_ptr, block_experts_ptr, pid_b, num_valid, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -160,6 +164,7 @@ def _moe_gemm_kernel(
 
 
 _moe_gemm_kernel.do_not_specialize = ("num_valid",)   # varies with the batch (see nvllm.kernels.jit)
+_moe_gemm_kernel.helpers = ("_block_rows",)
 
 
 def _block_m(rows: int, num_experts: int) -> int:

@@ -29,7 +29,7 @@ import torch
 from nvllm.kernels import fused_moe, pdl, report
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.backend import interpreting, use_triton
-from nvllm.kernels.fused_moe import _block_m, align_tokens, experts_reference
+from nvllm.kernels.fused_moe import _block_m, _block_rows, align_tokens, experts_reference  # noqa: F401
 from nvllm.kernels.jit import lazy_jit
 from nvllm.kernels.quant_gemm import _dequant_tile, _tile_columns  # noqa: F401 (the kernels' helpers)
 from nvllm.quant.formats import default_g_idx, dequantize_gptq
@@ -182,10 +182,7 @@ def _quant_moe_gemm_kernel(
     pid_b = tl.program_id(0)
     if pid_b * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows = tl.load(sorted_ids_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
-    mask_m = rows < num_valid
-    rows = tl.where(mask_m, rows, 0).to(tl.int64)
-    expert = tl.load(block_experts_ptr + pid_b).to(tl.int64)
+    rows, mask_m, expert = _block_rows(sorted_ids_ptr, block_experts_ptr, pid_b, num_valid, BLOCK_M)
     offs_n, mask_n, wn, mask_wn = _tile_columns(tl.program_id(1), N, BITS, BLOCK_N)
     qw = qw_ptr + expert * stride_qe
     qz = qz_ptr + expert * stride_ze
@@ -209,7 +206,7 @@ def _quant_moe_gemm_kernel(
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-_quant_moe_gemm_kernel.helpers = ("_dequant_tile", "_tile_columns")
+_quant_moe_gemm_kernel.helpers = ("_dequant_tile", "_tile_columns", "_block_rows")
 _quant_moe_gemm_kernel.do_not_specialize = ("num_valid",)   # varies with the batch (see nvllm.kernels.jit)
 
 
