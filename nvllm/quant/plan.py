@@ -242,9 +242,10 @@ def serving_plan(model_dir: str, hf_config, shape, checkpoint_keys: set[str] | N
         if checkpoint_keys is not None:
             present = [_stored_quantized(scheme, n, checkpoint_keys) for n in names]
             if any(present) and not all(present):
-                what = "experts" if key.endswith(".experts") else "linear"
-                raise ValueError(f"the checkpoint quantizes only some of {_listed(names)}: nvllm stacks them into "
-                                 f"one {what}, which is quantized as a whole or not at all")
+                how = "stacks a layer's experts, which are" if key.endswith(".experts") else \
+                    "fuses them into one linear, which is"
+                raise ValueError(f"the checkpoint quantizes only some of {_listed(names)}: nvllm {how} quantized as "
+                                 f"a whole or not at all")
             quantized = all(present)
             if quantized and isinstance(scheme, Fp8Scheme):
                 layer_scheme = _fp8_as_stored(scheme, names, checkpoint_keys)
