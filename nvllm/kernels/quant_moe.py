@@ -222,15 +222,14 @@ def _block_k(w: ExpertWeights, most: int) -> int:
     return k
 
 
-def _weight_args(w: ExpertWeights, block_k: int) -> tuple[list, dict]:
-    """The packed tensors, their strides and constexprs for either kernel."""
+def _weight_args(w: ExpertWeights) -> tuple[list, list, dict]:
+    """The packed tensors (g_idx's place taken by qweight without act-order), their expert and row strides, and
+    the constexprs both kernels take."""
     act_order = w.g_idx is not None
     tensors = [w.qweight, w.qzeros, w.scales, w.g_idx if act_order else w.qweight]
     strides = [w.qweight.stride(0), w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1), w.scales.stride(0),
                w.scales.stride(1), w.g_idx.stride(0) if act_order else 0]
-    consts = dict(BITS=w.bits, GROUP=w.group_size, USE_GIDX=act_order,
-                  UNIFORM_GROUP=not act_order and w.group_size % block_k == 0)
-    return tensors + strides, consts
+    return tensors, strides, dict(BITS=w.bits, GROUP=w.group_size, USE_GIDX=act_order)
 
 
 def _gemv_words(w: ExpertWeights) -> int:
@@ -249,21 +248,17 @@ def _gemv(a: torch.Tensor, w: ExpertWeights, out: torch.Tensor, ids: torch.Tenso
     import triton
 
     n, k = w.out_features, w.in_features
-    act_order = w.g_idx is not None
+    tensors, strides, consts = _weight_args(w)
     few = out.shape[0] <= 8
     block_n = GEMV_BLOCK_N or (16 if few else 64)
     warps = GEMV_NUM_WARPS or (1 if few else 2)
     step_sum = (not few) if GEMV_STEP_SUM is None else GEMV_STEP_SUM
     grid = (out.shape[0], triton.cdiv(n, block_n))
     _jit(_quant_moe_gemv_kernel)[grid](
-        a, w.qweight, w.qzeros, w.scales, w.g_idx if act_order else w.qweight, out, ids,
-        weights if weights is not None else out,
-        n, k, a.stride(0), out.stride(0),
-        w.qweight.stride(0), w.qweight.stride(1), w.qzeros.stride(0), w.qzeros.stride(1), w.scales.stride(0),
-        w.scales.stride(1), w.g_idx.stride(0) if act_order else 0,
-        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, BITS=w.bits, GROUP=w.group_size, USE_GIDX=act_order,
-        BLOCK_N=block_n, WORDS_K=_gemv_words(w), STEP_SUM=step_sum, num_warps=warps, num_stages=GEMV_NUM_STAGES,
-        **pdl.launch_args(a),
+        a, *tensors, out, ids, weights if weights is not None else out,
+        n, k, a.stride(0), out.stride(0), *strides,
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, **consts, BLOCK_N=block_n, WORDS_K=_gemv_words(w),
+        STEP_SUM=step_sum, num_warps=warps, num_stages=GEMV_NUM_STAGES, **pdl.launch_args(a),
     )
 
 
@@ -276,14 +271,14 @@ def _gemm(a: torch.Tensor, w: ExpertWeights, c: torch.Tensor, sorted_ids: torch.
     n, k = w.out_features, w.in_features
     tiles = fused_moe.gemm_tiles(block_m, n, k)
     block_k = _block_k(w, tiles.pop("BLOCK_K"))
-    wargs, consts = _weight_args(w, block_k)
-    qw, qz, sc, gi, *strides = wargs
+    tensors, strides, consts = _weight_args(w)
     sixteen_bit = a.dtype in (torch.float16, torch.bfloat16)
     grid = (block_experts.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
     _jit(_quant_moe_gemm_kernel)[grid](
-        a, qw, qz, sc, gi, c, sorted_ids, block_experts, num_padded, weights if weights is not None else c,
+        a, *tensors, c, sorted_ids, block_experts, num_padded, weights if weights is not None else c,
         n, k, c.shape[0], a.stride(0), c.stride(0), *strides,
         TOP_K=top_k, MUL_WEIGHT=weights is not None, **consts,
+        UNIFORM_GROUP=w.g_idx is None and w.group_size % block_k == 0,
         UPCAST=sixteen_bit and interpreting(), DOT_PRECISION="tf32" if sixteen_bit else "ieee",
         BLOCK_M=block_m, BLOCK_K=block_k, **tiles, **pdl.launch_args(a),
     )
