@@ -172,8 +172,7 @@ def test_next_layer_calibrated_on_the_activations_its_method_expects(tmp_path, m
 
     monkeypatch.setattr(cls, "quantize_stage", spy)
     names = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
-    sizes = {n: 32 for n in names}
-    m = M.AWQMethod(GRID4, sizes) if method == "awq" else M.GPTQMethod(Grid(4, True), sizes)
+    m = M.AWQMethod(GRID4, 32) if method == "awq" else M.GPTQMethod(Grid(4, True), 32)
     quantize_layers(model, ids, m, {i: names for i in range(3)}, torch.device("cpu"), batch=2)
     torch.testing.assert_close(seen[0], want[0])
     for got, fp in zip(seen[1:], want[1:]):

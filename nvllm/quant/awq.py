@@ -10,6 +10,11 @@ that carry large activations. The standard groups for this decoder:
     o_proj    ← v rows of qkv_proj (only when o's input size equals v's output size, i.e. no GQA)
     down_proj ← up rows of gate_up_proj
 
+In a mixture of experts one scale vector serves every expert's gate/up and the shared expert's (they all read the
+post-attention norm), searched on their summed losses; the router and Qwen2-MoE's shared-expert gate read that norm
+too and stay in full precision, so their input columns are multiplied by the same scales (the function is unchanged).
+Each expert's down projection (and the shared expert's) is scaled against the up rows of its own gate/up.
+
 Scale search: ``x̄`` = per-channel mean |x|, ``w̄`` = per-input-channel mean of |w| / (its group's max |w|);
 for α on a 20-point grid (0, 0.05, …, 0.95) ``s = x̄^α / w̄^(1−α)`` (duo scaling; ``x̄^α`` without), normalised
 by ``sqrt(max s · min s)``; the loss of a candidate is the linear's output error on the calibration inputs,
@@ -18,6 +23,8 @@ over every calibration token, without storing them. ``s = 1`` (no scaling) is a 
 search never does worse than plain rounding on this loss. (AutoAWQ measures the q/k/v and gate/up candidates
 at the attention / MLP block output instead, which needs the stored activations and a block forward per
 candidate; the linear's own output is what this implementation minimises.)
+With several linears (a mixture's experts) the loss is their sum, each weighted by its token count, and ``w̄`` is
+taken over all their rows (AutoAWQ concatenates them).
 
 Clip search (after scaling): for each output row and group, the group's range is shrunk to ``(1 − i/20)·max|w|``
 for i < 10 and the shrink with the least ``Δwᵀ H_gg Δw`` (the group's block of H) is kept. The q and k rows
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nvllm.quant.layer_linears import linear_at
 from nvllm.quant.rtn import Grid, fake_quantize, find_params, round_to_grid
 
 GRID4 = Grid(bits=4, sym=False, zero_min=0)
@@ -49,14 +57,23 @@ def _output_loss(w: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> torc
 
 
 @torch.no_grad()
-def search_scales(w: torch.Tensor, h: torch.Tensor, x_mean: torch.Tensor, group_size: int,
-                  opts: AWQOptions) -> torch.Tensor:
-    """Best per-input-channel scales ``s [in]`` for ``w [out, in]`` (float32)."""
-    out_f, in_f = w.shape
-    wg = w.abs().reshape(out_f, in_f // group_size, group_size)
+def search_scales(w: torch.Tensor | list[torch.Tensor], h: torch.Tensor | list[torch.Tensor], x_mean: torch.Tensor,
+                  group_size: int, opts: AWQOptions) -> torch.Tensor:
+    """Best per-input-channel scales ``s [in]`` for ``w [out, in]`` (float32), or for several linears reading the
+    same input (lists of weights and of their H, the loss summed)."""
+    ws, hs = (w, h) if isinstance(w, list) else ([w], [h])
+    cat = torch.cat(ws)
+    out_f, in_f = cat.shape
+    wg = cat.abs().reshape(out_f, in_f // group_size, group_size)
     w_mean = (wg / (wg.amax(dim=-1, keepdim=True) + 1e-6)).reshape(out_f, in_f).mean(0)
-    best_loss = _output_loss(w, fake_quantize(w, GRID4, group_size), h)
-    best = torch.ones(in_f, device=w.device)
+
+    def loss(s: torch.Tensor | None) -> torch.Tensor:
+        if s is None:
+            return sum(_output_loss(wi, fake_quantize(wi, GRID4, group_size), hi) for wi, hi in zip(ws, hs))
+        return sum(_output_loss(wi, fake_quantize(wi * s, GRID4, group_size) / s, hi) for wi, hi in zip(ws, hs))
+
+    best_loss = loss(None)
+    best = torch.ones(in_f, device=cat.device)
     for i in range(opts.n_grid):
         ratio = i / opts.n_grid
         if opts.duo_scaling:
@@ -65,10 +82,9 @@ def search_scales(w: torch.Tensor, h: torch.Tensor, x_mean: torch.Tensor, group_
             s = x_mean.pow(ratio).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         s = torch.where(torch.isfinite(s), s, torch.ones_like(s))
-        approx = fake_quantize(w * s, GRID4, group_size) / s
-        loss = _output_loss(w, approx, h)
-        if loss < best_loss:
-            best_loss, best = loss, s
+        candidate = loss(s)
+        if candidate < best_loss:
+            best_loss, best = candidate, s
     return best
 
 
@@ -104,35 +120,53 @@ def search_clip(w: torch.Tensor, h: torch.Tensor, group_size: int, opts: AWQOpti
 
 @dataclass
 class ScaleGroup:
-    """One AWQ group: the linear whose inputs are scaled and where the inverse scale is folded."""
+    """One AWQ group: the linears whose inputs are scaled and where the inverse scale is folded (names as
+    ``layer_linears`` gives them)."""
 
-    linear: str                       # "qkv_proj" | "o_proj" | "gate_up_proj" | "down_proj"
-    prev: str                         # the norm or linear producing its input
+    linears: tuple[str, ...]          # "qkv_proj" | … | every expert's "moe.experts.{e}.gate_up_proj" …
+    prev: str                         # the norm or linear producing their input
     prev_rows: slice | None = None    # output rows of ``prev`` (a linear) that produce the input
+    passive: tuple[str, ...] = ()     # full-precision readers of the same input (a mixture's routers)
+
+    @property
+    def linear(self) -> str:
+        return self.linears[0]
 
 
-def scale_groups(layer, quantized: set[str]) -> list[ScaleGroup]:
-    """The standard groups of this decoder layer whose linear is quantized (see the module docstring)."""
+def scale_groups(layer, quantized: list[str] | set[str]) -> list[ScaleGroup]:
+    """The standard groups of this decoder layer whose linears are quantized (see the module docstring)."""
     s = layer.s
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     out = []
     if "qkv_proj" in quantized:
-        out.append(ScaleGroup("qkv_proj", "input_layernorm"))
+        out.append(ScaleGroup(("qkv_proj",), "input_layernorm"))
     if "o_proj" in quantized and kv == q:
-        out.append(ScaleGroup("o_proj", "qkv_proj", slice(q + kv, q + 2 * kv)))
-    if "gate_up_proj" in quantized:
-        out.append(ScaleGroup("gate_up_proj", "post_attention_layernorm"))
-    if "down_proj" in quantized:
-        i = s.intermediate_size
-        out.append(ScaleGroup("down_proj", "gate_up_proj", slice(i, 2 * i)))
+        out.append(ScaleGroup(("o_proj",), "qkv_proj", slice(q + kv, q + 2 * kv)))
+    if layer.moe is None:
+        if "gate_up_proj" in quantized:
+            out.append(ScaleGroup(("gate_up_proj",), "post_attention_layernorm"))
+        if "down_proj" in quantized:
+            i = s.intermediate_size
+            out.append(ScaleGroup(("down_proj",), "gate_up_proj", slice(i, 2 * i)))
+        return out
+    gate_up = tuple(n for n in quantized if n.endswith(".gate_up_proj"))
+    if gate_up:
+        routers = ("moe.gate",) + (("moe.shared_expert_gate",) if layer.moe.shared_expert is not None else ())
+        out.append(ScaleGroup(gate_up, "post_attention_layernorm", passive=routers))
+    for down in (n for n in quantized if n.endswith(".down_proj")):
+        prev = down.removesuffix("down_proj") + "gate_up_proj"
+        i = linear_at(layer, down).in_features
+        out.append(ScaleGroup((down,), prev, slice(i, 2 * i)))
     return out
 
 
 @torch.no_grad()
 def apply_scales(layer, group: ScaleGroup, s: torch.Tensor) -> None:
-    """``linear.weight *= s`` (input columns); the producer of its input divided by ``s``."""
-    getattr(layer, group.linear).weight.mul_(s.unsqueeze(0))
-    prev = getattr(layer, group.prev)
+    """``linear.weight *= s`` (input columns) for the group's linears and passive readers; the producer of their
+    input divided by ``s``."""
+    for name in group.linears + group.passive:
+        linear_at(layer, name).weight.mul_(s.unsqueeze(0))
+    prev = linear_at(layer, group.prev)
     if group.prev_rows is None:              # an RMSNorm
         prev.weight.div_(s)
     else:                                    # a linear's output rows (and bias)

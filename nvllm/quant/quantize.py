@@ -34,8 +34,8 @@ from nvllm.quant.calibration import calibration_windows, load_texts
 from nvllm.quant.quant_config import awq_quantization_config, gptq_quantization_config
 from nvllm.quant.methods import AWQMethod, GPTQMethod, RTNMethod
 from nvllm.quant.compressed_tensors import quantization_config as ct_quantization_config
-from nvllm.quant.plan import (FUSED_MODULES, LINEARS, LM_HEAD, QuantScheme, head_problem, head_sizes, output_sizes,
-                              read_quantization_config)
+from nvllm.quant.plan import (FUSED_MODULES, LINEARS, LM_HEAD, QuantScheme, head_problem, quantizable_units,
+                              read_quantization_config, routers)
 from nvllm.quant.recipe import QuantizeConfig
 from nvllm.quant.rtn import Grid
 from nvllm.quant.sequential import LayerReport, Progress, quantize_layers
@@ -77,70 +77,78 @@ def _check_model(model_dir: str):
         raise QuantizeError(f"no safetensors weights in {model_dir} (nvllm quantize reads safetensors checkpoints)")
     arch, _ = resolve_architecture(hf_config)
     shape = ModelShape(hf_config, arch)
-    if shape.moe is not None:
-        raise QuantizeError(f"{model_dir} is a mixture of experts ({arch}): nvllm quantize handles dense models only")
     return hf_config, arch, shape
 
 
-def plan_linears(shape, scheme: QuantScheme) -> tuple[set[str], dict[str, str]]:
-    """(linears to quantize, {HF module kept in full precision: why}) — the same for every layer."""
-    quantize, kept = set(), {}
-    for name in LINEARS:
-        in_f, outs = output_sizes(shape, name)
-        problem = scheme.packing_problem(in_f, outs)
+@dataclass(frozen=True)
+class KeptUnit:
+    """A unit every layer (every sparse layer, for experts) keeps in full precision, as the configs name it."""
+
+    label: str                  # in the summary: "mlp.gate_proj/mlp.up_proj", "mlp.experts"
+    names: tuple[str, ...]      # module names inside a layer that designate it (substrings for AWQ)
+    pattern: str                # a regex of the module names (configs anchor it after a "." and at the end)
+    why: str
+
+
+def plan_units(shape, scheme: QuantScheme) -> tuple[dict[int, set[str]], list[KeptUnit]]:
+    """({layer: its units to quantize}, what stays in full precision): ``plan.quantizable_units`` (units as
+    ``layer_linears`` names them), each kept when the scheme cannot pack one of its linears."""
+    units: dict[int, set[str]] = {i: set() for i in range(shape.num_layers)}
+    kept: dict[str, KeptUnit] = {}
+    for key, names, sizes in quantizable_units(shape):
+        _, layer, unit = key.split(".", 2)
+        problem = next((p for in_f, outs in sizes if (p := scheme.packing_problem(in_f, outs))), None)
         if problem is None:
-            quantize.add(name)
-        else:
-            parent, shards = FUSED_MODULES[name]
-            kept["/".join(f"{parent}.{s}" for s in shards)] = problem
-    if not quantize:
-        sizes = sorted({output_sizes(shape, n)[0] for n in LINEARS})
+            units[int(layer)].add(unit)
+            continue
+        inside = [n.split(".", 3)[3] for n in names]        # "model.layers.{i}.mlp.gate_proj" → "mlp.gate_proj"
+        if unit == "experts":
+            block = inside[0].split(".experts.")[0]
+            k = KeptUnit(f"{block}.experts", (f"{block}.experts",), re.escape(f"{block}.experts") + r"(\.\d+\.\w+)?",
+                         problem)
+        else:   # the HF shards and, for a fused one, the fused name vLLM uses (mlp.gate_up_proj)
+            fused = f"{inside[0].rsplit('.', 1)[0]}.{unit.rsplit('.', 1)[-1]}"
+            designators = tuple(inside) + ((fused,) if len(inside) > 1 else ())
+            k = KeptUnit("/".join(inside), designators, "|".join(re.escape(n) for n in designators), problem)
+        kept.setdefault(k.label, k)
+    if not any(units.values()):
+        ins = sorted({in_f for _, _, sizes in quantizable_units(shape) for in_f, _ in sizes})
         raise QuantizeError(f"group size {scheme.group_size} fits none of the model's linears (input sizes "
-                            f"{', '.join(map(str, sizes))}; {next(iter(kept.values()))}); choose a group size "
+                            f"{', '.join(map(str, ins))}; {next(iter(kept.values())).why}); choose a group size "
                             f"that divides the hidden size {shape.hidden_size}, e.g. --group-size "
                             f"{_suggest_group(shape.hidden_size)}")
-    return quantize, kept
+    return units, list(kept.values())
 
 
 def _suggest_group(hidden: int) -> int:
     return next(g for g in (128, 64, 32, 16, 8) if hidden % g == 0) if hidden % 8 == 0 else -1
 
 
-def build_method(cfg: QuantizeConfig, group_sizes: dict[str, int]):
+def build_method(cfg: QuantizeConfig):
     # GPTQ v1 cannot store a zero point of 0 (it stores zero - 1); the other formats can
     grid = Grid(cfg.bits, bool(cfg.sym), zero_min=0 if cfg.writes != "gptq" or cfg.sym else 1)
     if cfg.method == "awq":
-        return AWQMethod(grid, group_sizes, AWQOptions(cfg.n_grid, cfg.duo_scaling, cfg.clip, cfg.max_shrink))
+        return AWQMethod(grid, cfg.group_size, AWQOptions(cfg.n_grid, cfg.duo_scaling, cfg.clip, cfg.max_shrink))
     if cfg.method == "gptq":
         # static groups matter only with act-order (AutoGPTQ's default without it: groups found as they come)
-        return GPTQMethod(grid, group_sizes, cfg.damp_percent, cfg.block_size, cfg.desc_act,
+        return GPTQMethod(grid, cfg.group_size, cfg.damp_percent, cfg.block_size, cfg.desc_act,
                           cfg.desc_act and cfg.static_groups)
-    return RTNMethod(grid, group_sizes)
+    return RTNMethod(grid, cfg.group_size)
 
 
-def kept_modules(quantize: set[str]) -> list[list[str]]:
-    """Per linear kept in full precision (the same in every layer): the module names that designate it —
-    the HF shard names (``mlp.gate_proj``, ``mlp.up_proj``) and, for a fused one, the fused name vLLM uses
-    (``mlp.gate_up_proj``)."""
-    out = []
-    for fused in LINEARS:
-        if fused not in quantize:
-            parent, shards = FUSED_MODULES[fused]
-            names = [f"{parent}.{s}" for s in shards] + ([f"{parent}.{fused}"] if len(shards) > 1 else [])
-            out.append(names)
-    return out
-
-
-def quantization_config(cfg: QuantizeConfig, out_dir: str, kept: list[list[str]]) -> dict:
-    """``quantization_config`` as AutoAWQ / AutoGPTQ write it, plus what stays in full precision: AWQ's
-    ``modules_to_not_convert`` (substrings of module names), GPTQ's ``dynamic`` ``-:REGEX`` exclusions
-    (GPTQModel's per-module override, which vLLM reads) and ``modules_in_block_to_quantize`` (the modules of a
-    decoder layer that are quantized, what transformers / optimum read; the same in every layer)."""
+def quantization_config(cfg: QuantizeConfig, out_dir: str, kept: list[KeptUnit], shape) -> dict:
+    """``quantization_config`` as AutoAWQ / AutoGPTQ / llm-compressor write it, plus what stays in full precision:
+    AWQ's ``modules_to_not_convert`` (substrings of module names), GPTQ's ``dynamic`` ``-:REGEX`` exclusions
+    (GPTQModel's per-module override, which vLLM reads) and, for a dense model, ``modules_in_block_to_quantize``
+    (the modules of a decoder layer that are quantized, what transformers / optimum read; the same in every layer),
+    compressed-tensors' ``ignore`` (which names a mixture's routers too: that format quantizes every linear it
+    does not ignore)."""
     if cfg.writes == "awq":
-        return awq_quantization_config(cfg.group_size, 4, True, [n for names in kept for n in names] or None)
+        return awq_quantization_config(cfg.group_size, 4, True, [n for k in kept for n in k.names] or None)
     if cfg.writes == "compressed-tensors":  # every layer's kept modules by name, and the head unless quantized
         ignore = [] if cfg.quantize_lm_head else [LM_HEAD]
-        ignore += [f"re:.*\\.({'|'.join(re.escape(n) for n in names)})$" for names in kept]
+        ignore += [f"re:.*\\.({k.pattern})$" for k in kept]
+        ignore += sorted({f"re:.*\\.{re.escape(r.split('.', 3)[3])}$" for r in routers(shape)})
         return ct_quantization_config(cfg.bits, cfg.group_size, bool(cfg.sym),
                                       "weight" if cfg.desc_act else None, ignore)
     qc = gptq_quantization_config(cfg.bits, cfg.group_size, cfg.desc_act, bool(cfg.sym), cfg.damp_percent,
@@ -148,12 +156,12 @@ def quantization_config(cfg: QuantizeConfig, out_dir: str, kept: list[list[str]]
     if cfg.quantize_lm_head:
         qc["lm_head"] = True          # GPTQModel's key; vLLM's GPTQ config reads it (lm_head_quantized)
     if kept:
-        qc["dynamic"] = {f"-:.*\\.({'|'.join(re.escape(n) for n in names)})$": {} for names in kept}
-        # transformers / optimum read neither: they convert the block modules this list names (all others kept)
-        kept_names = {n for names in kept for n in names}
-        qc["modules_in_block_to_quantize"] = [
-            [f"{parent}.{s}" for s in shards] for parent, shards in (FUSED_MODULES[fused] for fused in LINEARS)
-            if f"{parent}.{shards[0]}" not in kept_names]
+        qc["dynamic"] = {f"-:.*\\.({k.pattern})$": {} for k in kept}
+        if shape.moe is None:   # transformers / optimum read neither: they convert the block modules listed here
+            kept_names = {n for k in kept for n in k.names}
+            qc["modules_in_block_to_quantize"] = [
+                [f"{parent}.{s}" for s in shards] for parent, shards in (FUSED_MODULES[fused] for fused in LINEARS)
+                if f"{parent}.{shards[0]}" not in kept_names]
     return qc
 
 
@@ -173,15 +181,19 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     if cfg.method == "fp8":   # no calibration, no layer-by-layer replay: nvllm.quant.fp8_export
         from nvllm.quant.fp8_export import quantize_fp8
 
+        if shape.moe is not None:
+            raise QuantizeError(f"{model_dir} is a mixture of experts ({arch}): nvllm serves FP8 dense models only, "
+                                "so --method fp8 is refused for it; use gptq, awq or rtn")
+
         return quantize_fp8(model_dir, out_dir, cfg, QuantizeSummary(cfg, out_dir), shape.num_layers, overwrite,
                             device, progress, on_start)
     scheme = QuantScheme(cfg.format, cfg.bits, cfg.group_size)
-    quantize, kept = plan_linears(shape, scheme)
+    units, kept = plan_units(shape, scheme)
     if cfg.quantize_lm_head:
         problem = head_problem(shape, scheme)
         if problem:
             raise QuantizeError(f"--quantize-lm-head: {problem}")
-    summary = QuantizeSummary(cfg, out_dir, kept=kept)
+    summary = QuantizeSummary(cfg, out_dir, kept={k.label: k.why for k in kept})
 
     seqlen, limit = cfg.calib_seqlen, model_len_limit(hf_config, warn=False)
     if seqlen > limit:
@@ -201,16 +213,18 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     dtype_name = str(dtype).replace("torch.", "")
     engine_cfg = EngineConfig(model=model_dir, device="cpu", dtype=dtype_name, load_format="safetensors")
     model = load_model(engine_cfg, hf_config, dtype, torch.device("cpu"))
-    group_sizes = {n: scheme.group_for(output_sizes(shape, n)[0]) for n in quantize}
     if cfg.quantize_lm_head:
-        group_sizes[LM_HEAD] = scheme.group_for(head_sizes(shape)[0])     # groups split the hidden size
         w = model.lm_head.weight
         summary.head_size_before = w.numel() * w.element_size()
-    method = build_method(cfg, group_sizes)
-    results, summary.layers = quantize_layers(model, ids, method, {i: quantize for i in range(shape.num_layers)},
-                                              device, progress=progress, head=cfg.quantize_lm_head)
+    results, summary.layers = quantize_layers(model, ids, build_method(cfg), units, device, progress=progress,
+                                              head=cfg.quantize_lm_head)
     if LM_HEAD in results:
         summary.head_error = results[LM_HEAD].error
+    unreached = [f"layer {r.index}: {len(r.unreached)} of {shape.moe.num_experts} ({_listed_ids(r.unreached)})"
+                 for r in summary.layers if r.unreached]
+    if unreached:
+        summary.notes.append("experts no calibration token was routed to, rounded to nearest (RTN): "
+                             + "; ".join(unreached) + " — more --calib-samples reach more of them")
 
     from nvllm.models.loader import checkpoint_keys
 
@@ -219,7 +233,7 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
                                  bool(cfg.sym))
     summary.head_size_after = sum(t.numel() * t.element_size() for k, t in tensors.items()
                                   if k.startswith(LM_HEAD + ".") and cfg.quantize_lm_head)
-    qc = quantization_config(cfg, out_dir, kept_modules(quantize))
+    qc = quantization_config(cfg, out_dir, kept, shape)
     # GPTQModel reads quantize_config.json, its ``dynamic`` exclusions included (they name what stays dense)
     extra = {"quantize_config.json": dict(qc)} if cfg.writes == "gptq" else None
     summary.size_after = write_checkpoint(model_dir, out_dir, tensors, qc, overwrite, extra,
@@ -227,6 +241,10 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     summary.size_before = weights_bytes(model_dir)
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def _listed_ids(ids: list[int]) -> str:
+    return ", ".join(map(str, ids)) if len(ids) <= 8 else f"{', '.join(map(str, ids[:8]))}, …"
 
 
 USER_ERRORS = (QuantizeError, ConfigError, ValueError, FileNotFoundError)

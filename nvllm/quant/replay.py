@@ -3,8 +3,13 @@
 The quantizer replays calibration windows ``[batch, seq, hidden]`` through one ``DecoderLayer`` at a time:
 the layer's own norms, linears (dense or quantized), q/k norms and rotary embedding, with plain causal
 attention (``scaled_dot_product_attention``) over the whole window. ``tap(name, x)`` sees the input of each
-linear (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) as ``[tokens, in]``; ``stop_after`` ends
-the pass after that linear's input has been tapped (the later stages are not needed yet).
+linear (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) as ``[tokens, in]``; ``stop_after`` (a stage of
+``ORDER``) ends the pass once that stage's inputs have been tapped (the later stages are not needed yet).
+
+In a mixture of experts the two MLP stages are every expert's and the shared expert's: ``moe.experts.{e}.gate_up_proj``
+sees the tokens routed to expert e (HF transformers' loop: an expert sees only its own tokens, each once), and
+``moe.experts.{e}.down_proj`` their SiLU·mul; ``moe.shared_expert.gate_up_proj`` / ``.down_proj`` see every token.
+A linear's name ends with its stage (``stage_of``).
 
 The residual stream is carried as one tensor (the layer's input plus its two branch outputs), which is what
 the engine's fused add-and-norm computes. Sliding-window attention is not applied: windows longer than the
@@ -19,9 +24,15 @@ import torch
 import torch.nn.functional as F
 
 from nvllm.kernels.activation import silu_and_mul
+from nvllm.kernels.moe_routing import route
 
 Tap = Callable[[str, torch.Tensor], None]
 ORDER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def stage_of(name: str) -> str:
+    """The stage of a linear named as the taps name it (``moe.experts.3.down_proj`` → ``down_proj``)."""
+    return name.rsplit(".", 1)[-1]
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, scale: float) -> torch.Tensor:
@@ -50,7 +61,7 @@ def layer_forward(layer, x: torch.Tensor, positions: torch.Tensor, tap: Tap | No
     def emit(name: str, inp: torch.Tensor) -> bool:
         if tap is not None:
             tap(name, inp)
-        return name == stop_after
+        return stage_of(name) == stop_after
 
     h = layer.input_layernorm(flat)
     if emit("qkv_proj", h):
@@ -61,8 +72,11 @@ def layer_forward(layer, x: torch.Tensor, positions: torch.Tensor, tap: Tap | No
         return None
     flat = flat + layer.o_proj(attn)
     h = layer.post_attention_layernorm(flat)
-    if layer.moe is not None:   # a mixture of experts: served, not quantized by nvllm (no taps inside)
-        return (flat + layer.moe(h)).reshape(batch, seq, hidden)
+    if layer.moe is not None:
+        if tap is None and stop_after is None:
+            return (flat + layer.moe(h)).reshape(batch, seq, hidden)
+        out = moe_forward(layer.moe, h, tap, stop_after)
+        return None if out is None else (flat + out).reshape(batch, seq, hidden)
     if emit("gate_up_proj", h):
         return None
     act = silu_and_mul(layer.gate_up_proj(h), getattr(layer.gate_up_proj, "interleave", 0))
@@ -70,6 +84,41 @@ def layer_forward(layer, x: torch.Tensor, positions: torch.Tensor, tap: Tap | No
         return None
     flat = flat + layer.down_proj(act)
     return flat.reshape(batch, seq, hidden)
+
+
+def moe_forward(moe, h: torch.Tensor, tap: Tap | None = None, stop_after: str | None = None) -> torch.Tensor | None:
+    """A ``SparseMoeBlock`` (dense experts) over ``h [tokens, hidden]``, expert by expert as
+    ``fused_moe.experts_reference`` computes it, tapping each expert's and the shared expert's inputs (module doc);
+    None when ``stop_after`` ends the pass."""
+    m, experts = moe.m, moe.experts
+    weights, ids = route(moe.gate(h), m.top_k, m.renormalize, m.weights_in_dtype)
+    flat = ids.reshape(-1)
+    routed = [(e, (flat == e).nonzero().squeeze(1)) for e in range(m.num_experts)]
+    routed = [(e, rows // m.top_k, rows % m.top_k) for e, rows in routed if rows.numel()]
+    shared = moe.shared_expert
+    for stage in ("gate_up_proj", "down_proj"):
+        if tap is None:
+            break
+        for e, tok, _ in routed:
+            x = h[tok]
+            tap(f"moe.experts.{e}.{stage}", x if stage == "gate_up_proj" else _expert_act(experts, e, x))
+        if shared is not None:
+            x = h if stage == "gate_up_proj" else shared.gate_up_proj.silu_and_mul(h)
+            tap(f"moe.shared_expert.{stage}", x)
+        if stage == stop_after:
+            return None
+    terms = torch.zeros(*ids.shape, h.shape[1], dtype=torch.float32, device=h.device)
+    for e, tok, slot in routed:
+        y = F.linear(_expert_act(experts, e, h[tok]), experts.w2[e])
+        terms[tok, slot] = y.float() * weights[tok, slot].float()[:, None]
+    out = terms.sum(1).to(h.dtype)
+    if shared is not None:
+        out = out + torch.sigmoid(moe.shared_expert_gate(h)) * shared(h)
+    return out
+
+
+def _expert_act(experts, e: int, x: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul(F.linear(x, experts.w13[e]))
 
 
 @torch.no_grad()

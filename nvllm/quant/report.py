@@ -75,9 +75,17 @@ def error_table(summary: QuantizeSummary):
         justify="right")
     table.add_column("time", justify="right")
     for rep in summary.layers:
-        cells = ["fp" if rep.errors.get(n) is None else f"{rep.errors[n]:.2e}" for n in ORDER]
+        cells = [_cell(rep.stage_error(n)) for n in ORDER]
         table.add_row(str(rep.index), *cells, f"{rep.layer_error:.2e}", f"{rep.seconds:.2f} s")
+    if any(n.startswith("moe.") for rep in summary.layers for n in rep.errors):
+        table.caption = "a mixture of experts' gate_up and down: the mean over its experts (and shared expert)"
     return table
+
+
+def _cell(err: float | None) -> str:
+    if err is None:
+        return "fp"
+    return "no tokens" if err != err else f"{err:.2e}"
 
 
 def summary_lines(summary: QuantizeSummary) -> list[str]:

@@ -4,7 +4,9 @@
 2. For each layer in turn, a float32 working copy goes to the compute device (only this layer is there), and
    for each of the method's stages (e.g. q/k/v → o → gate/up → down) the windows are replayed through it
    (``replay.layer_forward``) to collect the inputs of that stage's linears, which the method then quantizes
-   in place — later stages see the already-quantized earlier ones.
+   in place — later stages see the already-quantized earlier ones. In a mixture of experts a stage's linears are
+   every expert's (each calibrated on the tokens routed to it) and the shared expert's (``layer_linears``); an
+   expert that no calibration token reaches is rounded to nearest, and the summary says which.
 3. The quantized layer is replayed once more: its outputs are the next layer's inputs, and comparing them
    with a full-precision copy of the layer gives the layer's relative output error (on the first
    ``ERROR_WINDOWS`` windows: the diagnostic does not need a second full replay of every window). A method
@@ -29,9 +31,10 @@ from types import SimpleNamespace
 import torch
 
 from nvllm.quant.formats import GroupQuant
+from nvllm.quant.layer_linears import linear_at, stage_linears
 from nvllm.quant.methods import InputStats, LinearResult
 from nvllm.quant.plan import LM_HEAD
-from nvllm.quant.replay import ORDER, layer_forward
+from nvllm.quant.replay import ORDER, layer_forward, stage_of
 
 
 @dataclass
@@ -40,6 +43,16 @@ class LayerReport:
     errors: dict[str, float | None] = field(default_factory=dict)  # per linear; None: kept in full precision
     layer_error: float = 0.0        # ‖y_q − y‖² / ‖y‖² of the layer's output, same inputs
     seconds: float = 0.0
+    unreached: list[int] = field(default_factory=list)  # experts no calibration token was routed to
+
+    def stage_error(self, stage: str) -> float | None:
+        """The error of a stage's linear, or the mean over a mixture's experts (and shared expert) that calibration
+        tokens reached; None when the stage stays in full precision."""
+        values = [v for n, v in self.errors.items() if stage_of(n) == stage and v is not None]
+        reached = [v for v in values if v == v]     # NaN: a linear no calibration token reached
+        if not values:
+            return None
+        return sum(reached) / len(reached) if reached else float("nan")
 
 
 Progress = Callable[[int, str], None]
@@ -56,14 +69,14 @@ def _to_host(gq: GroupQuant) -> GroupQuant:
 
 def _collect(layer, xs: list[torch.Tensor], positions: torch.Tensor, names: list[str],
              device: torch.device) -> dict[str, InputStats]:
-    """Replay every window up to the last of ``names`` and accumulate those linears' input statistics."""
-    stats = {n: InputStats(getattr(layer, n).in_features, device) for n in names}
+    """Replay every window up to the last stage of ``names`` and accumulate those linears' input statistics."""
+    stats = {n: InputStats(linear_at(layer, n).in_features, device) for n in names}
 
     def tap(name: str, inp: torch.Tensor) -> None:
         if name in stats:
             stats[name].add(inp)
 
-    last = max(names, key=ORDER.index)
+    last = max((stage_of(n) for n in names), key=ORDER.index)
     for x in xs:
         layer_forward(layer, x, positions, tap=tap, stop_after=last)
     return stats
@@ -77,10 +90,9 @@ def _chunks(ids: torch.Tensor, batch: int) -> list[torch.Tensor]:
 def quantize_layers(model, calib_ids: torch.Tensor, method, quantized: dict[int, set[str]],
                     device: torch.device, batch: int = 8, progress: Progress | None = None, head: bool = False
                     ) -> tuple[dict[str, LinearResult], list[LayerReport]]:
-    """Quantize ``model`` (a CPU ``LlamaForCausalLM``) in place, layer by layer. ``quantized[i]`` names the
-    linears of layer i to quantize (the others stay in full precision); ``head``: the LM head too (the method's
-    ``group_sizes`` must name ``"lm_head"``). Returns ``{"layers.{i}.{linear}": LinearResult}`` (and
-    ``{"lm_head": …}``) and one report per layer."""
+    """Quantize ``model`` (a CPU ``LlamaForCausalLM``) in place, layer by layer. ``quantized[i]`` names the units
+    of layer i to quantize (``layer_linears``; the others stay in full precision); ``head``: the LM head too.
+    Returns ``{"layers.{i}.{linear}": LinearResult}`` (and ``{"lm_head": …}``) and one report per layer."""
     positions = torch.arange(calib_ids.shape[1], device=device)
     embed = model.embed_tokens.weight
     xs = [embed[ids.to(embed.device)].to(device, torch.float32) for ids in _chunks(calib_ids, batch)]
@@ -91,17 +103,19 @@ def quantize_layers(model, calib_ids: torch.Tensor, method, quantized: dict[int,
         work = copy.deepcopy(layer).to(device=device, dtype=torch.float32)
         ref = copy.deepcopy(work)
         targets = quantized.get(i, set())
-        rep = LayerReport(i, {name: None for name in ORDER})
+        rep = LayerReport(i, {name: None for name in (ORDER if layer.moe is None else ORDER[:2])})
         for stage in method.stages:
-            names = [n for n in stage if n in targets]
+            names = [n for st in stage for n in stage_linears(work, st, targets)]
             if not names:
                 continue
             if progress:
-                progress(i, "+".join(n.removesuffix("_proj") for n in names))
+                progress(i, "+".join(dict.fromkeys(stage_of(n).removesuffix("_proj") for n in names)))
             stats = _collect(work, xs, positions, names, device)
             for name, res in method.quantize_stage(work, names, stats).items():
-                results[f"layers.{i}.{name}"] = LinearResult(_to_host(res.quant), res.error)
+                results[f"layers.{i}.{name}"] = LinearResult(_to_host(res.quant), res.error, res.tokens)
                 rep.errors[name] = res.error
+                if res.tokens == 0 and name.startswith("moe.experts.") and stage_of(name) == "gate_up_proj":
+                    rep.unreached.append(int(name.split(".")[2]))
         if progress:
             progress(i, "outputs")
         num = den = 0.0
@@ -139,4 +153,4 @@ def _quantize_head(model, xs: list[torch.Tensor], method, device: torch.device) 
         stats.add(norm(x.reshape(-1, x.shape[-1])))
     res = method.quantize_stage(work, [LM_HEAD], {LM_HEAD: stats})[LM_HEAD]
     w.data.copy_(getattr(work, LM_HEAD).weight.to(w.device, w.dtype))
-    return LinearResult(_to_host(res.quant), res.error)
+    return LinearResult(_to_host(res.quant), res.error, res.tokens)

@@ -77,8 +77,9 @@ def packed_tensors(gq: GroupQuant, fmt: str, sym: bool = True) -> dict[str, torc
 
 def checkpoint_tensors(model, source_names: list[str], quantized: dict[str, GroupQuant], fmt: str,
                        sym: bool = True) -> dict[str, torch.Tensor]:
-    """The tensors to save, under the source checkpoint's names. ``quantized`` maps our module names
-    (``layers.{i}.qkv_proj``) to the integer form of their (fused) weight; the shards are split by rows."""
+    """The tensors to save, under the source checkpoint's names. ``quantized`` maps our linears' names
+    (``layers.{i}.qkv_proj``, ``layers.{i}.moe.experts.{e}.gate_up_proj``) to the integer form of their (fused)
+    weight; the shards are split by rows."""
     out: dict[str, torch.Tensor] = {}
     for name in source_names:
         target = model.param_for(name)
@@ -87,15 +88,28 @@ def checkpoint_tensors(model, source_names: list[str], quantized: dict[str, Grou
         pname, shard = target
         module_name, leaf = pname.rsplit(".", 1)
         module = model.get_submodule(module_name)
-        rows = module.shard_slice(shard) if shard is not None else slice(None)
-        if module_name in quantized and leaf == "weight":
+        key, index, rows = _piece(module, module_name, leaf, shard)
+        if key in quantized:
             base = name.rsplit(".", 1)[0]
-            for key, value in packed_tensors(_shard_rows(quantized[module_name], rows), fmt, sym).items():
-                out[f"{base}.{key}"] = value.contiguous().clone()
+            for k, value in packed_tensors(_shard_rows(quantized[key], rows), fmt, sym).items():
+                out[f"{base}.{k}"] = value.contiguous().clone()
             continue
         value = model.get_parameter(pname).data
-        out[name] = value[rows].detach().cpu().contiguous().clone()
+        out[name] = value[index].detach().cpu().contiguous().clone()
     return out
+
+
+def _piece(module, module_name: str, leaf: str, shard) -> tuple[str | None, tuple | slice, slice]:
+    """(the quantized linear holding this checkpoint tensor, or None for a tensor that is not a linear's weight;
+    its index into the parameter; its rows of that linear). A stacked expert's shard is (expert, 0 gate / 1 up /
+    2 down)."""
+    if hasattr(module, "shards"):
+        e, j = shard
+        i = module.m.part.size
+        rows = slice(j * i, (j + 1) * i) if leaf == "w13" else slice(None)
+        return f"{module_name}.{e}.{'gate_up_proj' if leaf == 'w13' else 'down_proj'}", (e, rows), rows
+    rows = module.shard_slice(shard) if shard is not None else slice(None)
+    return (module_name if leaf == "weight" else None), rows, rows
 
 
 def save_weights(tensors: dict[str, torch.Tensor], directory: Path, max_shard_size: str) -> int:
