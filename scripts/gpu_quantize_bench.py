@@ -66,8 +66,6 @@ C4_CANDIDATES = (REPO / ".carry" / "c4" / C4_NAME, REPO / ".carry" / C4_NAME, RE
                  REPO.parent / "shared" / "data" / "c4" / C4_NAME)
 RESULT_FILE = "gpu_quantize_bench.json"
 TARGET_S = 480.0          # the issue: <= 8 minutes for 128 x 2048 tokens on the 7B shape
-PROJ_PER_LINEAR = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o_proj": ("self_attn", ("o_proj",)),
-                   "gate_up_proj": ("mlp", ("gate_proj", "up_proj")), "down_proj": ("mlp", ("down_proj",))}
 
 T0 = time.perf_counter()
 
@@ -187,7 +185,7 @@ def write_random_weights(model_dir: Path, device: torch.device, seed: int, shard
     std = float(getattr(hf_config, "initializer_range", 0.02) or 0.02)
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(hf_config)
-    params = [(n, tuple(p.shape)) for n, p in meta.named_parameters()]   # tied lm_head appears once
+    params = checkpoint_params(meta)   # tied lm_head appears once
     del meta
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards: list[list[tuple[str, tuple]]] = [[]]
@@ -226,6 +224,29 @@ def write_random_weights(model_dir: Path, device: torch.device, seed: int, shard
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return {"bytes": total, "tensors": len(params), "shards": len(shards), "dtype": str(dtype).replace("torch.", ""),
             "init_std": std, "generate_s": t_gen, "write_s": t_write, "device": str(device)}
+
+
+def checkpoint_params(model) -> list[tuple[str, tuple]]:
+    """(checkpoint name, shape) of every parameter. transformers 5 holds a mixture's experts stacked
+    (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]); published checkpoints, and what
+    ``save_pretrained`` writes, have a tensor per expert and projection (``mlp.experts.{e}.gate_proj.weight``;
+    Mixtral's ``w1`` / ``w3`` / ``w2``)."""
+    out = []
+    mixtral = "Mixtral" in type(model).__name__
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for name, p in model.named_parameters():
+        stem, _, leaf = name.rpartition(".")
+        if stem.endswith(".experts") and p.dim() == 3:
+            e, rows, cols = p.shape
+            for k in range(e):
+                if leaf == "gate_up_proj":
+                    out += [(f"{stem}.{k}.{gate}.weight", (rows // 2, cols)), (f"{stem}.{k}.{up}.weight",
+                                                                               (rows // 2, cols))]
+                else:
+                    out.append((f"{stem}.{k}.{down}.weight", (rows, cols)))
+        else:
+            out.append((name, tuple(p.shape)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -392,9 +413,17 @@ def check_output(out_dir: Path, cfg, num_layers: int, kept: dict) -> dict:
     for f in sorted(out_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as s:
             keys.update(s.keys())
-    kept_modules = {m for names in kept for m in names.split("/")}
-    expected = [f"model.layers.{i}.{parent}.{p}.qweight" for i in range(num_layers)
-                for parent, projs in PROJ_PER_LINEAR.values() for p in projs if f"{parent}.{p}" not in kept_modules]
+    from nvllm.models.llama import ModelShape
+    from nvllm.models.loader import load_hf_config
+    from nvllm.models.registry import resolve_architecture
+    from nvllm.quant.plan import quantizable_units
+
+    hf_config = load_hf_config(str(out_dir))
+    hf_config.num_hidden_layers = num_layers
+    shape = ModelShape(hf_config, resolve_architecture(hf_config)[0])
+    kept_modules = [m for names in kept for m in names.split("/")]    # "mlp.down_proj", "mlp.experts", …
+    expected = [f"{n}.qweight" for _, names, _ in quantizable_units(shape) for n in names
+                if not any(f".{m}." in f"{n}." for m in kept_modules)]
     missing = [k for k in expected if k not in keys]
     if missing:
         problems.append(f"{len(missing)} qweight tensors missing, e.g. {missing[0]}")
@@ -481,6 +510,7 @@ def main(argv=None) -> dict:
     from nvllm.config import resolve_device
     from nvllm.quant.quantize import quantize_model
     from nvllm.quant.recipe import build_config
+    from nvllm.quant.replay import ORDER
 
     args = parse_args(argv)
     out = Path(args.out or os.environ.get("OUT") or "out")
@@ -582,7 +612,8 @@ def main(argv=None) -> dict:
         res["size_before"], res["size_after"] = summary.size_before, summary.size_after
         res["kept"] = summary.kept
         for rep, row in zip(summary.layers, res["layers"]):
-            row.update(nvllm_seconds=rep.seconds, layer_error=rep.layer_error, errors=rep.errors)
+            row.update(nvllm_seconds=rep.seconds, layer_error=rep.layer_error, unreached_experts=rep.unreached,
+                       errors={n: rep.stage_error(n) for n in ORDER})   # a mixture: mean over its experts
         res["quantized_dir"] = str(q_dir)
         res["check"] = check_output(q_dir, cfg, config["num_hidden_layers"], summary.kept)
         res["status"] = "done" if res["check"]["ok"] else "bad output"

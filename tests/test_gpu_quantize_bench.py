@@ -82,3 +82,23 @@ def test_failure_is_recorded_and_cleaned_up(bench, tmp_path):
     saved = json.loads((tmp_path / "out" / "gpu_quantize_bench.json").read_text())
     assert saved["status"].startswith("failed: QuantizeError") and saved["workdir_deleted"]
     assert not any((tmp_path / "work").iterdir())
+
+
+def test_cpu_mixture_of_experts(bench, tmp_path):
+    """A Qwen3-MoE config: the random checkpoint has a tensor per expert and projection (transformers 5 stacks them
+    in memory), every expert is quantized and checked, and the layer's errors are its stages' (experts' mean)."""
+    moe = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 64,
+           "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True}
+    cfg = tmp_path / "moe.json"
+    cfg.write_text(json.dumps(moe))
+    args = _args(tmp_path, "--keep")
+    args[args.index("--config") + 1] = str(cfg)
+    saved = bench.main(args)
+    assert saved["status"] == "done", saved["status"]
+    assert saved["check"]["ok"] and saved["check"]["qweight_tensors"] == 4 + 4 * 3
+    layer = saved["layers"][0]
+    assert 0 < layer["errors"]["gate_up_proj"] < 1 and 0 < layer["errors"]["down_proj"] < 1
+    src = next(p for p in (tmp_path / "work").glob("*/*") if p.name != "quantized")
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        assert tuple(f.get_tensor("model.layers.0.mlp.experts.3.up_proj.weight").shape) == (128, 128)
+        assert "model.layers.0.mlp.experts.gate_up_proj" not in set(f.keys())
