@@ -11,6 +11,10 @@ size that is not a whole number of packed words) stay in full precision: listed 
 block's quantized modules in ``modules_in_block_to_quantize``, which transformers and optimum read) and in the
 summary. A group size that fits none of the model's linears is an error.
 
+A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) is planned per unit as the loader reads it back: attention's
+linears, a layer's experts as a whole (every expert's gate, up and down; ``mlp.experts`` in the exclusions), Qwen2-MoE's
+shared expert; the routers are never quantized. FP8 of a mixture is refused (FP8 experts are not served).
+
 ``quantize_lm_head`` (GPTQ / RTN, GPTQModel's ``lm_head=True``) quantizes the LM head as well, after the last
 layer, and writes it like any GPTQ linear (``lm_head.qweight`` / ``qzeros`` / ``scales`` / ``g_idx``) with
 ``"lm_head": true`` in ``quantization_config``. A model with tied embeddings, or a head the scheme cannot
