@@ -210,23 +210,32 @@ def test_cli_and_refusals(tmp_path, sources):
     assert not (tmp_path / "fp8").exists()
 
 
-@pytest.mark.parametrize("kind", ["qwen2-moe", "mixtral"])
-def test_awq_folding_in_a_mixture_keeps_the_function(sources, kind):
-    """Scales on every expert's gate/up (and the shared expert's) folded into the post-attention norm, the routers'
-    columns scaled with them, each down's scales folded into its own up rows: the layer computes what it did."""
+FOLDING = {  # (arch, the layer's units AWQ scales)
+    "mixtral": ("mixtral", {"qkv_proj", "o_proj", "experts"}),
+    "qwen2-moe": ("qwen2-moe", {"qkv_proj", "o_proj", "experts", "shared_expert.gate_up_proj",
+                                "shared_expert.down_proj"}),
+    "qwen2-moe-experts-kept": ("qwen2-moe", {"shared_expert.gate_up_proj", "shared_expert.down_proj"}),
+    "qwen2-moe-shared-kept": ("qwen2-moe", {"experts"}),
+}
+
+
+@pytest.mark.parametrize("case", list(FOLDING))
+def test_awq_folding_in_a_mixture_keeps_the_function(sources, case):
+    """Scales on every quantized gate/up of a mixture folded into the post-attention norm, the columns of every other
+    reader of that norm (routers, experts or shared expert kept in full precision) scaled with them, each down's
+    scales folded into its own up rows: the layer computes what it did."""
     import copy
 
     from nvllm.quant.awq import apply_scales, scale_groups
     from nvllm.quant.layer_linears import linear_at, stage_linears
 
+    kind, units = FOLDING[case]
     layer = load_nvllm_model(sources[kind]).layers[1]
-    units = {"qkv_proj", "o_proj", "experts"} | ({"shared_expert.gate_up_proj", "shared_expert.down_proj"}
-                                                  if kind == "qwen2-moe" else set())
     names = [n for st in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") for n in stage_linears(layer, st, units)]
     groups = scale_groups(layer, names)
     first = next(g for g in groups if g.prev == "post_attention_layernorm")
-    assert len(first.linears) == layer.moe.m.num_experts + (kind == "qwen2-moe") and first.passive == (
-        ("moe.gate",) if kind == "mixtral" else ("moe.gate", "moe.shared_expert_gate"))
+    readers = len(first.linears) + len(first.passive)    # every expert, the shared expert and its gate, the router
+    assert readers == layer.moe.m.num_experts + (3 if kind == "qwen2-moe" else 1) and "moe.gate" in first.passive
     downs = [g for g in groups if g.linear.endswith("down_proj")]
     assert len(downs) == len(first.linears) and all(g.prev == g.linear.replace("down", "gate_up") for g in downs)
     x, pos = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(0)), torch.arange(10)

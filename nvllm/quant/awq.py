@@ -12,7 +12,8 @@ that carry large activations. The standard groups for this decoder:
 
 In a mixture of experts one scale vector serves every expert's gate/up and the shared expert's (they all read the
 post-attention norm), searched on their summed losses; the router and Qwen2-MoE's shared-expert gate read that norm
-too and stay in full precision, so their input columns are multiplied by the same scales (the function is unchanged).
+too and stay in full precision, so their input columns are multiplied by the same scales (the function is unchanged),
+as are those of experts or a shared expert the plan keeps in full precision.
 Each expert's down projection (and the shared expert's) is scaled against the up rows of its own gate/up.
 
 Scale search: ``x̄`` = per-channel mean |x|, ``w̄`` = per-input-channel mean of |w| / (its group's max |w|);
@@ -58,22 +59,26 @@ def _output_loss(w: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> torc
 
 @torch.no_grad()
 def search_scales(w: torch.Tensor | list[torch.Tensor], h: torch.Tensor | list[torch.Tensor], x_mean: torch.Tensor,
-                  group_size: int, opts: AWQOptions) -> torch.Tensor:
+                  group_size: int, opts: AWQOptions, weights: list[float] | None = None) -> torch.Tensor:
     """Best per-input-channel scales ``s [in]`` for ``w [out, in]`` (float32), or for several linears reading the
-    same input (lists of weights and of their H, the loss summed)."""
+    same input (lists of weights and of their H, the losses summed under ``weights``: their token counts). One
+    linear's temporaries at a time (a mixture's experts are not copied together)."""
     ws, hs = (w, h) if isinstance(w, list) else ([w], [h])
-    cat = torch.cat(ws)
-    out_f, in_f = cat.shape
-    wg = cat.abs().reshape(out_f, in_f // group_size, group_size)
-    w_mean = (wg / (wg.amax(dim=-1, keepdim=True) + 1e-6)).reshape(out_f, in_f).mean(0)
+    weights = weights or [1.0] * len(ws)
+    in_f = ws[0].shape[1]
+    w_mean = sum(_relative_magnitude(wi, group_size) for wi in ws) / sum(wi.shape[0] for wi in ws)
 
     def loss(s: torch.Tensor | None) -> torch.Tensor:
-        if s is None:
-            return sum(_output_loss(wi, fake_quantize(wi, GRID4, group_size), hi) for wi, hi in zip(ws, hs))
-        return sum(_output_loss(wi, fake_quantize(wi * s, GRID4, group_size) / s, hi) for wi, hi in zip(ws, hs))
+        total = torch.zeros((), device=ws[0].device)
+        for wi, hi, c in zip(ws, hs, weights):
+            if c:
+                approx = fake_quantize(wi, GRID4, group_size) if s is None else \
+                    fake_quantize(wi * s, GRID4, group_size) / s
+                total += c * _output_loss(wi, approx, hi)
+        return total
 
     best_loss = loss(None)
-    best = torch.ones(in_f, device=cat.device)
+    best = torch.ones(in_f, device=ws[0].device)
     for i in range(opts.n_grid):
         ratio = i / opts.n_grid
         if opts.duo_scaling:
@@ -86,6 +91,13 @@ def search_scales(w: torch.Tensor | list[torch.Tensor], h: torch.Tensor | list[t
         if candidate < best_loss:
             best_loss, best = candidate, s
     return best
+
+
+def _relative_magnitude(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Σ over rows of ``|w|`` / its group's max ``|w|``, per input channel (``[in]``)."""
+    out_f, in_f = w.shape
+    wg = w.abs().reshape(out_f, in_f // group_size, group_size)
+    return (wg / (wg.amax(dim=-1, keepdim=True) + 1e-6)).reshape(out_f, in_f).sum(0)
 
 
 @torch.no_grad()
@@ -150,9 +162,12 @@ def scale_groups(layer, quantized: list[str] | set[str]) -> list[ScaleGroup]:
             out.append(ScaleGroup(("down_proj",), "gate_up_proj", slice(i, 2 * i)))
         return out
     gate_up = tuple(n for n in quantized if n.endswith(".gate_up_proj"))
-    if gate_up:
-        routers = ("moe.gate",) + (("moe.shared_expert_gate",) if layer.moe.shared_expert is not None else ())
-        out.append(ScaleGroup(gate_up, "post_attention_layernorm", passive=routers))
+    if gate_up:   # every other reader of the norm keeps its function: routers, a unit kept in full precision
+        readers = [f"moe.experts.{e}.gate_up_proj" for e in range(layer.moe.m.num_experts)] + \
+            (["moe.shared_expert_gate", "moe.shared_expert.gate_up_proj"] if layer.moe.shared_expert is not None
+             else [])
+        passive = ("moe.gate",) + tuple(n for n in readers if n not in gate_up)
+        out.append(ScaleGroup(gate_up, "post_attention_layernorm", passive=passive))
     for down in (n for n in quantized if n.endswith(".down_proj")):
         prev = down.removesuffix("down_proj") + "gate_up_proj"
         i = linear_at(layer, down).in_features

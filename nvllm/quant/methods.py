@@ -6,8 +6,8 @@ each linear's weight by its dequantized value (so the rest of the layer and the 
 and returns the integer form the writer packs, with the linear's relative output error on its calibration inputs.
 ``group_size`` is the scheme's (-1: one group over a linear's whole input).
 
-A linear no calibration token reached (an expert the router never picked) is rounded to nearest by every method,
-and its error is NaN (nothing was measured).
+A linear no calibration token reached (an expert the router never picked) is rounded to nearest by every method
+(under AWQ after the scales its group shares, with no clipping), and its error is NaN (nothing was measured).
 """
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ class InputStats:
     def hessian(self) -> torch.Tensor:
         """``H = 2/n Σ x xᵀ`` (GPTQ's convention; every use here is invariant to the constant)."""
         return self.xtx * (2.0 / max(self.count, 1))
+
+    def pop_hessian(self) -> torch.Tensor:
+        """``hessian`` made in place of ``Σ x xᵀ`` (no second [in, in] copy); the stats take no more inputs."""
+        self.xtx.mul_(2.0 / max(self.count, 1))
+        h, self.xtx = self.xtx, None
+        return h
 
     @property
     def mean_abs(self) -> torch.Tensor:
@@ -126,16 +132,17 @@ class AWQMethod:
 
     @torch.no_grad()
     def quantize_stage(self, layer, names, stats: dict[str, InputStats]) -> dict[str, LinearResult]:
-        hess = {n: stats[n].hessian for n in names}
+        hess = {n: stats[n].pop_hessian() for n in names}
         groups = scale_groups(layer, names)
         found = []
         for g in groups:
             ws = [linear_at(layer, n).weight.float() for n in g.linears]
-            # one linear: its own H; several (a mixture's experts): each weighted by its tokens, as the sum of
-            # every token's error; the mean |x| of all their tokens (each token counted once per expert it reaches)
-            hs = [hess[n] * (stats[n].count if len(g.linears) > 1 else 1) for n in g.linears]
-            x_mean = sum(stats[n].abs_sum for n in g.linears) / max(sum(stats[n].count for n in g.linears), 1)
-            found.append(search_scales(ws, hs, x_mean, group_for(self.group_size, ws[0].shape[1]), self.opts))
+            # several linears (a mixture's experts): each loss weighted by its tokens, as the sum of every token's
+            # error; the mean |x| of all their tokens (each token counted once per expert it reaches)
+            counts = [float(stats[n].count) for n in g.linears]
+            x_mean = sum(stats[n].abs_sum for n in g.linears) / max(sum(counts), 1)
+            found.append(search_scales(ws, [hess[n] for n in g.linears], x_mean,
+                                       group_for(self.group_size, ws[0].shape[1]), self.opts, counts))
         for g, s in zip(groups, found):
             apply_scales(layer, g, s.to(linear_at(layer, g.linear).weight.dtype))
             for n in g.linears:
