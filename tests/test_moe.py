@@ -184,10 +184,10 @@ def test_features_without_expert_support_refuse_clearly(tiny_models, tmp_path):
         mp.setattr(model_runner, "load_model", no_loading)
         with pytest.raises(ConfigError, match="LoRA adapters are not supported on mixture-of-experts models"):
             make_llm(path, enable_lora=True)
-    result = CliRunner().invoke(app, ["quantize", "--model", path, "--method", "rtn", "--out", str(tmp_path / "q")])
+    result = CliRunner().invoke(app, ["quantize", "--model", path, "--method", "fp8", "--out", str(tmp_path / "q")])
     assert result.exit_code != 0
-    assert "is a mixture of experts (Qwen3MoeForCausalLM): nvllm quantize handles dense models only" in \
-        " ".join(result.output.split())
+    assert "is a mixture of experts (Qwen3MoeForCausalLM): nvllm serves FP8 dense models only, so --method fp8 is " \
+        "refused for it" in " ".join(result.output.split())
     assert not (tmp_path / "q").exists()
 
 
