@@ -73,8 +73,9 @@ def layer_forward(layer, x: torch.Tensor, positions: torch.Tensor, tap: Tap | No
     flat = flat + layer.o_proj(attn)
     h = layer.post_attention_layernorm(flat)
     if layer.moe is not None:
-        if tap is None and stop_after is None:
+        if not hasattr(layer.moe.experts, "w13"):   # packed experts (a served checkpoint): the engine's block
             return (flat + layer.moe(h)).reshape(batch, seq, hidden)
+        # dense experts one by one in torch: the engine's grouped kernels are tuned for bf16 decode, not fp32 windows
         out = moe_forward(layer.moe, h, tap, stop_after)
         return None if out is None else (flat + out).reshape(batch, seq, hidden)
     if emit("gate_up_proj", h):
