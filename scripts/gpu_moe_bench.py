@@ -19,7 +19,8 @@ weights, load_format dummy) against HF transformers on the same shapes, in one c
 ``--gptq``: also the 4-bit experts (GPTQ g128, ``nvllm.kernels.quant_moe``) in step 1, checked against their torch
 reference, and in step 2 the engine on the same shapes with a GPTQ 4-bit g128 config (every decoder linear and
 expert packed, router and LM head in bf16): its TPOT, decode steps and TTFT against the bf16 engine's in the same
-run. ``--sweep``: the 4-bit GEMV's block sizes and warps at T = 1 (both shapes) and 4 (Qwen3-30B-A3B), µs a call.
+run. ``--sweep``: the 4-bit GEMV's block sizes, warps and K splits at T = 1 (both shapes) and 4 (Qwen3-30B-A3B), µs a
+call.
 
 Writes $OUT/moe_bench.json (``--out`` overrides $OUT).
 """
@@ -144,19 +145,21 @@ def quant_kernel_runs(res: dict, ts: list[int], bandwidth: float, sweep: bool) -
 
 
 def gemv_sweep(res: dict, case: str, call) -> None:
-    """µs a call of ``call`` for each GEMV setting (block N x block K x warps x stages), the five best printed."""
-    saved = (QM.GEMV_BLOCK_N, QM.GEMV_BLOCK_K, QM.GEMV_NUM_WARPS, QM.GEMV_NUM_STAGES, QM.GEMV_STEP_SUM)
+    """µs a call of ``call`` for each GEMV setting (block N x warps, step sums, K splits; K steps of 128 inputs),
+    the five best printed."""
+    names = ("GEMV_BLOCK_N", "GEMV_BLOCK_K", "GEMV_NUM_WARPS", "GEMV_NUM_STAGES", "GEMV_STEP_SUM", "GEMV_SPLIT_K")
+    saved = [getattr(QM, n) for n in names]
     rows = []
-    for bn in (16, 32, 64, 128):
-        for bk in (64, 128):
-            for nw in (1, 2, 4):
-                for st in (1,):
-                    for ss in (False, True):
-                        QM.GEMV_BLOCK_N, QM.GEMV_BLOCK_K, QM.GEMV_NUM_WARPS, QM.GEMV_NUM_STAGES, QM.GEMV_STEP_SUM = \
-                            bn, bk, nw, st, ss
-                        rows.append({"case": case, "setting": f"{bn}x{bk}x{nw}wx{st}s{'+sum' * ss}",
-                                     "us": graph_us(call)})
-    QM.GEMV_BLOCK_N, QM.GEMV_BLOCK_K, QM.GEMV_NUM_WARPS, QM.GEMV_NUM_STAGES, QM.GEMV_STEP_SUM = saved
+    for bn in (16, 32, 64):
+        for nw in (1, 2):
+            for ss in (False,) if "T=1" in case else (False, True):
+                for split in (1, 2, 4, 8, 16):
+                    for n, v in zip(names, (bn, 128, nw, 1, ss, split)):
+                        setattr(QM, n, v)
+                    rows.append({"case": case, "setting": f"{bn}x128x{nw}wx1s{'+sum' * ss}/{split}k",
+                                 "us": graph_us(call)})
+    for n, v in zip(names, saved):
+        setattr(QM, n, v)
     res.setdefault("gemv_sweep", []).extend(rows)
     best = sorted(rows, key=lambda r: r["us"])[:5]
     print(f"  sweep {case}: shipped setting {res['quant_kernel'][case.split()[0]][-1]['us']:.1f}; best five: "

@@ -77,17 +77,25 @@ CASES = {  # id → problem arguments
 }
 
 
-@pytest.mark.parametrize("path", ["gemv", "grouped"])
+@pytest.mark.parametrize("path", ["gemv", "gemv-split", "grouped"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_equals_reference(monkeypatch, case, path):
+    """Each path; the split GEMV with K steps of 16 inputs split three ways (its sums added into zeroed
+    accumulators, finished by SiLU·mul and the final cast)."""
     monkeypatch.setenv("NVLLM_KERNELS", "triton")
-    monkeypatch.setattr(fused_moe, "SMALL_ROWS", 1000 if path == "gemv" else 0)
+    monkeypatch.setattr(fused_moe, "SMALL_ROWS", 0 if path == "grouped" else 1000)
+    monkeypatch.setattr(QM, "GEMV_SPLIT_K", 3 if path == "gemv-split" else 1)
+    if path == "gemv-split":
+        monkeypatch.setattr(QM, "GEMV_BLOCK_K", 16)
     x, w13, w2, weights, ids = _problem(**CASES[case])
     report.reset()
     out = QM.quant_experts(x, w13, w2, weights, ids)
     ref = QM.quant_experts_reference(x, w13, w2, weights, ids)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    kind = "gemv" if path == "gemv" else "grouped gemm"
+    kind = {"gemv": "gemv", "gemv-split": "gemv (split k)", "grouped": "grouped gemm"}[path]
+    from nvllm.kernels import partial_sum     # the accumulators left zeroed and free for the next GEMV
+
+    assert not partial_sum._HELD and not any(b.any() for b in partial_sum._BUFFERS.get(x.device, []))
     assert report.snapshot()["quant_moe"] == {f"triton w{w13.bits}a16 gptq {kind}": 1}
     xb = x.to(torch.bfloat16)   # the weights rounded to bf16 in the kernels, not in the reference
     out = QM.quant_experts(xb, w13, w2, weights, ids).float()
@@ -161,7 +169,8 @@ def test_checkpoint_matches_dequantized_hf(tmp_path, moe_dirs, case, kernels, mo
 
 def test_engine_runs_the_triton_experts(tmp_path, moe_dirs, monkeypatch):
     """The engine on a GPTQ Qwen3-MoE with the Triton kernels (interpreter): the same greedy tokens as the torch
-    reference path, and ``quant_moe`` in the kernel report for both the prompt (sorted) and the decode (GEMV)."""
+    reference path, and ``quant_moe`` in the kernel report for both the prompt (sorted) and the decode (GEMV, K split
+    in two: groups of 32 inputs)."""
     # attention in full precision: its quantized GEMVs under the interpreter take most of a minute (test_quant_loading
     # covers them)
     write_by_hand(moe_dirs["qwen3-moe"], tmp_path / "q", "gptq", 4, 32, True, skip=("self_attn",))
@@ -176,7 +185,7 @@ def test_engine_runs_the_triton_experts(tmp_path, moe_dirs, monkeypatch):
                    max_num_seqs=4).generate(
         {"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
-    assert set(report.snapshot()["quant_moe"]) == {"triton w4a16 gptq grouped gemm", "triton w4a16 gptq gemv"}
+    assert set(report.snapshot()["quant_moe"]) == {"triton w4a16 gptq grouped gemm", "triton w4a16 gptq gemv (split k)"}
 
 
 # ---- what is refused -------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def test_quant_experts_at_published_shapes(e, k, h, i, bits, group, act_order, t
     report.reset()
     got = QM.quant_experts(x, w13, w2, weights, ids).float()
     assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2
-    path = "gemv" if t * k <= e else "grouped gemm"
+    path = "gemv (split k)" if t * k <= e else "grouped gemm"      # at these shapes the GEMV splits K
     assert report.snapshot()["quant_moe"] == {f"triton w{bits}a16 gptq {path}": 1}
 
 
@@ -60,9 +60,10 @@ MODELS = {"qwen3-moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermedi
 
 @pytest.mark.parametrize("kind, fmt, act_order", [("qwen3-moe", "gptq", False), ("qwen3-moe", "gptq", True),
                                                    ("mixtral", "awq", False)])
-def test_quantized_moe_checkpoints_through_the_engine(kind, fmt, act_order, tmp_path):
-    """Attention stays in bf16 here (``skip``): its quantized GEMVs split K with atomic adds, whose order varies from
-    run to run, so graphs and eager runs could differ in a near tie; the experts' kernels sum in a fixed order."""
+def test_quantized_moe_checkpoints_through_the_engine(kind, fmt, act_order, tmp_path, monkeypatch):
+    """fp32 (CUDA graphs, the experts' GEMV splitting K) against HF transformers. Then bf16 with graphs against eager
+    with every sum in a fixed order: attention in bf16 (``skip``) and the experts' GEMV unsplit — split K adds with
+    atomics, whose order varies from run to run, so graphs and eager runs could differ in a near tie."""
     src = build_tiny_model(kind, tmp_path / kind, **SHAPE, **MODELS[kind])
     deq = write_by_hand(src, tmp_path / "q", fmt, 4, 64, sym=fmt == "gptq", act_order=act_order, skip=("self_attn",))
     prompt = [1, 45, 300, 12, 99, 7, 250, 31, 400, 18]
@@ -71,6 +72,8 @@ def test_quantized_moe_checkpoints_through_the_engine(kind, fmt, act_order, tmp_
     got = fp32.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0].token_ids
     fp32.close()
     assert got == hf_greedy(dense_copy(src, tmp_path / "deq", deq), prompt, 12)
+    assert "triton w4a16 gptq gemv (split k)" in report.snapshot()["quant_moe"]
+    monkeypatch.setattr(QM, "GEMV_SPLIT_K", 1)
     prompts = [{"prompt_token_ids": prompt[j:j + 6]} for j in range(5)]
     tokens = {}
     for name, extra in (("graphs", {}), ("eager", {"enforce_eager": True})):

@@ -78,8 +78,10 @@ class PartialSum:
 
     def finish(self) -> torch.Tensor:
         """The output as the finished GEMV returns it (fp32 sum plus bias, cast once); the accumulator zeroed."""
-        y = self.acc + self.bias.float() if self.bias is not None else self.acc.clone()
-        y = y.to(self.dtype)
+        if self.bias is not None:
+            y = (self.acc + self.bias.float()).to(self.dtype)
+        else:   # one copy: the cast, or a clone where the output stays fp32 (the zeroing must not reach it)
+            y = self.acc.clone() if self.dtype == torch.float32 else self.acc.to(self.dtype)
         self.acc.zero_()
         self.release()
         return y

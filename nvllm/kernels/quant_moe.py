@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nvllm.kernels import fused_moe, pdl, report
+from nvllm.kernels import fused_moe, partial_sum, pdl, report
 from nvllm.kernels.activation import silu_and_mul
+from nvllm.kernels.partial_sum import PartialSum
 from nvllm.kernels.backend import interpreting, use_triton
 from nvllm.kernels.fused_moe import _block_m, _block_rows, align_tokens, experts_reference  # noqa: F401
 from nvllm.kernels.jit import lazy_jit
@@ -47,6 +48,11 @@ GEMV_BLOCK_K = 128
 GEMV_NUM_WARPS: int | None = None
 GEMV_NUM_STAGES = 1
 GEMV_STEP_SUM: bool | None = None
+# Split K: GEMV_SPLIT_K programs share each (pair, column tile), each adding its partial sum into a zeroed fp32
+# accumulator (``partial_sum``) that SiLU·mul (gate/up) or the final cast (down, every slot of a token into its row)
+# finishes. None: chosen by the pairs (GEMV_SPLIT_PROGRAMS programs at least, the splits a power of two); 1: no split.
+GEMV_SPLIT_K: int | None = None
+GEMV_SPLIT_PROGRAMS = 2048
 NUM_WARPS = 4          # the grouped GEMM's
 
 _jit = lazy_jit
@@ -96,7 +102,7 @@ def quant_experts_reference(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeigh
 
 def _quant_moe_gemv_kernel(
     a_ptr, qw_ptr, qz_ptr, s_ptr, gidx_ptr, out_ptr, ids_ptr, weights_ptr,
-    N, K,                                     # the projection's outputs and inputs
+    N, K, K_SPLIT,                            # the projection's outputs and inputs; inputs a K split
     stride_am, stride_om,                     # a [*, K], out [T·k, N] (last strides 1)
     stride_qe, stride_qw, stride_ze, stride_qz, stride_se, stride_s, stride_ge,  # expert and row strides
     A_ROW_DIV: tl.constexpr,                  # a's row of pair p: p // A_ROW_DIV (k: x's token rows; 1)
@@ -104,6 +110,8 @@ def _quant_moe_gemv_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, USE_GIDX: tl.constexpr,
     BLOCK_N: tl.constexpr, WORDS_K: tl.constexpr,   # columns a program; packed word rows a K step
     STEP_SUM: tl.constexpr,                   # contiguous groups: sum each step, then scale (else scale each code)
+    ATOMIC: tl.constexpr,                     # K split: add the fp32 partial into out's row pair // OUT_ROW_DIV
+    OUT_ROW_DIV: tl.constexpr,
     PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
 ):
     """Program (p, n): out[p, n·BLOCK_N : (n+1)·BLOCK_N] = a[p // A_ROW_DIV] @ W[e]ᵀ for those columns,
@@ -111,7 +119,9 @@ def _quant_moe_gemv_kernel(
     [WORDS_K, P, BLOCK_N] block of codes (P = 32 / BITS) without reshaping; each element's ``(q − z)·s·a`` is added
     in fp32 to an accumulator of that shape, summed once after the loop (``STEP_SUM``: ``(q − z)·a`` summed over the
     step, then times the scales). Without ``USE_GIDX`` a step lies in one group (WORDS_K·P divides GROUP): one row of
-    scales and zeros. Stored rounded to a's dtype (``MUL_WEIGHT``: then times the routing weight, in fp32)."""
+    scales and zeros. Stored rounded to a's dtype (``MUL_WEIGHT``: then times the routing weight, in fp32). With
+    ``ATOMIC`` program (p, n, z) covers inputs [z·K_SPLIT, (z+1)·K_SPLIT) (a multiple of the step) and adds its fp32
+    sum (times the routing weight) into out's row p // OUT_ROW_DIV, unrounded."""
     P: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     if PDL:
@@ -131,7 +141,8 @@ def _quant_moe_gemv_kernel(
     sc = s_ptr + expert * stride_se
     acc = tl.full((WORDS_K, P, BLOCK_N), 0.0, tl.float32)
     acc_n = tl.full((BLOCK_N,), 0.0, tl.float32)
-    for k0 in range(0, K, WORDS_K * P):
+    k_lo = tl.program_id(2) * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), WORDS_K * P):
         mask_k = k0 + k_in < K
         words = tl.load(qw + (k0 // P) * stride_qw, mask=(k0 // P + wk < K // P)[:, None] & mask_n[None, :], other=0)
         a = tl.load(a_row + k0 + k_in, mask=mask_k, other=0.0).to(tl.float32)
@@ -153,10 +164,17 @@ def _quant_moe_gemv_kernel(
             acc_n += tl.sum(tl.sum(w * a[:, :, None], axis=1), axis=0) * tl.reshape(s.to(tl.float32), (BLOCK_N,))
         else:
             acc += w * (s.to(tl.float32) * a[:, :, None])
-    out = (tl.sum(tl.sum(acc, axis=1), axis=0) + acc_n).to(a_ptr.dtype.element_ty)       # F.linear's rounding
-    if MUL_WEIGHT:
-        out = out.to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+    total = tl.sum(tl.sum(acc, axis=1), axis=0) + acc_n
+    if ATOMIC:
+        if MUL_WEIGHT:
+            total = total * tl.load(weights_ptr + pair).to(tl.float32)
+        tl.atomic_add(out_ptr + (pair // OUT_ROW_DIV).to(tl.int64) * stride_om + offs_n, total, mask=mask_n,
+                      sem="relaxed")
+    else:
+        out = total.to(a_ptr.dtype.element_ty)                                            # F.linear's rounding
+        if MUL_WEIGHT:
+            out = out.to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)
+        tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 def _quant_moe_gemm_kernel(
@@ -242,23 +260,47 @@ def _gemv_words(w: ExpertWeights) -> int:
     return words
 
 
+def _gemv_settings(pairs: int) -> tuple[int, int, bool]:
+    few = pairs <= 8
+    block_n = GEMV_BLOCK_N or (16 if few else 64)
+    return block_n, GEMV_NUM_WARPS or (1 if few else 2), (not few) if GEMV_STEP_SUM is None else GEMV_STEP_SUM
+
+
+def gemv_splits(pairs: int, w: ExpertWeights) -> int:
+    """K splits of the GEMV for ``pairs`` (token, slot) pairs: GEMV_SPLIT_K, else the power of two that gives at
+    least GEMV_SPLIT_PROGRAMS programs (1 beyond 8 pairs), at most one K step a split."""
+    if GEMV_SPLIT_K is not None:
+        return GEMV_SPLIT_K
+    if pairs > 8:
+        return 1
+    programs = pairs * -(-w.out_features // _gemv_settings(pairs)[0])
+    steps = -(-w.in_features // (_gemv_words(w) * 32 // w.bits))
+    splits = 1
+    while splits * programs < GEMV_SPLIT_PROGRAMS and splits * 2 <= steps:
+        splits *= 2
+    return splits
+
+
 def _gemv(a: torch.Tensor, w: ExpertWeights, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None,
-          a_row_div: int) -> None:
-    """out[p] = a[p // a_row_div] @ W[ids.flat[p]]ᵀ (× weights.flat[p]); see ``_quant_moe_gemv_kernel``."""
+          a_row_div: int, splits: int = 1, out_row_div: int = 1) -> None:
+    """out[p] = a[p // a_row_div] @ W[ids.flat[p]]ᵀ (× weights.flat[p]); with ``splits`` > 1 added (fp32) into
+    out[p // out_row_div] instead, which must be zeroed; see ``_quant_moe_gemv_kernel``."""
     import triton
 
     n, k = w.out_features, w.in_features
     tensors, strides, consts = _weight_args(w)
-    few = out.shape[0] <= 8
-    block_n = GEMV_BLOCK_N or (16 if few else 64)
-    warps = GEMV_NUM_WARPS or (1 if few else 2)
-    step_sum = (not few) if GEMV_STEP_SUM is None else GEMV_STEP_SUM
-    grid = (out.shape[0], triton.cdiv(n, block_n))
+    pairs = ids.numel()
+    block_n, warps, step_sum = _gemv_settings(pairs)
+    words = _gemv_words(w)
+    step = words * 32 // w.bits
+    k_split = -(-triton.cdiv(k, step) // splits) * step        # whole steps a split
+    grid = (pairs, triton.cdiv(n, block_n), triton.cdiv(k, k_split))
     _jit(_quant_moe_gemv_kernel)[grid](
         a, *tensors, out, ids, weights if weights is not None else out,
-        n, k, a.stride(0), out.stride(0), *strides,
-        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, **consts, BLOCK_N=block_n, WORDS_K=_gemv_words(w),
-        STEP_SUM=step_sum, num_warps=warps, num_stages=GEMV_NUM_STAGES, **pdl.launch_args(a),
+        n, k, k_split, a.stride(0), out.stride(0), *strides,
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, **consts, BLOCK_N=block_n, WORDS_K=words,
+        STEP_SUM=step_sum, ATOMIC=splits > 1, OUT_ROW_DIV=out_row_div, num_warps=warps, num_stages=GEMV_NUM_STAGES,
+        **pdl.launch_args(a),
     )
 
 
@@ -284,11 +326,42 @@ def _gemm(a: torch.Tensor, w: ExpertWeights, c: torch.Tensor, sorted_ids: torch.
     )
 
 
+def _gemvs(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, weights: torch.Tensor, ids: torch.Tensor
+           ) -> torch.Tensor:
+    """The GEMV path. Each projection splits K when ``gemv_splits`` says and a zeroed accumulator can be had (not
+    during a graph capture before any exists): gate/up's sums are then finished (and the accumulator zeroed) by
+    ``silu_and_mul``, down's weighted sums of every slot of a token go into its row, cast once. Unsplit: gate/up
+    into [T·k, 2I] in x's dtype, down times the routing weights into fp32 [T·k, H], the k terms summed after."""
+    t, top_k = ids.shape
+    rows, hidden, inter = ids.numel(), w2.out_features, w2.in_features
+    split13, split2 = gemv_splits(rows, w13), gemv_splits(rows, w2)
+    acc13 = partial_sum.take(x.device, rows * 2 * inter) if split13 > 1 else None
+    split = acc13 is not None
+    if split:
+        h = acc13[:rows * 2 * inter].view(rows, 2 * inter)
+        _gemv(x, w13, h, ids, None, top_k, split13)
+        act = silu_and_mul(PartialSum(h, None, x.dtype))
+    else:
+        h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
+        _gemv(x, w13, h, ids, None, top_k)
+        act = silu_and_mul(h)
+    acc2 = partial_sum.take(x.device, t * hidden) if split2 > 1 else None
+    report.record("quant_moe", f"triton w{w13.bits}a16 gptq gemv" + (" (split k)" if split or acc2 is not None
+                                                                      else ""))
+    if acc2 is not None:
+        out = acc2[:t * hidden].view(t, hidden)
+        _gemv(act, w2, out, ids, weights, 1, split2, top_k)
+        return PartialSum(out, None, x.dtype).finish()
+    y = torch.empty(rows, hidden, dtype=torch.float32, device=x.device)
+    _gemv(act, w2, y, ids, weights, 1)
+    return y.view(t, top_k, hidden).sum(1).to(x.dtype)
+
+
 def quant_experts_triton(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor) -> torch.Tensor:
     """Same contract as ``quant_experts_reference``; no host synchronisation (CUDA-graph capturable). T·k ≤ E
-    (``fused_moe.SMALL_ROWS`` when set): the GEMV into [T·k, 2I], ``silu_and_mul``, the GEMV times the routing
-    weights into fp32 [T·k, H]; larger: ``align_tokens`` and the grouped GEMM the same two ways. Either way the k
+    (``fused_moe.SMALL_ROWS`` when set): the GEMVs (``_gemvs``); larger: ``align_tokens``, the grouped GEMM into
+    [T·k, 2I], ``silu_and_mul``, the grouped GEMM times the routing weights into fp32 [T·k, H]. Either way the k
     terms of a token are summed in fp32 and rounded once."""
     t, top_k = topk_ids.shape
     hidden, inter = w2.out_features, w2.in_features
@@ -298,20 +371,16 @@ def quant_experts_triton(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
         return x.new_empty(0, hidden)
     rows = t * top_k
     weights = topk_weights.reshape(-1).contiguous()   # the kernels read it in its dtype
-    h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(rows, hidden, dtype=torch.float32, device=x.device)
     num_experts = w13.num_experts
     if rows <= (num_experts if fused_moe.SMALL_ROWS is None else fused_moe.SMALL_ROWS):
-        report.record("quant_moe", f"triton w{w13.bits}a16 gptq gemv")
-        ids = topk_ids.contiguous()
-        _gemv(x, w13, h, ids, None, top_k)
-        _gemv(silu_and_mul(h), w2, y, ids, weights, 1)
-    else:
-        report.record("quant_moe", f"triton w{w13.bits}a16 gptq grouped gemm")
-        block_m = _block_m(rows, num_experts)
-        sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, block_m)
-        _gemm(x, w13, h, sorted_ids, block_experts, num_padded, None, top_k, block_m)
-        _gemm(silu_and_mul(h), w2, y, sorted_ids, block_experts, num_padded, weights, 1, block_m)
+        return _gemvs(x, w13, w2, weights, topk_ids.contiguous())
+    report.record("quant_moe", f"triton w{w13.bits}a16 gptq grouped gemm")
+    h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(rows, hidden, dtype=torch.float32, device=x.device)
+    block_m = _block_m(rows, num_experts)
+    sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, block_m)
+    _gemm(x, w13, h, sorted_ids, block_experts, num_padded, None, top_k, block_m)
+    _gemm(silu_and_mul(h), w2, y, sorted_ids, block_experts, num_padded, weights, 1, block_m)
     return y.view(t, top_k, hidden).sum(1).to(x.dtype)
 
 
