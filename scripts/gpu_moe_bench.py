@@ -231,6 +231,7 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("NVLLM_COMMIT", ""),
                  "layers": args.layers}
     out = Path(args.out) / "moe_bench.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     bandwidth = res["bandwidth_bytes_s"] = measure_bandwidth()
     print(f"{res['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     ts = [int(t) for t in args.ts.split(",")]

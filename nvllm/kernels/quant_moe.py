@@ -41,8 +41,9 @@ tl = None  # triton.language, bound by lazy_jit at the first launch
 # of the group size, so that a step reads one row of scales and zeros), GEMV_NUM_WARPS warps, GEMV_NUM_STAGES
 # software-pipeline stages, GEMV_STEP_SUM (sum each step, then scale). From an H100 sweep of 48 settings (PERF.md,
 # run FD), Qwen3-30B-A3B's 4-bit experts: up to 8 (token, slot) pairs 16 columns, 1 warp, scaled codes (T = 1: 27.3
-# µs, against 40.4 for 32 columns, 4 warps); more pairs 64 columns, 2 warps, step sums (T = 4: 59.2 against 138.6
-# µs). None: chosen by the pairs as just said; a number: that setting always (the sweep sets them).
+# µs, against 40.4 for 32 columns, 4 warps) — 32 columns once K is split (below); more pairs 64 columns, 2 warps,
+# step sums (T = 4: 59.2 against 138.6 µs). None: chosen by the pairs as just said; a number: that setting always
+# (the sweep sets them).
 GEMV_BLOCK_N: int | None = None
 GEMV_BLOCK_K = 128
 GEMV_NUM_WARPS: int | None = None
@@ -50,9 +51,10 @@ GEMV_NUM_STAGES = 1
 GEMV_STEP_SUM: bool | None = None
 # Split K: GEMV_SPLIT_K programs share each (pair, column tile), each adding its partial sum into a zeroed fp32
 # accumulator (``partial_sum``) that SiLU·mul (gate/up) or the final cast (down, every slot of a token into its row)
-# finishes. None: chosen by the pairs (GEMV_SPLIT_PROGRAMS programs at least, the splits a power of two); 1: no split.
-GEMV_SPLIT_K: int | None = None
-GEMV_SPLIT_PROGRAMS = 2048
+# finishes; at most one K step a split; 1: no split. From an H100 sweep (PERF.md, run FM): up to 8 pairs, 32 columns
+# a program and 4 splits (T = 1: Qwen3-30B-A3B 21.7 µs, Mixtral 149.6, against 27.3 and 211.6 unsplit with 16
+# columns); more pairs, 4 splits at the settings above (T = 4: 54.5 against 59.9).
+GEMV_SPLIT_K = 4
 NUM_WARPS = 4          # the grouped GEMM's
 
 _jit = lazy_jit
@@ -262,23 +264,13 @@ def _gemv_words(w: ExpertWeights) -> int:
 
 def _gemv_settings(pairs: int) -> tuple[int, int, bool]:
     few = pairs <= 8
-    block_n = GEMV_BLOCK_N or (16 if few else 64)
+    block_n = GEMV_BLOCK_N or ((32 if GEMV_SPLIT_K > 1 else 16) if few else 64)
     return block_n, GEMV_NUM_WARPS or (1 if few else 2), (not few) if GEMV_STEP_SUM is None else GEMV_STEP_SUM
 
 
-def gemv_splits(pairs: int, w: ExpertWeights) -> int:
-    """K splits of the GEMV for ``pairs`` (token, slot) pairs: GEMV_SPLIT_K, else the power of two that gives at
-    least GEMV_SPLIT_PROGRAMS programs (1 beyond 8 pairs), at most one K step a split."""
-    if GEMV_SPLIT_K is not None:
-        return GEMV_SPLIT_K
-    if pairs > 8:
-        return 1
-    programs = pairs * -(-w.out_features // _gemv_settings(pairs)[0])
-    steps = -(-w.in_features // (_gemv_words(w) * 32 // w.bits))
-    splits = 1
-    while splits * programs < GEMV_SPLIT_PROGRAMS and splits * 2 <= steps:
-        splits *= 2
-    return splits
+def gemv_splits(w: ExpertWeights) -> int:
+    """K splits of the GEMV: GEMV_SPLIT_K, at most one K step a split."""
+    return max(1, min(GEMV_SPLIT_K, -(-w.in_features // (_gemv_words(w) * 32 // w.bits))))
 
 
 def _gemv(a: torch.Tensor, w: ExpertWeights, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None,
@@ -334,7 +326,7 @@ def _gemvs(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, weights: torc
     into [T·k, 2I] in x's dtype, down times the routing weights into fp32 [T·k, H], the k terms summed after."""
     t, top_k = ids.shape
     rows, hidden, inter = ids.numel(), w2.out_features, w2.in_features
-    split13, split2 = gemv_splits(rows, w13), gemv_splits(rows, w2)
+    split13, split2 = gemv_splits(w13), gemv_splits(w2)
     acc13 = partial_sum.take(x.device, rows * 2 * inter) if split13 > 1 else None
     split = acc13 is not None
     if split:
