@@ -170,19 +170,30 @@ def test_unreached_experts_are_rounded_to_nearest(tmp_path, sources):
                                r[f"model.layers.1.mlp.experts.{reached}.{p}.qweight"])
 
 
-@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
 def test_experts_the_scheme_cannot_pack_stay_dense(tmp_path, fmt):
     """Experts of 40 (no group of 32 divides down's input) stay in full precision, attention is quantized; the
-    config excludes them by the rule its readers use, so the checkpoint serves from its weights and from dummy ones."""
+    config excludes them by the rule its readers use (compressed-tensors: the library's own matcher), so the
+    checkpoint serves from its weights and from dummy ones."""
     src = build_tiny_model("qwen3-moe", tmp_path / "src")
-    summary = quantize(src, tmp_path / "q", method="gptq" if fmt == "gptq" else "awq")
+    summary = quantize(src, tmp_path / "q", method="awq" if fmt == "awq" else "gptq",
+                       **({"checkpoint_format": fmt} if fmt == "compressed-tensors" else {}))
     assert summary.kept == {"mlp.experts": "group size 32 does not divide its input size 40"}
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert (qc["modules_to_not_convert"] == ["mlp.experts"]) if fmt == "awq" else \
-        (list(qc["dynamic"]) == [r"-:.*\.(mlp\.experts(\.\d+\.\w+)?)$"] and "modules_in_block_to_quantize" not in qc)
     tensors = load_file(tmp_path / "q" / "model.safetensors")
+    if fmt == "compressed-tensors":
+        pytest.importorskip("compressed_tensors")
+        from compressed_tensors.utils.match import match_name
+
+        modules = {k.rsplit(".", 1)[0] for k in tensors if k.endswith("weight") and ".layers.1." in k}
+        ignored = {m for m in modules if any(match_name(m, t) for t in qc["ignore"])}
+        assert ignored == {m for m in modules if ".mlp." in m}     # every expert and the router
+    else:
+        assert (qc["modules_to_not_convert"] == ["mlp.experts"]) if fmt == "awq" else (
+            list(qc["dynamic"]) == [r"-:.*\.(mlp\.experts(\.\d+\.\w+)?)$"] and "modules_in_block_to_quantize" not in qc)
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in tensors
-    assert "model.layers.1.self_attn.q_proj.qweight" in tensors
+    assert any(k.startswith("model.layers.1.self_attn.q_proj.") and k.endswith(("qweight", "weight_packed"))
+               for k in tensors)
     model = load_nvllm_model(tmp_path / "q")
     assert type(model.layers[1].moe.experts).__name__ == "Experts"
     assert type(model.layers[1].qkv_proj).__name__ == "QuantLinear"
