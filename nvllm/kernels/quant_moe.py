@@ -268,9 +268,15 @@ def _gemv_settings(pairs: int) -> tuple[int, int, bool]:
     return block_n, GEMV_NUM_WARPS or (1 if few else 2), (not few) if GEMV_STEP_SUM is None else GEMV_STEP_SUM
 
 
+def _gemv_steps(w: ExpertWeights) -> tuple[int, int]:
+    """(word rows a K step, K steps over the projection's inputs)."""
+    words = _gemv_words(w)
+    return words, -(-w.in_features // (words * 32 // w.bits))
+
+
 def gemv_splits(w: ExpertWeights) -> int:
     """K splits of the GEMV: GEMV_SPLIT_K, at most one K step a split."""
-    return max(1, min(GEMV_SPLIT_K, -(-w.in_features // (_gemv_words(w) * 32 // w.bits))))
+    return max(1, min(GEMV_SPLIT_K, _gemv_steps(w)[1]))
 
 
 def _gemv(a: torch.Tensor, w: ExpertWeights, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None,
@@ -283,9 +289,8 @@ def _gemv(a: torch.Tensor, w: ExpertWeights, out: torch.Tensor, ids: torch.Tenso
     tensors, strides, consts = _weight_args(w)
     pairs = ids.numel()
     block_n, warps, step_sum = _gemv_settings(pairs)
-    words = _gemv_words(w)
-    step = words * 32 // w.bits
-    k_split = -(-triton.cdiv(k, step) // splits) * step        # whole steps a split
+    words, steps = _gemv_steps(w)
+    k_split = -(-steps // splits) * (words * 32 // w.bits)     # whole steps a split
     grid = (pairs, triton.cdiv(n, block_n), triton.cdiv(k, k_split))
     _jit(_quant_moe_gemv_kernel)[grid](
         a, *tensors, out, ids, weights if weights is not None else out,
