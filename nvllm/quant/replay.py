@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from nvllm.kernels.activation import silu_and_mul
+from nvllm.kernels.fused_moe import fused_experts_reference
 from nvllm.kernels.moe_routing import route
 
 Tap = Callable[[str, torch.Tensor], None]
@@ -93,33 +94,24 @@ def moe_forward(moe, h: torch.Tensor, tap: Tap | None = None, stop_after: str | 
     None when ``stop_after`` ends the pass."""
     m, experts = moe.m, moe.experts
     weights, ids = route(moe.gate(h), m.top_k, m.renormalize, m.weights_in_dtype)
-    flat = ids.reshape(-1)
-    routed = [(e, (flat == e).nonzero().squeeze(1)) for e in range(m.num_experts)]
-    routed = [(e, rows // m.top_k, rows % m.top_k) for e, rows in routed if rows.numel()]
     shared = moe.shared_expert
-    for stage in ("gate_up_proj", "down_proj"):
-        if tap is None:
-            break
-        for e, tok, _ in routed:
-            x = h[tok]
-            tap(f"moe.experts.{e}.{stage}", x if stage == "gate_up_proj" else _expert_act(experts, e, x))
-        if shared is not None:
-            x = h if stage == "gate_up_proj" else shared.gate_up_proj.silu_and_mul(h)
-            tap(f"moe.shared_expert.{stage}", x)
-        if stage == stop_after:
-            return None
-    terms = torch.zeros(*ids.shape, h.shape[1], dtype=torch.float32, device=h.device)
-    for e, tok, slot in routed:
-        y = F.linear(_expert_act(experts, e, h[tok]), experts.w2[e])
-        terms[tok, slot] = y.float() * weights[tok, slot].float()[:, None]
-    out = terms.sum(1).to(h.dtype)
+    if tap is not None:
+        flat = ids.reshape(-1)
+        routed = [(e, (flat == e).nonzero().squeeze(1) // m.top_k) for e in range(m.num_experts)]
+        for stage in ("gate_up_proj", "down_proj"):
+            for e, tok in routed:
+                if tok.numel():
+                    x = h[tok]
+                    act = x if stage == "gate_up_proj" else silu_and_mul(F.linear(x, experts.w13[e]))
+                    tap(f"moe.experts.{e}.{stage}", act)
+            if shared is not None:
+                tap(f"moe.shared_expert.{stage}", h if stage == "gate_up_proj" else shared.gate_up_proj.silu_and_mul(h))
+            if stage == stop_after:
+                return None
+    out = fused_experts_reference(h, experts.w13, experts.w2, weights, ids)
     if shared is not None:
         out = out + torch.sigmoid(moe.shared_expert_gate(h)) * shared(h)
     return out
-
-
-def _expert_act(experts, e: int, x: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul(F.linear(x, experts.w13[e]))
 
 
 @torch.no_grad()
