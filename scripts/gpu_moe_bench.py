@@ -2,7 +2,7 @@
 weights, load_format dummy) against HF transformers on the same shapes, in one call.
 
     python3 scripts/gpu_moe_bench.py [--layers 48] [--ts 1,8,64,512,4096] [--skip-hf] [--skip-engine] [--gptq]
-        [--sweep]
+        [--sweep] [--align-compare]
 
 1. ``fused_experts`` (Triton) against its torch reference (the per-expert loop transformers runs) at the expert shapes
    of Qwen3-30B-A3B (128 experts of 2048 → 768, 8 a token) and Mixtral-8x7B (8 of 4096 → 14336, 2 a token), random
@@ -15,6 +15,10 @@ weights, load_format dummy) against HF transformers on the same shapes, in one c
    (attention, router, 8 experts a layer, LM head) over the copy bandwidth. HF transformers eager (``generate``) on
    the same shapes gives its TPOT and its forward time for prompts of the same lengths; the greedy tokens of the two
    are not compared (random weights in two layouts).
+
+``--align-compare``: ``align_tokens`` (grouping the pairs by expert for the grouped GEMMs) in torch and in Triton at
+``--ts`` (the same bits checked, µs a call in a CUDA graph), and in step 2 the bf16 engine first with the torch
+version patched in, then as shipped.
 
 ``--gptq``: also the 4-bit experts (GPTQ g128, ``nvllm.kernels.quant_moe``) in step 1, checked against their torch
 reference, and in step 2 the engine on the same shapes with a GPTQ 4-bit g128 config (every decoder linear and
@@ -44,7 +48,9 @@ import torch  # noqa: E402
 
 from gpu_bench import decode_step_ms, measure_bandwidth  # noqa: E402
 from hf_baselines import hf_baseline  # noqa: E402
+from nvllm.kernels import fused_moe as FM  # noqa: E402
 from nvllm.kernels.fused_moe import fused_experts, fused_experts_reference  # noqa: E402
+from nvllm.kernels.moe_align import align_tokens_reference, align_tokens_triton  # noqa: E402
 from nvllm.kernels.moe_routing import route  # noqa: E402
 from nvllm.kernels import quant_moe as QM  # noqa: E402
 from nvllm.quant.formats import quantize_to_gptq  # noqa: E402
@@ -105,6 +111,25 @@ def kernel_runs(res: dict, ts: list[int], bandwidth: float) -> None:
                   + (f", reference {row['reference_us']:.1f} µs" if "reference_us" in row else ""), flush=True)
         w13 = w2 = None   # freed before the next shape
         torch.cuda.empty_cache()
+
+
+def align_runs(res: dict, ts: list[int]) -> None:
+    """``align_tokens`` in torch and in Triton on the same routing: equal outputs, µs a call in a CUDA graph."""
+    for name, (e, k, _, _) in SHAPES.items():
+        for t in ts:
+            gen = torch.Generator("cuda").manual_seed(t)
+            _, ids = route(torch.randn(t, e, device="cuda", generator=gen), k, True, True)
+            block_m = FM._block_m(t * k, e)
+            ref = align_tokens_reference(ids, e, block_m)
+            got = align_tokens_triton(ids, e, block_m)
+            same = all(torch.equal(a, b) for a, b in zip(ref, got))
+            row = {"t": t, "block_m": block_m, "same": same,
+                   "torch_us": graph_us(lambda: align_tokens_reference(ids, e, block_m)),
+                   "triton_us": graph_us(lambda: align_tokens_triton(ids, e, block_m))}
+            res.setdefault("align", {}).setdefault(name, []).append(row)
+            print(f"align {name} T={t} (block_m {block_m}): same bits {same}, torch {row['torch_us']:.1f} µs, "
+                  f"triton {row['triton_us']:.1f} µs", flush=True)
+            assert same, f"align_tokens: Triton differs from torch at {name} T={t}"
 
 
 def gptq_experts(w: torch.Tensor, group: int = 128) -> QM.ExpertWeights:
@@ -225,6 +250,7 @@ def main() -> None:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--gptq", action="store_true", help="also 4-bit GPTQ experts and engine")
     ap.add_argument("--sweep", action="store_true", help="the 4-bit GEMV's block sizes (with --gptq)")
+    ap.add_argument("--align-compare", action="store_true", help="align_tokens in torch against Triton")
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -238,9 +264,16 @@ def main() -> None:
     kernel_runs(res, ts, bandwidth)
     if args.gptq:
         quant_kernel_runs(res, ts, bandwidth, args.sweep)
+    if args.align_compare:
+        align_runs(res, ts)
     out.write_text(json.dumps(res, indent=1))
     d = model_dir(args.layers, Path(args.tokenizer_dir))
     if not args.skip_engine:
+        if args.align_compare:   # the engine's graphs capture whichever align_tokens the ops call
+            shipped = FM.align_tokens
+            FM.align_tokens = QM.align_tokens = align_tokens_reference
+            engine_runs(res, d, bandwidth, "nvllm_torch_align")
+            FM.align_tokens = QM.align_tokens = shipped
         engine_runs(res, d, bandwidth)
         out.write_text(json.dumps(res, indent=1))
         if args.gptq:

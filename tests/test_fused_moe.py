@@ -1,4 +1,4 @@
-"""The Triton fused MoE (``align_tokens`` and the grouped GEMM of larger batches, the GEMVs of decode-sized ones)
+"""The Triton fused MoE (the grouped GEMM of larger batches, the GEMVs of decode-sized ones)
 against its torch reference, on the CPU under the Triton interpreter. Tests that name a path force it by setting
 ``SMALL_ROWS`` (the T·k up to which the GEMVs run; by default T·k ≤ E) and check, by counting the host wrappers'
 calls, that it ran.
@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 
 from nvllm.kernels import fused_moe, report  # noqa: E402
 from nvllm.kernels.fused_moe import (  # noqa: E402
-    align_tokens, fused_experts, fused_experts_reference, fused_experts_triton)
+    fused_experts, fused_experts_reference, fused_experts_triton)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2 ** -8, torch.bfloat16: 2 ** -5}
 
@@ -36,56 +36,6 @@ def _problem(t, e, k, hidden, inter, dtype, ids=None, seed=0):
     ids = ids.to(torch.int32).reshape(t, k)
     weights = torch.softmax(torch.randn(t, k, generator=g), dim=-1)
     return x, w13, w2, weights, ids
-
-
-def _check_align(topk_ids, num_experts, block_m):
-    sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, block_m)
-    t, k = topk_ids.shape
-    n = t * k
-    max_padded = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
-    assert sorted_ids.dtype == block_experts.dtype == num_padded.dtype == torch.int32
-    assert sorted_ids.shape == (max_padded,) and block_experts.shape == (max_padded // block_m,)
-    assert num_padded.shape == (1,)
-    flat = topk_ids.reshape(-1).tolist()
-    ids = sorted_ids.tolist()
-    total = int(num_padded[0])
-    assert total % block_m == 0 and all(i == n for i in ids[total:])
-    real = [i for i in ids[:total] if i != n]
-    assert sorted(real) == list(range(n))  # every (t, j) exactly once
-    # walk the groups: per expert in order, its pairs in flat order, then sentinels up to a block boundary
-    pos = 0
-    for e in range(num_experts):
-        mine = [i for i in range(n) if flat[i] == e]
-        padded = -(-len(mine) // block_m) * block_m
-        assert ids[pos:pos + len(mine)] == mine
-        assert all(i == n for i in ids[pos + len(mine):pos + padded])
-        assert block_experts[pos // block_m:(pos + padded) // block_m].tolist() == [e] * (padded // block_m)
-        pos += padded
-    assert pos == total
-    assert all(b == -1 for b in block_experts[total // block_m:].tolist())
-
-
-@pytest.mark.parametrize("t, e, k, block_m", [(5, 4, 2, 16), (1, 8, 1, 16), (7, 3, 3, 4), (0, 2, 1, 16)])
-def test_align_tokens(t, e, k, block_m):
-    g = torch.Generator().manual_seed(t + e)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
-    _check_align(ids.long(), e, block_m)
-
-
-def test_align_tokens_idle_and_full_experts():
-    """Experts 0, 2 and 5 get nothing; 1 gets every token (a group of several blocks), 3 and 4 some."""
-    ids = torch.tensor([[1, 3], [1, 4], [4, 1], [1, 3], [3, 1]] * 4, dtype=torch.int32)
-    _check_align(ids, 6, 4)
-    _check_align(ids, 6, 16)
-    _check_align(torch.ones(9, 1, dtype=torch.int64), 3, 4)  # exactly whole blocks, for one expert
-
-
-def test_align_tokens_sizes_depend_only_on_shape():
-    """Output sizes follow from (T·k, E, block_m), never from the routing: nothing to read back to the host."""
-    a = align_tokens(torch.zeros(6, 2, dtype=torch.int32), 5, 16)
-    b = align_tokens(torch.arange(12, dtype=torch.int32).reshape(6, 2) % 5, 5, 16)
-    c = align_tokens(torch.zeros(3, 4, dtype=torch.int32), 5, 16)
-    assert [x.shape for x in a] == [x.shape for x in b] == [x.shape for x in c]
 
 
 CASES = [  # (T, E, k, H, I)

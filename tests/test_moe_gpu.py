@@ -1,7 +1,7 @@
 """Mixtures of experts on a GPU (skipped elsewhere; run there with ``TRITON_INTERPRET=0``): the compiled fused experts
-op against its reference at the published expert shapes, and tiny Qwen3-MoE / Qwen2-MoE / Mixtral models through the
-engine — fp32 against HF transformers' forward and greedy tokens, bf16 with CUDA graphs against the same engine
-run eagerly, with the kernel report naming the Triton op."""
+op and the pairs' grouping by expert against their references at the published expert shapes, and tiny Qwen3-MoE /
+Qwen2-MoE / Mixtral models through the engine — fp32 against HF transformers' forward and greedy tokens, bf16 with
+CUDA graphs against the same engine run eagerly, with the kernel report naming the Triton op."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 from nvllm import SamplingParams  # noqa: E402
 from nvllm.kernels import report  # noqa: E402
 from nvllm.kernels.fused_moe import fused_experts, fused_experts_reference  # noqa: E402
+from nvllm.kernels.moe_align import align_tokens_reference, align_tokens_triton  # noqa: E402
 from nvllm.kernels.moe_routing import route, route_reference, route_triton  # noqa: E402
 from tests.conftest import build_tiny_model, make_llm  # noqa: E402
 from tests.test_engine_vs_hf import PROMPT, check_against_hf  # noqa: E402
@@ -55,6 +56,16 @@ def test_routing_kernel_equals_the_reference(e, k, dtype):
     if dtype == torch.float32:
         assert torch.equal(got_ids.long(), want_ids)
     torch.testing.assert_close(got_w, want_w, rtol=2 ** -8, atol=2 ** -8)
+
+
+@pytest.mark.parametrize("e, k", [(128, 8), (8, 2), (60, 4)])
+@pytest.mark.parametrize("t, block_m", [(33, 16), (700, 64), (4096, 128)])
+def test_align_kernel_equals_the_reference(e, k, t, block_m):
+    """The pairs grouped by expert: the compiled kernel's bits against the stable sort's, one program to several."""
+    gen = torch.Generator("cuda").manual_seed(t + e)
+    _, ids = route(torch.randn(t, e, device="cuda", generator=gen), k, True, True)
+    for got, want in zip(align_tokens_triton(ids, e, block_m), align_tokens_reference(ids, e, block_m)):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("kind", list(MOE))

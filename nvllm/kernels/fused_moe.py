@@ -12,7 +12,7 @@ the k terms of a token are summed in fp32 in slot order, rounded once.
 This file holds the op's three parts: the torch reference, the Triton kernels and the dispatch. The Triton part
 has two paths, chosen from T·k (a host int, so no synchronisation): up to E (token, slot) pairs (decode) two
 GEMV kernels read each pair's expert straight from ``topk_ids``, the down one summing a token's k
-terms in place; larger batches sort the pairs by expert (``align_tokens``) and run a grouped GEMM twice.
+terms in place; larger batches sort the pairs by expert (``moe_align``) and run a grouped GEMM twice.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from nvllm.kernels import pdl, report
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.backend import interpreting, use_triton
 from nvllm.kernels.jit import lazy_jit
+from nvllm.kernels.moe_align import align_tokens
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
 
@@ -79,35 +80,6 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------------- Triton
-
-
-def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The T·k (token, slot) pairs of ``topk_ids [T, k]``, as flat ids ``t·k + j``, grouped by expert (experts in
-    order, tokens in order within one) and each group padded with the sentinel ``T·k`` to a multiple of
-    ``block_m`` → ``(sorted_ids int32 [max_padded], block_experts int32 [max_padded // block_m],
-    num_padded int32 [1])``. ``block_experts[b]``: the expert of rows ``[b·block_m, (b+1)·block_m)``, -1 for
-    blocks at or past ``num_padded``. ``max_padded = T·k + E·(block_m − 1)`` rounded up to ``block_m``.
-
-    Free of host synchronisation (it runs inside CUDA graph capture): every output size follows from
-    (T·k, E, block_m) alone."""
-    flat = topk_ids.reshape(-1).long()
-    n = flat.numel()
-    dev = flat.device
-    max_padded = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = padded.cumsum(0)
-    pad_start = pad_end - padded
-    count_start = counts.cumsum(0) - counts
-    experts, order = torch.sort(flat, stable=True)
-    dest = pad_start[experts] + torch.arange(n, device=dev) - count_start[experts]  # group start + rank in it
-    sorted_ids = torch.full((max_padded,), n, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    starts = torch.arange(0, max_padded, block_m, device=dev)
-    block_experts = torch.searchsorted(pad_end, starts, right=True)  # experts whose group ends at or before
-    block_experts = block_experts.masked_fill_(starts >= pad_end[-1], -1).to(torch.int32)
-    return sorted_ids, block_experts, pad_end[-1:].to(torch.int32)
 
 
 def _block_rows(sorted_ids_ptr, block_experts_ptr, pid_b, num_valid, BLOCK_M: tl.constexpr):
