@@ -74,16 +74,18 @@ def test_align_tokens_sizes_depend_only_on_shape(align):
     assert [x.shape for x in a] == [x.shape for x in b] == [x.shape for x in c]
 
 
-@pytest.mark.parametrize("t, e, k, block_m, chunk, one_hot", [
-    pytest.param(37, 6, 2, 4, 16, 64, id="5-programs"),          # chunks of 16 pairs, the last one partial
-    pytest.param(50, 60, 4, 16, 32, 1024, id="Qwen2-MoE-experts"),  # 60 experts: a padded histogram, 7 programs
-    pytest.param(40, 8, 2, 8, 16, 16, id="sub-tiles"),           # one-hot tiles of 16 pairs (less than a chunk)
+@pytest.mark.parametrize("t, e, k, block_m, chunk, sub, blocks", [
+    pytest.param(37, 6, 2, 4, 16, 8, 16, id="5-programs"),        # chunks of 16 pairs, the last one partial
+    pytest.param(50, 60, 4, 16, 32, 16, 16, id="Qwen2-MoE-experts"),  # 60 experts: a padded histogram, 7 programs
+    pytest.param(40, 8, 2, 8, 64, 4, 2, id="blocks-shared"),      # one chunk; 2 blocks a program, 10 programs
 ])
-def test_triton_chunks_equal_the_reference(monkeypatch, t, e, k, block_m, chunk, one_hot):
-    """Several programs (small chunks forced): each counts the chunks before its own; the bits equal the stable
-    sort's, with skewed routing so that groups cross chunk and block boundaries."""
+def test_triton_chunks_equal_the_reference(monkeypatch, t, e, k, block_m, chunk, sub, blocks):
+    """Several programs (small chunks, tiles and block shares forced): each counts the chunks before its own and
+    writes the sentinels of its blocks; the bits equal the stable sort's, with skewed routing so that groups cross
+    chunk, tile and block boundaries."""
     monkeypatch.setattr(moe_align, "CHUNK", chunk)
-    monkeypatch.setattr(moe_align, "ONE_HOT", one_hot)
+    monkeypatch.setattr(moe_align, "SUB", sub)
+    monkeypatch.setattr(moe_align, "BLOCKS", blocks)
     ids = _routing(t, e, k, 7)
     ids[::3, 0] = 1                                  # expert 1 in a third of the tokens
     out = _check_align(align_tokens_triton, ids.to(torch.int32), e, block_m)

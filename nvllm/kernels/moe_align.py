@@ -9,14 +9,15 @@ rounded up to ``block_m``. Every output size follows from (T·k, E, block_m) alo
 host and the op runs inside CUDA graph capture. The grouped GEMMs (``fused_moe``, ``quant_moe``) read it.
 
 In torch this is a sort, two scatters, two cumulative sums, a search and a dozen element-wise kernels: about 30
-launches, 79–133 µs of a call in a CUDA graph at 512–2048 tokens on an H100 (PERF.md, run EY), on every layer of a
-prefill and of every decode step past E/k tokens. The Triton kernel is one launch after the sentinel fill.
-Program c owns pairs [c·CHUNK, (c+1)·CHUNK): it counts every expert's pairs (``tl.histogram``), in all chunks and in
-the chunks before its own, forms the padded groups' starts by a cumulative sum, and places its pairs in order:
-a pair's row is its expert's group start, plus the pairs of that expert in earlier chunks, plus its rank among the
-same expert's pairs earlier in its chunk (a cumulative sum of one-hot rows, SUB pairs at a time). The rows are those
-of the stable sort, so both implementations give the same bits. The programs share out the ``block_experts``
-entries; program 0 writes ``num_padded``.
+launches, 71–138 µs a call in a CUDA graph at 32–8192 tokens on an H100 (PERF.md, session 39), on every layer of a
+prefill and of every decode step past E/k tokens. The Triton kernel is one launch. Program c owns pairs
+[c·CHUNK, (c+1)·CHUNK): it counts every expert's pairs (``tl.histogram``), in all chunks and in the chunks before its
+own, forms the padded groups' starts by a cumulative sum, and places its pairs in order: a pair's row is its
+expert's group start, plus the pairs of that expert in earlier chunks and earlier tiles of its chunk, plus its rank
+among the same expert's pairs earlier in its tile (SUB pairs compared with each other). The rows are those of the
+stable sort, so both implementations give the same bits. The programs share out the blocks: each block's expert,
+and the sentinels in the rows its group's pairs leave free; program 0 writes ``num_padded``. (A one-hot cumulative
+sum for the ranks and a separate sentinel fill were 1.3–3.6× slower at 128 experts, run FP.)
 
 This file holds the op's three parts: the torch reference, the Triton kernel and the dispatch.
 """
@@ -32,8 +33,8 @@ from nvllm.kernels.jit import lazy_jit
 tl = None  # triton.language, bound by lazy_jit at the first launch
 
 CHUNK = 1024          # pairs a program places (and counts at a time)
-ONE_HOT = 8192        # most elements of a one-hot tile: SUB = ONE_HOT / (experts, a power of two), 16 to CHUNK
-BLOCKS = 64           # block_experts entries a program writes at a time
+SUB = 32              # pairs ranked at a time (a [SUB, SUB] comparison)
+BLOCKS = 16           # blocks of rows a program finishes at a time
 
 
 def padded_size(pairs: int, num_experts: int, block_m: int) -> int:
@@ -73,11 +74,12 @@ def _align_kernel(
     ids_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
     n, num_experts, block_m, num_blocks,
     E_PAD: tl.constexpr,                      # next power of two ≥ num_experts
+    BM: tl.constexpr,                         # next power of two ≥ block_m
     CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCKS: tl.constexpr,
     PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
 ):
-    """Program c: the module doc's steps for its chunk of pairs, then its share of ``block_experts``. Sentinels are
-    already in ``sorted_ptr``; only the rows of real pairs are written."""
+    """Program c: the module doc's steps for its chunk of pairs (none past the last chunk), then its share of the
+    blocks: their experts, and the sentinels of their rows that no pair takes."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -94,22 +96,30 @@ def _align_kernel(
         before += tl.where(p0 < start, h, 0)
     padded = (total + block_m - 1) // block_m * block_m
     pad_end = tl.cumsum(padded, 0)
-    base = pad_end - padded + before          # where this chunk's first pair of each expert goes
+    pad_start = pad_end - padded
+    base = pad_start + before                 # where this chunk's next pair of each expert goes
+    i = tl.arange(0, SUB)
     for s0 in range(start, tl.minimum(start + CHUNK, n), SUB):
-        offs = s0 + tl.arange(0, SUB)
+        offs = s0 + i
         ok = offs < n
         x = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
-        hot = (x[:, None] == e[None, :]).to(tl.int32)                      # [SUB, E_PAD]
-        rank = tl.sum(tl.cumsum(hot, 0) * hot, 1) - 1                      # earlier pairs of its expert in the tile
-        tl.store(sorted_ptr + tl.sum(hot * base[None, :], 1) + rank, offs, mask=ok)
-        base += tl.sum(hot, 0)
+        rank = tl.sum(((x[:, None] == x[None, :]) & (i[None, :] < i[:, None])).to(tl.int32), 1)   # same expert,
+        tl.store(sorted_ptr + tl.gather(base, x, 0) + rank, offs, mask=ok)                          # earlier in tile
+        base += tl.histogram(x, E_PAD)      # pairs past n (as expert 0) only in the last tile: never read
     used = tl.sum(padded, 0)
     live = e < num_experts
+    r = tl.arange(0, BM)
     for b0 in range(c * BLOCKS, num_blocks, tl.num_programs(0) * BLOCKS):
         b = b0 + tl.arange(0, BLOCKS)
         row = b * block_m
         ended = tl.sum(((pad_end[None, :] <= row[:, None]) & live[None, :]).to(tl.int32), 1)   # groups before it
         tl.store(block_experts_ptr + b, tl.where(row >= used, -1, ended), mask=b < num_blocks)
+        expert = tl.minimum(ended, num_experts - 1)
+        pos = row[:, None] + r[None, :]
+        sentinel = (row[:, None] >= used) | (pos - tl.gather(pad_start, expert, 0)[:, None]
+                                             >= tl.gather(total, expert, 0)[:, None])   # past its group's pairs
+        tl.store(sorted_ptr + pos, tl.full((BLOCKS, BM), 0, tl.int32) + n,
+                 mask=sentinel & (r < block_m)[None, :] & (b < num_blocks)[:, None])
     if c == 0:
         tl.store(num_padded_ptr + tl.arange(0, 1), tl.full((1,), 0, tl.int32) + used)
 
@@ -119,8 +129,8 @@ _align_kernel.do_not_specialize = ("n", "num_blocks")   # vary with the batch (s
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as ``align_tokens_reference``: a fill of the sentinels, then one launch of ``max(1, T·k /
-    CHUNK)`` programs."""
+    """Same contract as ``align_tokens_reference``: one launch of enough programs for the chunks of pairs and for the
+    blocks, ``BLOCKS`` a program."""
     import triton
 
     flat = topk_ids.reshape(-1)
@@ -128,14 +138,14 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     n = flat.numel()
     dev = flat.device
     max_padded = padded_size(n, num_experts, block_m)
-    sorted_ids = torch.full((max_padded,), n, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    e_pad = triton.next_power_of_2(num_experts)
-    lazy_jit(_align_kernel)[(max(1, triton.cdiv(n, CHUNK)),)](
+    grid = max(1, triton.cdiv(n, CHUNK), triton.cdiv(block_experts.numel(), BLOCKS))
+    lazy_jit(_align_kernel)[(grid,)](
         flat, sorted_ids, block_experts, num_padded, n, num_experts, block_m, block_experts.numel(),
-        E_PAD=e_pad, CHUNK=CHUNK, SUB=min(CHUNK, max(16, ONE_HOT // e_pad)), BLOCKS=BLOCKS,
-        num_warps=4, **pdl.launch_args(flat),
+        E_PAD=triton.next_power_of_2(num_experts), BM=triton.next_power_of_2(block_m), CHUNK=CHUNK, SUB=SUB,
+        BLOCKS=BLOCKS, num_warps=4, **pdl.launch_args(flat),
     )
     return sorted_ids, block_experts, num_padded
 
