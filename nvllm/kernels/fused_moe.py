@@ -12,7 +12,8 @@ the k terms of a token are summed in fp32 in slot order, rounded once.
 This file holds the op's three parts: the torch reference, the Triton kernels and the dispatch. The Triton part
 has two paths, chosen from T·k (a host int, so no synchronisation): up to E (token, slot) pairs (decode) two
 GEMV kernels read each pair's expert straight from ``topk_ids``, the down one summing a token's k
-terms in place; larger batches sort the pairs by expert (``moe_align``) and run a grouped GEMM twice.
+terms in place; larger batches sort the pairs by expert (``moe_align``), run a grouped GEMM twice and weight and sum
+each token's k terms (``moe_sum``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.backend import interpreting, use_triton
 from nvllm.kernels.jit import lazy_jit
 from nvllm.kernels.moe_align import align_tokens
+from nvllm.kernels.moe_sum import sum_slots
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
 
@@ -90,20 +92,19 @@ def _block_rows(sorted_ids_ptr, block_experts_ptr, pid_b, num_valid, BLOCK_M: tl
 
 
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr, weights_ptr,
+    a_ptr, w_ptr, c_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr,
     N, K,                                     # C's columns, the reduction length
     num_valid,                                # T·k: the sentinel, and the rows of C
     stride_am, stride_we, stride_wn, stride_cm,   # A [*, K], W [E, N, K], C [T·k, N] (last strides 1)
     TOP_K: tl.constexpr,                      # A's row of sorted row r: r // TOP_K (1: A has C's rows)
-    MUL_WEIGHT: tl.constexpr,                 # C = product rounded to A's dtype · weights[r], in fp32
     UPCAST: tl.constexpr,                     # interpreter + 16-bit: feed tl.dot fp32 copies (gemm's note)
     DOT_PRECISION: tl.constexpr,              # "ieee" for fp32 inputs
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
 ):
     """Program (b, n): C[r, n·BLOCK_N : (n+1)·BLOCK_N] = A[r // TOP_K] @ W[e]ᵀ for the rows r of sorted block
-    b (sentinels skipped), e = block_experts[b]; fp32 accumulation, stored rounded to A's dtype (``MUL_WEIGHT``:
-    then times the routing weight, in fp32). Blocks at or past num_padded[0] return at once."""
+    b (sentinels skipped), e = block_experts[b]; fp32 accumulation, stored rounded to A's dtype (F.linear's
+    rounding). Blocks at or past num_padded[0] return at once."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -128,10 +129,7 @@ def _moe_gemm_kernel(
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    out = acc.to(a_ptr.dtype.element_ty)    # F.linear's rounding
-    if MUL_WEIGHT:
-        out = out.to(tl.float32) * tl.load(weights_ptr + rows, mask=mask_m, other=0.0)[:, None]
-    tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty),
+    tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -155,9 +153,8 @@ def gemm_tiles(block_m: int, n: int, k: int) -> dict:
 
 
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor,
-              block_experts: torch.Tensor, num_padded: torch.Tensor, weights: torch.Tensor | None,
-              top_k: int, block_m: int) -> None:
-    """C[r] = A[r // top_k] @ W[e]ᵀ (module doc's rounding) over the sorted rows; see ``_moe_gemm_kernel``."""
+              block_experts: torch.Tensor, num_padded: torch.Tensor, top_k: int, block_m: int) -> None:
+    """C[r] = A[r // top_k] @ W[e]ᵀ (C in A's dtype) over the sorted rows; see ``_moe_gemm_kernel``."""
     import triton
 
     n, k = w.shape[1], w.shape[2]
@@ -165,10 +162,10 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: tor
     sixteen_bit = a.dtype in (torch.float16, torch.bfloat16)
     grid = (block_experts.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
     _jit(_moe_gemm_kernel)[grid](
-        a, w, c, sorted_ids, block_experts, num_padded, weights if weights is not None else c,
+        a, w, c, sorted_ids, block_experts, num_padded,
         n, k, c.shape[0],
         a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        TOP_K=top_k, MUL_WEIGHT=weights is not None,
+        TOP_K=top_k,
         UPCAST=sixteen_bit and interpreting(), DOT_PRECISION="tf32" if sixteen_bit else "ieee",
         BLOCK_M=block_m, **tiles, **pdl.launch_args(a),
     )
@@ -304,7 +301,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
       ``_moe_gemv_down`` straight into [T, H], the weighted sum of each token's k terms done in the kernel. Three
       launches, no sort.
     - larger: ``align_tokens``, the grouped GEMM over w13 into [T·k, 2I] (x's dtype), ``silu_and_mul``, the
-      grouped GEMM over w2 times the routing weights into fp32 [T·k, H], the k terms of each token summed."""
+      grouped GEMM over w2 into [T·k, H] (x's dtype), then ``moe_sum.sum_slots``: each token's k terms weighted and
+      summed."""
     t, top_k = topk_ids.shape
     num_experts, hidden, inter = w2.shape
     assert x.shape == (t, hidden) and w13.shape == (num_experts, 2 * inter, hidden), (x.shape, w13.shape, w2.shape)
@@ -324,12 +322,11 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     block_m = _block_m(rows, num_experts)
     sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, block_m)
     h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
-    _moe_gemm(x, w13, h, sorted_ids, block_experts, num_padded, None, top_k, block_m)
+    _moe_gemm(x, w13, h, sorted_ids, block_experts, num_padded, top_k, block_m)
     act = silu_and_mul(h)
-    y = torch.empty(rows, hidden, dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _moe_gemm(act, w2, y, sorted_ids, block_experts, num_padded, weights, 1, block_m)
-    return y.view(t, top_k, hidden).sum(1).to(x.dtype)
+    y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    _moe_gemm(act, w2, y, sorted_ids, block_experts, num_padded, 1, block_m)
+    return sum_slots(y, topk_weights, top_k)
 
 
 # ----------------------------------------------------------------------------------------------- dispatch

@@ -17,7 +17,8 @@ This file holds the op's three parts: the torch reference, the Triton kernels an
 fused_moe's two paths, chosen the same way from T·k: up to E (token, slot) pairs a GEMV per pair and column tile
 (one kernel for both projections: gate/up reads x's row of the pair's token, down the pair's SiLU·mul row and
 multiplies by the routing weight), the k weighted terms of a token summed after; larger batches sort the pairs by
-expert (``align_tokens``) and run a grouped GEMM with the dequantized tile twice.
+expert (``align_tokens``) and run a grouped GEMM with the dequantized tile twice, then weight and sum each token's
+terms (``moe_sum``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from nvllm.kernels.partial_sum import PartialSum
 from nvllm.kernels.backend import interpreting, use_triton
 from nvllm.kernels.fused_moe import _block_m, _block_rows, align_tokens, experts_reference  # noqa: F401
 from nvllm.kernels.jit import lazy_jit
+from nvllm.kernels.moe_sum import sum_slots
 from nvllm.kernels.quant_gemm import _dequant_tile, _tile_columns  # noqa: F401 (the kernels' helpers)
 from nvllm.quant.formats import default_g_idx, dequantize_gptq
 
@@ -180,13 +182,12 @@ def _quant_moe_gemv_kernel(
 
 
 def _quant_moe_gemm_kernel(
-    a_ptr, qw_ptr, qz_ptr, s_ptr, gidx_ptr, c_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr, weights_ptr,
+    a_ptr, qw_ptr, qz_ptr, s_ptr, gidx_ptr, c_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr,
     N, K,                                     # C's columns, the reduction length
     num_valid,                                # T·k: the sentinel, and the rows of C
     stride_am, stride_cm,                     # A [*, K], C [T·k, N] (last strides 1)
     stride_qe, stride_qw, stride_ze, stride_qz, stride_se, stride_s, stride_ge,  # expert and row strides
     TOP_K: tl.constexpr,                      # A's row of sorted row r: r // TOP_K (1: A has C's rows)
-    MUL_WEIGHT: tl.constexpr,                 # C = product rounded to A's dtype · weights[r], in fp32
     BITS: tl.constexpr, GROUP: tl.constexpr, USE_GIDX: tl.constexpr, UNIFORM_GROUP: tl.constexpr,
     UPCAST: tl.constexpr,                     # interpreter + 16-bit: feed tl.dot fp32 copies (backend.interpreting)
     DOT_PRECISION: tl.constexpr,              # "ieee" for fp32 inputs
@@ -219,11 +220,8 @@ def _quant_moe_gemm_kernel(
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-    out = acc.to(a_ptr.dtype.element_ty)    # F.linear's rounding
-    if MUL_WEIGHT:
-        out = out.to(tl.float32) * tl.load(weights_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-    tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    out = acc.to(c_ptr.dtype.element_ty)    # F.linear's rounding
+    tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
 
 
 _quant_moe_gemm_kernel.helpers = ("_dequant_tile", "_tile_columns", "_block_rows")
@@ -302,9 +300,8 @@ def _gemv(a: torch.Tensor, w: ExpertWeights, out: torch.Tensor, ids: torch.Tenso
 
 
 def _gemm(a: torch.Tensor, w: ExpertWeights, c: torch.Tensor, sorted_ids: torch.Tensor,
-          block_experts: torch.Tensor, num_padded: torch.Tensor, weights: torch.Tensor | None,
-          top_k: int, block_m: int) -> None:
-    """C[r] = A[r // top_k] @ W[e]ᵀ over the sorted rows; see ``_quant_moe_gemm_kernel``."""
+          block_experts: torch.Tensor, num_padded: torch.Tensor, top_k: int, block_m: int) -> None:
+    """C[r] = A[r // top_k] @ W[e]ᵀ (C in A's dtype) over the sorted rows; see ``_quant_moe_gemm_kernel``."""
     import triton
 
     n, k = w.out_features, w.in_features
@@ -314,9 +311,9 @@ def _gemm(a: torch.Tensor, w: ExpertWeights, c: torch.Tensor, sorted_ids: torch.
     sixteen_bit = a.dtype in (torch.float16, torch.bfloat16)
     grid = (block_experts.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
     _jit(_quant_moe_gemm_kernel)[grid](
-        a, *tensors, c, sorted_ids, block_experts, num_padded, weights if weights is not None else c,
+        a, *tensors, c, sorted_ids, block_experts, num_padded,
         n, k, c.shape[0], a.stride(0), c.stride(0), *strides,
-        TOP_K=top_k, MUL_WEIGHT=weights is not None, **consts,
+        TOP_K=top_k, **consts,
         UNIFORM_GROUP=w.g_idx is None and w.group_size % block_k == 0,
         UPCAST=sixteen_bit and interpreting(), DOT_PRECISION="tf32" if sixteen_bit else "ieee",
         BLOCK_M=block_m, BLOCK_K=block_k, **tiles, **pdl.launch_args(a),
@@ -358,8 +355,8 @@ def quant_experts_triton(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
                          topk_ids: torch.Tensor) -> torch.Tensor:
     """Same contract as ``quant_experts_reference``; no host synchronisation (CUDA-graph capturable). T·k ≤ E
     (``fused_moe.SMALL_ROWS`` when set): the GEMVs (``_gemvs``); larger: ``align_tokens``, the grouped GEMM into
-    [T·k, 2I], ``silu_and_mul``, the grouped GEMM times the routing weights into fp32 [T·k, H]. Either way the k
-    terms of a token are summed in fp32 and rounded once."""
+    [T·k, 2I], ``silu_and_mul``, the grouped GEMM into [T·k, H], ``moe_sum.sum_slots``. Either way the k terms of a
+    token are weighted and summed in fp32 and rounded once."""
     t, top_k = topk_ids.shape
     hidden, inter = w2.out_features, w2.in_features
     assert x.shape == (t, hidden) and x.stride(-1) == 1, (x.shape, hidden)
@@ -373,12 +370,12 @@ def quant_experts_triton(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
         return _gemvs(x, w13, w2, weights, topk_ids.contiguous())
     report.record("quant_moe", f"triton w{w13.bits}a16 gptq grouped gemm")
     h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(rows, hidden, dtype=torch.float32, device=x.device)
+    y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     block_m = _block_m(rows, num_experts)
     sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, block_m)
-    _gemm(x, w13, h, sorted_ids, block_experts, num_padded, None, top_k, block_m)
-    _gemm(silu_and_mul(h), w2, y, sorted_ids, block_experts, num_padded, weights, 1, block_m)
-    return y.view(t, top_k, hidden).sum(1).to(x.dtype)
+    _gemm(x, w13, h, sorted_ids, block_experts, num_padded, top_k, block_m)
+    _gemm(silu_and_mul(h), w2, y, sorted_ids, block_experts, num_padded, 1, block_m)
+    return sum_slots(y, weights, top_k)
 
 
 # ----------------------------------------------------------------------------------------------- dispatch
