@@ -2,7 +2,7 @@
 weights, load_format dummy) against HF transformers on the same shapes, in one call.
 
     python3 scripts/gpu_moe_bench.py [--layers 48] [--ts 1,8,64,512,4096] [--skip-hf] [--skip-engine] [--gptq]
-        [--sweep] [--align-compare]
+        [--sweep] [--align-compare] [--crossing]
 
 1. ``fused_experts`` (Triton) against its torch reference (the per-expert loop transformers runs) at the expert shapes
    of Qwen3-30B-A3B (128 experts of 2048 → 768, 8 a token) and Mixtral-8x7B (8 of 4096 → 14336, 2 a token), random
@@ -19,6 +19,9 @@ weights, load_format dummy) against HF transformers on the same shapes, in one c
 ``--align-compare``: ``align_tokens`` (grouping the pairs by expert for the grouped GEMMs) in torch and in Triton at
 ``--ts`` (the same bits checked, µs a call in a CUDA graph), and in step 2 the bf16 engine first with the torch
 version patched in, then as shipped.
+
+``--crossing``: both paths of the op, bf16 and 4-bit experts, at the token counts around T·k = E (where the GEMVs
+hand over to the grouped GEMM), µs a call.
 
 ``--gptq``: also the 4-bit experts (GPTQ g128, ``nvllm.kernels.quant_moe``) in step 1, checked against their torch
 reference, and in step 2 the engine on the same shapes with a GPTQ 4-bit g128 config (every decoder linear and
@@ -169,6 +172,34 @@ def quant_kernel_runs(res: dict, ts: list[int], bandwidth: float, sweep: bool) -
         torch.cuda.empty_cache()
 
 
+CROSSING_TS = {"qwen3-30b-a3b": (4, 8, 12, 16, 24, 32), "mixtral-8x7b": (2, 3, 4, 6, 8)}
+
+
+def crossing_runs(res: dict) -> None:
+    """Where the GEMVs stop paying against the sorted grouped GEMM: both paths forced (``fused_moe.SMALL_ROWS``) at
+    the token counts around T·k = E, bf16 and 4-bit experts, µs a call in a CUDA graph."""
+    for name, (e, k, h, i) in SHAPES.items():
+        gen = torch.Generator("cuda").manual_seed(0)
+        w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h ** -0.5).to(torch.bfloat16)
+        w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i ** -0.5).to(torch.bfloat16)
+        q13, q2 = gptq_experts(w13), gptq_experts(w2)
+        for t in CROSSING_TS[name]:
+            x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+            weights, ids = route(torch.randn(t, e, device="cuda", generator=gen), k, True, True)
+            row = {"t": t, "pairs": t * k}
+            for kind, call in (("bf16", lambda: fused_experts(x, w13, w2, weights, ids)),
+                               ("gptq4", lambda: QM.quant_experts(x, q13, q2, weights, ids))):
+                for path, rows in (("gemv", 1 << 30), ("grouped", 0)):
+                    FM.SMALL_ROWS = rows
+                    row[f"{kind}_{path}_us"] = graph_us(call)
+            FM.SMALL_ROWS = None
+            res.setdefault("crossing", {}).setdefault(name, []).append(row)
+            print(f"crossing {name} T={t} ({t * k} pairs): " + ", ".join(
+                f"{key[:-3]} {v:.1f}" for key, v in row.items() if key.endswith("_us")) + " µs", flush=True)
+        w13 = w2 = q13 = q2 = None
+        torch.cuda.empty_cache()
+
+
 def gemv_sweep(res: dict, case: str, call) -> None:
     """µs a call of ``call`` for each GEMV setting (block N x warps, step sums, K splits; K steps of 128 inputs),
     the five best printed."""
@@ -251,6 +282,7 @@ def main() -> None:
     ap.add_argument("--gptq", action="store_true", help="also 4-bit GPTQ experts and engine")
     ap.add_argument("--sweep", action="store_true", help="the 4-bit GEMV's block sizes (with --gptq)")
     ap.add_argument("--align-compare", action="store_true", help="align_tokens in torch against Triton")
+    ap.add_argument("--crossing", action="store_true", help="GEMVs against the grouped GEMM around T*k = E")
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -266,6 +298,8 @@ def main() -> None:
         quant_kernel_runs(res, ts, bandwidth, args.sweep)
     if args.align_compare:
         align_runs(res, ts)
+    if args.crossing:
+        crossing_runs(res)
     out.write_text(json.dumps(res, indent=1))
     d = model_dir(args.layers, Path(args.tokenizer_dir))
     if not args.skip_engine:
