@@ -31,8 +31,9 @@ from nvllm.kernels import fused_moe, partial_sum, pdl, report
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.partial_sum import PartialSum
 from nvllm.kernels.backend import interpreting, use_triton
-from nvllm.kernels.fused_moe import _block_m, _block_rows, align_tokens, experts_reference  # noqa: F401
+from nvllm.kernels.fused_moe import _block_m, _block_rows, experts_reference  # noqa: F401
 from nvllm.kernels.jit import lazy_jit
+from nvllm.kernels.moe_align import align_tokens
 from nvllm.kernels.moe_sum import sum_slots
 from nvllm.kernels.quant_gemm import _dequant_tile, _tile_columns  # noqa: F401 (the kernels' helpers)
 from nvllm.quant.formats import default_g_idx, dequantize_gptq
