@@ -9,7 +9,7 @@ rounded up to ``block_m``. Every output size follows from (T·k, E, block_m) alo
 host and the op runs inside CUDA graph capture. The grouped GEMMs (``fused_moe``, ``quant_moe``) read it.
 
 In torch this is a sort, two scatters, two cumulative sums, a search and a dozen element-wise kernels: about 30
-launches, 71–138 µs a call in a CUDA graph at 32–8192 tokens on an H100 (PERF.md, session 39), on every layer of a
+launches, 50–138 µs a call in a CUDA graph at 32–8192 tokens on an H100 (PERF.md, session 39), on every layer of a
 prefill and of every decode step past E/k tokens. The Triton kernel is one launch. Program c owns pairs
 [c·CHUNK, (c+1)·CHUNK): it counts every expert's pairs (``tl.histogram``), in all chunks and in the chunks before its
 own, forms the padded groups' starts by a cumulative sum, and places its pairs in order: a pair's row is its
@@ -17,7 +17,7 @@ expert's group start, plus the pairs of that expert in earlier chunks and earlie
 among the same expert's pairs earlier in its tile (SUB pairs compared with each other). The rows are those of the
 stable sort, so both implementations give the same bits. The programs share out the blocks: each block's expert,
 and the sentinels in the rows its group's pairs leave free; program 0 writes ``num_padded``. (A one-hot cumulative
-sum for the ranks and a separate sentinel fill were 1.3–3.6× slower at 128 experts, run FP.)
+sum for the ranks and a separate sentinel fill were 1.6–3.3× slower at 128 experts, runs FP and FQ.)
 
 This file holds the op's three parts: the torch reference, the Triton kernel and the dispatch.
 """
