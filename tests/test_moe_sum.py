@@ -48,8 +48,14 @@ def test_reference_is_the_weighted_sum():
     assert torch.equal(sum_slots_reference(y, weights, 4), want.to(torch.bfloat16))
 
 
-def test_no_tokens_and_flat_weights():
+def test_no_tokens_and_flat_weights(monkeypatch):
+    """No rows: an empty result. Weights given flat [T·k], through the dispatch with the Triton kernels forced: the
+    kernel's bits, as from [T, k] weights in the reference."""
     y = torch.zeros(0, 16)
     assert sum_slots_triton(y, torch.zeros(0), 2).shape == (0, 16)
     y, weights = _problem(2, 3, 16, torch.float32)
-    assert torch.equal(sum_slots(y, weights.reshape(-1), 3), sum_slots_reference(y, weights, 3))
+    monkeypatch.setenv("NVLLM_KERNELS", "triton")
+    calls = []
+    real = moe_sum.sum_slots_triton
+    monkeypatch.setattr(moe_sum, "sum_slots_triton", lambda *a: calls.append(1) or real(*a))
+    assert torch.equal(sum_slots(y, weights.reshape(-1), 3), sum_slots_reference(y, weights, 3)) and calls

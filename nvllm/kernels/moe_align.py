@@ -133,8 +133,7 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     blocks, ``BLOCKS`` a program."""
     import triton
 
-    flat = topk_ids.reshape(-1)
-    flat = flat if flat.is_contiguous() else flat.contiguous()
+    flat = topk_ids.reshape(-1).contiguous()
     n = flat.numel()
     dev = flat.device
     max_padded = padded_size(n, num_experts, block_m)

@@ -28,7 +28,7 @@ BLOCK_H = 1024   # columns a program sums
 
 
 def sum_slots_reference(y: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
-    terms = y.float().view(-1, top_k, y.shape[1]) * weights.float().view(-1, top_k, 1)
+    terms = y.float().view(-1, top_k, y.shape[1]) * weights.float().reshape(-1, top_k, 1)
     out = terms[:, 0]
     for j in range(1, top_k):   # slot order
         out = out + terms[:, j]
@@ -64,8 +64,7 @@ def sum_slots_triton(y: torch.Tensor, weights: torch.Tensor, top_k: int) -> torc
 
     rows, hidden = y.shape
     assert y.stride(-1) == 1 and rows % top_k == 0 and weights.numel() == rows, (y.shape, weights.shape, top_k)
-    weights = weights.reshape(-1)
-    weights = weights if weights.is_contiguous() else weights.contiguous()
+    weights = weights.reshape(-1).contiguous()
     out = torch.empty(rows // top_k, hidden, dtype=y.dtype, device=y.device)
     if rows == 0:
         return out
