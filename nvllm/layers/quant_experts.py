@@ -20,6 +20,7 @@ from torch import nn
 from nvllm.config import ConfigError
 from nvllm.distributed.partition import Part, take_shard
 from nvllm.kernels.quant_moe import ExpertWeights, quant_experts
+from nvllm.quant.dummy_codes import fill_dummy
 from nvllm.quant.formats import QuantWeight, awq_to_gptq, default_g_idx
 from nvllm.quant.plan import QuantScheme
 
@@ -112,14 +113,11 @@ class QuantExperts(nn.Module):
 
     @torch.no_grad()
     def init_dummy(self, generator: torch.Generator) -> None:
-        """Random packed codes, small scales (|w| ≲ 0.01), contiguous groups: for ``load_format=dummy``."""
+        """Random codes centred on their zero points, small scales, contiguous groups (``quant.dummy_codes``)."""
         self._weights = None
-        for leaf in ("w13_qweight", "w13_qzeros", "w2_qweight", "w2_qzeros"):
-            t = getattr(self, leaf)
-            t.data.copy_(torch.randint(-2**31, 2**31 - 1, t.shape, generator=generator, dtype=torch.int64,
-                                       device=t.device).to(torch.int32))
-        for leaf in ("w13_scales", "w2_scales"):
-            getattr(self, leaf).data.uniform_(5e-4, 1.5e-3, generator=generator)
+        for proj in ("w13", "w2"):
+            fill_dummy(*(getattr(self, f"{proj}_{k}") for k in ("qweight", "qzeros", "scales")), self.scheme.bits,
+                       self.scheme.fmt, generator)
         if self.scheme.fmt == "gptq":
             self.w13_g_idx.data.copy_(default_g_idx(self.hidden_size, self._g13, self.w13_g_idx.device))
             self.w2_g_idx.data.copy_(self._contiguous_down_g_idx())

@@ -33,6 +33,7 @@ from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.partial_sum import PartialSum
 from nvllm.kernels.quant_gemm import quant_linear
 from nvllm.layers.linear import Linear, sum_over_ranks
+from nvllm.quant.dummy_codes import fill_dummy
 from nvllm.quant.formats import QuantWeight, awq_to_gptq, default_g_idx
 from nvllm.quant.plan import QuantScheme
 
@@ -133,13 +134,10 @@ class QuantLinear(nn.Module):
 
     @torch.no_grad()
     def init_dummy(self, generator: torch.Generator) -> None:
-        """Random packed codes, small scales (|w| ≲ 0.01), contiguous groups: for ``load_format=dummy``."""
+        """Random codes centred on their zero points, small scales, contiguous groups (``quant.dummy_codes``)."""
         self._qw = None
         self._repacked = False
-        for t in (self.qweight, self.qzeros):
-            t.data.copy_(torch.randint(-2**31, 2**31 - 1, t.shape, generator=generator, dtype=torch.int64,
-                                       device=t.device).to(torch.int32))
-        self.scales.data.uniform_(5e-4, 1.5e-3, generator=generator)
+        fill_dummy(self.qweight, self.qzeros, self.scales, self.scheme.bits, self.scheme.fmt, generator)
         if self.scheme.fmt == "gptq":
             first = self._group_part.start if self._all_groups else 0
             self.g_idx.data.copy_(default_g_idx(self.in_features, self.group_size, self.g_idx.device) + first)

@@ -1,0 +1,54 @@
+"""Random packed weights for ``load_format=dummy``: codes centred on their zero point.
+
+Benchmarks of published shapes build quantized layers from config.json alone. Their dequantized weights should
+behave like the dense layers' small uniform ones: no mean, so that activations keep their spread through many
+layers and a router sends different tokens to different experts. Codes drawn over the whole range (0 .. 2^b − 1)
+with random zero points give every (group, column) a bias ``(2^b − 1)/2 − z`` as large as the codes' spread;
+deep stacks of such layers collapse the hidden states onto a few directions. Here every code is drawn uniformly
+from ``1 .. 2^b − 1`` and every zero point is the middle code ``2^(b−1)``, so ``q − z`` is uniform on
+``−(2^(b−1) − 1) .. 2^(b−1) − 1``: zero mean in every group. Scales are uniform in [5e-4, 1.5e-3], so
+``|w| ≲ 0.01`` at 4 bits, as the dense dummy weights.
+
+Which field of a word holds which column does not matter: every code is drawn independently, so the AWQ and
+GPTQ layouts differ only in how the zero point is stored (GPTQ v1 stores ``z − 1``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CHUNK_WORDS = 1 << 22   # words drawn at a time: the int64 fields of a chunk take 32 · 2^22 bytes at 4 bits
+
+
+def _words_of(fields: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 fields ``[n, 32/bits]`` → int32 words, field ``i`` in bits ``i·bits ..`` (two's-complement wrap)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=fields.device)
+    words = (fields << shifts).sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@torch.no_grad()
+def fill_codes(words: torch.Tensor, bits: int, generator: torch.Generator) -> None:
+    """Fill int32 ``words`` in place with fields drawn uniformly from ``1 .. 2^bits − 1``."""
+    flat = words.view(-1)
+    per = 32 // bits
+    for start in range(0, flat.numel(), _CHUNK_WORDS):
+        n = min(_CHUNK_WORDS, flat.numel() - start)
+        fields = torch.randint(1, 2**bits, (n, per), generator=generator, dtype=torch.int64, device=words.device)
+        flat[start:start + n] = _words_of(fields, bits)
+
+
+def zero_word(bits: int, fmt: str) -> int:
+    """The int32 word whose every field stores the middle zero point ``2^(bits−1)`` in format ``fmt``."""
+    stored = 2 ** (bits - 1) - (1 if fmt == "gptq" else 0)   # GPTQ v1 stores z − 1
+    fields = torch.full((1, 32 // bits), stored, dtype=torch.int64)
+    return int(_words_of(fields, bits)[0])
+
+
+@torch.no_grad()
+def fill_dummy(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int, fmt: str,
+               generator: torch.Generator) -> None:
+    """One quantized weight's packed tensors (any leading dimensions, e.g. experts) filled in place."""
+    fill_codes(qweight.data, bits, generator)
+    qzeros.data.fill_(zero_word(bits, fmt))
+    scales.data.uniform_(5e-4, 1.5e-3, generator=generator)
