@@ -2,7 +2,7 @@
 weights, load_format dummy) against HF transformers on the same shapes, in one call.
 
     python3 scripts/gpu_moe_bench.py [--layers 48] [--ts 1,8,64,512,4096] [--skip-hf] [--skip-engine] [--gptq]
-        [--sweep] [--align-compare] [--crossing]
+        [--sweep] [--gemm-sweep] [--align-compare] [--crossing]
 
 1. ``fused_experts`` (Triton) against its torch reference (the per-expert loop transformers runs) at the expert shapes
    of Qwen3-30B-A3B (128 experts of 2048 → 768, 8 a token) and Mixtral-8x7B (8 of 4096 → 14336, 2 a token), random
@@ -26,7 +26,8 @@ hand over to the grouped GEMM), µs a call.
 ``--gptq``: also the 4-bit experts (GPTQ g128, ``nvllm.kernels.quant_moe``) in step 1, checked against their torch
 reference, and in step 2 the engine on the same shapes with a GPTQ 4-bit g128 config (every decoder linear and
 expert packed, router and LM head in bf16): its TPOT, decode steps and TTFT against the bf16 engine's in the same
-run. ``--sweep``: the 4-bit GEMV's block sizes, warps and K splits at T = 1 (both shapes) and 4 (Qwen3-30B-A3B), µs a
+run. ``--gemm-sweep``: the 4-bit grouped GEMM's tiles at the ``--ts`` past T·k = E, µs a call of the op.
+``--sweep``: the 4-bit GEMV's block sizes, warps and K splits at T = 1 (both shapes) and 4 (Qwen3-30B-A3B), µs a
 call.
 
 Writes $OUT/moe_bench.json (``--out`` overrides $OUT).
@@ -222,6 +223,50 @@ def gemv_sweep(res: dict, case: str, call) -> None:
           + "; ".join(f"{r['setting']} {r['us']:.1f}" for r in best), flush=True)
 
 
+def gemm_sweep(res: dict, ts: list[int]) -> None:
+    """The 4-bit grouped GEMM's tiles (``quant_moe.GEMM_TILES``: rows a block — the shipped rule's and twice it —,
+    columns, K step, warps, stages) at the token counts of ``ts`` that take it, µs a call of the whole op in a CUDA
+    graph; each setting's output against the shipped setting's (largest difference over the largest output)."""
+    for name, (e, k, h, i) in SHAPES.items():
+        gen = torch.Generator("cuda").manual_seed(0)
+        w13 = gptq_experts((torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h ** -0.5).to(torch.bfloat16))
+        w2 = gptq_experts((torch.randn(e, h, i, device="cuda", generator=gen) * i ** -0.5).to(torch.bfloat16))
+        for t in (t for t in ts if t * k > e):
+            x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+            weights, ids = route(torch.randn(t, e, device="cuda", generator=gen), k, True, True)
+
+            def call():
+                return QM.quant_experts(x, w13, w2, weights, ids)
+
+            QM.GEMM_TILES = None
+            shipped_out, shipped_us = call().float(), graph_us(call)
+            block_m = FM._block_m(t * k, e)
+            rows = []
+            for bm in sorted({block_m, min(128, 2 * block_m)}):
+                for bn in (64, 128):
+                    for bk in (64, 128):
+                        for nw in (4, 8):
+                            for ns in (2, 3):
+                                QM.GEMM_TILES = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+                                setting = f"{bm}x{bn}x{bk} {nw}w {ns}s"
+                                try:
+                                    err = ((call().float() - shipped_out).abs().max()
+                                           / shipped_out.abs().max()).item()
+                                    rows.append({"case": f"{name} T={t}", "setting": setting, "err": err,
+                                                 "us": graph_us(call)})
+                                except Exception as exc:   # e.g. a tile past the shared memory
+                                    rows.append({"case": f"{name} T={t}", "setting": setting, "error": str(exc)[:200]})
+            QM.GEMM_TILES = None
+            res.setdefault("gemm_sweep", []).extend(rows)
+            res.setdefault("gemm_sweep_shipped", {})[f"{name} T={t}"] = shipped_us
+            timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+            print(f"  gemm sweep {name} T={t}: shipped {shipped_us:.1f} µs; best five: " + "; ".join(
+                f"{r['setting']} {r['us']:.1f} (err {r['err']:.1e})" for r in timed[:5])
+                + f"; {len(rows) - len(timed)} failed", flush=True)
+        w13 = w2 = None
+        torch.cuda.empty_cache()
+
+
 def model_dir(layers: int, tokenizer_dir: Path) -> Path:
     from transformers import Qwen2Tokenizer
 
@@ -281,6 +326,7 @@ def main() -> None:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--gptq", action="store_true", help="also 4-bit GPTQ experts and engine")
     ap.add_argument("--sweep", action="store_true", help="the 4-bit GEMV's block sizes (with --gptq)")
+    ap.add_argument("--gemm-sweep", action="store_true", help="the 4-bit grouped GEMM's tiles at --ts")
     ap.add_argument("--align-compare", action="store_true", help="align_tokens in torch against Triton")
     ap.add_argument("--crossing", action="store_true", help="GEMVs against the grouped GEMM around T*k = E")
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
@@ -296,6 +342,9 @@ def main() -> None:
     kernel_runs(res, ts, bandwidth)
     if args.gptq:
         quant_kernel_runs(res, ts, bandwidth, args.sweep)
+    if args.gemm_sweep:
+        gemm_sweep(res, ts)
+        out.write_text(json.dumps(res, indent=1))
     if args.align_compare:
         align_runs(res, ts)
     if args.crossing:

@@ -58,6 +58,9 @@ GEMV_STEP_SUM: bool | None = None
 # a program and 4 splits (T = 1: Qwen3-30B-A3B 21.7 µs, Mixtral 149.6, against 27.3 and 211.6 unsplit with 16
 # columns); more pairs, 4 splits at the settings above (T = 4: 54.5 against 59.9).
 GEMV_SPLIT_K = 4
+# The grouped GEMM's tiles: None → ``_gemm_tiles``; a dict of any of BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+# overrides those (``scripts/gpu_moe_bench.py --gemm-sweep`` sets it). Read at each call.
+GEMM_TILES: dict | None = None
 NUM_WARPS = 4          # the grouped GEMM's
 
 _jit = lazy_jit
@@ -241,6 +244,14 @@ def _block_k(w: ExpertWeights, most: int) -> int:
     return k
 
 
+def _gemm_tiles(block_m: int, w: ExpertWeights) -> dict:
+    """The grouped GEMM's BLOCK_N, BLOCK_K, warps and stages for blocks of ``block_m`` rows (GEMM_TILES overriding)."""
+    tiles = fused_moe.gemm_tiles(block_m, w.out_features, w.in_features)
+    tiles.update({key: v for key, v in (GEMM_TILES or {}).items() if key != "BLOCK_M"})
+    tiles["BLOCK_K"] = _block_k(w, tiles["BLOCK_K"])
+    return tiles
+
+
 def _weight_args(w: ExpertWeights) -> tuple[list, list, dict]:
     """The packed tensors (g_idx's place taken by qweight without act-order), their expert and row strides, and
     the constexprs both kernels take."""
@@ -306,8 +317,8 @@ def _gemm(a: torch.Tensor, w: ExpertWeights, c: torch.Tensor, sorted_ids: torch.
     import triton
 
     n, k = w.out_features, w.in_features
-    tiles = fused_moe.gemm_tiles(block_m, n, k)
-    block_k = _block_k(w, tiles.pop("BLOCK_K"))
+    tiles = _gemm_tiles(block_m, w)
+    block_k = tiles.pop("BLOCK_K")
     tensors, strides, consts = _weight_args(w)
     sixteen_bit = a.dtype in (torch.float16, torch.bfloat16)
     grid = (block_experts.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
@@ -372,7 +383,7 @@ def quant_experts_triton(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
     report.record("quant_moe", f"triton w{w13.bits}a16 gptq grouped gemm")
     h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
     y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    block_m = _block_m(rows, num_experts)
+    block_m = (GEMM_TILES or {}).get("BLOCK_M") or _block_m(rows, num_experts)
     sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, block_m)
     _gemm(x, w13, h, sorted_ids, block_experts, num_padded, top_k, block_m)
     _gemm(silu_and_mul(h), w2, y, sorted_ids, block_experts, num_padded, 1, block_m)
