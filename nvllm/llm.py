@@ -108,7 +108,7 @@ class LLM:
         if len(priorities) != n or not all(isinstance(p, numbers.Integral) for p in priorities):
             raise ValueError(f"priority: one integer per prompt ({n}), got {priority!r}")
         for p in priorities:   # before anything is queued
-            self.engine.check_priority(p)
+            self.engine.scheduler.check_priority(p)
         return [int(p) for p in priorities]
 
     def chat(self, messages: Conversation | Seq[Conversation],

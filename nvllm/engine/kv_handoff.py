@@ -120,7 +120,7 @@ class KVHandoff:
         metrics.first_scheduled_time = min((s.first_scheduled_time for s in samples if s.first_scheduled_time),
                                            default=None)
         seqs = e._new_request(request_id, ids, params, metrics, lora_request, cache_salt)
-        e.place_in_line(seqs, priority)
+        e.scheduler.place_in_line(seqs, priority)
         e.prompts[request_id] = None
         now, receiving = time.time(), []
         for seq, s in zip(seqs, samples):

@@ -4,7 +4,6 @@ the block manager and the model runner; everything above it (LLM, the server, be
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import time
 from collections.abc import Sequence as Seq
@@ -17,6 +16,7 @@ from nvllm.engine.block_manager import BlockManager
 from nvllm.engine.kv_handoff import KVHandoff, KVTarget
 from nvllm.engine.metrics import EngineStats, StatLogger
 from nvllm.engine.inflight import InflightStep
+from nvllm.engine.lora_adapters import LoraAdapters
 from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.lora.request import LoRARequest
 from nvllm.engine.structured_output import StructuredOutputs
@@ -71,10 +71,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    lookahead=self.spec.lookahead if self.spec is not None else None,
                                    policy=config.scheduling_policy)
-        self._arrivals = itertools.count()  # requests' arrival order (the priority policy's tie-break)
         if self.runner.lora is not None:
             self.scheduler.activate_lora = self.runner.lora.activate
-        self._unload_when_idle: set[int] = set()  # adapters unloaded while sequences ran with them
+        self.loras = LoraAdapters(self.runner.lora, lambda: {
+            s.lora_id for seqs in self.requests.values() for s in seqs if s.lora_id and not s.finished})
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.outputs = OutputBuilder(self.tokenizer)
@@ -165,7 +165,7 @@ class LLMEngine:
         salt (vLLM's). priority: with scheduling_policy "priority", lower values are admitted first (and preempted
         last); with "fcfs" it must be 0."""
         params = params or SamplingParams()
-        self.check_priority(priority)
+        self.scheduler.check_priority(priority)
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -173,45 +173,19 @@ class LLMEngine:
         seqs = self._new_request(request_id, ids, params, RequestMetrics(arrival_time=arrival_time or time.time()),
                                  lora_request, cache_salt)
         self.prompts[request_id] = prompt if isinstance(prompt, str) else prompt_text
-        self.place_in_line(seqs, priority)
+        self.scheduler.place_in_line(seqs, priority)
         for seq in seqs:
             seq.prefill_only = prefill_only
             self.scheduler.add(seq)
         return request_id
 
     def load_lora(self, lora_request: LoRARequest | None) -> bytes | None:
-        """Read and check the adapter (ValueError: LoRA is off, or the checkpoint is bad); its prefix-cache salt.
-        It goes to the device when the scheduler admits one of its sequences."""
-        if lora_request is None:
-            return None
-        if self.runner.lora is None:
-            raise ValueError("LoRA adapters need the engine started with enable_lora (--enable-lora)")
-        self._unload_idle_loras()
-        try:
-            return self.runner.lora.register(lora_request, self._loras_in_use())
-        except ConfigError as e:  # a bad checkpoint is this request's fault here, not the engine's
-            raise ValueError(str(e)) from None
+        """Read and check the adapter (``LoraAdapters.load``): ValueError if LoRA is off or the checkpoint bad."""
+        return self.loras.load(lora_request)
 
     def unload_lora(self, lora_id: int) -> bool:
-        """Forget an adapter; one that sequences still run with is forgotten once they end (False until then).
-        Meanwhile a new adapter may take its name (under another id), as vLLM's runtime loading allows."""
-        if self.runner.lora is None:
-            return False
-        if lora_id in self._loras_in_use():
-            self._unload_when_idle.add(lora_id)
-            return False
-        self._unload_when_idle.discard(lora_id)
-        return self.runner.lora.forget(lora_id)
-
-    def _unload_idle_loras(self) -> None:
-        if self._unload_when_idle:
-            idle = self._unload_when_idle - self._loras_in_use()
-            for lora_id in idle:
-                self.runner.lora.forget(lora_id)
-            self._unload_when_idle -= idle
-
-    def _loras_in_use(self) -> set[int]:
-        return {s.lora_id for seqs in self.requests.values() for s in seqs if s.lora_id and not s.finished}
+        """Forget an adapter (``LoraAdapters.unload``): False while sequences still run with it."""
+        return self.loras.unload(lora_id)
 
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams,
                      metrics: RequestMetrics, lora_request: LoRARequest | None = None,
@@ -255,7 +229,7 @@ class LLMEngine:
         read late had one more position computed for nothing; one certain to finish (its length limit) is held
         out of the step. A step with a constrained sequence reads the step before once its own forward is queued,
         before sampling: the grammar mask needs that token."""
-        self._unload_idle_loras()
+        self.loras.unload_idle()
         if self.spec is not None:
             self.spec.begin_step(len(self.scheduler.running))
             sched = self.scheduler.schedule()
@@ -472,21 +446,9 @@ class LLMEngine:
                               lora_request: LoRARequest | None = None,
                               cache_salt: str | None = None, priority: int = 0) -> list[KVTarget]:
         """Decode side: a request whose prompt a prefill worker computed (see KVHandoff.add_prefilled)."""
-        self.check_priority(priority)
+        self.scheduler.check_priority(priority)
         return self.handoff.add_prefilled(request_id, prompt_ids, params, arrival_time, samples, prompt_logprobs,
                                           lora_request, cache_salt, priority)
-
-    def check_priority(self, priority: int) -> None:
-        """ValueError for a non-zero priority unless the scheduling policy is "priority"."""
-        if priority and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority {priority} given, but priority scheduling is not enabled: requests are served "
-                             f"first come, first served (scheduling_policy 'priority' / --scheduling-policy priority)")
-
-    def place_in_line(self, seqs: list[Sequence], priority: int) -> None:
-        """Give a new request's sequences their priority and the next place in arrival order."""
-        order = next(self._arrivals)
-        for seq in seqs:
-            seq.priority, seq.order = priority, order
 
     # ---- outputs -------------------------------------------------------------------------------------
     def output(self, request_id: str) -> RequestOutput:

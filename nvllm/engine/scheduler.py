@@ -17,6 +17,7 @@ that order.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,12 +46,25 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.by_priority = policy == "priority"
+        self._arrivals = itertools.count()  # requests' arrival order (the priority policy's tie-break)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # LoRA: put a waiting sequence's adapter on the device, given the adapters running sequences use; False
         # when no slot is free (nvllm.lora.manager.LoRAManager.activate)
         self.activate_lora: Callable[[int, set[int]], bool] = lambda lora_id, in_use: True
+
+    def check_priority(self, priority: int) -> None:
+        """ValueError for a non-zero priority unless the scheduling policy is "priority"."""
+        if priority and not self.by_priority:
+            raise ValueError(f"priority {priority} given, but priority scheduling is not enabled: requests are served "
+                             f"first come, first served (scheduling_policy 'priority' / --scheduling-policy priority)")
+
+    def place_in_line(self, seqs: list[Sequence], priority: int) -> None:
+        """Give a new request's sequences their priority and the next place in arrival order."""
+        order = next(self._arrivals)
+        for seq in seqs:
+            seq.priority, seq.order = priority, order
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
