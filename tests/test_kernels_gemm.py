@@ -16,6 +16,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is jitted
 
+import glob  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -313,3 +314,24 @@ def test_candidates_for_decode_shapes():
     assert T.split_choices(56, 28, 132) == [1, 2, 4, 8]      # ≥ 2 K blocks per split
     assert T.split_choices(56, 74, 132) == [1, 2, 4, 8, 16]
     assert T.split_choices(448, 7, 132) == [1, 2]
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(G.__file__), "configs", "gemm_*.json"))),
+                         ids=os.path.basename)
+def test_shipped_tables_load_under_their_device_name(path):
+    """Each shipped table sits where the engine looks for its GPU (the device named in every run's meta) and every
+    entry is a valid choice."""
+    from nvllm.kernels.gemm_table import gemm_table_path
+
+    data = json.loads(open(path).read())
+    devices = {m["device"] for m in data["meta"].values()}
+    assert len(devices) == 1 and gemm_table_path(devices.pop()) == path
+    G.clear_gemm_table()
+    try:
+        assert G.load_gemm_table(path) == len(data["entries"]) > 0
+        for e in data["entries"]:
+            choice = e["choice"]
+            assert choice == G.CUBLAS or G.SkinnyConfig.from_dict(choice).kernel in ("fma", "mma")
+            assert e["m"] & (e["m"] - 1) == 0 and e["dtype"] == "bfloat16"
+    finally:
+        G.clear_gemm_table()
