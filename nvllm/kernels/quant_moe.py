@@ -58,8 +58,8 @@ GEMV_STEP_SUM: bool | None = None
 # a program and 4 splits (T = 1: Qwen3-30B-A3B 21.7 µs, Mixtral 149.6, against 27.3 and 211.6 unsplit with 16
 # columns); more pairs, 4 splits at the settings above (T = 4: 54.5 against 59.9).
 GEMV_SPLIT_K = 4
-# The grouped GEMM's tiles: None → ``_gemm_tiles``; a dict of any of BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
-# overrides those (``scripts/gpu_moe_bench.py --gemm-sweep`` sets it). Read at each call.
+# The grouped GEMM's tiles (``gemm_config``): a dict of any of its keys overrides its choice (the sweep of
+# ``scripts/gpu_moe_bench.py --gemm-sweep`` and the tests set it). Read at each call.
 GEMM_TILES: dict | None = None
 NUM_WARPS = 4          # the grouped GEMM's
 
@@ -185,6 +185,26 @@ def _quant_moe_gemv_kernel(
         tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+def _dequant_tile_nk(qw_ptr, qz_ptr, s_ptr, k0, k_end, offs_n, mask_n, wn, mask_wn, stride_qw, stride_qz, stride_s,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``quant_gemm._dequant_tile`` transposed: fp32 ``(q − z)·s`` as [BLOCK_N, BLOCK_K], GPTQ v1 words, the tile
+    inside one group (one row of scales and zeros)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    WORDS_K: tl.constexpr = BLOCK_K // PER_WORD
+    fields = tl.arange(0, PER_WORD) * BITS
+    wk = k0 // PER_WORD + tl.arange(0, WORDS_K)
+    words = tl.load(qw_ptr + wk[None, :] * stride_qw + offs_n[:, None],
+                    mask=mask_n[:, None] & (wk < k_end // PER_WORD)[None, :], other=0)     # [BLOCK_N, WORDS_K]
+    q = tl.reshape((words[:, :, None] >> fields[None, None, :]) & MASK, (BLOCK_N, BLOCK_K))
+    grp = k0 // GROUP
+    s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
+    z = tl.reshape((zw[:, None] >> fields[None, :]) & MASK, (BLOCK_N,))[:, None] + 1    # v1 stores zero − 1
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True)                                   # 2^23 + q, as there
+    return (qf - (z.to(tl.float32) + 8388608.0)) * s
+
+
 def _quant_moe_gemm_kernel(
     a_ptr, qw_ptr, qz_ptr, s_ptr, gidx_ptr, c_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr,
     N, K,                                     # C's columns, the reduction length
@@ -196,11 +216,14 @@ def _quant_moe_gemm_kernel(
     UPCAST: tl.constexpr,                     # interpreter + 16-bit: feed tl.dot fp32 copies (backend.interpreting)
     DOT_PRECISION: tl.constexpr,              # "ieee" for fp32 inputs
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SWAP: tl.constexpr,                       # Cᵀ = W·Aᵀ: the dequantized tile is the product's first operand
     PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
 ):
     """fused_moe's grouped GEMM (program (b, n) over sorted block b's rows, sentinels skipped, blocks at or past
     num_padded[0] returning at once) with expert e's [BLOCK_K, BLOCK_N] weight tile dequantized and rounded to A's
-    dtype before ``tl.dot``."""
+    dtype before ``tl.dot``. SWAP (contiguous groups, each K step inside one): the tile is dequantized as
+    [BLOCK_N, BLOCK_K] and multiplies Aᵀ, so that it is the operand a Hopper tensor-core MMA may take from
+    registers; the same products, summed in the same K order."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -213,6 +236,21 @@ def _quant_moe_gemm_kernel(
     qz = qz_ptr + expert * stride_ze
     sc = s_ptr + expert * stride_se
     gi = gidx_ptr + expert * stride_ge
+    if SWAP:
+        a_cols = a_ptr + (rows // TOP_K)[None, :] * stride_am
+        acc_t = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a_t = tl.load(a_cols + offs_k[:, None], mask=(offs_k < K)[:, None] & mask_m[None, :], other=0.0)
+            w_t = _dequant_tile_nk(qw, qz, sc, k0, K, offs_n, mask_n, wn, mask_wn, stride_qw, stride_qz, stride_s,
+                                   BITS, GROUP, BLOCK_K, BLOCK_N).to(a_t.dtype)
+            if UPCAST:
+                acc_t = tl.dot(w_t.to(tl.float32), a_t.to(tl.float32), acc_t, input_precision="ieee")
+            else:
+                acc_t = tl.dot(w_t, a_t, acc_t, input_precision=DOT_PRECISION)
+        out_t = acc_t.to(c_ptr.dtype.element_ty)
+        tl.store(c_ptr + rows[None, :] * stride_cm + offs_n[:, None], out_t, mask=mask_m[None, :] & mask_n[:, None])
+        return
     a_rows = a_ptr + (rows // TOP_K)[:, None] * stride_am
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -228,7 +266,7 @@ def _quant_moe_gemm_kernel(
     tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
 
 
-_quant_moe_gemm_kernel.helpers = ("_dequant_tile", "_tile_columns", "_block_rows")
+_quant_moe_gemm_kernel.helpers = ("_dequant_tile", "_dequant_tile_nk", "_tile_columns", "_block_rows")
 _quant_moe_gemm_kernel.do_not_specialize = ("num_valid",)   # varies with the batch (see nvllm.kernels.jit)
 
 
@@ -244,12 +282,16 @@ def _block_k(w: ExpertWeights, most: int) -> int:
     return k
 
 
-def _gemm_tiles(block_m: int, w: ExpertWeights) -> dict:
-    """The grouped GEMM's BLOCK_N, BLOCK_K, warps and stages for blocks of ``block_m`` rows (GEMM_TILES overriding)."""
-    tiles = fused_moe.gemm_tiles(block_m, w.out_features, w.in_features)
-    tiles.update({key: v for key, v in (GEMM_TILES or {}).items() if key != "BLOCK_M"})
-    tiles["BLOCK_K"] = _block_k(w, tiles["BLOCK_K"])
-    return tiles
+def gemm_config(rows: int, num_experts: int) -> dict:
+    """The grouped GEMM's launch for ``rows`` (token, slot) pairs over ``num_experts`` experts: rows a block
+    (BLOCK_M, which ``align_tokens`` pads to), columns and inputs a program step (BLOCK_N, BLOCK_K; cut to the
+    projection's size), warps, stages, and SWAP (the dequantized tile as the product's first operand; taken where
+    every K step lies inside one group). GEMM_TILES overrides any of them."""
+    block_m = _block_m(rows, num_experts)
+    config = dict(BLOCK_M=block_m, BLOCK_N=64 if block_m <= 32 else 128, BLOCK_K=64, num_warps=4, num_stages=3,
+                  SWAP=False)
+    config.update(GEMM_TILES or {})
+    return config
 
 
 def _weight_args(w: ExpertWeights) -> tuple[list, list, dict]:
@@ -312,23 +354,25 @@ def _gemv(a: torch.Tensor, w: ExpertWeights, out: torch.Tensor, ids: torch.Tenso
 
 
 def _gemm(a: torch.Tensor, w: ExpertWeights, c: torch.Tensor, sorted_ids: torch.Tensor,
-          block_experts: torch.Tensor, num_padded: torch.Tensor, top_k: int, block_m: int) -> None:
+          block_experts: torch.Tensor, num_padded: torch.Tensor, top_k: int, config: dict) -> None:
     """C[r] = A[r // top_k] @ W[e]ᵀ (C in A's dtype) over the sorted rows; see ``_quant_moe_gemm_kernel``."""
     import triton
 
     n, k = w.out_features, w.in_features
-    tiles = _gemm_tiles(block_m, w)
-    block_k = tiles.pop("BLOCK_K")
+    block_n = max(16, min(config["BLOCK_N"], triton.next_power_of_2(n)))
+    block_k = _block_k(w, config["BLOCK_K"])
+    uniform = w.g_idx is None and w.group_size % block_k == 0
     tensors, strides, consts = _weight_args(w)
     sixteen_bit = a.dtype in (torch.float16, torch.bfloat16)
-    grid = (block_experts.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _jit(_quant_moe_gemm_kernel)[grid](
         a, *tensors, c, sorted_ids, block_experts, num_padded,
         n, k, c.shape[0], a.stride(0), c.stride(0), *strides,
         TOP_K=top_k, **consts,
-        UNIFORM_GROUP=w.g_idx is None and w.group_size % block_k == 0,
+        UNIFORM_GROUP=uniform, SWAP=bool(config["SWAP"]) and uniform,
         UPCAST=sixteen_bit and interpreting(), DOT_PRECISION="tf32" if sixteen_bit else "ieee",
-        BLOCK_M=block_m, BLOCK_K=block_k, **tiles, **pdl.launch_args(a),
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **pdl.launch_args(a),
     )
 
 
@@ -383,10 +427,10 @@ def quant_experts_triton(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
     report.record("quant_moe", f"triton w{w13.bits}a16 gptq grouped gemm")
     h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
     y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    block_m = (GEMM_TILES or {}).get("BLOCK_M") or _block_m(rows, num_experts)
-    sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, block_m)
-    _gemm(x, w13, h, sorted_ids, block_experts, num_padded, top_k, block_m)
-    _gemm(silu_and_mul(h), w2, y, sorted_ids, block_experts, num_padded, 1, block_m)
+    config = gemm_config(rows, num_experts)
+    sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, config["BLOCK_M"])
+    _gemm(x, w13, h, sorted_ids, block_experts, num_padded, top_k, config)
+    _gemm(silu_and_mul(h), w2, y, sorted_ids, block_experts, num_padded, 1, config)
     return sum_slots(y, weights, top_k)
 
 
