@@ -227,7 +227,7 @@ def gemv_sweep(res: dict, case: str, call) -> None:
 
 def gemm_sweep(res: dict, ts: list[int]) -> dict:
     """The 4-bit grouped GEMM's launch (``quant_moe.GEMM_TILES``) at the token counts of ``ts`` that take it: rows a
-    block (the shipped rule's, half and twice it), columns, K step and swapped operands at 4 warps and 3 stages; then
+    block (the shipped rule's, half and twice it), columns and K step at 4 warps and 3 stages; then
     8 warps, and 4 stages, for the best three. µs a call of the whole op in a CUDA graph; each setting's output
     against the shipped one's (largest difference over the largest output). Returns the best setting of each case,
     keyed (experts, pairs an expert)."""
@@ -250,8 +250,8 @@ def gemm_sweep(res: dict, ts: list[int]) -> dict:
 
             def time_setting(**tiles):
                 QM.GEMM_TILES = tiles
-                row = {"case": f"{name} T={t}", "tiles": tiles, "setting": "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} {num_warps}w "
-                       "{num_stages}s{swap}".format(swap=" swap" if tiles["SWAP"] else "", **tiles)}
+                row = {"case": f"{name} T={t}", "tiles": tiles,
+                       "setting": "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} {num_warps}w {num_stages}s".format(**tiles)}
                 try:
                     row["err"] = ((call().float() - shipped_out).abs().max() / shipped_out.abs().max()).item()
                     row["us"] = graph_us(call)
@@ -263,8 +263,7 @@ def gemm_sweep(res: dict, ts: list[int]) -> dict:
             for bm in sorted({max(16, block_m // 2), block_m, min(128, 2 * block_m)}):
                 for bn in (64, 128):
                     for bk in (64, 128):
-                        for swap in (False, True):
-                            time_setting(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3, SWAP=swap)
+                        time_setting(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
             for r in sorted((r for r in rows if "us" in r), key=lambda r: r["us"])[:3]:
                 for nw, ns in ((8, 3), (4, 4)):
                     time_setting(**{**r["tiles"], "num_warps": nw, "num_stages": ns})

@@ -77,16 +77,17 @@ CASES = {  # id → problem arguments
 }
 
 
-@pytest.mark.parametrize("path", ["gemv", "gemv-split", "grouped", "grouped-swap"])
+@pytest.mark.parametrize("path", ["gemv", "gemv-split", "grouped", "grouped-small-tiles"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_equals_reference(monkeypatch, case, path):
     """Each path; the split GEMV with K steps of 16 inputs split three ways (its sums added into zeroed
-    accumulators, finished by SiLU·mul and the final cast); the grouped GEMM with its operands swapped (K steps of
-    16, so every group spans whole steps; act-order falls back to the unswapped product)."""
+    accumulators, finished by SiLU·mul and the final cast); the grouped GEMM at its own launch (blocks of 16 rows,
+    128 columns and K steps cut to the problem) and with small tiles set through GEMM_TILES (several column tiles
+    and K steps a group)."""
     monkeypatch.setenv("NVLLM_KERNELS", "triton")
     monkeypatch.setattr(fused_moe, "SMALL_ROWS", 0 if path.startswith("grouped") else 1000)
-    if path == "grouped-swap":
-        monkeypatch.setattr(QM, "GEMM_TILES", {"SWAP": True, "BLOCK_K": 16})
+    if path == "grouped-small-tiles":
+        monkeypatch.setattr(QM, "GEMM_TILES", {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "num_stages": 2})
     monkeypatch.setattr(QM, "GEMV_SPLIT_K", 3 if path == "gemv-split" else 1)
     if path == "gemv-split":
         monkeypatch.setattr(QM, "GEMV_BLOCK_K", 16)
@@ -95,7 +96,8 @@ def test_triton_equals_reference(monkeypatch, case, path):
     out = QM.quant_experts(x, w13, w2, weights, ids)
     ref = QM.quant_experts_reference(x, w13, w2, weights, ids)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    kind = {"gemv": "gemv", "gemv-split": "gemv (split k)", "grouped": "grouped gemm", "grouped-swap": "grouped gemm"}[path]
+    kind = {"gemv": "gemv", "gemv-split": "gemv (split k)", "grouped": "grouped gemm",
+            "grouped-small-tiles": "grouped gemm"}[path]
     from nvllm.kernels import partial_sum     # the accumulators left zeroed and free for the next GEMV
 
     assert not partial_sum._HELD and not any(b.any() for b in partial_sum._BUFFERS.get(x.device, []))

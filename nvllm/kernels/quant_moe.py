@@ -31,7 +31,7 @@ from nvllm.kernels import fused_moe, partial_sum, pdl, report
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.partial_sum import PartialSum
 from nvllm.kernels.backend import interpreting, use_triton
-from nvllm.kernels.fused_moe import _block_m, _block_rows, experts_reference  # noqa: F401
+from nvllm.kernels.fused_moe import _block_rows, experts_reference  # noqa: F401
 from nvllm.kernels.jit import lazy_jit
 from nvllm.kernels.moe_align import align_tokens
 from nvllm.kernels.moe_sum import sum_slots
@@ -185,26 +185,6 @@ def _quant_moe_gemv_kernel(
         tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-def _dequant_tile_nk(qw_ptr, qz_ptr, s_ptr, k0, k_end, offs_n, mask_n, wn, mask_wn, stride_qw, stride_qz, stride_s,
-                     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``quant_gemm._dequant_tile`` transposed: fp32 ``(q − z)·s`` as [BLOCK_N, BLOCK_K], GPTQ v1 words, the tile
-    inside one group (one row of scales and zeros)."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    WORDS_K: tl.constexpr = BLOCK_K // PER_WORD
-    fields = tl.arange(0, PER_WORD) * BITS
-    wk = k0 // PER_WORD + tl.arange(0, WORDS_K)
-    words = tl.load(qw_ptr + wk[None, :] * stride_qw + offs_n[:, None],
-                    mask=mask_n[:, None] & (wk < k_end // PER_WORD)[None, :], other=0)     # [BLOCK_N, WORDS_K]
-    q = tl.reshape((words[:, :, None] >> fields[None, None, :]) & MASK, (BLOCK_N, BLOCK_K))
-    grp = k0 // GROUP
-    s = tl.load(s_ptr + grp * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    zw = tl.load(qz_ptr + grp * stride_qz + wn, mask=mask_wn, other=0)
-    z = tl.reshape((zw[:, None] >> fields[None, :]) & MASK, (BLOCK_N,))[:, None] + 1    # v1 stores zero − 1
-    qf = (q | 0x4B000000).to(tl.float32, bitcast=True)                                   # 2^23 + q, as there
-    return (qf - (z.to(tl.float32) + 8388608.0)) * s
-
-
 def _quant_moe_gemm_kernel(
     a_ptr, qw_ptr, qz_ptr, s_ptr, gidx_ptr, c_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr,
     N, K,                                     # C's columns, the reduction length
@@ -216,14 +196,11 @@ def _quant_moe_gemm_kernel(
     UPCAST: tl.constexpr,                     # interpreter + 16-bit: feed tl.dot fp32 copies (backend.interpreting)
     DOT_PRECISION: tl.constexpr,              # "ieee" for fp32 inputs
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP: tl.constexpr,                       # Cᵀ = W·Aᵀ: the dequantized tile is the product's first operand
     PDL: tl.constexpr,                        # programmatic dependent launch (nvllm.kernels.pdl)
 ):
     """fused_moe's grouped GEMM (program (b, n) over sorted block b's rows, sentinels skipped, blocks at or past
     num_padded[0] returning at once) with expert e's [BLOCK_K, BLOCK_N] weight tile dequantized and rounded to A's
-    dtype before ``tl.dot``. SWAP (contiguous groups, each K step inside one): the tile is dequantized as
-    [BLOCK_N, BLOCK_K] and multiplies Aᵀ, so that it is the operand a Hopper tensor-core MMA may take from
-    registers; the same products, summed in the same K order."""
+    dtype before ``tl.dot``."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -236,21 +213,6 @@ def _quant_moe_gemm_kernel(
     qz = qz_ptr + expert * stride_ze
     sc = s_ptr + expert * stride_se
     gi = gidx_ptr + expert * stride_ge
-    if SWAP:
-        a_cols = a_ptr + (rows // TOP_K)[None, :] * stride_am
-        acc_t = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a_t = tl.load(a_cols + offs_k[:, None], mask=(offs_k < K)[:, None] & mask_m[None, :], other=0.0)
-            w_t = _dequant_tile_nk(qw, qz, sc, k0, K, offs_n, mask_n, wn, mask_wn, stride_qw, stride_qz, stride_s,
-                                   BITS, GROUP, BLOCK_K, BLOCK_N).to(a_t.dtype)
-            if UPCAST:
-                acc_t = tl.dot(w_t.to(tl.float32), a_t.to(tl.float32), acc_t, input_precision="ieee")
-            else:
-                acc_t = tl.dot(w_t, a_t, acc_t, input_precision=DOT_PRECISION)
-        out_t = acc_t.to(c_ptr.dtype.element_ty)
-        tl.store(c_ptr + rows[None, :] * stride_cm + offs_n[:, None], out_t, mask=mask_m[None, :] & mask_n[:, None])
-        return
     a_rows = a_ptr + (rows // TOP_K)[:, None] * stride_am
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -266,7 +228,7 @@ def _quant_moe_gemm_kernel(
     tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
 
 
-_quant_moe_gemm_kernel.helpers = ("_dequant_tile", "_dequant_tile_nk", "_tile_columns", "_block_rows")
+_quant_moe_gemm_kernel.helpers = ("_dequant_tile", "_tile_columns", "_block_rows")
 _quant_moe_gemm_kernel.do_not_specialize = ("num_valid",)   # varies with the batch (see nvllm.kernels.jit)
 
 
@@ -285,11 +247,16 @@ def _block_k(w: ExpertWeights, most: int) -> int:
 def gemm_config(rows: int, num_experts: int) -> dict:
     """The grouped GEMM's launch for ``rows`` (token, slot) pairs over ``num_experts`` experts: rows a block
     (BLOCK_M, which ``align_tokens`` pads to), columns and inputs a program step (BLOCK_N, BLOCK_K; cut to the
-    projection's size), warps, stages, and SWAP (the dequantized tile as the product's first operand; taken where
-    every K step lies inside one group). GEMM_TILES overrides any of them."""
-    block_m = _block_m(rows, num_experts)
-    config = dict(BLOCK_M=block_m, BLOCK_N=64 if block_m <= 32 else 128, BLOCK_K=64, num_warps=4, num_stages=3,
-                  SWAP=False)
+    projection's size and the group), warps and stages. GEMM_TILES overrides any of them.
+
+    From an H100 sweep of the whole op (PERF.md, run FU; Qwen3-30B-A3B's 128 experts and Mixtral's 8, 4-bit g128):
+    128 columns throughout; up to 16 pairs an expert blocks of 16 rows and K steps of 128 (Qwen3-30B-A3B at 32
+    tokens 248 µs against 279 with fused_moe's bf16 tiles, Mixtral 708 against 792); up to 64 blocks of 64 rows
+    — half of them padding at 32 pairs an expert, yet fewer blocks each reading the expert's weight — and K steps
+    of 128 (512 tokens: 388 against 574 µs); beyond, fused_moe's rows and K steps of 64, which nothing swept beat."""
+    per_expert = rows / num_experts
+    block_m = 16 if per_expert <= 16 else 64 if per_expert < 128 else 128
+    config = dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128 if per_expert <= 64 else 64, num_warps=4, num_stages=3)
     config.update(GEMM_TILES or {})
     return config
 
@@ -361,7 +328,6 @@ def _gemm(a: torch.Tensor, w: ExpertWeights, c: torch.Tensor, sorted_ids: torch.
     n, k = w.out_features, w.in_features
     block_n = max(16, min(config["BLOCK_N"], triton.next_power_of_2(n)))
     block_k = _block_k(w, config["BLOCK_K"])
-    uniform = w.g_idx is None and w.group_size % block_k == 0
     tensors, strides, consts = _weight_args(w)
     sixteen_bit = a.dtype in (torch.float16, torch.bfloat16)
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
@@ -369,7 +335,7 @@ def _gemm(a: torch.Tensor, w: ExpertWeights, c: torch.Tensor, sorted_ids: torch.
         a, *tensors, c, sorted_ids, block_experts, num_padded,
         n, k, c.shape[0], a.stride(0), c.stride(0), *strides,
         TOP_K=top_k, **consts,
-        UNIFORM_GROUP=uniform, SWAP=bool(config["SWAP"]) and uniform,
+        UNIFORM_GROUP=w.g_idx is None and w.group_size % block_k == 0,
         UPCAST=sixteen_bit and interpreting(), DOT_PRECISION="tf32" if sixteen_bit else "ieee",
         BLOCK_M=config["BLOCK_M"], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config["num_warps"],
         num_stages=config["num_stages"], **pdl.launch_args(a),
