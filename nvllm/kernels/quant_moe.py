@@ -61,7 +61,6 @@ GEMV_SPLIT_K = 4
 # The grouped GEMM's tiles (``gemm_config``): a dict of any of its keys overrides its choice (the sweep of
 # ``scripts/gpu_moe_bench.py --gemm-sweep`` and the tests set it). Read at each call.
 GEMM_TILES: dict | None = None
-NUM_WARPS = 4          # the grouped GEMM's
 
 _jit = lazy_jit
 
