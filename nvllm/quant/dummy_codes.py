@@ -6,8 +6,8 @@ layers and a router sends different tokens to different experts. Codes drawn ove
 with random zero points give every (group, column) a bias ``(2^b − 1)/2 − z`` as large as the codes' spread;
 deep stacks of such layers collapse the hidden states onto a few directions. Here every code is drawn uniformly
 from ``1 .. 2^b − 1`` and every zero point is the middle code ``2^(b−1)``, so ``q − z`` is uniform on
-``−(2^(b−1) − 1) .. 2^(b−1) − 1``: zero mean in every group. Scales are uniform in [5e-4, 1.5e-3], so
-``|w| ≲ 0.01`` at 4 bits, as the dense dummy weights.
+``−(2^(b−1) − 1) .. 2^(b−1) − 1``: zero mean in every group. Scales are uniform in [5e-4, 1.5e-3] · 7 / (2^(b−1) − 1),
+so ``|w| ≤ 0.0105`` at 4 and 8 bits, as the dense dummy weights' 0.01.
 
 Which field of a word holds which column does not matter: every code is drawn independently, so the AWQ and
 GPTQ layouts differ only in how the zero point is stored (GPTQ v1 stores ``z − 1``).
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-_CHUNK_WORDS = 1 << 22   # words drawn at a time: the int64 fields of a chunk take 32 · 2^22 bytes at 4 bits
+_CHUNK_WORDS = 1 << 22   # words drawn at a time: their int64 fields take 256 MiB at 4 bits (8 fields a word)
 
 
 def _words_of(fields: torch.Tensor, bits: int) -> torch.Tensor:
@@ -51,4 +51,5 @@ def fill_dummy(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     """One quantized weight's packed tensors (any leading dimensions, e.g. experts) filled in place."""
     fill_codes(qweight.data, bits, generator)
     qzeros.data.fill_(zero_word(bits, fmt))
-    scales.data.uniform_(5e-4, 1.5e-3, generator=generator)
+    widest = 7 / (2 ** (bits - 1) - 1)   # scales shrink with the codes: the largest |q − z|·s is 7 · 1.5e-3
+    scales.data.uniform_(5e-4 * widest, 1.5e-3 * widest, generator=generator)
