@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from nvllm import LoRARequest, SamplingParams
 from nvllm.cli import app
 from nvllm.config import ConfigError, EngineConfig
+from nvllm.engine.kv_budget import lora_footprint
 from nvllm.lora.request import parse_lora_modules
 from tests.conftest import build_tiny_model, make_llm
 from tests.lora_utils import N, PROMPTS, check_against_peft, lora_setup, make_adapter, peft_greedy
@@ -309,8 +310,10 @@ def test_the_kv_cache_leaves_room_for_max_loras_adapters(setup):
     llm = make_llm(str(base), enable_lora=True, max_loras=3, max_lora_rank=8)
     h, inter, q, kv, layers = 64, 96, 64, 32, 2  # tests/conftest.py's tiny shapes
     per_layer = 8 * (3 * (h + q + 2 * kv) + (q + h) + 2 * (h + 2 * inter) + (inter + h))
-    assert llm.engine.runner.lora_footprint() == 3 * layers * per_layer * 4  # float32 on the CPU
-    assert make_llm(str(base)).engine.runner.lora_footprint() == 0
+    r = llm.engine.runner
+    assert lora_footprint(r.config, r.model, r.dtype) == 3 * layers * per_layer * 4  # float32 on the CPU
+    r = make_llm(str(base)).engine.runner
+    assert lora_footprint(r.config, r.model, r.dtype) == 0
 
 
 def test_metrics_name_the_running_and_waiting_adapters(setup):

@@ -13,7 +13,6 @@ ranks, so the block ids the scheduler hands out are valid everywhere."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import check_tensor_parallel
 from nvllm.engine.cuda_graph import DecodeGraphs, fresh_tokens_promise, graph_query_len
 from nvllm.engine.inflight import PendingTokens, resolve_placeholders
+from nvllm.engine.kv_budget import GiB, num_kv_blocks
 from nvllm.engine.piecewise_graphs import PiecewiseGraphs
 from nvllm.engine.sequence import Sequence
 from nvllm.engine.step_inputs import StepInputs
@@ -35,13 +35,12 @@ from nvllm.layers.attention import (AttentionMetadata, allocate_kv_caches, kv_ca
 from nvllm.layers.linear import interleave_gate_ups
 from nvllm.layers.sampler import Sampler, SampleRow, batch_token_logprobs, host_tensor
 from nvllm.lora.layers import lora_mapping
-from nvllm.lora.manager import MOE_REFUSAL, LoRAManager, layer_linears, loads_message
+from nvllm.lora.manager import MOE_REFUSAL, LoRAManager, loads_message
 from nvllm.models.llama import ModelShape
 from nvllm.models.loader import checkpoint_dtype, load_hf_config, load_model, model_len_limit, quantization_plan
 from nvllm.models.registry import resolve_architecture
 
 logger = logging.getLogger("nvllm")
-_GiB = 1 << 30
 _PROMPT_LOGPROB_ROWS = 512  # prompt positions scored per log_softmax
 PIECEWISE_MAX_TOKENS = 2048
 """Largest step (in tokens) replayed as piecewise CUDA graphs (nvllm.engine.piecewise_graphs); above it a step's
@@ -139,7 +138,7 @@ class ModelRunner:
         logger.info("KV cache%s: %d blocks x %d tokens = %d tokens, %s, %d bytes (%.1f KiB) per token, %.2f GiB",
                     " on each rank" if self.tp.size > 1 else "", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size, kv_dtype, self.kv_bytes_per_token,
-                    self.kv_bytes_per_token / 1024, self.num_blocks * self.block_size * self.kv_bytes_per_token / _GiB)
+                    self.kv_bytes_per_token / 1024, self.num_blocks * self.block_size * self.kv_bytes_per_token / GiB)
 
     @torch.inference_mode()
     def _build_lm_head_variants(self) -> None:
@@ -208,52 +207,10 @@ class ModelRunner:
         return model_len_limit(self.hf_config, self.config.max_model_len)
 
     def _num_kv_blocks(self) -> int:
-        """The blocks this rank's memory holds (the ranks then agree on the smallest count)."""
-        c = self.config
-        per_block = self.kv_bytes_per_token * c.block_size
-        if c.num_kv_blocks is not None:
-            n = c.num_kv_blocks
-        elif c.kv_cache_memory is not None:
-            n = int(c.kv_cache_memory * _GiB // per_block)
-        elif self.device.type == "cuda":
-            draft_weights, draft_per_token = self._draft_footprint()
-            free = self._profile_free_memory() - draft_weights - self.lora_footprint()
-            n = free // (per_block + draft_per_token * c.block_size)
-        else:
-            # CPU default: room for max_num_seqs full-length sequences, at most 4 GiB
-            want = c.max_num_seqs * math.ceil(self.max_model_len / c.block_size)
-            n = min(want, int(4 * _GiB // per_block))
-        return int(n)
-
-    def lora_footprint(self) -> int:
-        """Device bytes that max_loras adapters of max_lora_rank may take (0 without LoRA): A and B of every
-        decoder linear, a fused one's ranks per projection. Set aside before the KV cache takes the rest."""
-        c = self.config
-        if not c.enable_lora:
-            return 0
-        total = 0
-        for layer in self.model.layers:
-            for name in layer_linears(layer):
-                lin = getattr(layer, name)
-                lin = getattr(lin, "base", lin)
-                total += c.max_lora_rank * len(lin.output_sizes) * (lin.in_features + lin.out_features)
-        return total * c.max_loras * self.dtype.itemsize
-
-    def _draft_footprint(self) -> tuple[int, int]:
-        """(weight bytes, KV bytes per token) of the speculative draft model that will share this GPU and this
-        block count; (0, 0) without one. Estimated from its config.json, in this runner's dtypes."""
-        spec = self.config.speculative
-        if spec is None or getattr(spec, "method", None) != "draft":
-            return 0, 0
-        from nvllm.models.hub import resolve_model_path
-
-        hf = load_hf_config(resolve_model_path(spec.draft_model))
-        s = ModelShape(hf, resolve_architecture(hf)[0])
-        h, layers, heads, kv_heads, head_dim = s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim
-        params = layers * (h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h) + s.mlp_parameters() \
-            + s.vocab_size * h * (1 if s.tie_word_embeddings else 2)
-        return params * self.dtype.itemsize, kv_cache_bytes_per_token(layers, kv_heads, head_dim, self.dtype,
-                                                                      self.config.kv_cache_dtype)
+        """The blocks this rank's memory holds (``kv_budget.num_kv_blocks``; the ranks then agree on the fewest)."""
+        profile = self._profile_free_memory if self.device.type == "cuda" else None
+        return num_kv_blocks(self.config, self.model, self.dtype, self.kv_bytes_per_token, self.max_model_len,
+                             profile)
 
     def _profile_free_memory(self) -> int:
         """Run one prompt of max_num_batched_tokens dummy tokens (a cache just big enough), measure the peak, give
