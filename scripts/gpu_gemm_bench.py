@@ -21,7 +21,9 @@ an eager wall-clock timer (checks the script, measures nothing).
 
 Prints a compact table; writes $OUT/gemm_bench.json (everything, including every candidate's time) and
 $OUT/gemm_table.json (the dispatch table, loadable with ``nvllm.kernels.gemm.load_gemm_table``), both
-rewritten after every shape so a run cut short still leaves results. OUT defaults to ".".
+rewritten after every shape so a run cut short still leaves results. OUT defaults to ".". ``--merge-into FILE``
+then adds the table to FILE when every check passed (``merge_gemm_table``: each shipped table in
+nvllm/kernels/configs/ holds several models' runs for one GPU model).
 """
 
 from __future__ import annotations
@@ -163,6 +165,9 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1,
                     help="the shapes one rank of an N-way tensor-parallel engine runs: qkv, gate_up and lm_head split "
                          "along N, o and down along K (the rows the engine's table needs with --tensor-parallel-size)")
+    ap.add_argument("--merge-into", metavar="FILE",
+                    help="also add the table to FILE (created if missing; one file a GPU model, several models' "
+                         "runs in it), e.g. nvllm/kernels/configs/gemm_<device name>.json, which the engine loads")
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="exercise the script on the CPU (Triton interpreter, shapes / 64, fake timings)")
     args = ap.parse_args()
@@ -325,6 +330,12 @@ def main() -> int:
     result["elapsed_s"] = time.perf_counter() - t_start
     write_json(out_dir / "gemm_bench.json", result)
     log(f"wrote {out_dir / 'gemm_bench.json'} and {out_dir / 'gemm_table.json'} in {result['elapsed_s']:.0f} s")
+    if args.merge_into and result["checks_ok"]:
+        label = args.model + (f", tensor-parallel {args.tp}" if args.tp > 1 else "")
+        held = G.merge_gemm_table(args.merge_into, label, meta)
+        log(f"merged into {args.merge_into} under {label!r}: {held} entries")
+    elif args.merge_into:
+        log(f"not merged into {args.merge_into}: a check failed")
     return 0 if result["checks_ok"] else 1
 
 

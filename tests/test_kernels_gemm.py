@@ -335,3 +335,46 @@ def test_shipped_tables_load_under_their_device_name(path):
             assert e["m"] & (e["m"] - 1) == 0 and e["dtype"] == "bfloat16"
     finally:
         G.clear_gemm_table()
+
+
+def test_merge_gemm_table(tmp_path):
+    """Several models' runs into one file a GPU model: entries of the same key replaced, meta kept per run; a file of
+    another device refused; the merged file loads back whole."""
+    path = str(tmp_path / "gemm_GPU.json")
+    fma = G.SkinnyConfig("fma", 8, 256)
+    G.clear_gemm_table()
+    try:
+        G.set_gemm_choice(256, 128, 1, torch.bfloat16, fma)
+        G.set_gemm_choice(256, 128, 2, torch.bfloat16, G.CUBLAS)
+        assert G.merge_gemm_table(path, "model a", {"device": "GPU"}) == 2
+        G.clear_gemm_table()
+        G.set_gemm_choice(256, 128, 2, torch.bfloat16, fma)           # the same key: replaced
+        G.set_gemm_choice(512, 128, 1, torch.bfloat16, G.CUBLAS)
+        assert G.merge_gemm_table(path, "model b", {"device": "GPU"}) == 3
+        data = json.loads(open(path).read())
+        assert list(data["meta"]) == ["model a", "model b"]
+        with pytest.raises(ValueError, match="one GPU model"):
+            G.merge_gemm_table(path, "model c", {"device": "other GPU"})
+        G.clear_gemm_table()
+        assert G.load_gemm_table(path) == 3
+        assert G.gemm_choice(256, 128, 1, torch.bfloat16) == fma == G.gemm_choice(256, 128, 2, torch.bfloat16)
+        assert G.gemm_choice(512, 128, 1, torch.bfloat16) == G.CUBLAS
+        assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]                  # nothing half-written left
+    finally:
+        G.clear_gemm_table()
+
+
+def test_bench_script_dry_run_merges_its_table(tmp_path):
+    """scripts/gpu_gemm_bench.py on the CPU (interpreter, shapes / 64): its checks pass and --merge-into adds its
+    table to the file under the model's name."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dest = tmp_path / "gemm_cpu.json"
+    run = subprocess.run([sys.executable, os.path.join(repo, "scripts", "gpu_gemm_bench.py"), "--dry-run-cpu",
+                          "--shapes", "o", "--ms", "1", "--merge-into", str(dest)], capture_output=True, text=True,
+                         env={**os.environ, "OUT": str(tmp_path)}, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    data = json.loads(dest.read_text())
+    assert list(data["meta"]) == ["qwen2.5-7b"] and len(data["entries"]) == 1

@@ -71,7 +71,7 @@ from nvllm.kernels.activation import silu_and_mul, silu_and_mul_reference
 from nvllm.kernels.backend import interpreting, use_triton
 from nvllm.kernels.gemm_table import (  # noqa: F401 - the table's API, re-exported beside gemm
     _BUCKETS, _TABLE, CUBLAS, FMA_MAX_M, MAX_TUNED_M, SkinnyConfig, _cdiv, _next_pow2, clear_gemm_table, gemm_bucket,
-    gemm_choice, gemm_table, gemm_table_path, load_gemm_table, save_gemm_table, set_gemm_choice)
+    gemm_choice, gemm_table, gemm_table_path, load_gemm_table, merge_gemm_table, save_gemm_table, set_gemm_choice)
 from nvllm.kernels.jit import lazy_jit
 
 __all__ = ["gemm", "gemm_reference", "gemm_silu_and_mul", "skinny_gemm", "CUBLAS", "FMA_MAX_M", "MAX_TUNED_M",

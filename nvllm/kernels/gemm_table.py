@@ -112,15 +112,43 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def save_gemm_table(path: str, meta: dict | None = None) -> None:
-    """Write the table as JSON (atomically: a temp file renamed into place)."""
-    entries = [{"n": n, "k": k, "m": m, "dtype": _dtype_name(dt),
-                "choice": c.to_dict() if isinstance(c, SkinnyConfig) else c}
-               for (n, k, m, dt), c in sorted(_TABLE.items(), key=lambda kv: (kv[0][:3], str(kv[0][3])))]
+def _entries() -> list[dict]:
+    return [{"n": n, "k": k, "m": m, "dtype": _dtype_name(dt),
+             "choice": c.to_dict() if isinstance(c, SkinnyConfig) else c}
+            for (n, k, m, dt), c in sorted(_TABLE.items(), key=lambda kv: (kv[0][:3], str(kv[0][3])))]
+
+
+def _write_json(path: str, data: dict) -> None:
+    """Atomically: a temp file renamed into place."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump({"meta": meta or {}, "entries": entries}, f, indent=1)
+        json.dump(data, f, indent=1)
     os.replace(tmp, path)
+
+
+def save_gemm_table(path: str, meta: dict | None = None) -> None:
+    """Write the table as JSON."""
+    _write_json(path, {"meta": meta or {}, "entries": _entries()})
+
+
+def merge_gemm_table(path: str, label: str, meta: dict) -> int:
+    """Add the live table to the table file ``path`` (created if missing), ``meta`` under ``label``: one file a GPU
+    model holds the runs of several models' shapes, as the shipped ones do; an entry of the same (N, K, M, dtype) is
+    replaced. A file whose runs name another device is refused (ValueError). Returns the entries the file holds."""
+    data = {"meta": {}, "entries": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    devices = {m.get("device") for m in data["meta"].values()}
+    if devices - {meta.get("device")}:
+        raise ValueError(f"{path} holds tables of {sorted(map(str, devices))}, not of {meta.get('device')!r}: "
+                         "a table file is for one GPU model")
+    entries = {(e["n"], e["k"], e["m"], e["dtype"]): e for e in data["entries"]}
+    entries.update({(e["n"], e["k"], e["m"], e["dtype"]): e for e in _entries()})
+    data["meta"][label] = meta
+    data["entries"] = [entries[key] for key in sorted(entries)]
+    _write_json(path, data)
+    return len(entries)
 
 
 def gemm_table_path(device_name: str) -> str:
