@@ -87,11 +87,16 @@ def graph_us(call, iters: int = 20, reps: int = 7) -> float:
     return sorted(times)[reps // 2]
 
 
+def random_experts(e: int, h: int, i: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 w13 [E, 2I, H] and w2 [E, H, I], normal entries scaled by 1/√fan-in."""
+    return ((torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h ** -0.5).to(torch.bfloat16),
+            (torch.randn(e, h, i, device="cuda", generator=gen) * i ** -0.5).to(torch.bfloat16))
+
+
 def kernel_runs(res: dict, ts: list[int], bandwidth: float) -> None:
     for name, (e, k, h, i) in SHAPES.items():
         gen = torch.Generator("cuda").manual_seed(0)
-        w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h ** -0.5).to(torch.bfloat16)
-        w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i ** -0.5).to(torch.bfloat16)
+        w13, w2 = random_experts(e, h, i, gen)
         per_expert = (w13[0].numel() + w2[0].numel()) * 2
         for t in ts:
             x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
@@ -154,8 +159,7 @@ def quant_kernel_runs(res: dict, ts: list[int], bandwidth: float, sweep: bool) -
     the tokens touch); ``sweep``: the GEMV's block sizes at T = 1 and 4."""
     for name, (e, k, h, i) in SHAPES.items():
         gen = torch.Generator("cuda").manual_seed(0)
-        w13 = gptq_experts((torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h ** -0.5).to(torch.bfloat16))
-        w2 = gptq_experts((torch.randn(e, h, i, device="cuda", generator=gen) * i ** -0.5).to(torch.bfloat16))
+        w13, w2 = map(gptq_experts, random_experts(e, h, i, gen))
         per_expert = packed_bytes(w13) + packed_bytes(w2)
         for t in ts:
             x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
@@ -183,8 +187,7 @@ def crossing_runs(res: dict) -> None:
     the token counts around T·k = E, bf16 and 4-bit experts, µs a call in a CUDA graph."""
     for name, (e, k, h, i) in SHAPES.items():
         gen = torch.Generator("cuda").manual_seed(0)
-        w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h ** -0.5).to(torch.bfloat16)
-        w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i ** -0.5).to(torch.bfloat16)
+        w13, w2 = random_experts(e, h, i, gen)
         q13, q2 = gptq_experts(w13), gptq_experts(w2)
         for t in CROSSING_TS[name]:
             x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
@@ -234,8 +237,7 @@ def gemm_sweep(res: dict, ts: list[int]) -> dict:
     best = {}
     for name, (e, k, h, i) in SHAPES.items():
         gen = torch.Generator("cuda").manual_seed(0)
-        w13 = gptq_experts((torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h ** -0.5).to(torch.bfloat16))
-        w2 = gptq_experts((torch.randn(e, h, i, device="cuda", generator=gen) * i ** -0.5).to(torch.bfloat16))
+        w13, w2 = map(gptq_experts, random_experts(e, h, i, gen))
         for t in (t for t in ts if t * k > e):
             x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
             weights, ids = route(torch.randn(t, e, device="cuda", generator=gen), k, True, True)
@@ -264,13 +266,16 @@ def gemm_sweep(res: dict, ts: list[int]) -> dict:
                 for bn in (64, 128):
                     for bk in (64, 128):
                         time_setting(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
-            for r in sorted((r for r in rows if "us" in r and r["err"] < 1e-2), key=lambda r: r["us"])[:3]:
+            def ranked():   # the settings that ran and gave the shipped output, fastest first
+                return sorted((r for r in rows if "us" in r and r["err"] < 1e-2), key=lambda r: r["us"])
+
+            for r in ranked()[:3]:
                 for nw, ns in ((8, 3), (4, 4)):
                     time_setting(**{**r["tiles"], "num_warps": nw, "num_stages": ns})
             QM.GEMM_TILES = None
             res.setdefault("gemm_sweep", []).extend(rows)
             res.setdefault("gemm_sweep_shipped", {})[f"{name} T={t}"] = {"us": shipped_us, "tiles": shipped}
-            timed = sorted((r for r in rows if "us" in r and r["err"] < 1e-2), key=lambda r: r["us"])   # ran, and right
+            timed = ranked()
             if timed:
                 best[(e, t * k / e)] = timed[0]["tiles"]
             print(f"  gemm sweep {name} T={t}: shipped {shipped_us:.1f} µs; best five: " + "; ".join(
