@@ -26,8 +26,9 @@ hand over to the grouped GEMM), µs a call.
 ``--gptq``: also the 4-bit experts (GPTQ g128, ``nvllm.kernels.quant_moe``) in step 1, checked against their torch
 reference, and in step 2 the engine on the same shapes with a GPTQ 4-bit g128 config (every decoder linear and
 expert packed, router and LM head in bf16): its TPOT, decode steps and TTFT against the bf16 engine's in the same
-run. ``--gemm-sweep``: the 4-bit grouped GEMM's launch settings at the ``--ts`` past T·k = E, µs a call of the op;
-with ``--gptq`` the 4-bit engine then runs again with each grouped GEMM launched as the sweep's best nearest case.
+run. ``--gemm-sweep``: the grouped GEMM's launch settings (bf16; with ``--gptq`` 4-bit too) at the ``--ts`` past
+T·k = E, µs a call of the op; the engine then runs again with each grouped GEMM launched as the sweep's best nearest
+case.
 ``--sweep``: the 4-bit GEMV's block sizes, warps and K splits at T = 1 (both shapes) and 4 (Qwen3-30B-A3B), µs a
 call.
 
@@ -130,7 +131,7 @@ def align_runs(res: dict, ts: list[int]) -> None:
         for t in ts:
             gen = torch.Generator("cuda").manual_seed(t)
             _, ids = route(torch.randn(t, e, device="cuda", generator=gen), k, True, True)
-            block_m = FM._block_m(t * k, e)
+            block_m = FM.gemm_config(t * k, e)["BLOCK_M"]
             ref = align_tokens_reference(ids, e, block_m)
             got = align_tokens_triton(ids, e, block_m)
             same = all(torch.equal(a, b) for a, b in zip(ref, got))
@@ -228,31 +229,35 @@ def gemv_sweep(res: dict, case: str, call) -> None:
           + "; ".join(f"{r['setting']} {r['us']:.1f}" for r in best), flush=True)
 
 
-def gemm_sweep(res: dict, ts: list[int]) -> dict:
-    """The 4-bit grouped GEMM's launch (``quant_moe.GEMM_TILES``) at the token counts of ``ts`` that take it: rows a
-    block (the shipped rule's, half and twice it), columns and K step at 4 warps and 3 stages; then
-    8 warps, and 4 stages, for the best three. µs a call of the whole op in a CUDA graph; each setting's output
-    against the shipped one's (largest difference over the largest output; 1e-2 or more disqualifies it). Returns
-    the best setting of each case, keyed (experts, pairs an expert)."""
-    best = {}
+def gemm_sweep(res: dict, ts: list[int], mod) -> dict:
+    """The grouped GEMM's launch (``mod.GEMM_TILES``; ``mod``: fused_moe for bf16 experts, quant_moe for 4-bit GPTQ
+    g128 ones) at the token counts of ``ts`` that take it: rows a block (the shipped rule's, half and twice it),
+    columns and K step at 4 warps and 3 stages (and 256 columns at 8 warps for blocks of 64 rows or more); then 8
+    warps, 4 stages and both for the best three. µs a call of the
+    whole op in a CUDA graph; each setting's output against the shipped one's (largest difference over the largest
+    output; 1e-2 or more disqualifies it). Returns the best setting of each case, keyed (experts, pairs an expert)."""
+    best, kind = {}, "4-bit" if mod is QM else "bf16"
     for name, (e, k, h, i) in SHAPES.items():
         gen = torch.Generator("cuda").manual_seed(0)
-        w13, w2 = map(gptq_experts, random_experts(e, h, i, gen))
+        w13, w2 = random_experts(e, h, i, gen)
+        if mod is QM:
+            w13, w2 = map(gptq_experts, (w13, w2))
+        op = QM.quant_experts if mod is QM else fused_experts
         for t in (t for t in ts if t * k > e):
             x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
             weights, ids = route(torch.randn(t, e, device="cuda", generator=gen), k, True, True)
 
             def call():
-                return QM.quant_experts(x, w13, w2, weights, ids)
+                return op(x, w13, w2, weights, ids)
 
-            QM.GEMM_TILES = None
-            shipped = QM.gemm_config(t * k, e)
+            mod.GEMM_TILES = None
+            shipped = mod.gemm_config(t * k, e)
             shipped_out, shipped_us = call().float(), graph_us(call)
             rows = []
 
             def time_setting(**tiles):
-                QM.GEMM_TILES = tiles
-                row = {"case": f"{name} T={t}", "tiles": tiles,
+                mod.GEMM_TILES = tiles
+                row = {"op": kind, "case": f"{name} T={t}", "tiles": tiles,
                        "setting": "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} {num_warps}w {num_stages}s".format(**tiles)}
                 try:
                     row["err"] = ((call().float() - shipped_out).abs().max() / shipped_out.abs().max()).item()
@@ -266,19 +271,21 @@ def gemm_sweep(res: dict, ts: list[int]) -> dict:
                 for bn in (64, 128):
                     for bk in (64, 128):
                         time_setting(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
+                if bm >= 64:   # Hopper's wide tiles, at 8 warps
+                    time_setting(BLOCK_M=bm, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
             def ranked():   # the settings that ran and gave the shipped output, fastest first
                 return sorted((r for r in rows if "us" in r and r["err"] < 1e-2), key=lambda r: r["us"])
 
             for r in ranked()[:3]:
-                for nw, ns in ((8, 3), (4, 4)):
+                for nw, ns in ((8, 3), (4, 4), (8, 4)):
                     time_setting(**{**r["tiles"], "num_warps": nw, "num_stages": ns})
-            QM.GEMM_TILES = None
+            mod.GEMM_TILES = None
             res.setdefault("gemm_sweep", []).extend(rows)
-            res.setdefault("gemm_sweep_shipped", {})[f"{name} T={t}"] = {"us": shipped_us, "tiles": shipped}
+            res.setdefault("gemm_sweep_shipped", {})[f"{kind} {name} T={t}"] = {"us": shipped_us, "tiles": shipped}
             timed = ranked()
             if timed:
                 best[(e, t * k / e)] = timed[0]["tiles"]
-            print(f"  gemm sweep {name} T={t}: shipped {shipped_us:.1f} µs; best five: " + "; ".join(
+            print(f"  {kind} gemm sweep {name} T={t}: shipped {shipped_us:.1f} µs; best five: " + "; ".join(
                 f"{r['setting']} {r['us']:.1f} (err {r['err']:.1e})" for r in timed[:5])
                 + f"; {len(rows) - len(timed)} failed or wrong", flush=True)
         w13 = w2 = None
@@ -286,10 +293,10 @@ def gemm_sweep(res: dict, ts: list[int]) -> dict:
     return best
 
 
-def swept_config(best: dict):
-    """A ``quant_moe.gemm_config`` that launches each call as the sweep's best setting for the case of the same
-    experts nearest in pairs an expert (the shipped rule for expert counts the sweep did not see)."""
-    shipped = QM.gemm_config
+def swept_config(best: dict, mod):
+    """A ``mod.gemm_config`` that launches each call as the sweep's best setting for the case of the same experts
+    nearest in pairs an expert (the shipped rule for expert counts the sweep did not see)."""
+    shipped = mod.gemm_config
 
     def config(rows: int, num_experts: int) -> dict:
         cases = [(abs(math.log(rows / num_experts / p)), p) for e, p in best if e == num_experts]
@@ -357,7 +364,7 @@ def main() -> None:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--gptq", action="store_true", help="also 4-bit GPTQ experts and engine")
     ap.add_argument("--sweep", action="store_true", help="the 4-bit GEMV's block sizes (with --gptq)")
-    ap.add_argument("--gemm-sweep", action="store_true", help="the 4-bit grouped GEMM's tiles at --ts")
+    ap.add_argument("--gemm-sweep", action="store_true", help="the grouped GEMMs' tiles at --ts")
     ap.add_argument("--align-compare", action="store_true", help="align_tokens in torch against Triton")
     ap.add_argument("--crossing", action="store_true", help="GEMVs against the grouped GEMM around T*k = E")
     ap.add_argument("--tokenizer-dir", default=str(REPO / ".carry/qwen2.5"))
@@ -373,9 +380,10 @@ def main() -> None:
     kernel_runs(res, ts, bandwidth)
     if args.gptq:
         quant_kernel_runs(res, ts, bandwidth, args.sweep)
-    best = None
+    best = best_q = None
     if args.gemm_sweep:
-        best = gemm_sweep(res, ts)
+        best = gemm_sweep(res, ts, FM)
+        best_q = gemm_sweep(res, ts, QM) if args.gptq else None
         out.write_text(json.dumps(res, indent=1))
     if args.align_compare:
         align_runs(res, ts)
@@ -390,6 +398,10 @@ def main() -> None:
             engine_runs(res, d, bandwidth, "nvllm_torch_align")
             FM.align_tokens = QM.align_tokens = shipped
         engine_runs(res, d, bandwidth)
+        if best:   # the same engine with each grouped GEMM launched as the sweep's best setting nearest it
+            shipped, FM.gemm_config = FM.gemm_config, swept_config(best, FM)
+            engine_runs(res, d, bandwidth, "nvllm_swept")
+            FM.gemm_config = shipped
         out.write_text(json.dumps(res, indent=1))
         if args.gptq:
             dq = Path(tempfile.mkdtemp(prefix="qwen3moe-gptq-"))
@@ -401,8 +413,8 @@ def main() -> None:
             engine_runs(res, dq, bandwidth, "gptq")
             res["gptq_speedup"] = res["nvllm_tpot_ms"] / res["gptq_tpot_ms"]
             print(f"GPTQ 4-bit TPOT {res['gptq_tpot_ms']:.3f} ms: {res['gptq_speedup']:.2f}x bf16's", flush=True)
-            if best:   # the same engine with each grouped GEMM launched as the sweep's best setting nearest it
-                shipped, QM.gemm_config = QM.gemm_config, swept_config(best)
+            if best_q:
+                shipped, QM.gemm_config = QM.gemm_config, swept_config(best_q, QM)
                 engine_runs(res, dq, bandwidth, "gptq_swept")
                 QM.gemm_config = shipped
             shutil.rmtree(dq, ignore_errors=True)

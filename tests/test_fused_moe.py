@@ -177,7 +177,16 @@ def test_fused_experts_dispatch_records(monkeypatch, launches, dtype):
 
 def test_fused_experts_blocks_of_128_rows(monkeypatch, launches):
     """From 128 rows an expert the grouped GEMM takes blocks of 128 (two experts of 130 and 126 rows here)."""
-    assert fused_moe._block_m(256, 2) == 128 and fused_moe._block_m(254, 2) == 64
+    assert fused_moe.gemm_config(256, 2)["BLOCK_M"] == 128 and fused_moe.gemm_config(254, 2)["BLOCK_M"] == 64
     ids = torch.tensor([0] * 130 + [1] * 126)[:, None]
     args = _problem(256, 2, 1, 24, 16, torch.float32, ids=ids)
     _assert_close(_run_path("large", args, monkeypatch, launches), fused_experts_reference(*args), torch.float32)
+
+
+def test_fused_experts_gemm_tiles_override(monkeypatch, launches):
+    """GEMM_TILES replaces the grouped GEMM's launch: small tiles give several column tiles and K steps (64 inputs in
+    steps of 16, w13's 64 columns in tiles of 16) and the same result."""
+    monkeypatch.setattr(fused_moe, "GEMM_TILES", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_stages": 2})
+    assert fused_moe.gemm_config(40, 4) == dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)
+    args = _problem(20, 4, 2, 64, 32, torch.bfloat16)
+    _assert_close(_run_path("large", args, monkeypatch, launches), fused_experts_reference(*args), torch.bfloat16)

@@ -30,14 +30,16 @@ from nvllm.kernels.moe_sum import sum_slots
 
 tl = None  # triton.language, bound by lazy_jit at the first launch
 
-NUM_WARPS = 4
-
 # The small-batch (decode) path runs while the (token, slot) pairs are no more than the experts (T·k ≤ E: at most
 # one pair an expert on average); beyond that the sorted grouped GEMM, which reads each expert's weights once for all
 # its rows, was faster on an H100 (PERF.md, run ES: Qwen3-30B-A3B's 128 experts crossed between 128 and 256 pairs,
 # Mixtral's 8 between 8 and 16). ``SMALL_ROWS``, when set, replaces the rule (tests force either path with it). Read
 # at each call.
 SMALL_ROWS: int | None = None
+
+# The grouped GEMM's launch (``gemm_config``): a dict of any of its keys overrides its choice (the sweep of
+# ``scripts/gpu_moe_bench.py --gemm-sweep`` and the tests set it). Read at each call.
+GEMM_TILES: dict | None = None
 
 # Block sizes of the decode GEMVs, bound by weight bandwidth, swept on an H100 over Qwen3-30B-A3B's and Mixtral's
 # experts at T = 1 and 4 (run ES; 72 settings): 16 rows of w13 a program for the up GEMV, 4 columns of w2 for the
@@ -137,37 +139,39 @@ _moe_gemm_kernel.do_not_specialize = ("num_valid",)   # varies with the batch (s
 _moe_gemm_kernel.helpers = ("_block_rows",)
 
 
-def _block_m(rows: int, num_experts: int) -> int:
-    """Rows per block from the mean rows an expert gets: 16 (tl.dot's least) for small batches, up to 128 from 128
-    rows an expert (an H100 sweep, PERF.md run EY: Mixtral's experts at 2048 tokens 4229 → 3756 µs)."""
+def gemm_config(rows: int, num_experts: int) -> dict:
+    """The grouped GEMM's launch for ``rows`` (token, slot) pairs over ``num_experts`` experts: rows a block
+    (BLOCK_M, which ``align_tokens`` pads to), columns and inputs a program step (BLOCK_N, BLOCK_K; cut to the
+    projection's size), warps and stages. GEMM_TILES overrides any of them.
+
+    Rows a block from the mean an expert gets: 16 (tl.dot's least) for small batches, up to 128 from 128 rows an
+    expert (an H100 sweep, PERF.md run EY: Mixtral's experts at 2048 tokens 4229 → 3756 µs); 64 columns for blocks
+    of up to 32 rows, else 128; K steps of 64; 4 warps, 3 stages."""
     per_expert = rows / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64 if per_expert < 128 else 128
-
-
-def gemm_tiles(block_m: int, n: int, k: int) -> dict:
-    """The grouped GEMM's other tile sizes and launch settings for blocks of ``block_m`` rows, W [E, n, k]."""
-    import triton
-
-    return dict(BLOCK_N=max(16, min(64 if block_m <= 32 else 128, triton.next_power_of_2(n))),
-                BLOCK_K=max(16, min(64, triton.next_power_of_2(k))), num_warps=NUM_WARPS, num_stages=3)
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64 if per_expert < 128 else 128
+    config = dict(BLOCK_M=block_m, BLOCK_N=64 if block_m <= 32 else 128, BLOCK_K=64, num_warps=4, num_stages=3)
+    config.update(GEMM_TILES or {})
+    return config
 
 
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor,
-              block_experts: torch.Tensor, num_padded: torch.Tensor, top_k: int, block_m: int) -> None:
+              block_experts: torch.Tensor, num_padded: torch.Tensor, top_k: int, config: dict) -> None:
     """C[r] = A[r // top_k] @ W[e]ᵀ (C in A's dtype) over the sorted rows; see ``_moe_gemm_kernel``."""
     import triton
 
     n, k = w.shape[1], w.shape[2]
-    tiles = gemm_tiles(block_m, n, k)
+    block_n = max(16, min(config["BLOCK_N"], triton.next_power_of_2(n)))
+    block_k = max(16, min(config["BLOCK_K"], triton.next_power_of_2(k)))
     sixteen_bit = a.dtype in (torch.float16, torch.bfloat16)
-    grid = (block_experts.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _jit(_moe_gemm_kernel)[grid](
         a, w, c, sorted_ids, block_experts, num_padded,
         n, k, c.shape[0],
         a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         TOP_K=top_k,
         UPCAST=sixteen_bit and interpreting(), DOT_PRECISION="tf32" if sixteen_bit else "ieee",
-        BLOCK_M=block_m, **tiles, **pdl.launch_args(a),
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **pdl.launch_args(a),
     )
 
 
@@ -319,13 +323,13 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
         _moe_gemv_down(act, w2, out, ids, topk_weights.to(torch.float32).contiguous())
         return out
-    block_m = _block_m(rows, num_experts)
-    sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, block_m)
+    config = gemm_config(rows, num_experts)
+    sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, config["BLOCK_M"])
     h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
-    _moe_gemm(x, w13, h, sorted_ids, block_experts, num_padded, top_k, block_m)
+    _moe_gemm(x, w13, h, sorted_ids, block_experts, num_padded, top_k, config)
     act = silu_and_mul(h)
     y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm(act, w2, y, sorted_ids, block_experts, num_padded, 1, block_m)
+    _moe_gemm(act, w2, y, sorted_ids, block_experts, num_padded, 1, config)
     return sum_slots(y, topk_weights, top_k)
 
 
