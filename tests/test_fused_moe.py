@@ -43,8 +43,8 @@ CASES = [  # (T, E, k, H, I)
     pytest.param(1, 4, 2, 40, 24, id="T1-odd-dims"),
     pytest.param(6, 3, 1, 72, 20, id="k1"),
     pytest.param(3, 3, 3, 24, 40, id="k=E"),
-    pytest.param(40, 2, 1, 48, 24, id="block_m32"),
-    pytest.param(150, 3, 2, 40, 16, id="block_m64"),
+    pytest.param(40, 2, 1, 48, 24, id="20-rows-an-expert"),
+    pytest.param(150, 3, 2, 40, 16, id="100-rows-an-expert"),
 ]
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in (torch.float32, torch.float16, torch.bfloat16)]
 
@@ -190,3 +190,20 @@ def test_fused_experts_gemm_tiles_override(monkeypatch, launches):
     assert fused_moe.gemm_config(40, 4) == dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)
     args = _problem(20, 4, 2, 64, 32, torch.bfloat16)
     _assert_close(_run_path("large", args, monkeypatch, launches), fused_experts_reference(*args), torch.bfloat16)
+
+
+@pytest.mark.parametrize("elem, shared, expected", [
+    (2, 232448, (4, 256)),    # bf16 on an H100/H200 (227 KiB a block): the sweep's setting as it ran
+    (2, 166912, (3, 256)),    # an A100 (163 KiB): one stage fewer
+    (2, 101376, (2, 256)),    # an L40S / RTX 4090 (99 KiB): two stages
+    (4, 166912, (2, 128)),    # fp32 on an A100: two stages of half the columns
+    (4, 0, (4, 256)),         # no limit known (the interpreter)
+])
+def test_grouped_gemm_fits_shared_memory(elem, shared, expected):
+    """The widest launch (blocks of 128 rows, 256 columns, K steps of 64, 4 stages) is cut to the device's shared
+    memory: stages first, then columns — a launch past it would stop the engine with an out-of-resources error."""
+    config = fused_moe.gemm_config(128 * 8, 8)
+    assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["num_stages"]) == (128, 256, 64, 4)
+    got = fused_moe._fit_shared(4, 128, 256, 64, elem, shared)
+    assert got == expected
+    assert not shared or got[0] * (128 + got[1]) * 64 * elem <= shared

@@ -142,16 +142,42 @@ _moe_gemm_kernel.helpers = ("_block_rows",)
 def gemm_config(rows: int, num_experts: int) -> dict:
     """The grouped GEMM's launch for ``rows`` (token, slot) pairs over ``num_experts`` experts: rows a block
     (BLOCK_M, which ``align_tokens`` pads to), columns and inputs a program step (BLOCK_N, BLOCK_K; cut to the
-    projection's size), warps and stages. GEMM_TILES overrides any of them.
+    projection's size), warps and stages (fewer stages, then columns, where the device's shared memory is smaller:
+    ``_fit_shared``). GEMM_TILES overrides any of them.
 
-    Rows a block from the mean an expert gets: 16 (tl.dot's least) for small batches, up to 128 from 128 rows an
-    expert (an H100 sweep, PERF.md run EY: Mixtral's experts at 2048 tokens 4229 → 3756 µs); 64 columns for blocks
-    of up to 32 rows, else 128; K steps of 64; 4 warps, 3 stages."""
+    From an H200 sweep of the whole op (PERF.md, run FX; Qwen3-30B-A3B's 128 experts and Mixtral's 8, bf16): up to
+    16 pairs an expert blocks of 16 rows, 128 columns and K steps of 128 (Qwen3-30B-A3B at 128 tokens 309.5 µs
+    against 321.7 with the tiles before); up to 64, blocks of 64 rows — fewer blocks each reading its expert's
+    weight once — 64 columns and K steps of 64 (Qwen3-30B-A3B at 512 tokens 347.7 against 382.1, Mixtral at 128
+    tokens 697.5 against 869.8); from 128, blocks of 128 rows, 256 columns, 8 warps and 4 stages (2048 tokens:
+    Qwen3-30B-A3B 562.4 against 610.7, Mixtral 3226.8 against 3509.8). Between 64 and 128, not swept: blocks of 64
+    rows, 128 columns, K steps of 64 (an H100 sweep of the rows alone, run EY)."""
     per_expert = rows / num_experts
-    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64 if per_expert < 128 else 128
-    config = dict(BLOCK_M=block_m, BLOCK_N=64 if block_m <= 32 else 128, BLOCK_K=64, num_warps=4, num_stages=3)
+    if per_expert <= 16:
+        config = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
+    elif per_expert <= 64:
+        config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    elif per_expert < 128:
+        config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
+    else:
+        config = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
     config.update(GEMM_TILES or {})
     return config
+
+
+def _fit_shared(stages: int, block_m: int, block_n: int, block_k: int, elem_bytes: int,
+                shared_bytes: int) -> tuple[int, int]:
+    """Stages and columns whose pipeline fits ``shared_bytes`` of shared memory (a stage holds one [block_m,
+    block_k] tile of A and one [block_k, block_n] of W): first fewer stages, down to 2, then fewer columns, down to
+    16; 0 bytes: no limit known, both kept."""
+    def need(st, bn):
+        return st * (block_m + bn) * block_k * elem_bytes
+
+    while shared_bytes and stages > 2 and need(stages, block_n) > shared_bytes:
+        stages -= 1
+    while shared_bytes and block_n > 16 and need(stages, block_n) > shared_bytes:
+        block_n //= 2
+    return stages, block_n
 
 
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor,
@@ -162,6 +188,9 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: tor
     n, k = w.shape[1], w.shape[2]
     block_n = max(16, min(config["BLOCK_N"], triton.next_power_of_2(n)))
     block_k = max(16, min(config["BLOCK_K"], triton.next_power_of_2(k)))
+    shared = 0 if interpreting() else \
+        getattr(torch.cuda.get_device_properties(a.device), "shared_memory_per_block_optin", 0)
+    stages, block_n = _fit_shared(config["num_stages"], config["BLOCK_M"], block_n, block_k, a.element_size(), shared)
     sixteen_bit = a.dtype in (torch.float16, torch.bfloat16)
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _jit(_moe_gemm_kernel)[grid](
@@ -171,7 +200,7 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: tor
         TOP_K=top_k,
         UPCAST=sixteen_bit and interpreting(), DOT_PRECISION="tf32" if sixteen_bit else "ieee",
         BLOCK_M=config["BLOCK_M"], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config["num_warps"],
-        num_stages=config["num_stages"], **pdl.launch_args(a),
+        num_stages=stages, **pdl.launch_args(a),
     )
 
 
