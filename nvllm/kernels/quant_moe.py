@@ -250,9 +250,10 @@ def gemm_config(rows: int, num_experts: int) -> dict:
 
     From an H100 sweep of the whole op (PERF.md, run FU; Qwen3-30B-A3B's 128 experts and Mixtral's 8, 4-bit g128):
     128 columns throughout; up to 16 pairs an expert blocks of 16 rows and K steps of 128 (Qwen3-30B-A3B at 32
-    tokens 248 µs against 279 with fused_moe's bf16 tiles, Mixtral 708 against 792); up to 64 blocks of 64 rows
-    — half of them padding at 32 pairs an expert, yet fewer blocks each reading the expert's weight — and K steps
-    of 128 (512 tokens: 388 against 574 µs); beyond, fused_moe's rows and K steps of 64, which nothing swept beat.
+    tokens 248 µs against 279 with the bf16 GEMM's tiles of then, Mixtral 708 against 792); up to 64 blocks of 64
+    rows — half of them padding at 32 pairs an expert, yet fewer blocks each reading the expert's weight — and K
+    steps of 128 (512 tokens: 388 against 574 µs); beyond, blocks of 64 rows (128 from 128 pairs an expert) and K
+    steps of 64, which nothing swept beat.
     8-bit and act-order experts take the same tiles; the sweep timed neither."""
     per_expert = rows / num_experts
     block_m = 16 if per_expert <= 16 else 64 if per_expert < 128 else 128
