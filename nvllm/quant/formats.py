@@ -43,11 +43,6 @@ SUPPORTED_BITS = {"awq": (4,), "gptq": (4, 8)}
 # --------------------------------------------------------------------------------------- generic bit packing
 
 
-def _to_int32_words(words: torch.Tensor) -> torch.Tensor:
-    """int64 values in [0, 2^32) → int32 with the same bit pattern (two's-complement wrap)."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
 def _check_range(values: torch.Tensor, bits: int, what: str) -> None:
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= 2**bits):
         raise ValueError(f"{what} must lie in [0, {2**bits - 1}] for {bits}-bit packing, "
@@ -64,18 +59,18 @@ def pack_cols(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = N
     if cols % per_word:
         raise ValueError(f"{cols} columns do not pack into 32-bit words of {per_word} fields")
     _check_range(values, bits, "packed values")
-    v = values.to(torch.int64).reshape(rows, cols // per_word, per_word)
-    if order is not None:
-        v = v[:, :, list(order)]
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
-    return _to_int32_words((v << shifts).sum(dim=-1))
+    v = values.reshape(rows, cols // per_word, per_word)
+    words = torch.zeros(rows, cols // per_word, dtype=torch.int32, device=values.device)
+    for i, col in enumerate(order or range(per_word)):
+        words |= v[:, :, col].to(torch.int32) << (bits * i)    # torch's int32 shift wraps: the top field sets the sign
+    return words
 
 
 def unpack_cols(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """Inverse of ``pack_cols``: int32 ``[R, W]`` → int32 ``[R, W*32/bits]``."""
     per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=words.device)
-    fields = (words.to(torch.int64).unsqueeze(-1) >> shifts) & (2**bits - 1)  # [R, W, P], field i at [.., i]
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    fields = (words.to(torch.int32).unsqueeze(-1) >> shifts) & (2**bits - 1)  # [R, W, P], field i at [.., i]
     if order is not None:
         inverse = [0] * per_word
         for i, col in enumerate(order):
@@ -87,12 +82,23 @@ def unpack_cols(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``values [R, C]`` along rows into int32 ``[R*bits/32, C]``; word row ``r`` holds rows
     ``r*P .. r*P+P-1``, row ``r*P+i`` in bits ``i*bits ..``."""
-    return pack_cols(values.t(), bits).t().contiguous()
+    per_word = 32 // bits
+    rows, cols = values.shape
+    if rows % per_word:
+        raise ValueError(f"{rows} rows do not pack into 32-bit words of {per_word} fields")
+    _check_range(values, bits, "packed values")
+    v = values.reshape(rows // per_word, per_word, cols)
+    words = torch.zeros(rows // per_word, cols, dtype=torch.int32, device=values.device)
+    for i in range(per_word):
+        words |= v[:, i].to(torch.int32) << (bits * i)
+    return words
 
 
 def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``pack_rows``: int32 ``[W, C]`` → int32 ``[W*32/bits, C]``."""
-    return unpack_cols(words.t(), bits).t().contiguous()
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    fields = (words.to(torch.int32).unsqueeze(1) >> shifts[:, None]) & (2**bits - 1)  # [W, P, C]
+    return fields.reshape(-1, words.shape[1])
 
 
 # ---------------------------------------------------------------------------------------- group quantization
