@@ -233,9 +233,9 @@ def gemm_sweep(res: dict, ts: list[int], mod) -> dict:
     """The grouped GEMM's launch (``mod.GEMM_TILES``; ``mod``: fused_moe for bf16 experts, quant_moe for 4-bit GPTQ
     g128 ones) at the token counts of ``ts`` that take it: rows a block (the shipped rule's, half and twice it),
     columns and K step at 4 warps and 3 stages (and 256 columns at 8 warps for blocks of 64 rows or more); then 8
-    warps, 4 stages and both for the best three. µs a call of the
-    whole op in a CUDA graph; each setting's output against the shipped one's (largest difference over the largest
-    output; 1e-2 or more disqualifies it). Returns the best setting of each case, keyed (experts, pairs an expert)."""
+    warps, 4 stages and both for the best three. µs a call of the whole op in a CUDA graph; each setting's output
+    against the shipped one's (largest difference over the largest output; 1e-2 or more disqualifies it). Returns
+    the best setting of each case, keyed (experts, pairs an expert)."""
     best, kind = {}, "4-bit" if mod is QM else "bf16"
     for name, (e, k, h, i) in SHAPES.items():
         gen = torch.Generator("cuda").manual_seed(0)
@@ -273,6 +273,7 @@ def gemm_sweep(res: dict, ts: list[int], mod) -> dict:
                         time_setting(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
                 if bm >= 64:   # Hopper's wide tiles, at 8 warps
                     time_setting(BLOCK_M=bm, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+
             def ranked():   # the settings that ran and gave the shipped output, fastest first
                 return sorted((r for r in rows if "us" in r and r["err"] < 1e-2), key=lambda r: r["us"])
 
