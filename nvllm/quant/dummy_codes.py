@@ -17,14 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from nvllm.quant.formats import pack_cols
+
 _CHUNK_WORDS = 1 << 22   # words drawn at a time: their int64 fields take 256 MiB at 4 bits (8 fields a word)
-
-
-def _words_of(fields: torch.Tensor, bits: int) -> torch.Tensor:
-    """int64 fields ``[n, 32/bits]`` → int32 words, field ``i`` in bits ``i·bits ..`` (two's-complement wrap)."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=fields.device)
-    words = (fields << shifts).sum(dim=-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 @torch.no_grad()
@@ -35,14 +30,14 @@ def fill_codes(words: torch.Tensor, bits: int, generator: torch.Generator) -> No
     for start in range(0, flat.numel(), _CHUNK_WORDS):
         n = min(_CHUNK_WORDS, flat.numel() - start)
         fields = torch.randint(1, 2**bits, (n, per), generator=generator, dtype=torch.int64, device=words.device)
-        flat[start:start + n] = _words_of(fields, bits)
+        flat[start:start + n] = pack_cols(fields, bits).view(-1)
 
 
 def zero_word(bits: int, fmt: str) -> int:
     """The int32 word whose every field stores the middle zero point ``2^(bits−1)`` in format ``fmt``."""
     stored = 2 ** (bits - 1) - (1 if fmt == "gptq" else 0)   # GPTQ v1 stores z − 1
     fields = torch.full((1, 32 // bits), stored, dtype=torch.int64)
-    return int(_words_of(fields, bits)[0])
+    return int(pack_cols(fields, bits)[0, 0])
 
 
 @torch.no_grad()

@@ -49,6 +49,16 @@ def _check_range(values: torch.Tensor, bits: int, what: str) -> None:
                          f"got [{int(values.min())}, {int(values.max())}]")
 
 
+def _or_fields(fields, bits: int) -> torch.Tensor:
+    """int32 words of the fields (int tensors of the words' shape, field ``i`` into bits ``i*bits ..``). torch's
+    int32 left shift wraps (it shifts the unsigned value), so the top field sets the sign bit, as the formats store
+    it."""
+    words = torch.zeros(fields[0].shape, dtype=torch.int32, device=fields[0].device)
+    for i, f in enumerate(fields):
+        words |= f.to(torch.int32) << (bits * i)
+    return words
+
+
 def pack_cols(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """Pack ``values [R, C]`` (ints in ``[0, 2^bits)``) along columns into int32 ``[R, C*bits/32]``.
 
@@ -60,10 +70,7 @@ def pack_cols(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = N
         raise ValueError(f"{cols} columns do not pack into 32-bit words of {per_word} fields")
     _check_range(values, bits, "packed values")
     v = values.reshape(rows, cols // per_word, per_word)
-    words = torch.zeros(rows, cols // per_word, dtype=torch.int32, device=values.device)
-    for i, col in enumerate(order or range(per_word)):
-        words |= v[:, :, col].to(torch.int32) << (bits * i)    # torch's int32 shift wraps: the top field sets the sign
-    return words
+    return _or_fields([v[:, :, col] for col in order or range(per_word)], bits)
 
 
 def unpack_cols(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -76,7 +83,7 @@ def unpack_cols(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = 
         for i, col in enumerate(order):
             inverse[col] = i
         fields = fields[:, :, inverse]
-    return fields.reshape(words.shape[0], -1).to(torch.int32)
+    return fields.reshape(words.shape[0], -1)
 
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -87,11 +94,7 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     if rows % per_word:
         raise ValueError(f"{rows} rows do not pack into 32-bit words of {per_word} fields")
     _check_range(values, bits, "packed values")
-    v = values.reshape(rows // per_word, per_word, cols)
-    words = torch.zeros(rows // per_word, cols, dtype=torch.int32, device=values.device)
-    for i in range(per_word):
-        words |= v[:, i].to(torch.int32) << (bits * i)
-    return words
+    return _or_fields(values.reshape(rows // per_word, per_word, cols).unbind(1), bits)
 
 
 def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
