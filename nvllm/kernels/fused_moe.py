@@ -18,6 +18,8 @@ each token's k terms (``moe_sum``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -180,6 +182,12 @@ def _fit_shared(stages: int, block_m: int, block_n: int, block_k: int, elem_byte
     return stages, block_n
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_bytes(device_index: int) -> int:
+    """Shared memory a block of the device may take (0 where torch does not say)."""
+    return getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", 0)
+
+
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor,
               block_experts: torch.Tensor, num_padded: torch.Tensor, top_k: int, config: dict) -> None:
     """C[r] = A[r // top_k] @ W[e]ᵀ (C in A's dtype) over the sorted rows; see ``_moe_gemm_kernel``."""
@@ -188,8 +196,7 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: tor
     n, k = w.shape[1], w.shape[2]
     block_n = max(16, min(config["BLOCK_N"], triton.next_power_of_2(n)))
     block_k = max(16, min(config["BLOCK_K"], triton.next_power_of_2(k)))
-    shared = 0 if interpreting() else \
-        getattr(torch.cuda.get_device_properties(a.device), "shared_memory_per_block_optin", 0)
+    shared = 0 if interpreting() else _shared_bytes(a.device.index)
     stages, block_n = _fit_shared(config["num_stages"], config["BLOCK_M"], block_n, block_k, a.element_size(), shared)
     sixteen_bit = a.dtype in (torch.float16, torch.bfloat16)
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
