@@ -175,11 +175,12 @@ def test_fused_experts_dispatch_records(monkeypatch, launches, dtype):
     assert made[("fused_moe", "torch reference")] == 1
 
 
-def test_fused_experts_blocks_of_128_rows(monkeypatch, launches):
-    """From 128 rows an expert the grouped GEMM takes blocks of 128 (two experts of 130 and 126 rows here)."""
-    assert fused_moe.gemm_config(256, 2)["BLOCK_M"] == 128 and fused_moe.gemm_config(254, 2)["BLOCK_M"] == 64
-    ids = torch.tensor([0] * 130 + [1] * 126)[:, None]
-    args = _problem(256, 2, 1, 24, 16, torch.float32, ids=ids)
+def test_fused_experts_blocks_of_128_rows_past_64(monkeypatch, launches):
+    """Past 64 rows an expert the grouped GEMM takes blocks of 128 (two experts of 70 and 60 rows here: each one
+    block, mostly padding)."""
+    assert fused_moe.gemm_config(130, 2)["BLOCK_M"] == 128 and fused_moe.gemm_config(128, 2)["BLOCK_M"] == 64
+    ids = torch.tensor([0] * 70 + [1] * 60)[:, None]
+    args = _problem(130, 2, 1, 24, 16, torch.float32, ids=ids)
     _assert_close(_run_path("large", args, monkeypatch, launches), fused_experts_reference(*args), torch.float32)
 
 

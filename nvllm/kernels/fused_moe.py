@@ -152,15 +152,14 @@ def gemm_config(rows: int, num_experts: int) -> dict:
     against 321.7 with the tiles before); up to 64, blocks of 64 rows — fewer blocks each reading its expert's
     weight once — 64 columns and K steps of 64 (Qwen3-30B-A3B at 512 tokens 347.7 against 382.1, Mixtral at 128
     tokens 697.5 against 869.8); from 128, blocks of 128 rows, 256 columns, 8 warps and 4 stages (2048 tokens:
-    Qwen3-30B-A3B 562.4 against 610.7, Mixtral 3226.8 against 3509.8). Between 64 and 128, not swept: blocks of 64
-    rows, 128 columns, K steps of 64 (an H100 sweep of the rows alone, run EY)."""
+    Qwen3-30B-A3B 562.4 against 610.7, Mixtral 3226.8 against 3509.8). Those wide tiles start past 64: an H100
+    sweep at 96 pairs an expert (run GA) timed them at 607.7 µs against 648.6 for the 64 × 128 blocks before
+    (Qwen3-30B-A3B, 1536 tokens), and Mixtral at 384 tokens at 1081.3 against 1246.0."""
     per_expert = rows / num_experts
     if per_expert <= 16:
         config = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
     elif per_expert <= 64:
         config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
-    elif per_expert < 128:
-        config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
     else:
         config = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
     config.update(GEMM_TILES or {})
