@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from nvllm.quant import fp8
-from nvllm.quant.formats import default_g_idx, pack_cols, pack_rows, unpack_rows
+from nvllm.quant.formats import default_g_idx
 from nvllm.quant.fp8 import Fp8Scheme
+from nvllm.quant.packing import pack_cols, pack_rows, unpack_rows
 
 # config.json's weights scheme as llm-compressor writes it (compressed-tensors' QuantizationArgs fields)
 _ARGS = {"type": "int", "dynamic": False, "observer": "minmax", "observer_kwargs": {}, "block_structure": None}

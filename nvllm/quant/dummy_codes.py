@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from nvllm.quant.formats import pack_cols
+from nvllm.quant.packing import pack_cols
 
 _CHUNK_WORDS = 1 << 22   # words drawn at a time: their int64 fields take 256 MiB at 4 bits (8 fields a word)
 

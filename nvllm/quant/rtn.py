@@ -1,9 +1,9 @@
 """Round-to-nearest group quantization: the baseline method, and the grid every other method rounds onto.
 
-``find_params`` computes a group's scale and zero point with ``formats.group_scale_zero``, as ``quantize_rtn`` does (asym: the
-range widened to include 0, zero points optionally kept ≥ ``zero_min`` as GPTQ v1 needs; sym: ``2·max|w| /
-maxq`` around ``2^(bits-1)``; scales rounded to fp16 first, as the checkpoint stores them), so GPTQ's column
-by column rounding and AWQ's searches land on the values the writer packs.
+``find_params`` computes a group's scale and zero point with ``formats.group_scale_zero``, as ``quantize_rtn``
+does (asym: the range widened to include 0, zero points optionally kept ≥ ``zero_min`` as GPTQ v1 needs; sym:
+``2·max|w| / maxq`` around ``2^(bits-1)``; scales rounded to fp16 first, as the checkpoint stores them), so GPTQ's
+column by column rounding and AWQ's searches land on the values the writer packs.
 """
 
 from __future__ import annotations
