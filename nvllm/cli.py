@@ -66,7 +66,8 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(envvar="NVLLM_API_KEY",
                                                    help="require 'Authorization: Bearer KEY' (401 without it)")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="model name clients send (default: --model)")] = None,
-    chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file (default: the tokenizer's)")] = None,
+    chat_template: Annotated[Optional[str], typer.Option(
+        help="Jinja chat template file (default: the tokenizer's)")] = None,
     max_request_bytes: Annotated[int, typer.Option(help="larger request bodies get 413")] = 16 * 1024 * 1024,
     shutdown_timeout: Annotated[int, typer.Option(help="seconds in-flight requests get on SIGINT/SIGTERM")] = 30,
     uvicorn_log_level: Annotated[str, typer.Option(help="uvicorn's log level (access lines at info)")] = "info",
@@ -74,9 +75,9 @@ def serve(
     enable_auto_tool_choice: Annotated[bool, typer.Option(help="let the model call tools by itself (tool_choice "
                                                           "\"auto\", the default with tools); needs "
                                                           "--tool-call-parser")] = False,
-    tool_call_parser: Annotated[Optional[str], typer.Option(help="how the model writes tool calls: hermes "
-                                                            "(Qwen2.5, Qwen3, Hermes) | llama3_json (Llama 3.x) | mistral")
-                                ] = None,
+    tool_call_parser: Annotated[Optional[str], typer.Option(
+        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes) | llama3_json (Llama 3.x) | mistral"
+    )] = None,
     chat_template_content_format: Annotated[str, typer.Option(help="auto | string | openai: a message's content "
                                                                "given to the chat template as one string or as "
                                                                "OpenAI's list of text parts (auto: as the template "

@@ -82,8 +82,9 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
                  priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Prompts: a string, a list of strings, a list of token-id lists, or {"prompt": "..."} /
         {"prompt_token_ids": [...]} dicts. Without sampling_params, `get_default_sampling_params()` (the model's

@@ -50,8 +50,8 @@ def bench_serve(
     lora_modules: Annotated[Optional[list[str]], typer.Option(help="LoRA adapter names the server serves: each "
                                                               "request asks for one at random (repeat, or "
                                                               "comma-separate)")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory for prompt lengths "
-                                                     "(default: --model if a directory, else the demo model's)")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(
+        help="tokenizer directory for prompt lengths (default: --model if a directory, else the demo model's)")] = None,
     dataset: Annotated[str, typer.Option("--dataset", "--dataset-name", help="random | sharegpt | jsonl | gsm8k",
                                          rich_help_panel=_DATA)] = "random",
     dataset_path: Annotated[Optional[str], typer.Option(rich_help_panel=_DATA)] = None,

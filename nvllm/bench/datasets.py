@@ -102,7 +102,8 @@ def random_requests(tokenizer, n: int, input_len: int, output_len: int, range_ra
     special = tokenizer.num_special_tokens_to_add()
     real = max(0, input_len - special)
     in_lo, in_hi = math.floor(real * (1 - range_ratio)), math.ceil(real * (1 + range_ratio))
-    out_lo, out_hi = max(1, math.floor(output_len * (1 - range_ratio))), max(1, math.ceil(output_len * (1 + range_ratio)))
+    out_lo = max(1, math.floor(output_len * (1 - range_ratio)))
+    out_hi = max(1, math.ceil(output_len * (1 + range_ratio)))
     if in_lo < 1:
         raise DatasetError(f"--input-len {input_len} leaves no room for prompt tokens "
                            f"({special} special tokens, range ratio {range_ratio})")

@@ -5,8 +5,9 @@ throughput: N requests (a dataset, or random prompts of the given lengths) submi
   engine really produced. Result keys follow vLLM's throughput benchmark (elapsed_time, num_requests,
   total_num_tokens, requests_per_second, tokens_per_second) plus output_tokens_per_second.
 latency: one batch of `batch_size` random prompts, `num_iters_warmup` untimed then `num_iters` timed
-  generate calls (the prefix cache emptied before each, so every call prefills in full); reports per-iteration latency (vLLM's avg_latency / latencies / percentiles) and the
-  TTFT and TPOT of every request from the engine's own timestamps.
+  generate calls (the prefix cache emptied before each, so every call prefills in full); reports per-iteration
+  latency (vLLM's avg_latency / latencies / percentiles) and the TTFT and TPOT of every request from the engine's
+  own timestamps.
 Both reset the kernel report after warm-up and return what ran during the measured part; with --speculative
 they also report the acceptance of the measured part (the spec_decode_* keys bench serve reports).
 """

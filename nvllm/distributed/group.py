@@ -88,7 +88,8 @@ class TPGroup:
             one = None
         if min(self.all_gather_int(int(one is not None))) == 1:
             self.one_shot = one
-            logger.info("tensor parallel: all-reduces up to %d KiB one-shot over symmetric memory", one.buffer.nbytes >> 10)
+            logger.info("tensor parallel: all-reduces up to %d KiB one-shot over symmetric memory",
+                        one.buffer.nbytes >> 10)
         elif one is not None:  # another rank could not map its buffer
             one.close()
 

@@ -5,10 +5,10 @@ ticket per column tile, the last split reads the workspace back, adds the bias, 
 two dependent trips to L2 at the end of every call: 1.4–1.8 µs per Qwen2.5-7B projection on the H200, against
 atomic adds alone (PERF.md session 11, ``gpu_gemv_anatomy.py`` ``base`` against ``red_only``). The kernel that
 reads the projection's output next — rope_store after qkv, the residual add and RMSNorm after o_proj and
-down_proj, SiLU·mul after gate_up — reads every element once anyway, so it can finish the sum instead: the GEMV adds its splits into a
-zeroed fp32 accumulator and returns a ``PartialSum``; the consumer reads ``acc + bias``, rounds it to the
-activations' dtype (the bits the finished GEMV would have stored) and writes zeros back, leaving the accumulator
-ready for the next GEMV.
+down_proj, SiLU·mul after gate_up — reads every element once anyway, so it can finish the sum instead: the GEMV
+adds its splits into a zeroed fp32 accumulator and returns a ``PartialSum``; the consumer reads ``acc + bias``,
+rounds it to the activations' dtype (the bits the finished GEMV would have stored) and writes zeros back, leaving
+the accumulator ready for the next GEMV.
 
 Accumulators are persistent zeroed fp32 buffers per device (``take``), each held by at most one pending sum: a
 consumer ``release``\\ s it after launching its kernel (the next GEMV's launch comes later on the same stream).

@@ -57,7 +57,8 @@ def enabled(t: torch.Tensor) -> bool:
     """Whether kernels launched on ``t``'s device use PDL."""
     if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return os.environ.get("NVLLM_PDL", "1").lower() not in ("0", "off") and _supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return os.environ.get("NVLLM_PDL", "1").lower() not in ("0", "off") and _supported(index)
 
 
 def launch_args(t: torch.Tensor) -> dict:

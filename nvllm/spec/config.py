@@ -120,7 +120,8 @@ def _from_mapping(items: dict[str, Any]) -> SpeculativeConfig:
         try:
             fields["synthetic_acceptance"] = float(fields["synthetic_acceptance"])
         except (TypeError, ValueError):
-            raise ConfigError(f"synthetic_acceptance must be a number, got {fields['synthetic_acceptance']!r}") from None
+            raise ConfigError("synthetic_acceptance must be a number, got "
+                              f"{fields['synthetic_acceptance']!r}") from None
     return SpeculativeConfig(**fields)
 
 

@@ -200,8 +200,8 @@ class DraftChain:
             need = [[used is None or j + 2 <= used[i] for i in range(b)] for j in range(s)]
             pos = [[st + j if ok else 0 for st, ok in zip(starts, row)] for j, row in enumerate(need)]
             h["pos"][:, :b] = pos
-            h["slots"][:, :b] = [[t[p // bs_] * bs_ + p % bs_ if ok else -1 for t, p, ok in zip(block_tables, prow, row)]
-                                 for prow, row in zip(pos, need)]
+            h["slots"][:, :b] = [[t[p // bs_] * bs_ + p % bs_ if ok else -1
+                                  for t, p, ok in zip(block_tables, prow, row)] for prow, row in zip(pos, need)]
             h["ctx"][:, :b] = [[p + 1 if ok else 0 for p, ok in zip(prow, row)] for prow, row in zip(pos, need)]
             h["pos"][:, b:bs] = 0
             h["slots"][:, b:bs] = -1
