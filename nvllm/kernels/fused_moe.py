@@ -151,10 +151,10 @@ def gemm_config(rows: int, num_experts: int) -> dict:
     16 pairs an expert blocks of 16 rows, 128 columns and K steps of 128 (Qwen3-30B-A3B at 128 tokens 309.5 µs
     against 321.7 with the tiles before); up to 64, blocks of 64 rows — fewer blocks each reading its expert's
     weight once — 64 columns and K steps of 64 (Qwen3-30B-A3B at 512 tokens 347.7 against 382.1, Mixtral at 128
-    tokens 697.5 against 869.8); from 128, blocks of 128 rows, 256 columns, 8 warps and 4 stages (2048 tokens:
-    Qwen3-30B-A3B 562.4 against 610.7, Mixtral 3226.8 against 3509.8). Those wide tiles start past 64: an H100
-    sweep at 96 pairs an expert (run FZ) timed them at 607.7 µs against 648.6 for the 64 × 128 blocks before
-    (Qwen3-30B-A3B, 1536 tokens), and Mixtral at 384 tokens at 1081.3 against 1246.0."""
+    tokens 697.5 against 869.8); past 64, blocks of 128 rows, 256 columns, 8 warps and 4 stages (2048 tokens:
+    Qwen3-30B-A3B 562.4 against 610.7, Mixtral 3226.8 against 3509.8; at 96 pairs an expert on an H100, runs FZ
+    and GA: Qwen3-30B-A3B at 1536 tokens 615.9 against 644.3 for the 64 × 128 blocks before, Mixtral at 384 tokens
+    1103.8 against 1220.8; at 65 pairs the same within 1.4%)."""
     per_expert = rows / num_experts
     if per_expert <= 16:
         config = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
