@@ -110,7 +110,7 @@ def test_triton_equals_reference(monkeypatch, case, path):
 
 def test_grouped_gemm_rows_a_block():
     """The 4-bit grouped GEMM's blocks by pairs an expert (H100 runs FU, FZ and GA): 16 rows up to 16, 64
-    up to 64, 128 past it, with K steps of 128 below 64 pairs an expert and 64 past it."""
+    up to 64, 128 past it, with K steps of 128 up to 64 pairs an expert and 64 past it."""
     configs = {p: QM.gemm_config(p * 8, 8) for p in (3, 16, 17, 64, 65, 96, 500)}
     rows = {p: (c["BLOCK_M"], c["BLOCK_K"]) for p, c in configs.items()}
     assert rows == {3: (16, 128), 16: (16, 128), 17: (64, 128), 64: (64, 128), 65: (128, 64), 96: (128, 64),
