@@ -14,8 +14,8 @@ from nvllm import SamplingParams
 from nvllm.assets import demo_model_path
 from nvllm.layers.quant_linear import QuantLinear
 from nvllm.quant import formats as F
-from nvllm.quant.packing import unpack_cols
 from nvllm.quant.dummy_codes import fill_dummy
+from nvllm.quant.packing import unpack_cols
 from nvllm.quant.plan import QuantScheme
 from tests.conftest import TOKENIZER_FILES, make_llm
 
@@ -50,7 +50,7 @@ def test_experts_leading_dimension_and_chunks(monkeypatch):
     fill_dummy(qweight, qzeros, scales, 4, "gptq", torch.Generator().manual_seed(1))
     fields = unpack_cols(qweight.reshape(-1, 1), 4)
     assert (fields >= 1).all() and (fields <= 15).all()
-    assert (unpack_cols(qzeros.reshape(-1, 1), 4) == 7).all()             # GPTQ v1 stores z − 1
+    assert (unpack_cols(qzeros.reshape(-1, 1), 4) == 7).all()               # GPTQ v1 stores z − 1
     assert ((scales >= 5e-4) & (scales <= 1.5e-3)).all()
 
 

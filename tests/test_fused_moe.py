@@ -205,6 +205,7 @@ def test_grouped_gemm_fits_shared_memory(elem, shared, expected):
     memory: stages first, then columns — a launch past it would stop the engine with an out-of-resources error."""
     config = fused_moe.gemm_config(128 * 8, 8)
     assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["num_stages"]) == (128, 256, 64, 4)
-    got = fused_moe._fit_shared(4, 128, 256, 64, elem, shared)
+    got = fused_moe._fit_shared(config["num_stages"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], elem,
+                                shared)
     assert got == expected
     assert not shared or got[0] * (128 + got[1]) * 64 * elem <= shared
