@@ -59,7 +59,7 @@ def quantize_fp8(model_dir: str, out_dir: str, cfg, summary, num_layers: int, ov
     """Write ``model_dir`` with FP8 decoder linears into ``out_dir``; fills and returns ``summary``
     (a ``QuantizeSummary``)."""
     from nvllm.models.loader import iterate_weights
-    from nvllm.quant.writer import weights_bytes, write_checkpoint
+    from nvllm.quant.writer import CheckpointOutput, weights_bytes
 
     t0 = time.perf_counter()
     block = None if cfg.group_size == -1 else cfg.group_size
@@ -67,43 +67,44 @@ def quantize_fp8(model_dir: str, out_dir: str, cfg, summary, num_layers: int, ov
     summary.calibration = "none (FP8 needs no calibration data)"
     if on_start:
         on_start(summary, num_layers)
-    reports = {i: LayerReport(i) for i in range(num_layers)}
-    sums: dict[tuple[int, str], list[float]] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    shapes: dict[str, tuple[int, int]] = {}   # q, k, …: the [out, in] of each kind of linear
-    for name, w in iterate_weights(model_dir, "safetensors", False):
-        m = PROJ.match(name)
-        if m is None:
-            tensors[name] = w
-            continue
-        layer, fused = int(m.group(1)), FUSED_OF[f"{m.group(3)}_proj"]
-        shapes[m.group(3)] = tuple(w.shape)
+    # the output is written as the tensors come: one shard in memory at a time
+    with CheckpointOutput(model_dir, out_dir, overwrite, cfg.max_shard_size) as out:
+        reports = {i: LayerReport(i) for i in range(num_layers)}
+        sums: dict[tuple[int, str], list[float]] = {}
+        shapes: dict[str, tuple[int, int]] = {}   # q, k, …: the [out, in] of each kind of linear
+        for name, w in iterate_weights(model_dir, "safetensors", False):
+            m = PROJ.match(name)
+            if m is None:
+                out.add({name: w})
+                continue
+            layer, fused = int(m.group(1)), FUSED_OF[f"{m.group(3)}_proj"]
+            shapes[m.group(3)] = tuple(w.shape)
+            if progress:
+                progress(layer, fused.removesuffix("_proj"))
+            start = time.perf_counter()
+            wd = w.to(device, torch.float32)
+            parts, back = quantize_weight(wd, fmt, block)
+            stem = name.removesuffix(".weight")
+            out.add({f"{stem}.{leaf}": t.cpu() for leaf, t in parts.items()})
+            err, norm = sums.setdefault((layer, fused), [0.0, 0.0])
+            sums[(layer, fused)] = [err + float((back - wd).pow(2).sum()), norm + float(wd.pow(2).sum())]
+            reports[layer].seconds += time.perf_counter() - start
+        for (layer, fused), (err, norm) in sums.items():
+            reports[layer].errors[fused] = err / max(norm, 1e-30)
+        for rep in reports.values():
+            err = sum(sums[(rep.index, f)][0] for f in rep.errors)
+            rep.layer_error = err / max(sum(sums[(rep.index, f)][1] for f in rep.errors), 1e-30)
+        summary.layers = [reports[i] for i in range(num_layers)]
+        if block is not None:
+            ragged = sorted({f"{m}_proj {tuple(shape)}" for m, shape in shapes.items()
+                             if any(d % block for d in shape)})
+            if ragged:
+                summary.notes.append(f"vLLM loads FP8 blocks only where a linear's sizes are whole {block}-blocks "
+                                     f"(per tensor-parallel rank); not so for {', '.join(ragged)}: nvllm serves this "
+                                     f"checkpoint, vLLM will refuse it (--group-size -1 or a smaller block would do)")
         if progress:
-            progress(layer, fused.removesuffix("_proj"))
-        start = time.perf_counter()
-        wd = w.to(device, torch.float32)
-        parts, back = quantize_weight(wd, fmt, block)
-        stem = name.removesuffix(".weight")
-        tensors.update({f"{stem}.{leaf}": t.cpu() for leaf, t in parts.items()})
-        err, norm = sums.setdefault((layer, fused), [0.0, 0.0])
-        sums[(layer, fused)] = [err + float((back - wd).pow(2).sum()), norm + float(wd.pow(2).sum())]
-        reports[layer].seconds += time.perf_counter() - start
-    for (layer, fused), (err, norm) in sums.items():
-        reports[layer].errors[fused] = err / max(norm, 1e-30)
-    for rep in reports.values():
-        err = sum(sums[(rep.index, f)][0] for f in rep.errors)
-        rep.layer_error = err / max(sum(sums[(rep.index, f)][1] for f in rep.errors), 1e-30)
-    summary.layers = [reports[i] for i in range(num_layers)]
-    if block is not None:
-        ragged = sorted({f"{m}_proj {tuple(shape)}" for m, shape in shapes.items() if any(d % block for d in shape)})
-        if ragged:
-            summary.notes.append(f"vLLM loads FP8 blocks only where a linear's sizes are whole {block}-blocks "
-                                 f"(per tensor-parallel rank); not so for {', '.join(ragged)}: nvllm serves this "
-                                 f"checkpoint, vLLM will refuse it (--group-size -1 or a smaller block would do)")
-    if progress:
-        progress(num_layers, "writing")
-    summary.size_after = write_checkpoint(model_dir, out_dir, tensors, quantization_config(fmt, block), overwrite,
-                                          max_shard_size=cfg.max_shard_size)
+            progress(num_layers, "writing")
+        summary.size_after = out.finish(quantization_config(fmt, block))
     summary.size_before = weights_bytes(model_dir)
     summary.seconds = time.perf_counter() - t0
     return summary

@@ -3,12 +3,13 @@ checkpoint's tensor names (each quantized ``…proj.weight`` replaced by ``qweig
 GPTQ, ``g_idx``; by compressed-tensors' ``weight_packed``/``weight_scale``/``weight_shape`` and, with zero points,
 ``weight_zero_point``), config.json with ``quantization_config`` (GPTQ also ``quantize_config.json``), and the
 source's tokenizer and generation files. Weights larger than ``max_shard_size`` are split as ``save_pretrained``
-splits them (``huggingface_hub``'s shard planner): ``model-00001-of-0000N.safetensors`` and
-``model.safetensors.index.json``; smaller ones go into one ``model.safetensors``.
+splits them (``shard_writer``): ``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json``; smaller
+ones go into one ``model.safetensors``.
 
-Everything is written into a temporary directory beside the output and renamed into place at the end, so an
-interrupted run leaves nothing half-written; an existing output directory is replaced only with
-``overwrite`` (and only once the new one is complete).
+``CheckpointOutput`` takes the tensors a part of the model at a time (``nvllm quantize`` hands over each decoder
+layer as it is done) into a temporary directory beside the output, renamed into place at the end, so an
+interrupted run leaves nothing half-written; an existing output directory is replaced only with ``overwrite``
+(and only once the new one is complete).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import torch
 from nvllm.output_file import unwritable_parent
 from nvllm.quant.compressed_tensors import pack_compressed_tensors
 from nvllm.quant.formats import GroupQuant, pack_awq, pack_gptq
+from nvllm.quant.shard_writer import ShardWriter, parse_size
 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "generation_config.json",
                 "chat_template.json", "chat_template.jinja")
-INDEX = "model.safetensors.index.json"
 
 
 class OutputExistsError(ValueError):
@@ -112,41 +113,46 @@ def _piece(module, module_name: str, leaf: str, shard) -> tuple[str | None, tupl
     return (module_name if leaf == "weight" else None), rows, rows
 
 
-def save_weights(tensors: dict[str, torch.Tensor], directory: Path, max_shard_size: str) -> int:
-    """The tensors as safetensors files in ``directory`` (sharded past ``max_shard_size``, with an index); returns
-    their size in bytes."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({name: tensors[name] for name in names}, str(directory / filename), metadata={"format": "pt"})
-    if split.is_sharded:
-        with open(directory / INDEX, "w") as f:
-            json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
-            f.write("\n")
-    return sum((directory / filename).stat().st_size for filename in split.filename_to_tensors)
-
-
 def weights_bytes(model_dir: str) -> int:
     """The size of a checkpoint directory's safetensors files (the summary's size before quantizing)."""
     return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
 
 
-def write_checkpoint(src_dir: str, out_dir: str, tensors: dict[str, torch.Tensor], quantization_config: dict,
-                     overwrite: bool, extra_json: dict[str, Any] | None = None, *, max_shard_size: str) -> int:
-    """Write everything into a temporary sibling of ``out_dir`` and rename it into place; returns the size
-    of the weights files in bytes."""
-    check_out_dir(out_dir, overwrite, src_dir)
-    out = Path(out_dir).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+class CheckpointOutput:
+    """The output directory being written: a temporary sibling of ``out_dir`` until ``finish`` renames it into place
+    (replacing an existing one only with ``overwrite``); left by an exception, it is deleted. ``add`` streams weight
+    tensors into its shards (``ShardWriter``), so the caller can hand them over a part of the model at a time."""
+
+    def __init__(self, src_dir: str, out_dir: str, overwrite: bool, max_shard_size: str):
+        self.src_dir, self.out_dir, self.overwrite, self.max_shard_size = src_dir, out_dir, overwrite, max_shard_size
+
+    def __enter__(self) -> CheckpointOutput:
+        check_out_dir(self.out_dir, self.overwrite, self.src_dir)
+        self.out = Path(self.out_dir).resolve()
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        max_bytes = parse_size(self.max_shard_size)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
+        self.shards = ShardWriter(self.tmp, max_bytes)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            self.shards.add(name, tensor)
+
+    def finish(self, quantization_config: dict, extra_json: dict[str, Any] | None = None) -> int:
+        """Write the last shard, config.json with ``quantization_config``, ``extra_json`` files and the source's
+        tokenizer and generation files, then rename the directory into place; returns the weights' size in bytes."""
+        check_out_dir(self.out_dir, self.overwrite, self.src_dir)   # nothing took the output's place meanwhile
+        tmp, out = self.tmp, self.out
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)        # mkdtemp's 0700 would outlive the rename
-        size = save_weights(tensors, tmp, max_shard_size)
-        with open(Path(src_dir) / "config.json") as f:
+        size = self.shards.finish()
+        with open(Path(self.src_dir) / "config.json") as f:
             config = json.load(f)
         config["quantization_config"] = quantization_config
         with open(tmp / "config.json", "w") as f:
@@ -157,8 +163,8 @@ def write_checkpoint(src_dir: str, out_dir: str, tensors: dict[str, torch.Tensor
                 json.dump(data, f, indent=2)
                 f.write("\n")
         for name in COPIED_FILES:
-            if (Path(src_dir) / name).is_file():
-                shutil.copy2(Path(src_dir) / name, tmp / name)
+            if (Path(self.src_dir) / name).is_file():
+                shutil.copy2(Path(self.src_dir) / name, tmp / name)
         for p in tmp.iterdir():
             os.chmod(p, 0o666 & ~umask)
         if out.exists():
@@ -169,6 +175,11 @@ def write_checkpoint(src_dir: str, out_dir: str, tensors: dict[str, torch.Tensor
         else:
             os.rename(tmp, out)
         return size
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+def write_checkpoint(src_dir: str, out_dir: str, tensors: dict[str, torch.Tensor], quantization_config: dict,
+                     overwrite: bool, extra_json: dict[str, Any] | None = None, *, max_shard_size: str) -> int:
+    """All of a checkpoint's tensors at once through ``CheckpointOutput``; returns the weights' size in bytes."""
+    with CheckpointOutput(src_dir, out_dir, overwrite, max_shard_size) as ckpt:
+        ckpt.add(tensors)
+        return ckpt.finish(quantization_config, extra_json)
