@@ -25,7 +25,8 @@ tokens in <= 8 minutes on an H200.
 3. Output: flushed, timestamped lines: each stage of the first and last layer, each finished layer
    (seconds, breakdown, ETA), so a run killed by a time limit still shows how far it got (SIGTERM, as sent by
    ``timeout``, still writes the JSON and the table); at the end a table (model build, calibration,
-   load, layers, pack, write, quantize total, peak GPU memory) and $OUT/gpu_quantize_bench.json (``--out``
+   layers with the reading, packing and writing of the model's parts inside them, quantize total, peak host
+   memory of the quantize, peak GPU memory) and $OUT/gpu_quantize_bench.json (``--out``
    overrides $OUT; default ./out), rewritten after every layer. The quantized checkpoint is checked
    (quantization_config, one qweight per quantized projection). Temporary model directories (~15 GB +
    ~5.5 GB for the 7B) go to /dev/shm when it has room (writing 15 GB then costs no disk time), else $TMPDIR
@@ -102,6 +103,21 @@ def checkpoint_bytes(config: dict) -> int:
     d = config.get("head_dim") or h // heads
     per_layer = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * i
     return 2 * (v * h * (1 if config.get("tie_word_embeddings") else 2) + n * per_layer)
+
+
+def reset_peak_rss() -> None:
+    """Linux: the process's peak resident set (VmHWM) starts again from its current size."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def peak_rss_gib() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+    except (OSError, StopIteration):
+        return None
 
 
 def _mem_available() -> int:
@@ -325,7 +341,9 @@ class Tracker:
         self.save()
 
     # -- wrappers
-    def phase(self, key: str, fn, sync: bool = True):
+    def phase(self, key: str, fn, sync: bool = True, quiet: bool = False):
+        """``fn`` timed into phases[key + "_s"] (summed over calls; ``quiet``: no line a call, for the parts of the
+        model read, packed and written inside the layers phase)."""
         def wrapped(*a, **kw):
             if sync:
                 _sync(self.device)
@@ -345,7 +363,8 @@ class Tracker:
                 if key == "layers" and self.layer is not None:
                     self._finish_layer(t1, complete=ok)
                     self.layer = None
-                log(f"phase {key}: {t1 - t0:.1f}s" + ("" if ok else " (interrupted)"))
+                if not quiet or not ok:
+                    log(f"phase {key}: {t1 - t0:.1f}s" + ("" if ok else " (interrupted)"))
         return wrapped
 
     def detail_timer(self, key: str, fn):
@@ -365,19 +384,22 @@ class Tracker:
 def instrumented(tracker: Tracker):
     """Wrap nvllm's quantize phases (and, with detail, the per-stage steps) for timing; restored on exit."""
     import nvllm.engine.tokenizer as tok_mod
-    import nvllm.models.loader as loader
     import nvllm.quant.gptq as gptq_mod
     import nvllm.quant.methods as methods
     import nvllm.quant.quantize as qmod
     import nvllm.quant.sequential as seq
+    from nvllm.quant.lazy_model import LazyModel
+    from nvllm.quant.writer import CheckpointOutput
 
     patches = [(tok_mod, "load_tokenizer", tracker.phase("tokenizer", tok_mod.load_tokenizer, sync=False)),
                (qmod, "load_texts", tracker.phase("read_calib_text", qmod.load_texts, sync=False)),
                (qmod, "calibration_windows", tracker.phase("calib_windows", qmod.calibration_windows, sync=False)),
-               (loader, "load_model", tracker.phase("load", loader.load_model)),
                (qmod, "quantize_layers", tracker.phase("layers", qmod.quantize_layers)),
-               (qmod, "checkpoint_tensors", tracker.phase("pack", qmod.checkpoint_tensors)),
-               (qmod, "write_checkpoint", tracker.phase("write", qmod.write_checkpoint, sync=False))]
+               # the model is read, packed and written a part at a time, inside the layers phase
+               (LazyModel, "load", tracker.phase("load", LazyModel.load, sync=False, quiet=True)),
+               (qmod, "checkpoint_tensors", tracker.phase("pack", qmod.checkpoint_tensors, quiet=True)),
+               (CheckpointOutput, "add", tracker.phase("write", CheckpointOutput.add, sync=False, quiet=True)),
+               (CheckpointOutput, "finish", tracker.phase("finish", CheckpointOutput.finish, sync=False))]
     if tracker.detail:
         patches += [(seq, "_collect", tracker.detail_timer("collect_s", seq._collect)),
                     (methods.InputStats, "add", tracker.detail_timer("hessian_s", methods.InputStats.add)),
@@ -443,11 +465,12 @@ def table(res: dict) -> str:
             ("  calibration: tokenizer load", ph.get("tokenizer_s")),
             ("  calibration: read text", ph.get("read_calib_text_s")),
             ("  calibration: tokenize + windows", ph.get("calib_windows_s")),
-            ("  model load (CPU)", ph.get("load_s")),
             (f"  layers ({res.get('layers_done', 0)}/{res.get('num_layers', '?')})", ph.get("layers_s")),
             ("    of which window embedding", ph.get("embed_windows_s")),
-            ("  pack (CPU)", ph.get("pack_s")),
-            ("  write checkpoint", ph.get("write_s")),
+            ("    of which reading the model a part at a time (CPU)", ph.get("load_s")),
+            ("    of which packing (CPU)", ph.get("pack_s")),
+            ("    of which writing shards", ph.get("write_s")),
+            ("  last shard, config, rename", ph.get("finish_s")),
             ("quantize end to end (quantize_model)", res.get("quantize_s")),
             ("script total", res.get("script_s"))]
     lines = [f"{'phase':<54} {'seconds':>9}"]
@@ -468,6 +491,8 @@ def table(res: dict) -> str:
                          f"{mean['gptq_s']:.2f}s (Cholesky {mean['cholesky_s']:.2f}), relative error "
                          f"{mean['rel_error_s']:.2f}s, rest (output replay of quantized + reference layer, "
                          f"copies) {mean['seconds'] - mean['collect_s'] - mean['gptq_s'] - mean['rel_error_s']:.2f}s")
+    if res.get("peak_host_gib") is not None:
+        lines.append(f"peak host memory (VmHWM, reset before quantize) {res['peak_host_gib']:.2f} GiB")
     if res.get("peak_gpu_gib") is not None:
         lines.append(f"peak GPU memory allocated {res['peak_gpu_gib']:.2f} GiB (reserved "
                      f"{res['peak_gpu_reserved_gib']:.2f} GiB) during quantize; model build "
@@ -600,12 +625,14 @@ def main(argv=None) -> dict:
         tracker = Tracker(res, save, device, args.detail)
         log(f"quantize: {cfg.method} {cfg.bits}-bit g{cfg.group_size}, {cfg.calib_samples} x {cfg.calib_seqlen} "
             f"tokens, device {cfg.device}")
+        reset_peak_rss()
         t0 = tracker.q_t0 = time.perf_counter()
         with instrumented(tracker):
             summary = quantize_model(str(model_dir), str(q_dir), cfg, progress=tracker.on_progress,
                                      on_start=tracker.on_start)
         res["quantize_s"] = time.perf_counter() - t0
         res["quantize_model_seconds"] = summary.seconds
+        res["peak_host_gib"] = peak_rss_gib()
         if device.type == "cuda":
             res["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             res["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30

@@ -48,10 +48,10 @@ def test_cpu_end_to_end(bench, tmp_path, capsys):
     assert "shipped" in saved["calib_text"] and "shipped" in saved["calibration"]["source"]
 
     phases = saved["phases"]
-    for key in ("tokenizer_s", "calib_windows_s", "load_s", "layers_s", "pack_s", "write_s"):
+    for key in ("tokenizer_s", "calib_windows_s", "load_s", "layers_s", "pack_s", "write_s", "finish_s"):
         assert phases[key] >= 0, key
     assert 0 < phases["layers_s"] <= saved["quantize_s"] <= saved["script_s"]
-    assert saved["build"]["seconds"] > 0 and saved["build"]["dtype"] == "bfloat16"
+    assert saved["build"]["seconds"] > 0 and saved["build"]["dtype"] == "bfloat16" and saved["peak_host_gib"] > 0
     layer = saved["layers"][0]
     assert list(layer["stages"]) == ["qkv", "o", "gate_up", "down", "outputs"]
     assert layer["gptq_s"] > 0 and layer["collect_s"] > 0 and layer["hessian_s"] > 0

@@ -265,10 +265,11 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(frag, fused), shard
         return name, None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into the parameters; every parameter must be filled, shapes must agree."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], prefix: str = "") -> None:
+        """Copy checkpoint tensors into the parameters; every parameter (under ``prefix``, for a part of the model
+        loaded on its own: "layers.3.") must be filled, shapes must agree."""
         params = dict(self.named_parameters())
-        expected = {(n, sh) for n, p in params.items() for sh in self._shards_of(n)}
+        expected = {(n, sh) for n, p in params.items() if n.startswith(prefix) for sh in self._shards_of(n)}
         filled: set[tuple[str, int | None]] = set()
         tied_head = None  # a few rows of an lm_head.weight the tied head does not use
         for ckpt_name, tensor in weights:

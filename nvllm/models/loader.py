@@ -103,7 +103,7 @@ def checkpoint_dtype(hf_config) -> torch.dtype | None:
     return d if isinstance(d, torch.dtype) else None
 
 
-def _safetensors_files(model_dir: str) -> list[str]:
+def safetensors_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -119,7 +119,7 @@ def _safetensors_files(model_dir: str) -> list[str]:
 def iterate_weights(model_dir: str, load_format: str, allow_pickle: bool) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    files = _safetensors_files(model_dir) if load_format in ("auto", "safetensors") else []
+    files = safetensors_files(model_dir) if load_format in ("auto", "safetensors") else []
     if files:
         for path in files:
             try:
@@ -150,7 +150,7 @@ def checkpoint_keys(model_dir: str) -> set[str] | None:
     from safetensors import safe_open
 
     keys: set[str] = set()
-    files = _safetensors_files(model_dir)
+    files = safetensors_files(model_dir)
     for path in files:
         try:
             with safe_open(path, framework="pt") as f:

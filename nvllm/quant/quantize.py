@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nvllm.config import ConfigError, EngineConfig, resolve_device
+from nvllm.config import ConfigError, resolve_device
 from nvllm.models.hub import resolve_model_path
 from nvllm.quant.awq import AWQOptions
 from nvllm.quant.calibration import calibration_windows, load_texts
@@ -42,8 +42,9 @@ from nvllm.quant.plan import (FUSED_MODULES, LINEARS, LM_HEAD, QuantScheme, head
                               read_quantization_config, routers)
 from nvllm.quant.recipe import QuantizeConfig
 from nvllm.quant.rtn import Grid
-from nvllm.quant.sequential import LayerReport, Progress, quantize_layers
-from nvllm.quant.writer import check_out_dir, checkpoint_tensors, weights_bytes, write_checkpoint
+from nvllm.quant.lazy_model import LazyModel
+from nvllm.quant.sequential import LayerReport, PartHooks, Progress, quantize_layers
+from nvllm.quant.writer import CheckpointOutput, check_out_dir, checkpoint_tensors, weights_bytes
 
 
 class QuantizeError(ValueError):
@@ -175,7 +176,7 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     num_layers)`` is called once every check has passed (before the model loads); ``progress(layer, stage)`` as
     layers advance."""
     from nvllm.engine.tokenizer import load_tokenizer
-    from nvllm.models.loader import checkpoint_dtype, load_model, model_len_limit
+    from nvllm.models.loader import checkpoint_dtype, model_len_limit
 
     t0 = time.perf_counter()
     model_dir = resolve_model_path(model_dir, revision)  # a directory, or a Hub id fetched when the network allows
@@ -214,34 +215,38 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
         on_start(summary, shape.num_layers)
 
     dtype = checkpoint_dtype(hf_config) or torch.float32
-    dtype_name = str(dtype).replace("torch.", "")
-    engine_cfg = EngineConfig(model=model_dir, device="cpu", dtype=dtype_name, load_format="safetensors")
-    model = load_model(engine_cfg, hf_config, dtype, torch.device("cpu"))
+    model = LazyModel(model_dir, hf_config, dtype)      # a part at a time in memory, read when its turn comes
     if cfg.quantize_lm_head:
-        w = model.lm_head.weight
+        w = model.model.lm_head.weight
         summary.head_size_before = w.numel() * w.element_size()
-    results, summary.layers = quantize_layers(model, ids, build_method(cfg), units, device, progress=progress,
-                                              head=cfg.quantize_lm_head)
-    if LM_HEAD in results:
-        summary.head_error = results[LM_HEAD].error
+    qc = quantization_config(cfg, out_dir, kept, shape)
+    # GPTQModel reads quantize_config.json, its ``dynamic`` exclusions included (they name what stays dense)
+    extra = {"quantize_config.json": dict(qc)} if cfg.writes == "gptq" else None
+    with CheckpointOutput(model_dir, out_dir, overwrite, cfg.max_shard_size) as out:
+        def done(part: str, results: dict) -> None:
+            """A part is final: its tensors (packed where quantized) go to the output, its memory is freed."""
+            tensors = checkpoint_tensors(model.model, model.parts[part], {k: r.quant for k, r in results.items()},
+                                         cfg.writes, bool(cfg.sym))
+            if LM_HEAD in results:
+                summary.head_error = results[LM_HEAD].error
+                summary.head_size_after = sum(t.numel() * t.element_size() for t in tensors.values())
+            out.add(tensors)
+            model.release(part)
+            written.add(part)
+
+        written: set[str] = set()
+        _, summary.layers = quantize_layers(model.model, ids, build_method(cfg), units, device, progress=progress,
+                                            head=cfg.quantize_lm_head, hooks=PartHooks(model.load, done))
+        for part in model.parts:        # the final norm, and the LM head unless it was quantized
+            if part not in written:
+                model.load(part)
+                done(part, {})
+        summary.size_after = out.finish(qc, extra)
     unreached = [f"layer {r.index}: {len(r.unreached)} of {shape.moe.num_experts} ({_listed_ids(r.unreached)})"
                  for r in summary.layers if r.unreached]
     if unreached:
         summary.notes.append("experts no calibration token was routed to, rounded to nearest (RTN): "
                              + "; ".join(unreached) + " — more --calib-samples reach more of them")
-
-    from nvllm.models.loader import checkpoint_keys
-
-    source_names = sorted(checkpoint_keys(model_dir) or [])
-    tensors = checkpoint_tensors(model, source_names, {k: r.quant for k, r in results.items()}, cfg.writes,
-                                 bool(cfg.sym))
-    summary.head_size_after = sum(t.numel() * t.element_size() for k, t in tensors.items()
-                                  if k.startswith(LM_HEAD + ".") and cfg.quantize_lm_head)
-    qc = quantization_config(cfg, out_dir, kept, shape)
-    # GPTQModel reads quantize_config.json, its ``dynamic`` exclusions included (they name what stays dense)
-    extra = {"quantize_config.json": dict(qc)} if cfg.writes == "gptq" else None
-    summary.size_after = write_checkpoint(model_dir, out_dir, tensors, qc, overwrite, extra,
-                                          max_shard_size=cfg.max_shard_size)
     summary.size_before = weights_bytes(model_dir)
     summary.seconds = time.perf_counter() - t0
     return summary

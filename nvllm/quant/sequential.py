@@ -13,7 +13,9 @@
    whose ``calibrates_on_quantized`` is false (AWQ, as AutoAWQ does it) takes the full-precision copy's outputs
    as the next layer's inputs instead: every layer is then calibrated on the full-precision model's activations.
 4. The working copy (quantized weights dequantized, plus whatever the method folded into norms or dense
-   linears) is written back into the CPU model, which then holds the model as it will be served.
+   linears) is written back into the CPU layer, which then holds the layer as it will be served, and the layer
+   is handed over with its linears' integer forms (``PartHooks.done``: ``nvllm quantize`` writes it out and frees
+   it, having read it from the checkpoint only when its turn came).
 5. With ``head``, the LM head is quantized last: its inputs are the last layer's outputs (those of the
    quantized model, or of the full-precision one as in 3.) through the model's final norm, and the method
    quantizes it as one more linear (for GPTQ its Hessian comes from these inputs; groups split the hidden size,
@@ -86,24 +88,44 @@ def _chunks(ids: torch.Tensor, batch: int) -> list[torch.Tensor]:
     return [ids[i:i + batch] for i in range(0, ids.shape[0], batch)]
 
 
+@dataclass
+class PartHooks:
+    """What ``quantize_layers`` calls around each part of the model it reads: "embed_tokens", "layers.{i}" in turn,
+    then "norm" and "lm_head" when the head is quantized. ``load(part)`` before the part is read; ``done(part,
+    results)`` once it is final, with its quantized linears' results (``{"layers.{i}.{linear}": LinearResult}``;
+    the part is not read again). ``nvllm quantize`` reads each part from the checkpoint and writes it out as soon as
+    it is done (``lazy_model``, ``writer.CheckpointOutput``)."""
+
+    load: Callable[[str], None]
+    done: Callable[[str, dict[str, LinearResult]], None]
+
+
 @torch.no_grad()
 def quantize_layers(model, calib_ids: torch.Tensor, method, quantized: dict[int, set[str]],
-                    device: torch.device, batch: int = 8, progress: Progress | None = None, head: bool = False
-                    ) -> tuple[dict[str, LinearResult], list[LayerReport]]:
+                    device: torch.device, batch: int = 8, progress: Progress | None = None, head: bool = False,
+                    hooks: PartHooks | None = None) -> tuple[dict[str, LinearResult], list[LayerReport]]:
     """Quantize ``model`` (a CPU ``LlamaForCausalLM``) in place, layer by layer. ``quantized[i]`` names the units
     of layer i to quantize (``layer_linears``; the others stay in full precision); ``head``: the LM head too.
-    Returns ``{"layers.{i}.{linear}": LinearResult}`` (and ``{"lm_head": …}``) and one report per layer."""
+    Returns ``{"layers.{i}.{linear}": LinearResult}`` (and ``{"lm_head": …}``) — those not handed to
+    ``hooks.done`` (without hooks the model is whole in memory and every result is returned) — and one report per
+    layer."""
+    results: dict[str, LinearResult] = {}
+    hooks = hooks or PartHooks(lambda part: None, lambda part, res: results.update(res))
     positions = torch.arange(calib_ids.shape[1], device=device)
+    hooks.load("embed_tokens")
     embed = model.embed_tokens.weight
     xs = [embed[ids.to(embed.device)].to(device, torch.float32) for ids in _chunks(calib_ids, batch)]
-    results: dict[str, LinearResult] = {}
+    del embed
+    hooks.done("embed_tokens", {})
     reports = []
     for i, layer in enumerate(model.layers):
         t0 = time.perf_counter()
+        hooks.load(f"layers.{i}")
         work = copy.deepcopy(layer).to(device=device, dtype=torch.float32)
         ref = copy.deepcopy(work)
         targets = quantized.get(i, set())
         rep = LayerReport(i, {name: None for name in (ORDER if layer.moe is None else ORDER[:2])})
+        layer_results: dict[str, LinearResult] = {}
         for stage in method.stages:
             names = [n for st in stage for n in stage_linears(work, st, targets)]
             if not names:
@@ -112,7 +134,7 @@ def quantize_layers(model, calib_ids: torch.Tensor, method, quantized: dict[int,
                 progress(i, "+".join(dict.fromkeys(stage_of(n).removesuffix("_proj") for n in names)))
             stats = _collect(work, xs, positions, names, device)
             for name, res in method.quantize_stage(work, names, stats).items():
-                results[f"layers.{i}.{name}"] = LinearResult(_to_host(res.quant), res.error, res.tokens)
+                layer_results[f"layers.{i}.{name}"] = LinearResult(_to_host(res.quant), res.error, res.tokens)
                 rep.errors[name] = res.error
                 if res.tokens == 0 and name.startswith("moe.experts.") and stage_of(name) == "gate_up_proj":
                     rep.unreached.append(int(name.split(".")[2]))
@@ -133,12 +155,17 @@ def quantize_layers(model, calib_ids: torch.Tensor, method, quantized: dict[int,
         rep.layer_error = num / max(den, 1e-30)
         layer.load_state_dict(work.state_dict())     # copied back in the model's dtype, on the CPU
         del work, ref
+        hooks.done(f"layers.{i}", layer_results)
         rep.seconds = time.perf_counter() - t0
         reports.append(rep)
     if head:
         if progress:
             progress(len(model.layers), LM_HEAD)
-        results[LM_HEAD] = _quantize_head(model, xs, method, device)
+        hooks.load("norm")
+        hooks.load(LM_HEAD)
+        res = _quantize_head(model, xs, method, device)
+        hooks.done("norm", {})
+        hooks.done(LM_HEAD, {LM_HEAD: res})
     return results, reports
 
 
