@@ -2,8 +2,10 @@
 FP8 through ``fp8_export``).
 
 Checks every input before the long work starts (output directory, model, settings against the model's
-shapes, calibration data), loads the model with the engine's loader, quantizes it layer by layer
-(``sequential.py``), writes the checkpoint (``writer.py``) and returns a ``QuantizeSummary``.
+shapes, calibration data, every checkpoint tensor against the model), quantizes it layer by layer
+(``sequential.py``) reading each part of the model from the checkpoint only when its turn comes
+(``lazy_model.py``), writes each part out as soon as it is final (``writer.py``: one shard in memory at a time)
+and returns a ``QuantizeSummary``.
 
 Linears whose shapes the scheme cannot store (a group size that does not divide the input size, an output
 size that is not a whole number of packed words) stay in full precision: listed in the checkpoint's config

@@ -96,7 +96,10 @@ def checkpoint_tensors(model, source_names: list[str], quantized: dict[str, Grou
                 out[f"{base}.{k}"] = value.contiguous().clone()
             continue
         value = model.get_parameter(pname).data
-        out[name] = value[index].detach().cpu().contiguous().clone()
+        piece = value[index].detach().cpu()
+        # a piece of a fused parameter is copied (safetensors refuses tensors that share memory); a whole one is
+        # not: the model part it belongs to is released once written, so it can be the checkpoint's tensor
+        out[name] = piece if piece.numel() == value.numel() else piece.contiguous().clone()
     return out
 
 
