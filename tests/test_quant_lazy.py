@@ -138,3 +138,20 @@ def test_an_all_zero_bias_the_model_lacks_is_accepted(tmp_path):
     save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="unexpected tensor 'model.layers.1.self_attn.o_proj.bias'"):
         LazyModel(str(src), load_hf_config(str(src)), torch.float32)
+
+
+def test_a_run_stopped_midway_leaves_nothing(tmp_path):
+    """Shards already written when the run stops (here: Ctrl-C at the second layer) go with their directory."""
+    src = build_tiny_model("llama", tmp_path / "m", num_hidden_layers=3)
+    cfg = build_config(None, method="rtn", group_size=32, calib_dataset="calib", calib_samples=2, calib_seqlen=32,
+                       max_shard_size="20KB")
+    seen = []
+
+    def stop(layer, stage):
+        seen.append(sorted(p.name for p in tmp_path.glob(".q.partial-*/*")))
+        if layer == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Q.quantize_model(str(src), str(tmp_path / "q"), cfg, progress=stop)
+    assert any(seen) and sorted(os.listdir(tmp_path)) == ["m"]
