@@ -155,3 +155,16 @@ def test_a_run_stopped_midway_leaves_nothing(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         Q.quantize_model(str(src), str(tmp_path / "q"), cfg, progress=stop)
     assert any(seen) and sorted(os.listdir(tmp_path)) == ["m"]
+
+
+def test_a_tied_head_that_differs_from_the_embeddings_is_said(tmp_path, caplog):
+    """As the engine's loader says it: config.json ties the head, and the checkpoint's lm_head.weight differs."""
+    src = build_tiny_model("qwen3", tmp_path / "m")
+    weights = load_file(src / "model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"] + 1
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    cfg = build_config(None, method="rtn", group_size=32, calib_dataset="calib", calib_samples=2, calib_seqlen=32)
+    with caplog.at_level("WARNING"):
+        Q.quantize_model(str(src), str(tmp_path / "q"), cfg)
+    assert "differs from them" in caplog.text
+    assert "lm_head.weight" not in _read_all(tmp_path / "q")

@@ -83,6 +83,9 @@ class LazyModel:
         _move(module, "cpu")
         tensors = self._read(self.parts[part])
         self.model.load_weights(iter(tensors.items()), prefix=f"{part}.")
+        if part == "embed_tokens" and self.model.shape.tie_word_embeddings and "lm_head.weight" in self.files:
+            with _opened(self.files["lm_head.weight"]) as f:    # the loader's warning when they differ
+                self.model._check_tied_head(f.get_slice("lm_head.weight")[:8])
 
     def release(self, part: str) -> None:
         """Free ``part``'s parameters (back on the meta device)."""
