@@ -34,6 +34,9 @@ def part_of(param: str) -> str:
 
 
 class LazyModel:
+    """``model``: the engine's model class, every parameter on the meta device until its part is loaded; ``parts``:
+    each part's checkpoint tensors, in the model's order."""
+
     def __init__(self, model_dir: str, hf_config, dtype: torch.dtype):
         arch, cls = resolve_architecture(hf_config)
         with torch.device("meta"):

@@ -224,6 +224,7 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     qc = quantization_config(cfg, out_dir, kept, shape)
     # GPTQModel reads quantize_config.json, its ``dynamic`` exclusions included (they name what stays dense)
     extra = {"quantize_config.json": dict(qc)} if cfg.writes == "gptq" else None
+    written: set[str] = set()
     with CheckpointOutput(model_dir, out_dir, overwrite, cfg.max_shard_size) as out:
         def done(part: str, results: dict) -> None:
             """A part is final: its tensors (packed where quantized) go to the output, its memory is freed."""
@@ -236,7 +237,6 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
             model.release(part)
             written.add(part)
 
-        written: set[str] = set()
         _, summary.layers = quantize_layers(model.model, ids, build_method(cfg), units, device, progress=progress,
                                             head=cfg.quantize_lm_head, hooks=PartHooks(model.load, done))
         for part in model.parts:        # the final norm, and the LM head unless it was quantized
