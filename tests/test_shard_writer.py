@@ -14,7 +14,7 @@ from nvllm.quant.shard_writer import ShardWriter
 @pytest.mark.parametrize("max_size", [100, 1000, 4096, 10**6])
 def test_shards_as_huggingface_hub_plans_them(tmp_path, max_size):
     """The same tensors in the same order: the same shard files, names, contents and index as
-    ``split_torch_state_dict_into_shards`` (what ``save_pretrained`` and ``write_checkpoint`` before it used)."""
+    ``split_torch_state_dict_into_shards`` (what ``save_pretrained`` uses)."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
     g = torch.Generator().manual_seed(0)

@@ -67,11 +67,11 @@ def quantize_fp8(model_dir: str, out_dir: str, cfg, summary, num_layers: int, ov
     summary.calibration = "none (FP8 needs no calibration data)"
     if on_start:
         on_start(summary, num_layers)
+    reports = {i: LayerReport(i) for i in range(num_layers)}
+    sums: dict[tuple[int, str], list[float]] = {}
+    shapes: dict[str, tuple[int, int]] = {}   # q, k, …: the [out, in] of each kind of linear
     # the output is written as the tensors come: one shard in memory at a time
     with CheckpointOutput(model_dir, out_dir, overwrite, cfg.max_shard_size) as out:
-        reports = {i: LayerReport(i) for i in range(num_layers)}
-        sums: dict[tuple[int, str], list[float]] = {}
-        shapes: dict[str, tuple[int, int]] = {}   # q, k, …: the [out, in] of each kind of linear
         for name, w in iterate_weights(model_dir, "safetensors", False):
             m = PROJ.match(name)
             if m is None:
@@ -89,22 +89,21 @@ def quantize_fp8(model_dir: str, out_dir: str, cfg, summary, num_layers: int, ov
             err, norm = sums.setdefault((layer, fused), [0.0, 0.0])
             sums[(layer, fused)] = [err + float((back - wd).pow(2).sum()), norm + float(wd.pow(2).sum())]
             reports[layer].seconds += time.perf_counter() - start
-        for (layer, fused), (err, norm) in sums.items():
-            reports[layer].errors[fused] = err / max(norm, 1e-30)
-        for rep in reports.values():
-            err = sum(sums[(rep.index, f)][0] for f in rep.errors)
-            rep.layer_error = err / max(sum(sums[(rep.index, f)][1] for f in rep.errors), 1e-30)
-        summary.layers = [reports[i] for i in range(num_layers)]
-        if block is not None:
-            ragged = sorted({f"{m}_proj {tuple(shape)}" for m, shape in shapes.items()
-                             if any(d % block for d in shape)})
-            if ragged:
-                summary.notes.append(f"vLLM loads FP8 blocks only where a linear's sizes are whole {block}-blocks "
-                                     f"(per tensor-parallel rank); not so for {', '.join(ragged)}: nvllm serves this "
-                                     f"checkpoint, vLLM will refuse it (--group-size -1 or a smaller block would do)")
         if progress:
             progress(num_layers, "writing")
         summary.size_after = out.finish(quantization_config(fmt, block))
+    for (layer, fused), (err, norm) in sums.items():
+        reports[layer].errors[fused] = err / max(norm, 1e-30)
+    for rep in reports.values():
+        err = sum(sums[(rep.index, f)][0] for f in rep.errors)
+        rep.layer_error = err / max(sum(sums[(rep.index, f)][1] for f in rep.errors), 1e-30)
+    summary.layers = [reports[i] for i in range(num_layers)]
+    if block is not None:
+        ragged = sorted({f"{m}_proj {tuple(shape)}" for m, shape in shapes.items() if any(d % block for d in shape)})
+        if ragged:
+            summary.notes.append(f"vLLM loads FP8 blocks only where a linear's sizes are whole {block}-blocks "
+                                 f"(per tensor-parallel rank); not so for {', '.join(ragged)}: nvllm serves this "
+                                 f"checkpoint, vLLM will refuse it (--group-size -1 or a smaller block would do)")
     summary.size_before = weights_bytes(model_dir)
     summary.seconds = time.perf_counter() - t0
     return summary

@@ -55,7 +55,7 @@ class LazyModel:
         # a part's checkpoint tensors, the parts in the model's order: embed_tokens, layers.0, …, norm, lm_head
         self.parts: dict[str, list[str]] = {part_of(n): [] for n, _ in self.model.named_parameters()}
         params = dict(self.model.named_parameters())
-        used = {}
+        used, strays = {}, set()       # strays: tensors of no parameter (refused by the checks below)
         for name in sorted(self.files):
             target = self.model.param_for(name)
             if target is None:          # tensors the model does not use (rotary tables, a tied lm_head)
@@ -63,11 +63,13 @@ class LazyModel:
             used[name] = shapes[name]
             if target[0] in params:
                 self.parts[part_of(target[0])].append(name)
-        self.model.load_weights(self._headers(used, params))
+            else:
+                strays.add(name)
+        self.model.load_weights(self._headers(used, strays))
 
-    def _headers(self, shapes: dict[str, list[int]], params) -> Iterator[tuple[str, torch.Tensor]]:
+    def _headers(self, shapes: dict[str, list[int]], strays: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, shape in shapes.items():
-            if name.endswith(".bias") and self.model.param_for(name)[0] not in params:
+            if name in strays and name.endswith(".bias"):
                 yield name, self._read([name])[name]    # a bias the model lacks passes only if it is all zeros
             else:
                 yield name, torch.empty(shape, device="meta")

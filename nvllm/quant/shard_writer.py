@@ -5,8 +5,8 @@ and writes it out once the next tensor would take it past ``max_shard_size``. Th
 ``save_pretrained`` writes (huggingface_hub's ``split_torch_state_dict_into_shards`` given the same tensors in the
 same order): a shard is closed when the next tensor does not fit, a tensor larger than ``max_shard_size`` gets a
 shard of its own at once, shards are numbered in the order they are closed, and a checkpoint of one shard is
-``model.safetensors`` without an index. Tensors are never shared here (each is its own copy), so the planner's
-grouping of tensors that share storage does not arise.
+``model.safetensors`` without an index. No two tensors written here share storage (``checkpoint_tensors`` copies the
+pieces of fused parameters), so the planner's grouping of tensors that share storage does not arise.
 
 Shards are written under temporary names and renamed to ``model-0000i-of-0000N.safetensors`` by ``finish``, once N
 is known.

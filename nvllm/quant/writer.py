@@ -179,10 +179,3 @@ class CheckpointOutput:
             os.rename(tmp, out)
         return size
 
-
-def write_checkpoint(src_dir: str, out_dir: str, tensors: dict[str, torch.Tensor], quantization_config: dict,
-                     overwrite: bool, extra_json: dict[str, Any] | None = None, *, max_shard_size: str) -> int:
-    """All of a checkpoint's tensors at once through ``CheckpointOutput``; returns the weights' size in bytes."""
-    with CheckpointOutput(src_dir, out_dir, overwrite, max_shard_size) as ckpt:
-        ckpt.add(tensors)
-        return ckpt.finish(quantization_config, extra_json)
