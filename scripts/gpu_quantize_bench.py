@@ -8,7 +8,7 @@ tokens in <= 8 minutes on an H200.
 
 1. Model: config.json of scripts/models/qwen2.5-7b (or ``--config FILE``; ``--layers N`` keeps the first N
    decoder layers) and the Qwen2.5 tokenizer built from vocab.json + merges.txt in ``--tokenizer``
-   (``scripts/gpu_bench.build_model_dir``; a directory holding tokenizer.json is copied as is; ``demo`` or a
+   (``random_checkpoint.build_model_dir``; a directory holding tokenizer.json is copied as is; ``demo`` or a
    missing directory: the demo model's 512-token tokenizer, whose ids lie inside any vocabulary of >= 512).
    Weights: HF-like init (normal, std = initializer_range, 0.02; norms 1, biases 0), drawn with a seeded
    generator on the GPU when there is one, written in the config's dtype (bf16) as safetensors shards +
@@ -32,7 +32,7 @@ tokens in <= 8 minutes on an H200.
    ~5.5 GB for the 7B) go to /dev/shm when it has room (writing 15 GB then costs no disk time), else $TMPDIR
    (``--workdir`` chooses), and are deleted at the end unless ``--keep``.
 
-The per-layer breakdown wraps a few nvllm functions at run time (``sequential._collect``,
+The per-layer breakdown (``quantize_timing.py``) wraps a few nvllm functions at run time (``sequential._collect``,
 ``InputStats.add``, ``gptq_quantize``, ``inverse_hessian_factor``, ``relative_error``) with a CUDA synchronize
 before and after, so the GPU time lands where it belongs: about 15 synchronizations per stage, against
 seconds of work. ``--no-detail`` leaves them out (phase timings only).
@@ -60,6 +60,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from quantize_timing import Tracker, instrumented, log  # noqa: E402
+from random_checkpoint import build_model_dir, default_workdir, write_random_weights  # noqa: E402
+
 DEFAULT_CONFIG = REPO / "scripts" / "models" / "qwen2.5-7b" / "config.json"
 DEFAULT_TOKENIZER = REPO / ".carry" / "qwen2.5"
 C4_NAME = "c4-sample.00000-of-00001.jsonl"
@@ -68,19 +71,7 @@ C4_CANDIDATES = (REPO / ".carry" / "c4" / C4_NAME, REPO / ".carry" / C4_NAME, RE
 RESULT_FILE = "gpu_quantize_bench.json"
 TARGET_S = 480.0          # the issue: <= 8 minutes for 128 x 2048 tokens on the 7B shape
 
-T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
-
-def _sync(device: torch.device | None) -> None:
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# ------------------------------------------------------------------------------------------- model build
+# ----------------------------------------------------------------------------------------- calibration, memory
 
 
 def resolve_calib(choice: str) -> tuple[str, str]:
@@ -96,15 +87,6 @@ def resolve_calib(choice: str) -> tuple[str, str]:
     return choice, f"the file {choice}"
 
 
-def checkpoint_bytes(config: dict) -> int:
-    """Bytes of the model's weights in 16-bit (the random checkpoint's size)."""
-    h, i, v, n = config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["num_hidden_layers"]
-    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    d = config.get("head_dim") or h // heads
-    per_layer = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * i
-    return 2 * (v * h * (1 if config.get("tie_word_embeddings") else 2) + n * per_layer)
-
-
 def reset_peak_rss() -> None:
     """Linux: the process's peak resident set (VmHWM) starts again from its current size."""
     with contextlib.suppress(OSError):
@@ -118,303 +100,6 @@ def peak_rss_gib() -> float | None:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
     except (OSError, StopIteration):
         return None
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def default_workdir(config: dict) -> tuple[Path, str]:
-    """/dev/shm when it has room for the random checkpoint and the quantized one (and RAM is left for the
-    quantizer), so that writing the 15 GB input does not wait for a disk; else $TMPDIR."""
-    need = int(1.4 * checkpoint_bytes(config)) + (1 << 30)
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > need \
-            and _mem_available() > 2.5 * need:
-        return shm, f"/dev/shm (tmpfs; {need / 1e9:.1f} GB needed)"
-    tmp = tempfile.gettempdir()
-    return Path(tmp), f"{tmp} (/dev/shm too small, or RAM short, for {need / 1e9:.1f} GB)"
-
-
-def build_model_dir(config_path: Path, tokenizer: str, layers: int | None, workdir: Path) -> tuple[Path, dict, str]:
-    """A temporary HF directory (config.json + tokenizer files) under ``workdir``; returns (dir, config, what
-    tokenizer was used). Reuses gpu_bench.build_model_dir (Qwen2.5 BPE from vocab.json + merges.txt) and
-    gpu_tp_bench.model_dir (the demo tokenizer), then writes the chosen config over theirs."""
-    from nvllm.assets import demo_model_path
-    from nvllm.quant.writer import COPIED_FILES
-
-    old_tempdir, tempfile.tempdir = tempfile.tempdir, str(workdir)   # both helpers call mkdtemp() without dir
-    try:
-        tok_dir = Path(tokenizer)
-        if tokenizer != "demo" and (tok_dir / "vocab.json").is_file() and (tok_dir / "merges.txt").is_file() \
-                and not (tok_dir / "tokenizer.json").is_file():
-            from gpu_bench import build_model_dir as qwen_model_dir
-
-            d = qwen_model_dir(tok_dir)
-            what = f"Qwen2.5 BPE built from {tok_dir}/vocab.json + merges.txt"
-        elif tokenizer != "demo" and (tok_dir / "tokenizer.json").is_file():
-            d = Path(tempfile.mkdtemp(prefix="model-"))
-            for name in COPIED_FILES:
-                if (tok_dir / name).is_file() and name != "generation_config.json":
-                    shutil.copy(tok_dir / name, d / name)
-            what = f"tokenizer files of {tok_dir}"
-        else:
-            from gpu_tp_bench import model_dir as demo_model_dir
-
-            d = demo_model_dir("qwen2.5-7b")
-            what = f"the demo model's tokenizer ({demo_model_path()}, 512 ids)"
-            if tokenizer != "demo":
-                what += f": NOTE {tokenizer} has no vocab.json + merges.txt / tokenizer.json"
-                log(f"NOTE: tokenizer directory {tokenizer} not usable; using the demo model's tokenizer "
-                    f"(512 token ids, all inside the model's vocabulary; speed does not depend on the tokenizer)")
-    finally:
-        tempfile.tempdir = old_tempdir
-    config = json.loads(config_path.read_text())
-    if layers is not None:
-        config["num_hidden_layers"] = min(layers, config["num_hidden_layers"])
-        if "max_window_layers" in config:
-            config["max_window_layers"] = min(config["max_window_layers"], config["num_hidden_layers"])
-    (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return d, config, what
-
-
-@torch.no_grad()
-def write_random_weights(model_dir: Path, device: torch.device, seed: int, shard_bytes: int = 4 << 30) -> dict:
-    """Random weights for ``model_dir/config.json`` as safetensors shards + model.safetensors.index.json, under
-    the tensor names of transformers' model class (a meta-device instance: no memory, no init). HF-like init:
-    normal(0, initializer_range) for matrices and embeddings, ones for norms, zeros for biases; drawn on
-    ``device`` with one seeded generator, in the config's dtype."""
-    import transformers
-    from safetensors.torch import save_file
-
-    from nvllm.models.loader import checkpoint_dtype
-
-    hf_config = transformers.AutoConfig.from_pretrained(model_dir)
-    dtype = checkpoint_dtype(hf_config) or torch.float32
-    std = float(getattr(hf_config, "initializer_range", 0.02) or 0.02)
-    with torch.device("meta"):
-        meta = transformers.AutoModelForCausalLM.from_config(hf_config)
-    params = checkpoint_params(meta)   # tied lm_head appears once
-    del meta
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    shards: list[list[tuple[str, tuple]]] = [[]]
-    size = 0
-    for name, shape in params:
-        nbytes = itemsize * int(torch.Size(shape).numel())
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shape))
-        size += nbytes
-    gen = torch.Generator(device=device).manual_seed(seed)
-    weight_map, total, t_gen, t_write = {}, 0, 0.0, 0.0
-    for k, shard in enumerate(shards, 1):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        t0 = time.perf_counter()
-        tensors = {}
-        for name, shape in shard:
-            if name.endswith("norm.weight"):
-                t = torch.ones(shape, dtype=dtype)
-            elif name.endswith(".bias"):
-                t = torch.zeros(shape, dtype=dtype)
-            else:
-                t = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(std).cpu()
-            tensors[name] = t
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-        t1 = time.perf_counter()
-        save_file(tensors, str(model_dir / fname), metadata={"format": "pt"})
-        t2 = time.perf_counter()
-        t_gen, t_write = t_gen + t1 - t0, t_write + t2 - t1
-        del tensors
-        log(f"build: wrote {fname} ({len(shard)} tensors) generate {t1 - t0:.1f}s write {t2 - t1:.1f}s")
-    if len(shards) > 1:
-        (model_dir / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    return {"bytes": total, "tensors": len(params), "shards": len(shards), "dtype": str(dtype).replace("torch.", ""),
-            "init_std": std, "generate_s": t_gen, "write_s": t_write, "device": str(device)}
-
-
-def checkpoint_params(model) -> list[tuple[str, tuple]]:
-    """(checkpoint name, shape) of every parameter. transformers 5 holds a mixture's experts stacked
-    (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]); published checkpoints, and what
-    ``save_pretrained`` writes, have a tensor per expert and projection (``mlp.experts.{e}.gate_proj.weight``;
-    Mixtral's ``w1`` / ``w3`` / ``w2``)."""
-    out = []
-    mixtral = "Mixtral" in type(model).__name__
-    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-    for name, p in model.named_parameters():
-        stem, _, leaf = name.rpartition(".")
-        if stem.endswith(".experts") and p.dim() == 3:
-            e, rows, cols = p.shape
-            for k in range(e):
-                if leaf == "gate_up_proj":
-                    out += [(f"{stem}.{k}.{gate}.weight", (rows // 2, cols)), (f"{stem}.{k}.{up}.weight",
-                                                                               (rows // 2, cols))]
-                else:
-                    out.append((f"{stem}.{k}.{down}.weight", (rows, cols)))
-        else:
-            out.append((name, tuple(p.shape)))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- timing
-
-
-class Tracker:
-    """Progress lines, per-layer timings and the phase timings of one ``quantize_model`` call."""
-
-    def __init__(self, res: dict, save, device: torch.device, detail: bool):
-        self.res, self.save, self.device, self.detail = res, save, device, detail
-        self.num_layers = 0
-        self.layer: int | None = None
-        self.layers_start: float | None = None
-        self.q_t0 = time.perf_counter()          # set again just before quantize_model
-        self.layer_t0 = self.stage_t0 = 0.0
-        self.stage: str | None = None
-        self.cur: dict = {}
-        self.layers: list[dict] = res.setdefault("layers", [])
-        self.phases: dict = res.setdefault("phases", {})
-
-    # -- callbacks of quantize_model
-    def on_start(self, summary, num_layers: int) -> None:
-        self.num_layers = num_layers
-        self.res["calibration"] = {"source": summary.calibration, "tokens": summary.tokens,
-                                   "notes": list(summary.notes)}
-        log(f"calibration ready: {summary.tokens} tokens from {summary.calibration}")
-        for note in summary.notes:
-            log(f"note: {note}")
-        for name, why in summary.kept.items():
-            log(f"kept in full precision: {name} ({why})")
-        self.save()
-
-    def on_progress(self, layer: int, stage: str) -> None:
-        now = time.perf_counter()
-        self._close_stage(now)
-        if layer != self.layer:
-            if self.layer is not None:
-                self._finish_layer(now)
-            elif self.layers_start is not None:
-                self.phases["embed_windows_s"] = now - self.layers_start
-            self.layer, self.layer_t0 = layer, now
-            self.cur = {"index": layer, "stages": {}, "collect_s": 0.0, "hessian_s": 0.0, "gptq_s": 0.0,
-                        "cholesky_s": 0.0, "rel_error_s": 0.0}
-        self.stage, self.stage_t0 = stage, now
-        self.res["current"] = {"layer": layer + 1, "stage": stage, "at_s": now - self.q_t0}
-        if layer == 0 or layer == self.num_layers - 1:     # the other layers: one line when done (short output)
-            log(f"layer {layer + 1}/{self.num_layers} {stage}")
-
-    def _close_stage(self, now: float) -> None:
-        if self.stage is not None:
-            self.cur["stages"][self.stage] = now - self.stage_t0
-            self.stage = None
-
-    def _finish_layer(self, now: float, complete: bool = True) -> None:
-        self._close_stage(now)
-        c = self.cur
-        c["seconds"] = now - self.layer_t0
-        if not complete:     # interrupted (time limit, error): kept apart from the finished layers
-            self.res["interrupted_layer"] = c
-            log(f"layer {c['index'] + 1}/{self.num_layers} interrupted after {c['seconds']:.1f}s "
-                f"[{' '.join(f'{k} {v:.1f}' for k, v in c['stages'].items())}]")
-            self.save()
-            return
-        self.layers.append(c)
-        done = len(self.layers)
-        mean = sum(x["seconds"] for x in self.layers) / done
-        eta = mean * (self.num_layers - done)
-        parts = " ".join(f"{k} {v:.1f}" for k, v in c["stages"].items())
-        extra = ""
-        if self.detail:
-            extra = (f" replay+H {c['collect_s']:.1f} (H {c['hessian_s']:.1f}) gptq {c['gptq_s']:.1f} "
-                     f"(chol {c['cholesky_s']:.1f}) err {c['rel_error_s']:.1f}")
-        log(f"layer {c['index'] + 1}/{self.num_layers} {c['seconds']:.1f}s [{parts}]{extra} | mean {mean:.1f} "
-            f"ETA {eta:.0f}s, last layer at ~{now - self.q_t0 + eta:.0f}s of quantize")
-        self.res["layers_done"] = done
-        self.save()
-
-    # -- wrappers
-    def phase(self, key: str, fn, sync: bool = True, quiet: bool = False):
-        """``fn`` timed into phases[key + "_s"] (summed over calls; ``quiet``: no line a call, for the parts of the
-        model read, packed and written inside the layers phase)."""
-        def wrapped(*a, **kw):
-            if sync:
-                _sync(self.device)
-            t0 = time.perf_counter()
-            if key == "layers":
-                self.layers_start = t0
-            ok = False
-            try:
-                out = fn(*a, **kw)
-                ok = True
-                return out
-            finally:
-                if sync and ok:
-                    _sync(self.device)
-                t1 = time.perf_counter()
-                self.phases[f"{key}_s"] = self.phases.get(f"{key}_s", 0.0) + t1 - t0
-                if key == "layers" and self.layer is not None:
-                    self._finish_layer(t1, complete=ok)
-                    self.layer = None
-                if not quiet or not ok:
-                    log(f"phase {key}: {t1 - t0:.1f}s" + ("" if ok else " (interrupted)"))
-        return wrapped
-
-    def detail_timer(self, key: str, fn):
-        def wrapped(*a, **kw):
-            _sync(self.device)
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                _sync(self.device)
-                if self.cur:
-                    self.cur[key] = self.cur.get(key, 0.0) + time.perf_counter() - t0
-        return wrapped
-
-
-@contextlib.contextmanager
-def instrumented(tracker: Tracker):
-    """Wrap nvllm's quantize phases (and, with detail, the per-stage steps) for timing; restored on exit."""
-    import nvllm.engine.tokenizer as tok_mod
-    import nvllm.quant.gptq as gptq_mod
-    import nvllm.quant.methods as methods
-    import nvllm.quant.quantize as qmod
-    import nvllm.quant.sequential as seq
-    from nvllm.quant.lazy_model import LazyModel
-    from nvllm.quant.writer import CheckpointOutput
-
-    patches = [(tok_mod, "load_tokenizer", tracker.phase("tokenizer", tok_mod.load_tokenizer, sync=False)),
-               (qmod, "load_texts", tracker.phase("read_calib_text", qmod.load_texts, sync=False)),
-               (qmod, "calibration_windows", tracker.phase("calib_windows", qmod.calibration_windows, sync=False)),
-               (qmod, "quantize_layers", tracker.phase("layers", qmod.quantize_layers)),
-               # the model is read, packed and written a part at a time, inside the layers phase
-               (LazyModel, "load", tracker.phase("load", LazyModel.load, sync=False, quiet=True)),
-               (qmod, "checkpoint_tensors", tracker.phase("pack", qmod.checkpoint_tensors, quiet=True)),
-               (CheckpointOutput, "add", tracker.phase("write", CheckpointOutput.add, sync=False, quiet=True)),
-               (CheckpointOutput, "finish", tracker.phase("finish", CheckpointOutput.finish, sync=False))]
-    if tracker.detail:
-        patches += [(seq, "_collect", tracker.detail_timer("collect_s", seq._collect)),
-                    (methods.InputStats, "add", tracker.detail_timer("hessian_s", methods.InputStats.add)),
-                    (methods, "gptq_quantize", tracker.detail_timer("gptq_s", methods.gptq_quantize)),
-                    (gptq_mod, "inverse_hessian_factor",
-                     tracker.detail_timer("cholesky_s", gptq_mod.inverse_hessian_factor)),
-                    (methods, "relative_error", tracker.detail_timer("rel_error_s", methods.relative_error))]
-    saved = [(obj, name, obj.__dict__[name]) for obj, name, _ in patches]
-    try:
-        for obj, name, new in patches:
-            setattr(obj, name, new)
-        yield
-    finally:
-        for obj, name, old in saved:
-            setattr(obj, name, old)
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -586,7 +271,7 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        model_dir, config, tok_what = build_model_dir(Path(args.config), args.tokenizer, args.layers, workdir)
+        model_dir, config, tok_what = build_model_dir(Path(args.config), args.tokenizer, args.layers, workdir, log)
         res["model"] = {"config": args.config, "num_hidden_layers": config["num_hidden_layers"],
                         "hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
                         "vocab_size": config["vocab_size"], "tokenizer": tok_what, "dir": str(model_dir)}
@@ -602,7 +287,7 @@ def main(argv=None) -> dict:
                              f"{config['vocab_size']}: use a larger vocabulary or --tokenizer demo")
         log(f"model dir {model_dir}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
             f"intermediate {config['intermediate_size']}, vocab {config['vocab_size']}; tokenizer: {tok_what}")
-        res["build"] = write_random_weights(model_dir, device, args.seed, int(args.shard_gib * 2**30))
+        res["build"] = write_random_weights(model_dir, device, args.seed, int(args.shard_gib * 2**30), log)
         res["build"]["seconds"] = time.perf_counter() - t0
         if device.type == "cuda":
             res["build"]["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
