@@ -31,11 +31,15 @@ def main_callback() -> None:
 
 
 def _exit_on_sigterm() -> None:
-    """SIGTERM (a job scheduler's stop, `kill`) ends a command through its clean-up, as Ctrl-C does: an interrupted
-    quantize removes its temporary output, a tensor-parallel engine stops its workers. Python's default would end
-    the process at once. The server installs its own handlers while it serves (a graceful shutdown)."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _terminated)
+    """SIGTERM (a job scheduler's stop, `kill`) and SIGHUP (the terminal closed) end a command through its clean-up,
+    as Ctrl-C does: an interrupted quantize removes its temporary output, a tensor-parallel engine stops its
+    workers. Python's default would end the process at once. The server installs its own handlers while it serves
+    (a graceful shutdown)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, _terminated)
 
 
 def _terminated(signum, frame) -> None:

@@ -245,7 +245,7 @@ app(sys.argv[1:])
 
 def test_sigterm_while_writing_leaves_nothing(tmp_path):
     """SIGTERM (a job scheduler's stop) in the middle of writing the checkpoint: the temporary directory is removed,
-    as on Ctrl-C, and the command exits 143."""
+    as on Ctrl-C, with the parent directory the run made for it, and the command exits 143."""
     import subprocess
     import sys
 
@@ -254,7 +254,7 @@ def test_sigterm_while_writing_leaves_nothing(tmp_path):
                            "--group-size", "32", "--out", str(out), *FAST], capture_output=True, text=True,
                           timeout=300, cwd=str(REPO))
     assert proc.returncode == 143, proc.stdout + proc.stderr
-    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path / "out").exists()
 
 
 def test_calibration_sources(tmp_path, monkeypatch):

@@ -625,3 +625,18 @@ def test_priority_scheduling_serves_request_priorities(tmp_path):
                 assert r.status_code == 200, r.text
     finally:
         stop_server(proc)
+
+
+def test_sighup_shuts_the_server_down_as_sigterm_does(tmp_path):
+    """The terminal that started `nvllm serve` closed (SIGHUP): the same graceful shutdown as SIGTERM, exit 0."""
+    proc, base = start_server(["--device", "cpu", "--log-stats-interval", "0"], tmp_path / "log")
+    try:
+        assert httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2},
+                          timeout=60).status_code == 200
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=30) == 0, (tmp_path / "log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "log").read_text()
+    assert "server stopped" in log and "Traceback" not in log, log

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from nvllm.output_file import unwritable_parent
 from nvllm.quant.compressed_tensors import pack_compressed_tensors
 from nvllm.quant.formats import GroupQuant, pack_awq, pack_gptq
 from nvllm.quant.shard_writer import ShardWriter, parse_size
+from nvllm.quant.staged_dir import StagedDir
 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "generation_config.json",
@@ -131,16 +131,15 @@ class CheckpointOutput:
 
     def __enter__(self) -> CheckpointOutput:
         check_out_dir(self.out_dir, self.overwrite, self.src_dir)
-        self.out = Path(self.out_dir).resolve()
-        self.out.parent.mkdir(parents=True, exist_ok=True)
         max_bytes = parse_size(self.max_shard_size)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
+        self.staged = StagedDir(self.out_dir)
+        self.tmp = self.staged.path
         self.shards = ShardWriter(self.tmp, max_bytes)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.staged.abort()
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
@@ -150,7 +149,7 @@ class CheckpointOutput:
         """Write the last shard, config.json with ``quantization_config``, ``extra_json`` files and the source's
         tokenizer and generation files, then rename the directory into place; returns the weights' size in bytes."""
         check_out_dir(self.out_dir, self.overwrite, self.src_dir)   # nothing took the output's place meanwhile
-        tmp, out = self.tmp, self.out
+        tmp = self.tmp
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)        # mkdtemp's 0700 would outlive the rename
@@ -170,12 +169,6 @@ class CheckpointOutput:
                 shutil.copy2(Path(self.src_dir) / name, tmp / name)
         for p in tmp.iterdir():
             os.chmod(p, 0o666 & ~umask)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        self.staged.commit(replace=self.overwrite)
         return size
 

@@ -62,8 +62,11 @@ class GracefulServer(uvicorn.Server):
 @contextlib.contextmanager
 def exit_quietly_after_signals():
     """uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the handler it found;
-    a no-op handler there lets a graceful shutdown end with exit status 0 instead of death by signal."""
+    a no-op handler there lets a graceful shutdown end with exit status 0 instead of death by signal. SIGHUP (the
+    terminal closed) is passed on as SIGTERM, so it shuts the server down the same way."""
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if hasattr(signal, "SIGHUP"):
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: signal.raise_signal(signal.SIGTERM))
     try:
         yield
     finally:
