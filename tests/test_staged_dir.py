@@ -13,6 +13,7 @@ import pytest
 import nvllm.quant.quantize as Q
 import nvllm.quant.staged_dir as S
 from nvllm.quant.recipe import build_config
+from nvllm.quant.writer import OutputExistsError
 from tests.conftest import REPO, build_tiny_model
 
 FAST = ["--method", "rtn", "--group-size", "32", "--calib-dataset", "calib", "--calib-samples", "2",
@@ -83,6 +84,7 @@ def test_what_is_not_stale_stays(tmp_path, monkeypatch):
     another host, of another output, nor what does not follow the naming."""
     monkeypatch.setattr(S, "_host", lambda: "box-1")
     out = tmp_path / "q"
+    out.mkdir()       # so the set-aside leftover is deleted, not put back
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         dead = _dead_pid()
@@ -134,3 +136,18 @@ def test_replacing_an_output_stopped_between_the_renames_keeps_the_old_one(tmp_p
         staged.commit()
     staged.commit(replace=True)
     assert (out / "config.json").read_text() == "new" and os.listdir(tmp_path) == ["q"]
+
+
+def test_an_output_set_aside_by_a_killed_replacement_is_put_back(tmp_path, caplog):
+    """SIGKILL between the two renames of --overwrite: the old output is hidden and nothing is in its place. The next
+    run puts it back (and then, without --overwrite, refuses to replace it, as for any existing output)."""
+    out = tmp_path / "q"
+    hidden = tmp_path / f".q.old-{S._host()}-{_dead_pid()}-0a1b2c3d"
+    hidden.mkdir()
+    (hidden / "config.json").write_text("old")
+    src = build_tiny_model("llama", tmp_path / "m")
+    cfg = build_config(None, method="rtn", group_size=32, calib_dataset="calib", calib_samples=2, calib_seqlen=32)
+    with caplog.at_level("WARNING"), pytest.raises(OutputExistsError, match="already exists"):
+        Q.quantize_model(str(src), str(out), cfg)
+    assert f"restoring {out} from {hidden}" in caplog.text
+    assert (out / "config.json").read_text() == "old" and sorted(os.listdir(tmp_path)) == ["m", "q"]

@@ -5,7 +5,8 @@ leaves either the whole output or nothing.
   Python (an exception, Ctrl-C, SIGTERM/SIGHUP in the CLI) deletes it, and the parent directories it created.
 - A run killed outright (SIGKILL, the out-of-memory killer, a power cut) cannot; its staging directory names the
   host and the process, so the next run writing the same output on that host deletes it once that process is
-  gone, and says so.
+  gone, and says so (``recover``). An output it had set aside to replace it and not yet deleted is put back when
+  nothing took its place.
 - An existing output is replaced only by ``commit(replace=True)``: it is renamed aside, the new one renamed in,
   then the old one deleted; a stop between the two renames puts the old one back.
 """
@@ -54,6 +55,21 @@ def stale_siblings(out: Path) -> list[Path]:
     return sorted(stale)
 
 
+def recover(out: str | Path) -> None:
+    """Tidy what runs killed outright left beside ``out`` on this host: an output set aside for a replacement that
+    never arrived is renamed back; every other leftover is deleted."""
+    out = Path(out).resolve()
+    if not out.parent.is_dir():
+        return
+    for p in stale_siblings(out):
+        if p.name.startswith(f".{out.name}.old-") and not os.path.lexists(out):
+            logger.warning("restoring %s from %s: a run replacing it was killed", out, p)
+            os.rename(p, out)
+        else:
+            logger.warning("removing %s: left by an earlier run writing %s that was killed", p, out)
+            shutil.rmtree(p, ignore_errors=True)
+
+
 class StagedDir:
     """``path``: the staging directory to fill; ``commit`` renames it to ``out``; ``abort`` deletes it (and the
     parents ``__init__`` created)."""
@@ -67,9 +83,7 @@ class StagedDir:
             p = p.parent
         self.out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            for p in stale_siblings(self.out):
-                logger.warning("removing %s: left by an earlier run writing %s that was killed", p, self.out)
-                shutil.rmtree(p, ignore_errors=True)
+            recover(self.out)
             self.path = _sibling(self.out, "partial")
             self.path.mkdir(mode=0o700)
         except BaseException:

@@ -26,7 +26,7 @@ from nvllm.output_file import unwritable_parent
 from nvllm.quant.compressed_tensors import pack_compressed_tensors
 from nvllm.quant.formats import GroupQuant, pack_awq, pack_gptq
 from nvllm.quant.shard_writer import ShardWriter, parse_size
-from nvllm.quant.staged_dir import StagedDir
+from nvllm.quant.staged_dir import StagedDir, recover
 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "generation_config.json",
@@ -40,9 +40,11 @@ class OutputExistsError(ValueError):
 def check_out_dir(out_dir: str, overwrite: bool, src_dir: str) -> None:
     """Before any work is done: refuse an empty path, an existing output (unless ``overwrite``), an output that is
     the current directory, the source model or holds either (replacing it would delete them; compared through
-    links), and an output that cannot be created (its nearest existing parent is not a writable directory)."""
+    links), and an output that cannot be created (its nearest existing parent is not a writable directory). First,
+    ``staged_dir.recover`` tidies what runs killed outright left beside the output."""
     if not out_dir.strip():
         raise OutputExistsError("--out is empty: name the directory to write the checkpoint to")
+    recover(out_dir)        # what runs killed outright left beside it; an output one had set aside is back in place
     out, src, cwd = Path(out_dir).resolve(), Path(src_dir).resolve(), Path.cwd().resolve()
     if out == cwd or out in cwd.parents:
         raise OutputExistsError(f"--out {out_dir} is the current directory or holds it: replacing it would delete "
@@ -152,7 +154,7 @@ class CheckpointOutput:
         tmp = self.tmp
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)        # mkdtemp's 0700 would outlive the rename
+        os.chmod(tmp, 0o777 & ~umask)        # the staging directory's 0700 would outlive the rename
         size = self.shards.finish()
         with open(Path(self.src_dir) / "config.json") as f:
             config = json.load(f)
