@@ -230,15 +230,15 @@ def test_an_empty_or_enclosing_output_never_replaces_the_current_directory(tmp_p
 
 _TERMINATED_WHILE_WRITING = """
 import os, signal, sys, time
-import safetensors.torch
+import nvllm.quant.shard_writer
 from nvllm.cli import app
 
-def save_file(tensors, path, metadata=None):  # half a weights file, then the scheduler's SIGTERM
+def write_shard(path, entries, data):  # half a weights file, then the scheduler's SIGTERM
     open(path, "wb").write(b"x" * 1000)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
 
-safetensors.torch.save_file = save_file
+nvllm.quant.shard_writer.write_shard = write_shard
 app(sys.argv[1:])
 """
 

@@ -157,7 +157,7 @@ def test_output_is_atomic_and_refuses_existing(tmp_path, monkeypatch):
     def broken(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("safetensors.torch.save_file", broken)
+    monkeypatch.setattr("nvllm.quant.shard_writer.write_shard", broken)
     with pytest.raises(OSError, match="disk full"):
         quantize_model(demo_model_path(), str(out), cfg)
     assert os.listdir(tmp_path) == []                                 # nothing half-written
