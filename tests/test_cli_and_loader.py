@@ -199,6 +199,34 @@ def test_sharded_safetensors(model_copy):
         load(model_copy)
 
 
+def test_mistrals_consolidated_file_beside_the_hf_weights_is_not_read(model_copy, tmp_path, monkeypatch):
+    """Mistral's repositories hold consolidated.safetensors (the same weights under Mistral's names) next to the
+    Hugging Face files. As transformers does, the engine and quantize read model.safetensors (or the index's shards)
+    only, and the Hub download leaves the consolidated file out."""
+    want = load(model_copy).generate([[1, 5, 9]], use_tqdm=False)[0].outputs[0].token_ids
+    state = load_file(model_copy / "model.safetensors")
+    mistral = {k.replace("model.layers.", "layers.").replace("self_attn.q_proj", "attention.wq"): v
+               for k, v in state.items()}
+    save_file(mistral, model_copy / "consolidated.safetensors")
+    assert load(model_copy).generate([[1, 5, 9]], use_tqdm=False)[0].outputs[0].token_ids == want
+
+    from nvllm.quant.quantize import quantize_model
+    from nvllm.quant.recipe import build_config
+
+    cfg = build_config(None, method="rtn", group_size=32, calib_dataset="calib", calib_samples=2, calib_seqlen=32)
+    summary = quantize_model(str(model_copy), str(tmp_path / "q"), cfg)
+    assert summary.size_before == (model_copy / "model.safetensors").stat().st_size
+
+    import huggingface_hub
+
+    from nvllm.models.hub import resolve_model_path
+
+    asked = {}
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: asked.update(kw) or str(model_copy))
+    assert resolve_model_path("mistralai/Mistral-7B-Instruct-v0.3") == str(model_copy)
+    assert "*.safetensors" in asked["allow_patterns"] and asked["ignore_patterns"] == ["consolidated*"]
+
+
 def test_dummy_load_format_needs_only_config(tmp_path, model_copy):
     d = tmp_path / "cfg_only"
     d.mkdir()

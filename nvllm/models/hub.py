@@ -1,7 +1,8 @@
 """Model names: a local directory is used as is; anything else is taken as a Hugging Face Hub repo id and
-downloaded (config, tokenizer and safetensors only) when the network allows, at ``revision`` (a branch, tag or
-commit; the default branch when None) — from the local Hub cache when the network is off (HF_HUB_OFFLINE=1). As in
-vLLM, a revision given with a local directory has nothing to select and is ignored."""
+downloaded (config, tokenizer and safetensors only; not Mistral's consolidated.safetensors) when the network
+allows, at ``revision`` (a branch, tag or commit; the default branch when None) — from the local Hub cache when the
+network is off (HF_HUB_OFFLINE=1). As in vLLM, a revision given with a local directory has nothing to select and is
+ignored."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 from nvllm.config import ConfigError, first_line
 
 _PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+_IGNORED = ["consolidated*"]    # Mistral's own format of the same weights, beside the Hugging Face files: not read
 
 
 def resolve_model_path(name: str, revision: str | None = None) -> str:
@@ -20,7 +22,8 @@ def resolve_model_path(name: str, revision: str | None = None) -> str:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(repo_id=name, revision=revision, allow_patterns=_PATTERNS)
+        return snapshot_download(repo_id=name, revision=revision, allow_patterns=_PATTERNS,
+                                 ignore_patterns=_IGNORED)
     except Exception as e:
         at = f" at revision {revision!r}" if revision else ""
         raise ConfigError(f"model directory not found, and {name!r}{at} could not be fetched from the "

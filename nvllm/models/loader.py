@@ -104,6 +104,10 @@ def checkpoint_dtype(hf_config) -> torch.dtype | None:
 
 
 def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's weight files, chosen as transformers chooses them: the shards its
+    model.safetensors.index.json lists, else model.safetensors, else (a directory another tool wrote) every
+    *.safetensors. Other files beside an index or model.safetensors are not read: Mistral's repositories carry
+    consolidated.safetensors, the same weights under Mistral's own names, next to the Hugging Face ones."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -113,6 +117,9 @@ def safetensors_files(model_dir: str) -> list[str]:
         if missing:
             raise ConfigError(f"weight shard listed in model.safetensors.index.json is missing: {missing[0]}")
         return files
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
     return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 

@@ -25,8 +25,6 @@ pack, is an error (the user asked for the head, so it is not silently kept).
 
 from __future__ import annotations
 
-import glob
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -72,7 +70,7 @@ class QuantizeSummary:
 
 def _check_model(model_dir: str):
     from nvllm.models.llama import ModelShape
-    from nvllm.models.loader import load_hf_config
+    from nvllm.models.loader import load_hf_config, safetensors_files
     from nvllm.models.registry import resolve_architecture
 
     hf_config = load_hf_config(model_dir)
@@ -80,7 +78,7 @@ def _check_model(model_dir: str):
     if existing is not None:
         method = existing.get("quant_method", "unknown") if isinstance(existing, dict) else "unknown"
         raise QuantizeError(f"{model_dir} is already quantized ({method}); quantize the full-precision model")
-    if not glob.glob(os.path.join(model_dir, "*.safetensors")):
+    if not safetensors_files(model_dir):
         raise QuantizeError(f"no safetensors weights in {model_dir} (nvllm quantize reads safetensors checkpoints)")
     arch, _ = resolve_architecture(hf_config)
     shape = ModelShape(hf_config, arch)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from nvllm.models.loader import safetensors_files
 from nvllm.output_file import unwritable_parent
 from nvllm.quant.compressed_tensors import pack_compressed_tensors
 from nvllm.quant.formats import GroupQuant, pack_awq, pack_gptq
@@ -120,7 +121,7 @@ def _piece(module, module_name: str, leaf: str, shard) -> tuple[str | None, tupl
 
 def weights_bytes(model_dir: str) -> int:
     """The size of a checkpoint directory's safetensors files (the summary's size before quantizing)."""
-    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    return sum(os.path.getsize(f) for f in safetensors_files(model_dir))
 
 
 class CheckpointOutput:
