@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 
@@ -67,6 +68,10 @@ def test_a_killed_run_is_cleaned_up_by_the_next(tmp_path, caplog):
         Q.quantize_model(str(src), str(out), cfg)
     assert f"removing {left[0]}: left by an earlier run writing {out} that was killed" in caplog.text
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["q"] and (out / "config.json").is_file()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask      # as mkdir would make it, not the staging 0700
+    assert {stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {0o666 & ~umask}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
@@ -95,6 +100,7 @@ def test_what_is_not_stale_stays(tmp_path, monkeypatch):
         for name in names:
             (tmp_path / name).mkdir()
             (tmp_path / name / "shard-00000.partial").write_bytes(b"x")
+        S.recover(out)
         staged = S.StagedDir(out)
         assert staged.path.name.startswith(f".q.partial-box-1-{os.getpid()}-")
         for name, kept in names.items():

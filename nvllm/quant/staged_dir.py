@@ -71,8 +71,9 @@ def recover(out: str | Path) -> None:
 
 
 class StagedDir:
-    """``path``: the staging directory to fill; ``commit`` renames it to ``out``; ``abort`` deletes it (and the
-    parents ``__init__`` created)."""
+    """``path``: the staging directory to fill (with the mode the umask gives, which the output keeps); ``commit``
+    renames it to ``out``; ``abort`` deletes it (and the parents ``__init__`` created). Run ``recover`` on ``out``
+    first (``writer.check_out_dir`` does)."""
 
     def __init__(self, out: str | Path):
         self.out = Path(out).resolve()
@@ -83,9 +84,8 @@ class StagedDir:
             p = p.parent
         self.out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            recover(self.out)
             self.path = _sibling(self.out, "partial")
-            self.path.mkdir(mode=0o700)
+            self.path.mkdir()
         except BaseException:
             self._remove_parents()
             raise

@@ -155,7 +155,6 @@ class CheckpointOutput:
         tmp = self.tmp
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)        # the staging directory's 0700 would outlive the rename
         size = self.shards.finish()
         with open(Path(self.src_dir) / "config.json") as f:
             config = json.load(f)
