@@ -227,6 +227,28 @@ def test_mistrals_consolidated_file_beside_the_hf_weights_is_not_read(model_copy
     assert "*.safetensors" in asked["allow_patterns"] and asked["ignore_patterns"] == ["consolidated*"]
 
 
+def test_unindexed_files_are_read_together_but_not_when_they_overlap(model_copy, tmp_path):
+    """A directory another tool wrote (several *.safetensors, no index, no model.safetensors) loads as one
+    checkpoint; when two of its files hold the same tensor nothing says which is meant, and the engine and quantize
+    stop with one line instead of letting one copy win."""
+    want = load(model_copy).generate([[1, 5, 9]], use_tqdm=False)[0].outputs[0].token_ids
+    f = model_copy / "model.safetensors"
+    state = load_file(f)
+    names = sorted(state)
+    save_file({k: state[k] for k in names[:3]}, model_copy / "part-a.safetensors")
+    save_file({k: state[k] for k in names[3:]}, model_copy / "part-b.safetensors")
+    f.unlink()
+    assert load(model_copy).generate([[1, 5, 9]], use_tqdm=False)[0].outputs[0].token_ids == want
+
+    save_file({names[5]: torch.zeros_like(state[names[5]])}, model_copy / "part-c.safetensors")
+    with pytest.raises(ConfigError, match=f"tensor {names[5]} is in both part-b.safetensors and part-c"):
+        load(model_copy)
+    r = nvllm("quantize", "--model", str(model_copy), "--method", "rtn", "--group-size", "32",
+              "--out", str(tmp_path / "q"))
+    assert r.returncode != 0 and f"tensor {names[5]} is in both" in r.stderr, r.stderr
+    assert not (tmp_path / "q").exists()
+
+
 def test_dummy_load_format_needs_only_config(tmp_path, model_copy):
     d = tmp_path / "cfg_only"
     d.mkdir()

@@ -120,7 +120,29 @@ def safetensors_files(model_dir: str) -> list[str]:
     single = os.path.join(model_dir, "model.safetensors")
     if os.path.isfile(single):
         return [single]
-    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if len(files) > 1:
+        _refuse_overlap(files)
+    return files
+
+
+def _refuse_overlap(files: list[str]) -> None:
+    """Without an index nothing says which of two files holding the same tensor name is meant: refuse."""
+    from safetensors import safe_open
+
+    owner: dict[str, str] = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                names = list(f.keys())
+        except Exception as e:
+            raise ConfigError(f"cannot read weight file {path} (truncated or corrupt?): {e}") from e
+        for name in names:
+            if name in owner:
+                raise ConfigError(
+                    f"tensor {name} is in both {os.path.basename(owner[name])} and {os.path.basename(path)}; with "
+                    "no model.safetensors.index.json to say which is meant, remove one of the files")
+            owner[name] = path
 
 
 def iterate_weights(model_dir: str, load_format: str, allow_pickle: bool) -> Iterator[tuple[str, torch.Tensor]]:
