@@ -1,6 +1,7 @@
-"""A request's tokenization runs on the server's tokenizer thread, so a prompt that takes long to tokenize does not
-hold up the event loop (every other request and stream). In process, with the demo model's tokenizer: the handler's
-``start`` is awaited while the tokenizer is made to block, and the loop must keep running meanwhile."""
+"""A request's tokenization runs on the server's tokenizer threads, so a prompt that takes long to tokenize does not
+hold up the event loop (every other request and stream), and a large prompt does not hold up small ones. In process,
+with the demo model's tokenizer: the handler's ``start`` is awaited while the tokenizer is made to block, and the
+loop (and the other lane) must keep running meanwhile."""
 
 from __future__ import annotations
 
@@ -15,27 +16,29 @@ from nvllm.serve.chat import ChatHandler
 from nvllm.serve.completions import CompletionHandler
 from nvllm.serve.errors import APIError
 from nvllm.serve.models import ServedModels
-from nvllm.serve.prompts import PromptProcessor
+from nvllm.serve.prompts import LARGE_PROMPT_CHARS, PromptProcessor, text_size
 from nvllm.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_MODEL_LEN = 8
 LONG = "the cat sat on the mat " * 10  # over MAX_MODEL_LEN tokens: start ends in a 400 before the engine
 
 
-def _blocked_handlers():
-    """A completion and a chat handler over a tokenizer whose ``encode`` waits for ``release``; ``entered`` is set
-    (with the thread's name) once a call is inside it."""
+def _blocked_handlers(longer_than: int = 0):
+    """A completion and a chat handler over a tokenizer whose ``encode`` of a text of more than ``longer_than``
+    characters waits for ``release``; ``entered`` is set (with the thread's name and the tokenizer) once a call is
+    inside it."""
     tokenizer = load_tokenizer(demo_model_path())
     entered, release, where = threading.Event(), threading.Event(), []
     encode = tokenizer.encode
 
-    def blocking(*args, **kwargs):
-        where.append(threading.current_thread().name)
-        entered.set()
-        release.wait(10)
-        return encode(*args, **kwargs)
+    def blocking(self, text, *args, **kwargs):
+        if len(text) > longer_than:
+            where.append((threading.current_thread().name, self))
+            entered.set()
+            release.wait(10)
+        return encode.__func__(self, text, *args, **kwargs)
 
-    tokenizer.encode = blocking
+    tokenizer.encode = blocking.__get__(tokenizer)  # bound to each copy the lanes make (deepcopy rebinds it)
     prompts = PromptProcessor(tokenizer, 512, MAX_MODEL_LEN)
     models = ServedModels("stories260K", "", MAX_MODEL_LEN)
     return (CompletionHandler(None, prompts, models, {}), ChatHandler(None, prompts, models, {}),
@@ -63,4 +66,41 @@ def test_a_long_tokenization_leaves_the_event_loop_running(endpoint):
 
     err = asyncio.run(main())
     assert err.status == 400 and "maximum context length" in err.message
-    assert where and all(name.startswith("nvllm-tokenize") for name in where)
+    assert where and all(name.startswith("nvllm-tokenize") for name, _ in where)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_large_prompt_does_not_hold_up_small_ones(endpoint):
+    """A request of more than LARGE_PROMPT_CHARS characters is tokenized in its own lane, with its own tokenizer:
+    while it blocks there, a small request is answered."""
+    completions, chat, entered, release, where = _blocked_handlers(longer_than=len(LONG) + 100)
+    large = "the cat " * (LARGE_PROMPT_CHARS // 8 + 1)
+
+    def start(prompt: str):
+        if endpoint == "completions":
+            return completions.start(CompletionRequest(prompt=prompt))
+        return chat.start(ChatCompletionRequest(messages=[{"role": "user", "content": prompt}]))
+
+    async def main():
+        task = asyncio.ensure_future(start(large))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        with pytest.raises(APIError) as small:  # answered (a 400: too long for MAX_MODEL_LEN) while the large blocks
+            await asyncio.wait_for(start(LONG), 5)
+        assert not task.done()
+        release.set()
+        with pytest.raises(APIError) as e:
+            await task
+        return small.value, e.value
+
+    small, err = asyncio.run(main())
+    assert small.status == 400 and err.status == 400 and "maximum context length" in err.message
+    assert [name.split("_")[0] for name, _ in where] == ["nvllm-tokenize-large"]
+    assert where[0][1] is not completions.prompts._tokenizer  # the lane's own copy: no tokenizer shared by threads
+
+
+def test_text_size_counts_a_requests_text():
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "x" * 70000}]}])
+    assert text_size((chat,)) > LARGE_PROMPT_CHARS
+    assert text_size((CompletionRequest(prompt=[1, 2, 3]),)) < 100
+    assert text_size(({"prompt": ["ab", "cde"]},)) == 5

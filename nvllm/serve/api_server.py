@@ -242,7 +242,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send exactly one of prompt and messages", "prompt")
 
-        def encode() -> tuple[list[int], list[str] | None]:
+        def encode(req: TokenizeRequest) -> tuple[list[int], list[str] | None]:
             if req.messages is not None:
                 tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
                 text = prompts.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
@@ -253,7 +253,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
             ids = prompts.tokenizer.encode(text, add_special_tokens=special)
             return ids, prompts.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
 
-        ids, strs = await prompts.off_loop(encode)
+        ids, strs = await prompts.off_loop(encode, req)
         return TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=ids, token_strs=strs)
 
     @api.post("/detokenize")

@@ -1,16 +1,22 @@
 """From what a client sends to prompt token ids: completion prompts (string, strings, token ids, lists of
 token ids) and chat messages rendered through a chat template, checked against the vocabulary and
-max_model_len. Uses the server's own tokenizer instance: the engine thread's is never touched from here."""
+max_model_len. Uses the server's own tokenizer instances: the engine thread's is never touched from here."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
+import threading
 from concurrent.futures import ThreadPoolExecutor
+
+from pydantic import BaseModel
 
 from nvllm.chat_template import ChatTemplateError, encode_chat, load_chat_template, render_chat
 from nvllm.serve.errors import bad_request
 from nvllm.serve.protocol import ChatMessage
+
+LARGE_PROMPT_CHARS = 1 << 16  # requests with more text than this are tokenized in a lane of their own
 
 
 class PromptProcessor:
@@ -19,7 +25,7 @@ class PromptProcessor:
         """tokens_as_ids: logprobs name tokens "token_id:N" unless a request says otherwise (vLLM's
         --return-tokens-as-token-ids). content_format: how the chat template gets a message's content
         (nvllm.chat_template.render_chat)."""
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.content_format = content_format
         self.tokens_as_ids = tokens_as_ids
         tokenizer.model_max_length = 2**62  # our own length check answers; no tokenizer warning on the side
@@ -27,13 +33,28 @@ class PromptProcessor:
         self.max_model_len = max_model_len
         self.chat_template, self.fallback_template = load_chat_template(tokenizer, chat_template)
         self._token_texts: dict[int, str] = {}
-        # a request's tokenization and chat template run here, one at a time (as vLLM's single tokenizer thread):
-        # a prompt of megabytes takes seconds, during which the event loop keeps every other request and stream going
+        # A request's tokenization and chat template run off the event loop, one request at a time in each of two
+        # lanes: requests of more than LARGE_PROMPT_CHARS characters of text in the second, with a tokenizer of its
+        # own (a copy, made on its thread at its first request). A prompt of megabytes takes seconds; the loop keeps
+        # every stream going meanwhile, and other requests queue only behind other large ones.
+        self._lane = threading.local()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvllm-tokenize")
+        self._large_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvllm-tokenize-large",
+                                                  initializer=self._own_tokenizer)
+
+    @property
+    def tokenizer(self):
+        """The tokenizer of the calling thread's lane."""
+        return getattr(self._lane, "tokenizer", self._tokenizer)
+
+    def _own_tokenizer(self) -> None:
+        self._lane.tokenizer = copy.deepcopy(self._tokenizer)
 
     async def off_loop(self, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)`` on the tokenizer thread, awaited; what it raises (a 400) is raised here."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor,
+        """``fn(*args, **kwargs)`` on a tokenizer thread, awaited; what it raises (a 400) is raised here. The lane
+        is chosen by how much text ``args`` and ``kwargs`` (the request) hold."""
+        large = text_size(args) + text_size(kwargs) > LARGE_PROMPT_CHARS
+        return await asyncio.get_running_loop().run_in_executor(self._large_executor if large else self._executor,
                                                                 functools.partial(fn, *args, **kwargs))
 
     # ---- completions ---------------------------------------------------------------------------------
@@ -134,3 +155,15 @@ class PromptProcessor:
             self._token_texts[tok] = text
         return text
 
+
+def text_size(value) -> int:
+    """Characters of text in a request (its prompts, messages, tools; a token id counts one), to choose its lane."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return len(value) if value and isinstance(value[0], int) else sum(map(text_size, value))
+    if isinstance(value, dict):
+        return sum(map(text_size, value.values()))
+    if isinstance(value, BaseModel):
+        return text_size(vars(value)) + text_size(value.__pydantic_extra__ or {})
+    return 0
