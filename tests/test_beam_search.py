@@ -102,7 +102,10 @@ def test_server_beams_are_the_offline_beams(tmp_path):
         with pytest.raises(openai.BadRequestError):  # no room left: a 400, not a 500
             client.completions.create(model="stories260K", prompt=[5] * 256, max_tokens=1, n=2,
                                       extra_body={"use_beam_search": True})
-        for kw, param in ((dict(stream=True), "stream"), (dict(stop=["x"]), "stop"),
+        chat = client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                              max_tokens=4, logprobs=False, extra_body={"use_beam_search": True})
+        assert len(chat.choices) == 2  # logprobs: false asks for nothing
+        for kw, param in ((dict(stream=True), "stream"), (dict(stop=["x"]), "stop"), (dict(logprobs=0), "logprobs"),
                           (dict(extra_body={"use_beam_search": True, "guided_regex": "a"}), "use_beam_search")):
             kw.setdefault("extra_body", {"use_beam_search": True})
             with pytest.raises(openai.BadRequestError) as e:

@@ -111,6 +111,8 @@ def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
 def test_models_health_kernel_report(client, http):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    r = http.post("/v1/completions", json={"model": "", "prompt": PROMPT, "max_tokens": 1})  # "" is the base, as null
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
     assert http.get("/health").status_code == 200
     report = http.get("/v1/kernel_report").json()
     assert "gemm" in report and all(isinstance(v, int) for impls in report.values() for v in impls.values())

@@ -95,6 +95,8 @@ def test_bad_input_is_a_clear_error(client):
                       (dict(input="x", metadata={f"k{i}": "v" for i in range(17)}), "metadata"),
                       (dict(input="x", background=True), "background"),
                       (dict(input=[{"type": "function_call_output", "call_id": "c"}]), "input"),
+                      (dict(input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), "input"),
+                      (dict(input=[{"type": "function_call", "call_id": "c", "name": "f"}]), "input"),
                       (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input")):
         kw.setdefault("max_output_tokens", 2)
         with pytest.raises(openai.BadRequestError) as e:

@@ -19,7 +19,7 @@ def check_beam_request(req) -> None:
         raise bad_request("stop strings are not supported with use_beam_search", "stop")
     if req.stream:
         raise bad_request("streaming is not supported with use_beam_search", "stream")
-    if req.logprobs:
+    if req.logprobs is not None and req.logprobs is not False:  # completions' 0 asks for the chosen tokens' too
         raise bad_request("logprobs are not supported with use_beam_search", "logprobs")
     if req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs are not supported with use_beam_search", "prompt_logprobs")

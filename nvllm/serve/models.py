@@ -23,15 +23,15 @@ class ServedModels:
             raise ValueError(f"LoRA adapter name {base_name!r} is the served model's name")
 
     def check(self, name: str | None) -> None:
-        """404 for a name the server does not serve (None: the base model)."""
-        if name is not None and name != self.base_name and name not in self.adapters:
+        """404 for a name the server does not serve (None or "": the base model, as vLLM takes them)."""
+        if name and name != self.base_name and name not in self.adapters:
             served = ", ".join(f"`{n}`" for n in [self.base_name, *self.adapters])
             raise APIError(404, f"The model `{name}` does not exist (this server serves {served})", "model",
                            "model_not_found")
 
     def lora(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names, or None for the base model."""
-        return self.adapters.get(name) if name is not None else None
+        return self.adapters.get(name) if name else None
 
     def response_name(self, name: str | None) -> str:
         """The name a response carries: the one the request gave (checked when it came: an adapter unloaded since

@@ -125,8 +125,12 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             messages.append({"role": "system" if role == "developer" else role,
                              "content": _text_of(item.get("content"))})
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or _id("call"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            if not all(isinstance(item.get(k), str) and item[k] for k in ("call_id", "name")) \
+                    or not isinstance(item.get("arguments"), str):
+                raise bad_request("a function_call item needs its call_id, name and arguments (a JSON string)",
+                                  "input")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                 messages[-1]["tool_calls"].append(call)
             else:
