@@ -39,7 +39,9 @@ def pipeline(
     recipe: Annotated[Optional[str], typer.Option(help="YAML recipe; flags override it", rich_help_panel=_Q)] = None,
     out: Annotated[Optional[str], typer.Option(help="quantized model directory (default: "
                                                "./<model>-<method>-w<bits>)", rich_help_panel=_Q)] = None,
-    overwrite: Annotated[bool, typer.Option(help="replace an existing --out", rich_help_panel=_Q)] = False,
+    overwrite: Annotated[bool, typer.Option(
+        help="replace an existing --out (a model directory, one with a config.json, or an empty one)",
+        rich_help_panel=_Q)] = False,
     max_shard_size: Annotated[Optional[str], typer.Option(help="largest weights file of --out (default 5GB)",
                                                           rich_help_panel=_Q)] = None,
     tasks: Annotated[str, typer.Option(help="as for nvllm eval", rich_help_panel=_E)] = "gsm8k,mmlu,wikitext",

@@ -50,7 +50,8 @@ def quantize(
     seed: Annotated[Optional[int], typer.Option(help="calibration window seed (default 0)",
                                                 rich_help_panel=_CAL)] = None,
     recipe: Annotated[Optional[str], typer.Option(help="YAML recipe (recipes/*.yaml); flags override it")] = None,
-    overwrite: Annotated[bool, typer.Option(help="replace an existing --out")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        help="replace an existing --out (a model directory, one with a config.json, or an empty one)")] = False,
     max_shard_size: Annotated[Optional[str], typer.Option(help="largest weights file, e.g. 5GB or 500MB: larger "
                                                           "weights are split into model-0000k-of-0000n.safetensors "
                                                           "with an index (default 5GB)")] = None,

@@ -76,13 +76,24 @@ def test_shipped_recipes_validate(tmp_path):
     ("method: rtn\ngptq: {damp_percent: 0.5}\n", "gptq.damp_percent applies to --method gptq, not rtn"),
     ("method: gptq\nawq: {n_grid: 3}\n", "awq.n_grid applies to --method awq, not gptq"),
     ("method: rtn\ncalibration: {seed: 100000000000000000000000}\n", r"seed must be in \[0, 2\^63\)"),
-    ("method: rtn\nmax_shard_size: 10\n", "--max-shard-size must be a positive size such as 5GB"),
+    ("method: rtn\nmax_shard_size: 0\n", "--max-shard-size must be a positive size such as 5GB"),
+    ("method: rtn\nbits: 4\ngptq: {block_size: 64}\nbits: 8\n", "'bits' is set twice"),
+    ("method: gptq\ngptq: {block_size: 64, block_size: 32}\n", "'block_size' is set twice"),
 ])
 def test_bad_recipes(tmp_path, body, message):
     p = tmp_path / "r.yaml"
     p.write_text(body)
     with pytest.raises(RecipeError, match=message):
         build_config(str(p))
+
+
+def test_a_recipes_settings_are_named_as_the_recipes(tmp_path):
+    """A setting that came from the recipe, not a flag, is said to: the user passed no --desc-act here."""
+    with pytest.raises(RecipeError, match=r"applies to GPTQ only \(recipe .*gptq-w4g128-actorder.yaml sets .*desc_act"):
+        build_config(str(REPO / "recipes" / "gptq-w4g128-actorder.yaml"), method="rtn")
+    p = tmp_path / "r.yaml"
+    p.write_text("method: rtn\nmax_shard_size: 1000\n")   # bytes, as save_pretrained takes an integer
+    assert build_config(str(p)).max_shard_size == "1000"
 
 
 def test_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
@@ -119,9 +130,12 @@ def quantized_dir(tmp_path_factory):
     (["--method", "gptq", "--model", "/no/such/model"], "model directory not found: /no/such/model"),
     (["--method", "gptq", "--recipe", "/no/such.yaml"], "recipe not found: /no/such.yaml"),
     (["--group-size", "32"], "choose a method"),
-    (["--method", "rtn", "--max-shard-size", "5XB"], "--max-shard-size must be a positive size such as 5GB or 500MB, "
-                                                     "got '5XB'"),
+    (["--method", "rtn", "--max-shard-size", "5XB"], "--max-shard-size must be a positive size such as 5GB or 500MB "
+                                                     "(or a number of bytes), got '5XB'"),
     (["--method", "fp8", "--max-shard-size", "0GB"], "--max-shard-size must be a positive size"),
+    (["--method", "rtn", "--max-shard-size", "infGB"], "--max-shard-size must be a positive size"),
+    (["--method", "rtn", "--max-shard-size", "1e-12GB"], "--max-shard-size must be a positive size"),
+    (["--method", "rtn", "--group-size", "32", "--calib-dataset", ""], "--calib-dataset is empty"),
 ])
 def test_bad_input(tmp_path, args, message):
     code, out = run(*args, "--out", str(tmp_path / "out"), "--no-progress")
@@ -194,6 +208,38 @@ def test_already_quantized_and_existing_output(tmp_path, quantized_dir):
     assert code == 2 and "already exists (pass --overwrite to replace it)" in out
     code, out = run("--method", "rtn", "--group-size", "32", "--out", str(quantized_dir), "--overwrite", *FAST)
     assert code == 0, out
+
+
+def test_overwrite_replaces_a_model_directory_only(tmp_path, monkeypatch):
+    """--overwrite replaces an earlier checkpoint (or an empty directory), never a folder of other things: --out
+    ~/models --overwrite would have deleted every model in it. A Hub --model is not fetched before --out is
+    checked."""
+    folder = tmp_path / "models"
+    (folder / "other-model").mkdir(parents=True)
+    (folder / "notes.txt").write_text("keep")
+    code, text = run("--method", "rtn", "--group-size", "32", "--out", str(folder), "--overwrite", *FAST)
+    assert code == 2 and "holds no config.json" in text and "Traceback" not in text, text
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "other-model"]
+    (tmp_path / "empty").mkdir()
+    code, text = run("--method", "rtn", "--group-size", "32", "--out", str(tmp_path / "empty"), "--overwrite", *FAST)
+    assert code == 0 and (tmp_path / "empty" / "config.json").is_file(), text
+
+    import huggingface_hub
+
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: fetched.append(kw) or str(folder))
+    code, text = run("--method", "rtn", "--model", "Qwen/Qwen2.5-72B", "--out", str(tmp_path / "empty"), *FAST)
+    assert code == 2 and "already exists" in text and not fetched, text
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    def full(path, entries, data):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr("nvllm.quant.shard_writer.write_shard", full)
+    code, text = run("--method", "rtn", "--group-size", "32", "--out", str(tmp_path / "q"), *FAST)
+    assert code == 2 and "No space left on device" in text and "Traceback" not in text, text
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_output_never_replaces_the_model(tmp_path):

@@ -267,6 +267,9 @@ def load_texts(source: str, split: str | None = None, column: str | None = None,
     """(documents, a line saying where they came from) for ``c4``, ``calib``, ``pileval``, ``wikitext2``, a file, a
     dataset folder or a Hub dataset id. ``split`` / ``column`` / ``config``: which part of a dataset (named sets:
     their own unless given)."""
+    if not source.strip():
+        raise CalibrationError("--calib-dataset is empty: name c4, calib, pileval, wikitext2, a file, a dataset "
+                               "folder or a Hub dataset id")
     path = Path(source)
     hub_id = not path.exists() and not source.lower().endswith(FILE_SUFFIXES) and ".." not in source and \
         HUB_ID.fullmatch(source) is not None

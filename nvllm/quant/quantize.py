@@ -25,6 +25,7 @@ pack, is an error (the user asked for the head, so it is not silently kept).
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from nvllm.quant.recipe import QuantizeConfig
 from nvllm.quant.rtn import Grid
 from nvllm.quant.lazy_model import LazyModel
 from nvllm.quant.sequential import LayerReport, PartHooks, Progress, quantize_layers
-from nvllm.quant.writer import CheckpointOutput, check_out_dir, checkpoint_tensors, weights_bytes
+from nvllm.quant.writer import CheckpointOutput, check_not_source, check_out_dir, checkpoint_tensors, weights_bytes
 
 
 class QuantizeError(ValueError):
@@ -179,8 +180,11 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     from nvllm.models.loader import checkpoint_dtype, model_len_limit
 
     t0 = time.perf_counter()
-    model_dir = resolve_model_path(model_dir, revision)  # a directory, or a Hub id fetched when the network allows
-    check_out_dir(out_dir, overwrite, model_dir)
+    local = os.path.isdir(model_dir)
+    check_out_dir(out_dir, overwrite, model_dir if local else None)   # before a Hub id's download
+    if not local:
+        model_dir = resolve_model_path(model_dir, revision)  # fetched when the network allows
+        check_not_source(out_dir, model_dir)
     hf_config, arch, shape = _check_model(model_dir)
     device = torch.device(resolve_device(cfg.device))
     if cfg.method == "fp8":   # no calibration, no layer-by-layer replay: nvllm.quant.fp8_export
@@ -256,4 +260,4 @@ def _listed_ids(ids: list[int]) -> str:
     return ", ".join(map(str, ids)) if len(ids) <= 8 else f"{', '.join(map(str, ids[:8]))}, …"
 
 
-USER_ERRORS = (QuantizeError, ConfigError, ValueError, FileNotFoundError)
+USER_ERRORS = (QuantizeError, ConfigError, ValueError, OSError)   # OSError: a full disk, a read-only --out, …

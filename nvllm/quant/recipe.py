@@ -158,16 +158,17 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(QuantizeConfig)}
 
 
 def check_shard_size(size: str) -> None:
-    """A shard size as ``save_pretrained`` takes it: a positive number and a unit of KB, MB, GB or TB."""
-    from huggingface_hub import split_torch_state_dict_into_shards
+    """A shard size as ``save_pretrained`` takes it: a number and a unit of KB, MB, GB or TB, or bytes; at least one
+    byte."""
+    from nvllm.quant.shard_writer import parse_size
 
     try:
-        split_torch_state_dict_into_shards({}, max_shard_size=size)   # parses it, raises on a bad unit
-        ok = float(size[:-2]) > 0
-    except ValueError:
+        ok = parse_size(size) >= 1
+    except (ValueError, OverflowError):       # a bad unit or number; inf
         ok = False
     if not ok:
-        raise RecipeError(f"--max-shard-size must be a positive size such as 5GB or 500MB, got {size!r}")
+        raise RecipeError(f"--max-shard-size must be a positive size such as 5GB or 500MB (or a number of bytes), "
+                          f"got {size!r}")
 
 
 def _fp8_rules(cfg: QuantizeConfig) -> QuantizeConfig:
@@ -235,9 +236,20 @@ def parse_recipe(data: Any, where: str = "recipe") -> dict[str, Any]:
 def load_recipe(path: str) -> dict[str, Any]:
     import yaml
 
+    class UniqueKeys(yaml.SafeLoader):
+        """YAML lets a later key replace an earlier one in silence; a recipe that names a setting twice is refused."""
+
+    def mapping(loader, node, deep=False):
+        keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]
+        twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+        if twice is not None:
+            raise RecipeError(f"{path}: {twice!r} is set twice")
+        return loader.construct_mapping(node, deep)
+
+    UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=UniqueKeys)
     except FileNotFoundError:
         raise RecipeError(f"recipe not found: {path}") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
@@ -252,5 +264,12 @@ def build_config(recipe: str | None = None, **flags: Any) -> QuantizeConfig:
     unknown = set(flags) - known
     if unknown:
         raise TypeError(f"unknown quantize settings {sorted(unknown)}")
-    fields.update({k: v for k, v in flags.items() if v is not None})
-    return QuantizeConfig(**fields).validate()
+    given = {k: v for k, v in flags.items() if v is not None}
+    from_recipe = sorted(set(fields) - set(given))
+    fields.update(given)
+    try:
+        return QuantizeConfig(**fields).validate()
+    except RecipeError as e:
+        if not from_recipe:
+            raise
+        raise RecipeError(f"{e} (recipe {recipe} sets {', '.join(from_recipe)})") from None

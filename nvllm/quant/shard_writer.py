@@ -30,9 +30,12 @@ INDEX = "model.safetensors.index.json"
 
 
 def parse_size(size: str | int) -> int:
-    """``"5GB"`` → bytes, by huggingface_hub's own parser of ``max_shard_size`` (there since its shard planner)."""
+    """``"5GB"`` → bytes, by huggingface_hub's own parser of ``max_shard_size`` (there since its shard planner); a
+    plain integer is bytes, as ``save_pretrained`` takes it."""
     from huggingface_hub.serialization._base import parse_size_to_int
 
+    if isinstance(size, str) and size.strip().isdigit():
+        return int(size)
     return size if isinstance(size, int) else parse_size_to_int(size)
 
 

@@ -38,30 +38,40 @@ class OutputExistsError(ValueError):
     pass
 
 
-def check_out_dir(out_dir: str, overwrite: bool, src_dir: str) -> None:
-    """Before any work is done: refuse an empty path, an existing output (unless ``overwrite``), an output that is
-    the current directory, the source model or holds either (replacing it would delete them; compared through
-    links), and an output that cannot be created (its nearest existing parent is not a writable directory). First,
+def check_out_dir(out_dir: str, overwrite: bool, src_dir: str | None) -> None:
+    """Before any work is done: refuse an empty path, an existing output (unless ``overwrite``, and then only a model
+    directory or an empty one), an output that is the current directory, the source model (``src_dir``, None while
+    a Hub id is not fetched yet) or holds either (replacing it would delete them; compared through links), and an
+    output that cannot be created (its nearest existing parent is not a writable directory). First,
     ``staged_dir.recover`` tidies what runs killed outright left beside the output."""
     if not out_dir.strip():
         raise OutputExistsError("--out is empty: name the directory to write the checkpoint to")
     recover(out_dir)        # what runs killed outright left beside it; an output one had set aside is back in place
-    out, src, cwd = Path(out_dir).resolve(), Path(src_dir).resolve(), Path.cwd().resolve()
+    out, cwd = Path(out_dir).resolve(), Path.cwd().resolve()
     if out == cwd or out in cwd.parents:
         raise OutputExistsError(f"--out {out_dir} is the current directory or holds it: replacing it would delete "
                                 "what it holds; name a new directory")
-    if out == src or out in src.parents:
-        raise OutputExistsError(f"--out {out_dir} is the model directory or holds it: writing there would replace "
-                                "the model being quantized")
+    if src_dir is not None:
+        check_not_source(out_dir, src_dir)
     if os.path.exists(out_dir):
         if not os.path.isdir(out_dir):
             raise OutputExistsError(f"output path {out_dir} exists and is not a directory")
         if not overwrite:
             raise OutputExistsError(f"output directory {out_dir} already exists (pass --overwrite to replace it)")
+        if os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "config.json")):
+            raise OutputExistsError(f"--overwrite replaces a model directory, and {out_dir} holds no config.json: "
+                                    "replacing it would delete what it holds; name a new directory")
     parent = unwritable_parent(out)
     if parent is not None:
         raise OutputExistsError(f"cannot create the output directory {out_dir}: {parent} is not a writable "
                                 "directory")
+
+
+def check_not_source(out_dir: str, src_dir: str) -> None:
+    out, src = Path(out_dir).resolve(), Path(src_dir).resolve()
+    if out == src or out in src.parents:
+        raise OutputExistsError(f"--out {out_dir} is the model directory or holds it: writing there would replace "
+                                "the model being quantized")
 
 
 def _shard_rows(gq: GroupQuant, rows: slice) -> GroupQuant:
