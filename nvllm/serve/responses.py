@@ -26,7 +26,8 @@ from nvllm.serve.protocol import AssistantMessage, ChatCompletionRequest, OpenAI
 STORE_SIZE = 1024  # responses kept
 STORE_BYTES = 256 * 1024 * 1024  # and their JSON's size at most
 # what each API parameter of the chat request it becomes is called here, for the 400s
-_RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+_RENAMED = (("response_format.json_schema", "text.format"), ("json_schema.schema", "text.format.schema"),
+            ("response_format", "text.format"),
             ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"), ("messages", "input"))
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "response_format": "text",
            "messages": "input"}
