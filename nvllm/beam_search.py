@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from nvllm.engine.detokenizer import prompt_context
 from nvllm.sampling_params import SamplingParams
 
 
@@ -99,8 +100,7 @@ class BeamSearch:
             out = beam.output_token_ids
             if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 out = out[:-1]
-            beam.text = _continuation(decode, beam.tokens[max(0, beam.num_prompt_tokens - _CONTEXT):
-                                                          beam.num_prompt_tokens], out)
+            beam.text = _continuation(decode, prompt_context(decode, beam.tokens[:beam.num_prompt_tokens]), out)
         return BeamSearchOutput(best)
 
     def _score(self, beam: BeamSearchSequence) -> float:
@@ -110,9 +110,6 @@ class BeamSearch:
         if beam.cum_logprob >= 0.0:
             return math.inf
         return self.params.length_penalty * math.log(n) - math.log(-beam.cum_logprob)
-
-
-_CONTEXT = 5  # prompt tokens decoded with a beam's tokens, as the incremental detokenizer keeps them
 
 
 def _continuation(decode, context: list[int], out: list[int]) -> str:

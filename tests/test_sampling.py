@@ -3,6 +3,7 @@ incremental detokenization."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -268,6 +269,28 @@ def test_detokenizer_never_splits_multibyte(llm):
     pieces = [detok.step([i]) for i in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_outputs_after_a_prompt_ending_in_multibyte_text_read_right(llm):
+    """At every split of a text into prompt and output where the prompt ends on a whole character, the output's text
+    (incremental, and beam search's) is what the whole text adds after the prompt's: a prompt window that began
+    inside a character turned byte-fallback runs into U+FFFD that reached the output."""
+    from nvllm.beam_search import _continuation
+    from nvllm.engine.detokenizer import prompt_context
+
+    tok = llm.get_tokenizer()
+    ids = tok.encode("I like 界好世m and 東京 café ok")[1:]
+    decode = functools.partial(tok.decode, skip_special_tokens=True)
+    whole, checked = decode(ids), 0
+    for k in range(1, len(ids)):
+        head = decode(ids[:k])
+        if "\ufffd" in head or not whole.startswith(head):
+            continue
+        detok = IncrementalDetokenizer(tok, ids[:k], skip_special_tokens=True)
+        assert "".join(detok.step([i]) for i in ids[k:]) == whole[len(head):], k
+        assert _continuation(decode, prompt_context(decode, ids[:k]), ids[k:]) == whole[len(head):], k
+        checked += 1
+    assert checked > 10
 
 
 def test_partial_outputs_do_not_change_after_they_are_handed_out(llm):

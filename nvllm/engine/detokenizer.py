@@ -8,7 +8,20 @@ tokens keeps tokenizers' leading-space rules right."""
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
-_PROMPT_CONTEXT = 5  # prompt tokens decoded along with the first outputs, for the leading-space rules
+_PROMPT_CONTEXT = 5      # prompt tokens decoded along with the first outputs, for the leading-space rules
+_MAX_PROMPT_CONTEXT = 24
+
+
+def prompt_context(decode, prompt_ids: list[int]) -> list[int]:
+    """The prompt's last tokens to decode the first outputs after: at least five, and (looking back up to 24) none
+    beginning inside a character. Byte-fallback decoders turn a whole run of byte tokens into U+FFFD when the run is
+    not valid UTF-8, so a window that began in the middle of a prompt's multi-byte character garbled the outputs'
+    bytes that carry on the run."""
+    for n in range(_PROMPT_CONTEXT, min(len(prompt_ids), _MAX_PROMPT_CONTEXT) + 1):
+        context = prompt_ids[-n:]
+        if REPLACEMENT not in decode(context):
+            return context
+    return prompt_ids[-_PROMPT_CONTEXT:]
 
 
 class IncrementalDetokenizer:
@@ -17,7 +30,7 @@ class IncrementalDetokenizer:
         # fast tokenizers: call the Rust decoder directly (transformers' decode() wrapper costs ~5x more per call)
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self.ids = list(prompt_context(self._decode, prompt_ids))
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
