@@ -93,6 +93,19 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or [])]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.seed == -1:          # vLLM's spelling of "no seed"
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):     # True: the chosen token's and the best one's, as vLLM
+                setattr(self, name, 1 if getattr(self, name) else None)
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool)):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        if self.seed is not None and not (-2 ** 63 <= self.seed and self.seed + max(self.n, 1) <= 2 ** 64):
+            raise ValueError(f"seed must fit in 64 bits (sample i draws from seed + i), got {self.seed}")
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
         if self.top_k == 0:
             self.top_k = -1
         if self.n < 1:

@@ -244,6 +244,14 @@ def test_bad_requests_rejected(llm):
                 dict(top_k=-2), dict(min_p=2), dict(stop=["x"] * 65), dict(stop=["x" * 1025])):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    for name, value in (("top_k", 1.5), ("max_tokens", 2.5), ("seed", 1.5), ("n", 2.0), ("min_tokens", True),
+                        ("logprobs", 1.0), ("stop_token_ids", [2.5]), ("seed", 2 ** 64)):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: value})
+    # vLLM's spellings: seed -1 is no seed (each run draws anew), logprobs True the chosen token's and one more
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(logprobs=True, prompt_logprobs=False).logprobs == 1
+    out = llm.generate("Once upon", SamplingParams(temperature=0, max_tokens=2, logprobs=True), use_tqdm=False)
+    assert all(len(lp) >= 1 for lp in out[0].outputs[0].logprobs)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([""], use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len"):
