@@ -191,9 +191,12 @@ def eval_command(
     max_length: Annotated[Optional[int], typer.Option(help="scoring window in tokens (default: "
                                                       "max_model_len - 2)")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="baseline model directory: evaluate both on identical samples "
-                                                    "and gate", rich_help_panel=_GATE)] = None,
+                                                    "and gate; it loads as its checkpoint is (--quantization, "
+                                                    "--kv-cache-dtype, --hf-overrides, --speculative, --revision "
+                                                    "apply to the model only)", rich_help_panel=_GATE)] = None,
     max_drop: Annotated[Optional[float], typer.Option(help="largest allowed drop in points (accuracy x100, perplexity "
-                                                      "in its units; default with --baseline: 1.0)",
+                                                      "in its units; default with --baseline and no --max-drop-rel: "
+                                                      "1.0)",
                                                       rich_help_panel=_GATE)] = None,
     max_drop_rel: Annotated[Optional[float], typer.Option(help="largest allowed drop in percent of the baseline",
                                                           rich_help_panel=_GATE)] = None,

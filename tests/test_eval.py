@@ -251,6 +251,35 @@ def test_gate_passes_on_the_same_model_and_writes_the_report(tmp_path):
     assert all(row["delta"] == 0 for row in data["gate"]["rows"])
 
 
+def test_the_baseline_loads_as_its_checkpoint_is(tmp_path):
+    """--kv-cache-dtype, --quantization and the other flags that make the model under test apply to it only: the
+    baseline of `--kv-cache-dtype int8` is the model with its own cache, so the gate sees what int8 costs."""
+    import dataclasses
+
+    from nvllm.config import EngineConfig
+    from nvllm.eval.runner import CANDIDATE_ONLY, baseline_config
+
+    cand = EngineConfig(model=demo_model_path(), quantization="fp8", kv_cache_dtype="int8", max_model_len=256,
+                        hf_overrides={"rms_norm_eps": 1e-6}, dtype="float32", enable_prefix_caching=False)
+    base = baseline_config(cand, demo_model_path())
+    default = EngineConfig(model=demo_model_path())
+    assert all(getattr(base, f) == getattr(default, f) for f in CANDIDATE_ONLY)
+    assert (base.max_model_len, base.dtype, base.enable_prefix_caching) == (256, "float32", False)
+    assert dataclasses.replace(base, model=cand.model) != cand
+
+    reports = []
+    for flags in ([], ["--kv-cache-dtype", "int8"]):
+        reports.append(tmp_path / f"r{len(reports)}.json")
+        r = cli("--baseline", demo_model_path(), "--tasks", "wikitext", "--limit", "1", "--max-length", "128",
+                "--data-dir", str(DATA), "--output-json", str(reports[-1]), "--no-progress", "--max-drop-rel", "50",
+                *flags)
+        assert r.exit_code == 0, r.output
+    plain, int8 = (json.loads(p.read_text()) for p in reports)
+    ppl = [[m["tasks"]["wikitext"]["metrics"]["token_perplexity"] for m in d["models"]] for d in (plain, int8)]
+    assert ppl[1][0] == ppl[0][0] == ppl[0][1]     # the baseline: the model as it is, in both runs
+    assert ppl[1][1] != ppl[1][0]                  # the candidate: with its int8 cache
+
+
 def test_gate_fails_on_a_2bit_copy(rtn2_model, tmp_path):
     r = cli("--model", rtn2_model, "--baseline", demo_model_path(), "--tasks", "wikitext", "--limit", "1",
             "--data-dir", str(DATA), "--max-drop", "1.0", "--max-drop-rel", "1000", "--no-progress")

@@ -71,7 +71,7 @@ def bench_serve(
                                                "benchmark sends by default)")] = 0.0,
     goodput: Annotated[Optional[list[str]], typer.Option(help="SLOs in ms, e.g. --goodput ttft:200 tpot:20")] = None,
     metric_percentiles: Annotated[str, typer.Option(help="e.g. 50,90,99")] = "99",
-    seed: Annotated[int, typer.Option(help="dataset and arrival seed")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="dataset and arrival seed")] = 0,
     api_key: Annotated[Optional[str], typer.Option(envvar="OPENAI_API_KEY", show_envvar=False)] = None,
     save_result: Annotated[Optional[str], typer.Option(help="write the result JSON here")] = None,
     progress: Annotated[bool, typer.Option(help="live progress bar")] = True,

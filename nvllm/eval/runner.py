@@ -173,14 +173,22 @@ def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "
     return out
 
 
+# what makes the candidate the model under test, not how the engine runs: the baseline loads as its checkpoint is
+CANDIDATE_ONLY = ("quantization", "kv_cache_dtype", "hf_overrides", "load_format", "revision", "tokenizer_revision",
+                  "speculative")
+
+
 def baseline_config(candidate: EngineConfig, baseline: str) -> EngineConfig:
-    """The candidate's engine settings, the baseline's weights and tokenizer (a directory, or a Hub id fetched as
-    --model's is)."""
+    """The candidate's engine settings (device, dtype, lengths, batching), the baseline's weights and tokenizer (a
+    directory, or a Hub id fetched as --model's is), loaded as its checkpoint is: a gate of ``-q fp8`` or an 8-bit
+    KV cache compares with the model without them."""
     import dataclasses
 
     from nvllm.models.hub import resolve_model_path
 
-    return dataclasses.replace(candidate, model=resolve_model_path(baseline), tokenizer=None)
+    defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                for f in dataclasses.fields(EngineConfig) if f.name in CANDIDATE_ONLY}
+    return dataclasses.replace(candidate, model=resolve_model_path(baseline), tokenizer=None, **defaults)
 
 
 def run_eval(engine_config: EngineConfig, spec: EvalSpec, baseline: str | None = None,
