@@ -184,6 +184,13 @@ def test_malformed_tensors_are_refused():
         with pytest.raises(ValueError, match="weight_zero_point must be int32 \\[2, 2\\]"):
             view.translate("m", {"weight_packed": packed, "weight_scale": scale, "weight_zero_point": zp})
     sym = GPTQView({"bits": 4, "group_size": 32, "sym": True, "actorder": "group"}, set())
+    with pytest.raises(ValueError, match="weight_zero_point is not zero, but the config's scheme is symmetric"):
+        sym.translate("m", {"weight_packed": packed, "weight_scale": scale,
+                            "weight_zero_point": torch.ones(2, 2, dtype=torch.int32)})
+    zero = torch.zeros(2, 2, dtype=torch.int32)    # written beside a symmetric scheme by some versions: no offset
+    with_zero = sym.translate("m", {"weight_packed": packed, "weight_scale": scale, "weight_zero_point": zero})
+    without = sym.translate("m", {"weight_packed": packed, "weight_scale": scale})
+    assert with_zero.keys() == without.keys() and all(torch.equal(with_zero[k], without[k]) for k in without)
     with pytest.raises(ValueError, match="weight_g_idx must give each of the 64 inputs a group"):
         sym.translate("m", {"weight_packed": packed, "weight_scale": scale, "weight_g_idx": torch.zeros(60)})
     w8a8 = {"bits": 8, "group_size": -1, "sym": True, "actorder": None, "format": "int-quantized"}

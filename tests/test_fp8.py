@@ -382,6 +382,11 @@ def test_fp8_checkpoints_with_bad_tensors_are_one_clear_error(tiny, tmp_path):
         **blocks(n, w), **({"weight": w.bfloat16()} if "down_proj" in n else {})})
     with pytest.raises(ConfigError, match="down_proj.weight' must be float8_e4m3fn"):
         make_llm(str(bf16_weight))
+    no_scale = write_fp8(tiny, tmp_path / "d", qcfg, lambda n, w: {
+        k: v for k, v in blocks(n, w).items() if not ("down_proj" in n and k == "weight_scale_inv")})
+    with pytest.raises(ConfigError, match="down_proj.weight' is float8_e4m3fn, a quantized weight, in a layer the "
+                                          "checkpoint's quantization config leaves in full precision"):
+        make_llm(str(no_scale))
     only_q = write_fp8(tiny, tmp_path / "c", qcfg, lambda n, w: blocks(n, w) if "q_proj" in n else {"weight": w})
     with pytest.raises(ConfigError, match="quantizes only some of"):
         make_llm(str(only_q))

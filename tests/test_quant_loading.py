@@ -148,6 +148,12 @@ def test_bad_quantized_checkpoints(tmp_path, qwen2_dir):
     save_file(bad, dst / "model.safetensors")
     with pytest.raises(ConfigError, match="differs from the g_idx"):
         load_nvllm_model(dst)
+    # g_idx naming a group the layer does not have (read out of bounds by the kernels)
+    bad = dict(state)
+    bad["model.layers.0.mlp.down_proj.g_idx"] = bad["model.layers.0.mlp.down_proj.g_idx"] + 1
+    save_file(bad, dst / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"down_proj.g_idx' holds group 1..4, outside the layer's 4 groups"):
+        load_nvllm_model(dst)
     # an unsupported quant method
     save_file(state, dst / "model.safetensors")
     cfg = json.loads((dst / "config.json").read_text())
@@ -155,6 +161,18 @@ def test_bad_quantized_checkpoints(tmp_path, qwen2_dir):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="unsupported quant_method"):
         load_nvllm_model(dst)
+
+
+def test_gptq_without_g_idx_has_contiguous_groups(tmp_path, qwen2_dir):
+    """Older GPTQ checkpoints (desc_act false) carry no g_idx; as vLLM, each input's group is then k // group."""
+    dst = tmp_path / "quant"
+    deq = write_by_hand(qwen2_dir, dst, "gptq", 4, 32, False, False)
+    state = load_file(dst / "model.safetensors")
+    save_file({k: v for k, v in state.items() if not k.endswith(".g_idx")}, dst / "model.safetensors")
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref = hf_logits(qwen2_dir, ids, deq)
+    torch.testing.assert_close(model_logits(load_nvllm_model(dst), ids), ref, rtol=1e-4,
+                               atol=1e-4 * ref.abs().max().item())
 
 
 def test_awq_layer_state_dict_round_trip(tmp_path, qwen2_dir):

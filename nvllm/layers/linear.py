@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nvllm.config import ConfigError
 from nvllm.distributed.group import TPGroup
 from nvllm.distributed.partition import LinearShard, take_shard
 from nvllm.kernels.activation import interleave_rows, silu_and_mul
@@ -46,6 +47,10 @@ class Linear(nn.Module):
         """Copy this rank's piece of checkpoint tensor ``leaf`` ("weight" / "bias"; output shard ``shard`` of a
         fused layer) into place."""
         dst = getattr(self, leaf).data
+        if not tensor.dtype.is_floating_point or tensor.element_size() == 1:
+            raise ConfigError(f"{ckpt_name!r} is {str(tensor.dtype).removeprefix('torch.')}, a quantized weight, in a "
+                              "layer the checkpoint's quantization config leaves in full precision (is its scale "
+                              "missing?)")
         if shard is not None:
             dst = dst[self.shard_slice(shard)]
         cuts = {}

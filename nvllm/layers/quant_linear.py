@@ -76,6 +76,7 @@ class QuantLinear(nn.Module):
             self.qweight = buf(in_features // per_word, out_features)
             self.qzeros = buf(groups, out_features // per_word)
             self.g_idx = buf(in_features)
+            self.g_idx.data.copy_(self._contiguous_g_idx())  # what a checkpoint without g_idx means (vLLM's too)
         self.scales = buf(groups, out_features, dt=torch.float16)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self._qw: QuantWeight | None = None
@@ -117,6 +118,10 @@ class QuantLinear(nn.Module):
         dst = getattr(self, leaf).data
         if leaf == "g_idx":
             tensor = take_shard(tensor, tuple(dst.shape), self._cuts(leaf, shard, 1), ckpt_name)
+            groups = self.scales.shape[0]    # every group's rows while g_idx is unknown (see _all_groups)
+            if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= groups):
+                raise ConfigError(f"{ckpt_name!r} holds group {int(tensor.min())}..{int(tensor.max())}, outside "
+                                  f"the layer's {groups} groups")
             if shard is not None and self._g_idx_loaded and not torch.equal(dst, tensor.to(dst)):
                 raise ConfigError(f"{ckpt_name!r} differs from the g_idx of the other projections fused with it")
             dst.copy_(tensor)
@@ -139,10 +144,14 @@ class QuantLinear(nn.Module):
         self._repacked = False
         fill_dummy(self.qweight, self.qzeros, self.scales, self.scheme.bits, self.scheme.fmt, generator)
         if self.scheme.fmt == "gptq":
-            first = self._group_part.start if self._all_groups else 0
-            self.g_idx.data.copy_(default_g_idx(self.in_features, self.group_size, self.g_idx.device) + first)
+            self.g_idx.data.copy_(self._contiguous_g_idx())
         if self.bias is not None:
             self.bias.data.uniform_(-1e-2, 1e-2, generator=generator)
+
+    def _contiguous_g_idx(self) -> torch.Tensor:
+        """g_idx of contiguous groups (into every group's rows while a row-parallel layer keeps them all)."""
+        first = self._group_part.start if self._all_groups else 0
+        return default_g_idx(self.in_features, self.group_size, self.g_idx.device) + first
 
     def _apply(self, fn, recurse=True):
         self._qw = None

@@ -319,6 +319,8 @@ class LlamaForCausalLM(nn.Module):
         owner = self.get_submodule(owner_name)
         if hasattr(owner, "shards"):    # the stacked experts: a checkpoint tensor per expert and projection
             return owner.shards(leaf)
+        if isinstance(owner, QuantLinear) and leaf == "g_idx":
+            return []                   # optional: a GPTQ checkpoint without g_idx has contiguous groups (as vLLM)
         if isinstance(owner, (Linear, QuantLinear, Fp8Linear)) and len(owner.output_sizes) > 1:
             return list(range(len(owner.output_sizes)))
         return [None]

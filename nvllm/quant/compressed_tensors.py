@@ -253,6 +253,10 @@ class GPTQView:
         qweight = packed.t().contiguous()
         scales = scale.t().to(torch.float16).contiguous()
         if self.sym:
+            zp = parts.get("weight_zero_point")
+            if zp is not None and zp.any():   # zeros are a symmetric scheme's (some writers store them)
+                raise ValueError(f"{module}.weight_zero_point is not zero, but the config's scheme is symmetric: "
+                                 "the checkpoint and its quantization_config disagree")
             zeros = torch.full((groups, out_f), 1 << (bits - 1), dtype=torch.int64)
         elif self.int_format:
             zp = parts["weight_zero_point"]
