@@ -101,8 +101,8 @@ class KVReceiver(TransferThread):
             marks.append(time.perf_counter())
             ok = True
         except (httpx.HTTPError, TransferError, ValueError) as e:
-            logger.warning("KV of %s not received from rank %d (%s); recomputing its prompt here", job.handle,
-                           job.prefill_rank, e)
+            logger.warning("KV of %s not received from rank %d (%s); its prompt is recomputed here if the request "
+                           "is still running", job.handle, job.prefill_rank, e)
         phases = dict(zip(PHASES, (b - a for a, b in zip(marks, marks[1:])))) if ok else None
         self.stats.transfer(ok, nbytes, time.perf_counter() - t0, phases)
         self._arrived(job, ok)
