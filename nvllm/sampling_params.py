@@ -28,7 +28,8 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False  # JSON: no whitespace beyond one space after ':' and ','
-    # (the engine's grammar compiler, the constraint compiled by it): nvllm.engine.structured_output
+    # (the engine's grammar compiler, content_key() when compiled, the constraint compiled by it):
+    # nvllm.engine.structured_output
     compiled: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +54,15 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """Which constraint: json, json_object, regex, choice or grammar."""
         return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    def content_key(self) -> tuple:
+        """What the constraint says, to tell whether a grammar compiled earlier still is its grammar (a field
+        changed since, as after ``SamplingParams.clone()``, needs a new one)."""
+        import json
+
+        schema = self.json if not isinstance(self.json, dict) else json.dumps(self.json, sort_keys=True, default=str)
+        return (schema, self.regex, tuple(self.choice) if self.choice else self.choice, self.grammar,
+                self.json_object, self.disable_any_whitespace)
 
 
 _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")

@@ -243,3 +243,20 @@ def test_keywords_as_names_and_values_are_not_refused(llm):
     out = llm.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0, structured_outputs=S(json=schema)),
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason in ("stop", "length")
+
+
+def test_a_constraint_changed_after_use_is_the_one_enforced(llm):
+    """vLLM's idiom: clone the params, change one request's constraint. The grammar compiled for the first values
+    must not be reused for the new ones (the cached grammar is keyed by what the constraint says)."""
+    sp = SamplingParams(temperature=0, max_tokens=20, structured_outputs=S(choice=["yes", "no"]))
+    assert llm.generate(["Once"], sp, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+    other = sp.clone()
+    other.structured_outputs.choice = ["alpha", "beta"]
+    assert llm.generate(["Once"], other, use_tqdm=False)[0].outputs[0].text in ("alpha", "beta")
+    assert llm.generate(["Once"], sp, use_tqdm=False)[0].outputs[0].text in ("yes", "no")  # the original intact
+    so = S(regex=r"[0-9]{3}")
+    assert re.fullmatch(r"[0-9]{3}", llm.generate(["Once"], SamplingParams(temperature=0, structured_outputs=so),
+                                                  use_tqdm=False)[0].outputs[0].text)
+    so.regex = r"[a-z]{2}!"
+    assert re.fullmatch(r"[a-z]{2}!", llm.generate(["Once"], SamplingParams(temperature=0, structured_outputs=so),
+                                                   use_tqdm=False)[0].outputs[0].text)

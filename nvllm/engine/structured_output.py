@@ -66,11 +66,11 @@ class StructuredOutputs:
         server compiles it off the engine thread, and the engine's own call finds it there whatever the
         compiler's cache has dropped since (keyed by this engine's compiler: one SamplingParams may serve models of
         different vocabularies)."""
-        compiler = self._get_compiler()
-        if params.compiled is not None and params.compiled[0] is compiler:
-            return params.compiled[1]
+        compiler, key = self._get_compiler(), params.content_key()
+        if params.compiled is not None and params.compiled[0] is compiler and params.compiled[1] == key:
+            return params.compiled[2]
         grammar = self._compile(params)
-        params.compiled = (compiler, grammar)
+        params.compiled = (compiler, key, grammar)
         return grammar
 
     def _compile(self, params: StructuredOutputsParams):
