@@ -365,7 +365,7 @@ class ResponsesHandler:
                     yield e
             items.append({"type": "reasoning", "id": reasoning_id, "summary": [], "status": "completed",
                           "content": [{"type": "reasoning_text", "text": reasoning}]})
-        if msg_id is not None:  # what the deltas said, even if the final parse found only whitespace before a call
+        if msg_id is not None:  # what the deltas said
             item = _message_item(text, status, msg_id)
             index = len(items)
             yield event("response.output_text.done", item_id=msg_id, output_index=index, content_index=0, text=text,

@@ -89,7 +89,7 @@ class HermesToolParser(ToolParser):
         except ValueError:
             return text, []
         content = text[:text.index(self.start)]
-        return (content if content.strip() else None), calls
+        return (content or None), calls   # whitespace too, as the stream sent it (vLLM keeps it)
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -158,7 +158,7 @@ class MistralToolParser(ToolParser):
         for c in calls:  # the model's own id when it wrote one, else a fresh one of the length templates check
             if not (c.id and len(c.id) == 9 and c.id.isalnum()):
                 c.id = self.new_call_id()
-        return (content if content.strip() else None), calls
+        return (content or None), calls   # whitespace too, as the stream sent it (vLLM keeps it)
 
     @staticmethod
     def new_call_id() -> str:
