@@ -71,7 +71,8 @@ def generate(
         params({})  # a bad flag fails before the model loads
         if beam_width is not None:
             BeamSearchParams(beam_width=beam_width, max_tokens=1)  # a bad width too
-            sampled = dict(stop=stop, logprobs=logprobs, sample_seed=sample_seed, temperature=temperature,
+            sampled = dict(stop=stop, logprobs=logprobs, sample_seed=sample_seed,
+                           temperature=temperature or None,     # 0 asks for what beam search does: no sampling
                            top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                            json_schema=json_schema, regex=regex, choice=choice)
             unused = [k for k, v in sampled.items() if v is not None] + (["n"] if n != 1 else []) + [

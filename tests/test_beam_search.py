@@ -126,6 +126,10 @@ def test_generate_command_prints_the_beams():
     assert res.exit_code == 0, res.output
     printed = [line for line in res.output.splitlines() if line.startswith("Once upon a time")]
     assert printed == ["Once upon a time" + s.text for s in want[0].sequences]
+    res = CliRunner().invoke(app, ["generate", "--device", "cpu", "--beam-width", "2", "--max-tokens", "8",
+                                   "--temperature", "0"], env={"COLUMNS": "200"})   # no sampling: what beams do
+    assert res.exit_code == 0 and [line for line in res.output.splitlines()
+                                   if line.startswith("Once upon a time")] == printed, res.output
     for flags in (["--stop", "a"], ["--regex", "[0-9]+"], ["-n", "3"], ["--temperature", "0.8"], ["--logprobs", "2"]):
         res = CliRunner().invoke(app, ["generate", "--device", "cpu", "--beam-width", "2", *flags],
                                  env={"COLUMNS": "200"})

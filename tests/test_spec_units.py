@@ -51,6 +51,7 @@ def test_parser_forms():
     ('{"method": "ngram", "prompt_lookup_max": 1.5}', "must be an integer"),
     ('{"num_speculative_tokens": 3, "method": null}', "needs a draft model"),
     ("k=3,method=ngram,draft=/d", "takes no draft model"),
+    ("k=4,draft=/d,ngram_max=9", "apply to method=ngram, not to a draft model"),
     ("k=3,method=magic", "unknown"),
     ("k=3,colour=red,method=ngram", "unknown speculative option 'colour'"),
     ("k=3,k=4,method=ngram", "given twice"),

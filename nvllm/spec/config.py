@@ -54,6 +54,9 @@ class SpeculativeConfig:
             raise ConfigError("speculative decoding needs a draft model (draft=DIR) or method=ngram")
         if self.method == "ngram" and self.draft_model:
             raise ConfigError("speculative method ngram takes no draft model; drop draft= or method=ngram")
+        if self.method == "draft" and (self.prompt_lookup_min, self.prompt_lookup_max) != (1, 3):
+            raise ConfigError("ngram_min / ngram_max (prompt_lookup_min/max) apply to method=ngram, not to a draft "
+                              "model; drop them or the draft")
         if not 1 <= self.num_speculative_tokens <= MAX_K:
             raise ConfigError(f"speculative k must be between 1 and {MAX_K} (or auto), "
                               f"got {self.num_speculative_tokens}")
