@@ -85,6 +85,10 @@ def load_adapter(path: str, model, dtype: torch.dtype, device: torch.device, max
             raise ConfigError(f"LoRA adapter {path}: {module} lacks its lora_{'B' if 'A' in ab else 'A'} tensor")
         target = model.param_for(module + ".weight")
         if target is None or not _is_layer_linear(target[0], len(model.layers)):
+            layer = re.search(r"layers\.(\d+)\.", module)
+            if layer is not None and int(layer[1]) >= len(model.layers):
+                raise ConfigError(f"LoRA adapter {path}: {module} is in layer {layer[1]}, and the model has "
+                                  f"{len(model.layers)} layers (an adapter of another model?)")
             raise ConfigError(f"LoRA adapter {path}: {module} is not a decoder linear (LoRA on embeddings and the "
                               "LM head is not supported)")
         name, shard = target

@@ -30,8 +30,12 @@ class ServedModels:
                            "model_not_found")
 
     def lora(self, name: str | None) -> LoRARequest | None:
-        """The adapter a request's ``model`` names, or None for the base model."""
-        return self.adapters.get(name) if name else None
+        """The adapter a request's ``model`` names, or None for the base model; 404 for an adapter unloaded since
+        the request's name was checked (it never runs on the base model under the adapter's name)."""
+        if not name or name == self.base_name:
+            return None
+        self.check(name)
+        return self.adapters[name]
 
     def response_name(self, name: str | None) -> str:
         """The name a response carries: the one the request gave (checked when it came: an adapter unloaded since
