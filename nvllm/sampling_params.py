@@ -114,7 +114,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer, got {v!r}")
         if self.seed is not None and not (-2 ** 63 <= self.seed and self.seed + max(self.n, 1) <= 2 ** 64):
             raise ValueError(f"seed must fit in 64 bits (sample i draws from seed + i), got {self.seed}")
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        if not all(map(_is_token_id, self.stop_token_ids)):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
         if self.top_k == 0:
             self.top_k = -1
@@ -155,8 +155,7 @@ class SamplingParams:
         self.logit_bias = _checked_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             ids = list(self.allowed_token_ids)
-            if not ids or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
-                                  for t in ids):
+            if not ids or not all(map(_is_token_id, ids)):
                 raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids")
             self.allowed_token_ids = sorted({int(t) for t in ids})
         if self.bad_words is not None:
@@ -193,6 +192,10 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Presence, frequency or repetition penalty asked for: sampling needs the sequence's tokens."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
 
 
 def _checked_logit_bias(bias) -> dict[int, float] | None:

@@ -126,18 +126,22 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def _refuse_overlap(files: list[str]) -> None:
-    """Without an index nothing says which of two files holding the same tensor name is meant: refuse."""
+def _tensor_names(path: str) -> list[str]:
+    """The tensor names in a safetensors file's header."""
     from safetensors import safe_open
 
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:
+        raise ConfigError(f"cannot read weight file {path} (truncated or corrupt?): {e}") from e
+
+
+def _refuse_overlap(files: list[str]) -> None:
+    """Without an index nothing says which of two files holding the same tensor name is meant: refuse."""
     owner: dict[str, str] = {}
     for path in files:
-        try:
-            with safe_open(path, framework="pt") as f:
-                names = list(f.keys())
-        except Exception as e:
-            raise ConfigError(f"cannot read weight file {path} (truncated or corrupt?): {e}") from e
-        for name in names:
+        for name in _tensor_names(path):
             if name in owner:
                 raise ConfigError(
                     f"tensor {name} is in both {os.path.basename(owner[name])} and {os.path.basename(path)}; with "
@@ -176,17 +180,8 @@ def iterate_weights(model_dir: str, load_format: str, allow_pickle: bool) -> Ite
 
 def checkpoint_keys(model_dir: str) -> set[str] | None:
     """Tensor names of a safetensors checkpoint (headers only); None when there is none to read."""
-    from safetensors import safe_open
-
-    keys: set[str] = set()
     files = safetensors_files(model_dir)
-    for path in files:
-        try:
-            with safe_open(path, framework="pt") as f:
-                keys.update(f.keys())
-        except Exception as e:
-            raise ConfigError(f"cannot read weight file {path} (truncated or corrupt?): {e}") from e
-    return keys if files else None
+    return {name for path in files for name in _tensor_names(path)} if files else None
 
 
 def quantization_plan(config: EngineConfig, hf_config, arch: str, log: bool = True):
