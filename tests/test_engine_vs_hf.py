@@ -120,6 +120,7 @@ def test_rope_scaling_really_scales(tiny_models):
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, 16),   # layer 1 slides
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, 256),  # no layer does
     ("qwen2", {"use_sliding_window": False, "sliding_window": 16}, 256),
+    ("mistral", {"sliding_window": 16, "use_sliding_window": False}, 16),  # a Qwen field Mistral does not read
 ])
 def test_sliding_window_caps_the_length_only_where_a_layer_slides(tmp_path, kind, flags, limit):
     """Within the window sliding attention equals full attention: max_model_len is capped to it when some layer
@@ -130,6 +131,31 @@ def test_sliding_window_caps_the_length_only_where_a_layer_slides(tmp_path, kind
     assert make_llm(str(path)).engine.max_model_len == limit
     if limit > 16:
         check_against_hf(path, (PROMPT * 3)[:40], 8)
+
+
+@pytest.mark.parametrize("written, overrides", [
+    ({"use_sliding_window": False, "max_window_layers": 0}, {"use_sliding_window": True}),
+    ({"use_sliding_window": True, "max_window_layers": 2}, {"max_window_layers": 0}),
+    ({"use_sliding_window": True, "max_window_layers": 0}, {"use_sliding_window": False}),
+])
+def test_sliding_window_overrides_act_as_an_edited_config(tmp_path, written, overrides):
+    """transformers derives Qwen2's window and its layers' kinds when it reads a config: --hf-overrides of the fields
+    they come from give the model an edited config.json gives (before, the window stayed as the file had it)."""
+    import json
+
+    from tests.conftest import build_tiny_model
+
+    def config_json(path, **fields):  # as transformers 4 wrote it: no layer_types, derived from the rest
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.pop("layer_types", None)
+        (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 16, **fields}))
+        return path
+
+    base = config_json(build_tiny_model("qwen2", tmp_path / "base"), **written)
+    edited = config_json(build_tiny_model("qwen2", tmp_path / "edited"), **{**written, **overrides})
+    expected = make_llm(str(edited)).engine.max_model_len
+    assert expected != make_llm(str(base)).engine.max_model_len
+    assert make_llm(str(base), hf_overrides=overrides).engine.max_model_len == expected
 
 
 def test_a_tied_config_with_its_own_lm_head_says_it_is_unused(tmp_path, caplog):

@@ -32,12 +32,23 @@ def load_hf_config(model_dir: str, overrides: dict | None = None):
         raise ConfigError(f"cannot read {model_dir}/config.json: {first_line(e)}") from e
     if overrides:
         logger.info("config.json overridden: %s", ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
-        overrides = _rope_folded(config, dict(overrides))
+        rope = {k: v for k, v in overrides.items() if k in _ROPE_FIELDS}
+        fields = {k: v for k, v in overrides.items() if k not in _ROPE_FIELDS}
         try:
-            config.update(overrides)
-        except Exception as e:  # noqa: BLE001 - transformers checks field types on update (a string for a size)
+            if fields:  # built again from the edited fields, as from an edited config.json: transformers derives
+                # some fields only when it builds a config (Qwen2's sliding_window from use_sliding_window, the
+                # layer_types from max_window_layers), which update() would leave stale
+                raw, _ = type(config).get_config_dict(model_dir)
+                config = type(config).from_dict({**raw, **fields})
+            config.update(_rope_folded(config, rope))
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - transformers checks field types (a string for a size)
             raise ConfigError(f"--hf-overrides: {first_line(e)}") from None
     return config
+
+
+_ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 
 def _rope_folded(config, overrides: dict) -> dict:
@@ -45,7 +56,7 @@ def _rope_folded(config, overrides: dict) -> dict:
     override of rope_theta, rope_scaling or part of rope_parameters is folded into it (as editing config.json
     would be), keeping what it does not name. Returns the other overrides."""
     params = getattr(config, "rope_parameters", None)
-    if not isinstance(params, dict) or not {"rope_theta", "rope_scaling", "rope_parameters"} & set(overrides):
+    if not isinstance(params, dict) or not set(_ROPE_FIELDS) & set(overrides):
         return overrides
     params = dict(params)
     for key in ("rope_parameters", "rope_scaling"):
@@ -78,10 +89,13 @@ def model_len_limit(hf_config, requested: int | None = None, warn: bool = True) 
     if layer_types:  # the layers' kinds, as transformers derives them (Qwen2/3: from max_window_layers)
         uses_window = window and "sliding_attention" in layer_types
     else:            # Mistral, Mixtral; Qwen2 configs of older transformers: layers from max_window_layers on
-        # slide; every Qwen3-MoE layer slides when use_sliding_window is set (transformers ignores max_window_layers)
-        first = 0 if "Qwen3MoeForCausalLM" in (getattr(c, "architectures", None) or []) else \
-            getattr(c, "max_window_layers", None) or 0
-        uses_window = window and getattr(c, "use_sliding_window", True) is not False and first < c.num_hidden_layers
+        # slide; every Qwen3-MoE layer slides when use_sliding_window is set (transformers ignores max_window_layers).
+        # Only the Qwen configs have use_sliding_window: a Mistral's window holds whatever stray field a converter
+        # left beside it
+        qwen = getattr(c, "model_type", "").startswith("qwen")
+        first = (0 if c.model_type == "qwen3_moe" else getattr(c, "max_window_layers", None) or 0) if qwen else 0
+        uses_window = window and (not qwen or getattr(c, "use_sliding_window", True) is not False) \
+            and first < c.num_hidden_layers
     if requested is not None:
         if requested > limit:
             what = ("max_position_embeddings" if limit == c.max_position_embeddings
