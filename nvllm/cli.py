@@ -71,7 +71,7 @@ def serve(
                                                    help="require 'Authorization: Bearer KEY' (401 without it)")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="model name clients send (default: --model)")] = None,
     chat_template: Annotated[Optional[str], typer.Option(
-        help="Jinja chat template file (default: the tokenizer's)")] = None,
+        help="Jinja chat template: a file, or the template text itself (default: the tokenizer's)")] = None,
     max_request_bytes: Annotated[int, typer.Option(help="larger request bodies get 413")] = 16 * 1024 * 1024,
     shutdown_timeout: Annotated[int, typer.Option(help="seconds in-flight requests get on SIGINT/SIGTERM")] = 30,
     uvicorn_log_level: Annotated[str, typer.Option(help="uvicorn's log level (access lines at info)")] = "info",

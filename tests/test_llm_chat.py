@@ -131,3 +131,92 @@ def test_a_template_reading_content_parts_gets_them():
     assert fallback == render_chat(tok, FALLBACK_CHAT_TEMPLATE, parts) and "'type'" not in fallback
     with pytest.raises(ValueError, match="unknown chat template content format 'html'"):
         llm.chat(parts, GREEDY, use_tqdm=False, chat_template_content_format="html")
+
+
+NAMED = [{"name": "default", "template": "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"},
+         {"name": "tool_use", "template": "tools: {{ tools | map(attribute='function.name') | join(',') }}\n"
+                                          "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"}]
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_named_chat_templates_are_picked_as_transformers_picks_them(tmp_path):
+    """A tokenizer_config.json with named templates (Hermes's "default" and "tool_use"): "tool_use" renders when
+    tools are given, "default" otherwise, in LLM.chat and on the server, as HF's apply_chat_template does."""
+    import json
+
+    from nvllm.chat_template import ChatTemplateError, render_chat
+
+    model = tmp_path / "named"
+    shutil.copytree(demo_model_path(), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": NAMED}))
+    llm = make_llm(str(model))
+    tok = llm.get_tokenizer()
+    assert isinstance(tok.chat_template, dict)
+    user = [{"role": "user", "content": "Hi"}]
+    for tools in (None, TOOLS):
+        hf = tok.apply_chat_template(user, tokenize=False, tools=tools)
+        assert llm.chat(user, GREEDY, use_tqdm=False, add_generation_prompt=False, tools=tools)[0].prompt == hf
+        server = PromptProcessor(load_tokenizer(str(model)), llm.engine.vocab_size, llm.engine.max_model_len)
+        assert server.render_chat([ChatMessage(**m) for m in user], False, tools=tools) == hf
+    assert hf == "tools: weather\nuser: Hi\n"
+    with pytest.raises(ChatTemplateError, match="named other, tool_use, none 'default'"):
+        render_chat(tok, {"tool_use": "x", "other": "y"}, user)
+
+
+def test_an_assistant_turns_reasoning_reaches_the_template(tmp_path):
+    """Qwen3's template keeps the thinking of the assistant turns after the last user message (a tool loop): the
+    reasoning a reply returned (``reasoning_content``, or vLLM's ``reasoning``) is rendered as HF renders a
+    ``reasoning_content`` field; tool call arguments may be an object, as in HF's tool-use format."""
+    from pathlib import Path
+
+    from nvllm.chat_template import render_chat
+
+    template = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+    tok = load_tokenizer(demo_model_path())
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    hf_call = {**call, "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    tail = [{"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    thought = {"role": "assistant", "content": "", "reasoning_content": "I should call the tool",
+               "tool_calls": [hf_call]}
+    hf = tok.apply_chat_template([{"role": "user", "content": "Weather?"}, thought] + tail, chat_template=template,
+                                 tokenize=False, add_generation_prompt=True)
+    assert "<think>\nI should call the tool\n</think>" in hf
+    for key in ("reasoning_content", "reasoning"):
+        turn = {"role": "assistant", "content": "", key: "I should call the tool", "tool_calls": [call]}
+        assert render_chat(tok, template, [{"role": "user", "content": "Weather?"}, turn] + tail) == hf
+        (tmp_path / "qwen3.jinja").write_text(template)
+        server = PromptProcessor(tok, 512, 256, str(tmp_path / "qwen3.jinja"))
+        assert server.render_chat([ChatMessage(**m) for m in [{"role": "user", "content": "Weather?"}, turn]
+                                   + tail]) == hf
+    turn = {"role": "assistant", "content": "", "reasoning": "I should call the tool", "tool_calls": [hf_call]}
+    assert render_chat(tok, template, [{"role": "user", "content": "Weather?"}, turn] + tail) == hf
+
+
+def test_content_parts_read_as_vllm_reads_them():
+    """A bare string in a content list is text, and so is an assistant's refusal part (OpenAI's)."""
+    from nvllm.chat_template import FALLBACK_CHAT_TEMPLATE, render_chat
+
+    tok = load_tokenizer(demo_model_path())
+    messages = [{"role": "user", "content": ["Hello", {"type": "text", "text": "there"}]},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+                {"role": "user", "content": "Why?"}]
+    expected = "User: Hello\nthere\nAssistant: No.\nUser: Why?\nAssistant:"
+    assert render_chat(tok, FALLBACK_CHAT_TEMPLATE, messages) == expected
+    server = PromptProcessor(tok, 512, 256)
+    assert server.render_chat([ChatMessage(**m) for m in messages]) == expected
+
+
+def test_chat_template_flag_takes_a_file_or_the_template_itself(tmp_path):
+    """--chat-template as vLLM reads it: a file, or Jinja text (its "\\n" escapes decoded); a value that is neither
+    is named as a missing file."""
+    from nvllm.chat_template import read_chat_template
+
+    file = tmp_path / "t.jinja"
+    file.write_text("{{ messages[0].content }}")
+    assert read_chat_template(str(file)) == "{{ messages[0].content }}"
+    assert read_chat_template("{% for m in messages %}{{ m.content }}\\n{% endfor %}") == \
+        "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    assert read_chat_template("{{ x }}" * 200).startswith("{{ x }}")  # too long a name for a file
+    with pytest.raises(FileNotFoundError, match="chat template file missing.jinja does not exist"):
+        read_chat_template("missing.jinja")

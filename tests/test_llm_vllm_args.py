@@ -126,6 +126,8 @@ def test_serve_takes_the_model_as_its_argument(tmp_path):
     assert r.returncode == 2 and "the model is given twice: a/b and --model c/d" in r.stderr
     r = _serve("--chat-template-content-format", "html")
     assert r.returncode == 2 and "unknown --chat-template-content-format 'html'" in r.stderr
+    r = _serve("--chat-template", "missing.jinja")
+    assert r.returncode == 2 and "chat template file missing.jinja does not exist" in r.stderr
     r = _serve("--help")
     assert "[MODEL]" in r.stdout and "-tp" in r.stdout and "--trust-remote-code" in r.stdout
     assert "--disable-log-stats" in r.stdout

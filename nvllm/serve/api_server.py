@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from nvllm.chat_template import CONTENT_FORMATS
+from nvllm.chat_template import CONTENT_FORMATS, read_chat_template
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nvllm.engine.generation_defaults import announce
@@ -54,7 +54,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     served_model_name: str | None = None  # default: the --model argument (the demo model: "stories260K")
-    chat_template: str | None = None  # a Jinja file; default: the tokenizer's, else a plain fallback
+    chat_template: str | None = None  # a Jinja file or template text; default: the tokenizer's, else a fallback
     max_request_bytes: int = 16 * 1024 * 1024
     shutdown_timeout: int = 30
     log_level: str = "info"
@@ -74,8 +74,11 @@ class ServerConfig:
             raise ConfigError("max_request_bytes must be at least 1")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty")
-        if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
-            raise ConfigError(f"chat template file {self.chat_template} does not exist")
+        if self.chat_template is not None:
+            try:
+                read_chat_template(self.chat_template)
+            except (OSError, UnicodeError) as e:
+                raise ConfigError(str(e)) from None
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ConfigError(f"unknown --chat-template-content-format {self.chat_template_content_format!r}; "
                               f"choose {', '.join(CONTENT_FORMATS)}")

@@ -114,6 +114,7 @@ class CompletionRequest(SamplingRequest):
 class ContentPart(OpenAIModel):
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant's refusal part, read as text
 
 
 class FunctionCall(OpenAIModel):
@@ -129,10 +130,12 @@ class ToolCall(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | str] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning: str | None = None  # an assistant turn's thinking, as a reply gave it (vLLM's name)
+    reasoning_content: str | None = None  # the same, as nvllm's replies name it
 
 
 class FunctionDefinition(OpenAIModel):
