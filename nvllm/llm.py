@@ -68,6 +68,13 @@ class LLM:
         EngineConfig.generation_config) in place."""
         return default_sampling_params(self.engine.generation_defaults)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget the cached prefixes, so that the next run starts cold (benchmarks call it between runs).
+        Blocks of requests still running keep theirs; True, as nothing runs between two calls of this LLM."""
+        with self._lock:
+            self.engine.block_manager.reset_prefix_cache()
+        return True
+
     def close(self) -> None:
         """Stop the tensor-parallel workers and free the KV cache and the CUDA graphs (idempotent), so that another
         LLM can be built in this process; waits for a call running in another thread. This LLM cannot generate

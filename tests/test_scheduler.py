@@ -41,6 +41,30 @@ def test_batch_with_chunked_prefill_and_preemption_equals_alone(demo_dir, alone)
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_a_preempted_sequence_finding_its_own_blocks_is_no_prefix_cache_hit(demo_dir):
+    """The hit rate (/metrics' prefix_cache_queries/hits, the log's) counts each prompt's lookup once: prompts that
+    share nothing hit nothing, however often preempted sequences come back to their own blocks (vLLM keeps those
+    lookups apart, as preempted_queries/hits)."""
+    ps = [[1 + i] + [(37 * i + 11 * j) % 400 + 3 for j in range(20)] for i in range(8)]  # distinct first tokens
+    llm = make_llm(demo_dir, num_kv_blocks=16, max_model_len=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+    bm = llm.engine.block_manager
+    assert llm.engine.scheduler.num_preemptions > 0 and bm.preempted_hits > 0
+    assert [o.num_cached_tokens for o in outs] == [0] * 8
+    assert (bm.prefix_queries, bm.prefix_hits) == (sum(map(len, ps)), 0)
+
+
+def test_reset_prefix_cache_as_vllms_llm(demo_dir):
+    """LLM.reset_prefix_cache(): the next run of a prompt finds nothing cached (benchmarks reset between runs)."""
+    llm = make_llm(demo_dir, block_size=8)
+    p = " ".join(WORDS)
+    llm.generate([p], GREEDY, use_tqdm=False)
+    assert llm.generate([p], GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate([p], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
 def test_chunked_prefill_splits_long_prompts(demo_dir, alone):
     llm = make_llm(demo_dir, max_num_batched_tokens=4)
     p = max(prompts(18), key=len)

@@ -45,8 +45,12 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash → block id
-        self.prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_queries = 0  # prompt tokens of new sequences looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
+        # a preempted sequence's lookup when it comes back (mostly its own blocks), kept apart as vLLM keeps it: the
+        # hit rate above is the prompts' alone
+        self.preempted_queries = 0
+        self.preempted_hits = 0
 
     # ---- capacity -------------------------------------------------------------------------------------
     @property

@@ -154,7 +154,10 @@ class Scheduler:
                 break
             del self.waiting[i]
             loras.add(seq.lora_id)
-            if self.bm.looks_up(seq):  # every lookup counts, re-admissions after preemption too
+            if self.bm.looks_up(seq) and seq.admitted:  # back after preemption: counted apart, as vLLM does
+                self.bm.preempted_queries += seq.num_tokens
+                self.bm.preempted_hits += hit
+            elif self.bm.looks_up(seq):
                 self.bm.prefix_queries += seq.num_tokens
                 self.bm.prefix_hits += hit
             if not seq.admitted:  # what usage reports: the prompt tokens the first admission found cached
