@@ -165,7 +165,7 @@ def _turn(message: Any, index: int, parts: bool = False) -> dict[str, Any]:
     turn's reasoning (``reasoning`` or ``reasoning_content``, as the server returned it) reaches the template under
     both names, as vLLM gives it, so templates that keep earlier thinking (Qwen3's, in tool loops) see it."""
     role = _role_of(message, index)
-    texts = _texts_of(message, index)
+    texts = texts_of(message, index)
     turn = {"role": role, "content": [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)}
     if message.get("tool_calls"):
         calls = []
@@ -198,7 +198,7 @@ def _role_of(message: Any, index: int) -> str:
     return role
 
 
-def _texts_of(message: dict[str, Any], index: int) -> list[str]:
+def texts_of(message: dict[str, Any], index: int) -> list[str]:
     """The texts of a message's content: one for a string, none for None, one a text part."""
     content = message.get("content")
     if content is None:

@@ -37,7 +37,8 @@ def generate(
     n: Annotated[int, typer.Option("-n", help="samples per prompt")] = 1,
     stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
     ignore_eos: Annotated[bool, typer.Option()] = False,
-    logprobs: Annotated[Optional[int], typer.Option(help="print top-N log-probabilities per token")] = None,
+    logprobs: Annotated[Optional[int], typer.Option(
+        help="print top-N log-probabilities per token (-1: the whole vocabulary)")] = None,
     json_schema: Annotated[Optional[str], typer.Option(help="constrain the output to this JSON schema (its text, "
                                                             "or a file holding it)")] = None,
     regex: Annotated[Optional[str], typer.Option(help="constrain the output to this regular expression")] = None,
@@ -103,7 +104,7 @@ def generate(
             if c.logprobs:
                 text = llm.get_tokenizer().decode
                 for tok, lp in zip(c.token_ids, c.logprobs):   # the chosen token, then the top `logprobs`
-                    top = sorted((x.rank, t, x.logprob) for t, x in lp.items() if x.rank <= logprobs)
+                    top = sorted((x.rank, t, x.logprob) for t, x in lp.items() if logprobs == -1 or x.rank <= logprobs)
                     alts = ", ".join(f"{text([t])!r} {v:.4f}" for _, t, v in top)
                     out.print(f"  {text([tok])!r}: {lp[tok].logprob:.4f}" + (f"  top: {alts}" if alts else ""),
                               highlight=False)

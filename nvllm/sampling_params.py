@@ -82,7 +82,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # top-N log-probabilities of each generated token (plus the chosen one)
+    logprobs: int | None = None  # top-N log-probabilities of each generated token (plus the chosen one); -1: all
     prompt_logprobs: int | None = None  # same for every prompt token after the first
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, text "" (vLLM's; no stop strings then)
@@ -143,8 +143,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_STRINGS} ids")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and v < 0:
-                raise ValueError(f"{name} must be non-negative, got {v}")
+            if v is not None and v < -1:
+                raise ValueError(f"{name} must be non-negative or -1 (the whole vocabulary), got {v}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:

@@ -64,8 +64,23 @@ def test_max_logprobs_caps_requests(demo_dir):
     for field in ("logprobs", "prompt_logprobs"):
         with pytest.raises(ValueError, match=f"{field} must be at most max_logprobs 2, got 3"):
             llm.generate("Hi", SamplingParams(max_tokens=1, **{field: 3}), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"logprobs must be at most max_logprobs 2, got -1 \(the whole vocabulary, "
+                                         r"512\)"):
+        llm.generate("Hi", SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)
     with pytest.raises(ConfigError, match="max_logprobs must be -1"):
         LLM(demo_dir, device="cpu", max_logprobs=-2)
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(demo_dir):
+    """vLLM's -1: every token's log-probability, for each generated token and each prompt token after the first."""
+    llm = LLM(demo_dir, device="cpu", log_stats_interval=0)
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=2, logprobs=-1, prompt_logprobs=-1),
+                       use_tqdm=False)[0]
+    assert [len(d) for d in out.outputs[0].logprobs] == [512, 512]
+    assert out.prompt_logprobs[0] is None and {len(d) for d in out.prompt_logprobs[1:]} == {512}
+    assert sorted(x.rank for x in out.outputs[0].logprobs[0].values()) == list(range(1, 513))
+    with pytest.raises(ValueError, match=r"logprobs must be non-negative or -1 \(the whole vocabulary\), got -2"):
+        SamplingParams(logprobs=-2)
 
 
 def test_sampling_params_clone_is_deep():
@@ -147,6 +162,32 @@ def test_serve_model_argument_serves_it(tmp_path):
         assert httpx.post(f"{base}/v1/completions", json={**body, "logprobs": 5}).status_code == 200
         r = httpx.post(f"{base}/v1/completions", json={**body, "logprobs": 6})
         assert r.status_code == 400 and "logprobs must be in [0, 5], got 6" in r.json()["error"]["message"]
+        r = httpx.post(f"{base}/v1/completions", json={**body, "prompt_logprobs": -1})
+        assert r.status_code == 400 and "prompt_logprobs -1 asks for the whole vocabulary (512), more than the " \
+            "server's limit 5" in r.json()["error"]["message"]
+    finally:
+        stop_server(proc)
+
+
+def test_logprobs_minus_one_on_the_server(tmp_path):
+    """-1 where vLLM's server takes it (chat's top_logprobs, prompt_logprobs), under --max-logprobs -1: the whole
+    vocabulary; completions' logprobs stays non-negative, as vLLM's."""
+    import httpx
+
+    from tests.server_utils import start_server, stop_server
+
+    model = build_tiny_model("llama", tmp_path / "tiny")
+    proc, base = start_server([str(model), "--device", "cpu", "--log-stats-interval", "0", "--max-logprobs", "-1"],
+                              tmp_path / "serve.log")
+    try:
+        chat = httpx.post(f"{base}/v1/chat/completions", json={
+            "model": str(model), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "logprobs": True,
+            "top_logprobs": -1, "prompt_logprobs": -1}).json()
+        assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 512
+        assert {len(d) for d in chat["prompt_logprobs"][1:]} == {512}
+        r = httpx.post(f"{base}/v1/completions", json={"model": str(model), "prompt": [1, 2], "max_tokens": 1,
+                                                       "logprobs": -1})
+        assert r.status_code == 400 and "logprobs must be in [0, 512], got -1" in r.json()["error"]["message"]
     finally:
         stop_server(proc)
 

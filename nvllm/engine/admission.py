@@ -5,6 +5,7 @@ logprob lists). Nothing here changes the engine's state: a bad request is a Valu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from collections.abc import Sequence as Seq
@@ -71,12 +72,13 @@ class Admission:
         if bad:
             raise ValueError(f"stop token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > self.vocab_size:
-                raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, got "
-                                 f"{getattr(params, name)}")
-            if self.max_logprobs not in (None, -1) and (getattr(params, name) or 0) > self.max_logprobs:
-                raise ValueError(f"{name} must be at most max_logprobs {self.max_logprobs}, got "
-                                 f"{getattr(params, name)}")
+            asked = getattr(params, name)
+            if (asked or 0) > self.vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, got {asked}")
+            if self.max_logprobs not in (None, -1) and (self.vocab_size if asked == -1 else asked or 0) > \
+                    self.max_logprobs:
+                whole = f" (the whole vocabulary, {self.vocab_size})" if asked == -1 else ""
+                raise ValueError(f"{name} must be at most max_logprobs {self.max_logprobs}, got {asked}{whole}")
         for name in ("logit_bias", "allowed_token_ids"):
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if bad:
@@ -93,7 +95,10 @@ class Admission:
 
     def sequences(self, request_id: str, ids: list[int], params: SamplingParams, metrics: RequestMetrics,
                   salt: bytes | None, lora_id: int) -> list[Sequence]:
-        """The request's n sequences (``salt``: its prefix-cache salt; ``lora_id``: its adapter, 0 for none)."""
+        """The request's n sequences (``salt``: its prefix-cache salt; ``lora_id``: its adapter, 0 for none). A
+        logprobs count of -1 (vLLM's: the whole vocabulary) becomes the vocabulary's size here, once."""
+        whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
+        params = dataclasses.replace(params, **whole) if whole else params
         seqs = []
         bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else None
         for i in range(params.n):

@@ -7,6 +7,7 @@ import functools
 
 from collections.abc import AsyncIterator
 
+from nvllm.chat_template import texts_of
 from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
@@ -62,14 +63,13 @@ class ChatHandler:
         last = req.messages[-1]
         if not req.echo or (req.add_generation_prompt and last.role != "assistant"):
             return ""
-        return last.content if isinstance(last.content, str) else "\n".join(
-            p.text or "" for p in last.content or [] if p.type == "text")
+        return "\n".join(texts_of(last.model_dump(), len(req.messages) - 1))
 
     def _num_top(self, req: ChatCompletionRequest) -> int | None:
         """The engine's logprobs count: None unless logprobs is true; then top_logprobs (default 0)."""
         if req.top_logprobs and not req.logprobs:  # 0 asks for nothing (vLLM takes it)
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        check_logprobs(req.top_logprobs, "top_logprobs", self.max_logprobs)
+        req.top_logprobs = check_logprobs(req.top_logprobs, "top_logprobs", self.max_logprobs, self.prompts.vocab_size)
         return (req.top_logprobs or 0) if req.logprobs else None
 
     schema = ChatCompletionRequest
@@ -94,8 +94,8 @@ class ChatHandler:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(ids), self.prompts.max_model_len, param,
                                         self.defaults.get("max_tokens"))
-        params = sampling_params(req, max_tokens, num_top, requested_prompt_logprobs(req, self.max_logprobs),
-                                 defaults=self.defaults)
+        prompt_logprobs = requested_prompt_logprobs(req, self.max_logprobs, self.prompts.vocab_size)
+        params = sampling_params(req, max_tokens, num_top, prompt_logprobs, defaults=self.defaults)
         params.structured_outputs = plan.constraint() or params.structured_outputs
         if plan.mode == "auto" and plan.parser.keep_special_tokens:
             params.skip_special_tokens = False

@@ -74,7 +74,7 @@ class CompletionHandler:
         if req.max_tokens == 0 and (not req.echo or req.use_beam_search or req.min_tokens):
             raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt back, with its logprobs "
                               "if asked, and nothing generated)", "max_tokens")
-        asked = requested_prompt_logprobs(req, self.max_logprobs)
+        asked = requested_prompt_logprobs(req, self.max_logprobs, self.prompts.vocab_size)
         prompt_ids = self.prompts.completion_prompts(req.prompt, req.truncate_prompt_tokens, req.add_special_tokens)
         max_len = self.prompts.max_model_len
         echoed = req.logprobs if req.echo and req.logprobs is not None else None

@@ -54,17 +54,28 @@ def logprobs_limit(engine) -> int:
     return MAX_LOGPROBS if cap is None else engine.vocab_size if cap == -1 else cap
 
 
-def check_logprobs(value: int | None, param: str, limit: int = MAX_LOGPROBS) -> None:
+def check_logprobs(value: int | None, param: str, limit: int = MAX_LOGPROBS,
+                   vocab_size: int | None = None) -> int | None:
+    """A logprobs count checked against the server's limit (--max-logprobs); with ``vocab_size``, -1 (vLLM's: the
+    whole vocabulary, for the fields vLLM takes it in) is that size. Returns the count."""
+    if value == -1 and vocab_size is not None:
+        if vocab_size > limit:
+            raise bad_request(f"{param} -1 asks for the whole vocabulary ({vocab_size}), more than the server's "
+                              f"limit {limit} (--max-logprobs -1 allows it)", param)
+        return vocab_size
     if value is not None and not 0 <= value <= limit:
-        raise bad_request(f"{param} must be in [0, {limit}], got {value}", param)
+        whole = " or -1 (the whole vocabulary)" if vocab_size is not None else ""
+        raise bad_request(f"{param} must be in [0, {limit}]{whole}, got {value}", param)
+    return value
 
 
-def requested_prompt_logprobs(req: SamplingRequest, limit: int = MAX_LOGPROBS) -> int | None:
+def requested_prompt_logprobs(req: SamplingRequest, limit: int, vocab_size: int) -> int | None:
     """vLLM's prompt_logprobs of a request, checked: None when not asked for, or asked for 0 on a stream (vLLM
-    accepts and drops that); a stream that asks for more is a 400, as in vLLM (a chunk has no place for them)."""
-    check_logprobs(req.prompt_logprobs, "prompt_logprobs", limit)
+    accepts and drops that); a stream that asks for more is a 400, as in vLLM (a chunk has no place for them).
+    -1 is the whole vocabulary (``check_logprobs``)."""
     if req.stream and req.prompt_logprobs:
         raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    req.prompt_logprobs = check_logprobs(req.prompt_logprobs, "prompt_logprobs", limit, vocab_size)
     return None if req.stream else req.prompt_logprobs
 
 
