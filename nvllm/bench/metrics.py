@@ -14,6 +14,7 @@ two tokens, no ITL gap) the statistic is None, not 0 — a number is only report
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,8 +69,8 @@ def parse_goodput(pairs: list[str]) -> dict[str, float]:
             raise ValueError(f"goodput SLO {item!r} is not KEY:MILLISECONDS (e.g. ttft:200 tpot:20)")
         if name not in SLO_NAMES:
             raise ValueError(f"goodput SLO {name!r} is unknown; choose from {', '.join(SLO_NAMES)}")
-        if ms < 0:
-            raise ValueError(f"goodput SLO {item!r} must be non-negative")
+        if not (math.isfinite(ms) and ms > 0):  # nan, inf or 1e999: no SLO, and no number JSON can hold
+            raise ValueError(f"goodput SLO {item!r} must be a positive finite number of milliseconds")
         slos[name] = ms
     return slos
 

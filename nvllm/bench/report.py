@@ -6,6 +6,7 @@ A statistic that was not measured (None in the result) prints as "n/a", never as
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,19 @@ def print_result(result: dict[str, Any], console=None) -> None:
 
 
 def save_result(result: dict[str, Any], path: str) -> None:
-    """Write the JSON whole or not at all (``nvllm.output_file``)."""
-    output_file.write_json(path, result)
+    """Write the JSON whole or not at all (``nvllm.output_file``). A number JSON cannot hold (an infinite or NaN
+    float) is written as its text, "inf" as request_rate's is, so that a finished run is never lost to it."""
+    output_file.write_json(path, _json_safe(result))
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "inf", "-inf", "nan"
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def load_result(path: str) -> dict[str, Any]:
@@ -167,7 +179,13 @@ def _scalars(result: dict[str, Any]) -> dict[str, float]:
                         if isinstance(vv, (int, float)) and not isinstance(vv, bool)})
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             out[k] = v
+    if result.get("mode") == "latency":  # per-iteration latencies are in seconds: shown in ms, as TTFT/TPOT are
+        out = {(f"{k} (ms)" if _seconds(k) else k): (v * 1000.0 if _seconds(k) else v) for k, v in out.items()}
     return out
+
+
+def _seconds(key: str) -> bool:
+    return key == "avg_latency" or key.startswith("percentiles.")
 
 
 def compare_tables(a: dict[str, Any], b: dict[str, Any], name_a: str = "A", name_b: str = "B") -> list[Table]:

@@ -266,7 +266,7 @@ async def benchmark(opts: ServeOptions, requests: list[SampleRequest], tokenizer
         "backend": "openai-chat" if opts.chat else "openai", "base_url": base, "endpoint": opts.endpoint,
         "model_id": model, "tokenizer_id": getattr(tokenizer, "name_or_path", None),
         "num_prompts": len(requests),
-        "request_rate": opts.request_rate if opts.request_rate != float("inf") else "inf",
+        "request_rate": opts.request_rate,  # inf (all at once) is saved as "inf" (report.save_result)
         "burstiness": opts.burstiness, "max_concurrency": opts.max_concurrency,
         "goodput_slos_ms": opts.goodput or None, "lora_modules": opts.lora_modules or None,
     }
