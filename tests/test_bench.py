@@ -86,6 +86,9 @@ def test_parsers():
     for bad in (["ttft"], ["foo:1"], ["ttft:x"], ["tpot:-1"]):
         with pytest.raises(ValueError):
             metrics.parse_goodput(bad)
+    for bad in ("ttft:nan", "ttft:inf", "e2el:1e999", "tpot:-inf", "ttft:0"):  # no SLO; nan/inf made runs unsavable
+        with pytest.raises(ValueError, match=f"goodput SLO '{bad}' must be a positive finite number"):
+            metrics.parse_goodput([bad])
     assert metrics.parse_percentiles("50,90,99.9") == [50.0, 90.0, 99.9]
     assert metrics.percentile_key(99.9) == "p99.9" and metrics.percentile_key(99.0) == "p99"
     with pytest.raises(ValueError):
@@ -173,6 +176,45 @@ def test_file_datasets(tok, tmp_path):
     assert g[0].prompt.endswith("Assistant:") and g[0].prompt_len == len(tok.encode(g[0].prompt))
 
 
+def test_prompts_over_max_model_len_are_skipped_while_sampling(tok, tmp_path, caplog):
+    """As vLLM's samplers: a prompt whose prompt + output tokens exceed the engine's limit is skipped while sampling
+    and the count filled from those that fit, so that exactly --num-prompts requests run (they were dropped after the
+    count was filled: 6 asked, 4 ran)."""
+    lines = tmp_path / "c.jsonl"
+    lines.write_text("\n".join([json.dumps({"prompt": "Once upon a time there was a cat", "output_len": 5}),
+                                json.dumps({"prompt": "once upon a time " * 40, "output_len": 5}),
+                                json.dumps("Lily went to the park")]))
+    reqs = datasets.load_requests("jsonl", tok, 6, str(lines), output_len=5, max_model_len=64)
+    assert len(reqs) == 6 and all(r.prompt_len + r.expected_output_len <= 64 for r in reqs)
+    assert {r.prompt for r in reqs} == {"Once upon a time there was a cat", "Lily went to the park"}
+    assert "2 usable prompts within max_model_len 64; repeating them to reach 6" in caplog.text
+    assert len(datasets.load_requests("jsonl", tok, 2, str(lines), output_len=5)) == 2  # no limit: file order
+    with pytest.raises(datasets.DatasetError, match=r"no prompt of .*c.jsonl fits max_model_len 8 with its output "
+                                                    r"\(3 longer"):
+        datasets.load_requests("jsonl", tok, 2, str(lines), output_len=5, max_model_len=8)
+    with pytest.raises(datasets.DatasetError, match="--input-len \\+ --output-len = 60 \\(up to 75 \\+ 15 with "
+                                                    "--random-range-ratio 0.5\\) exceeds max_model_len 50"):
+        datasets.load_requests("random", tok, 4, input_len=50, output_len=10, range_ratio=0.5, max_model_len=50)
+    assert len(datasets.load_requests("random", tok, 4, input_len=30, output_len=10, range_ratio=0.5,
+                                      max_model_len=61)) == 4
+
+
+def test_offline_throughput_runs_num_prompts_requests(tmp_path):
+    lines = tmp_path / "c.jsonl"
+    lines.write_text("\n".join([json.dumps({"prompt": "Once upon a time there was a cat", "output_len": 5}),
+                                json.dumps({"prompt": "once upon a time " * 200, "output_len": 5}),
+                                json.dumps("Lily went to the park")]))
+    out = tmp_path / "tp.json"
+    res = runner.invoke(app, ["bench", "throughput", "--dataset", "jsonl", "--dataset-path", str(lines),
+                              "--num-prompts", "6", "--output-len", "4", "--save-result", str(out), *OFFLINE])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert (r["num_requests"], r["total_output_tokens"], r["num_prompts"]) == (6, 24, 6)
+    res = runner.invoke(app, ["bench", "throughput", "--num-prompts", "2", "--input-len", "600", "--output-len", "8",
+                              *OFFLINE])  # refused before the engine loads
+    assert res.exit_code == 2 and said(res) == "error: --input-len + --output-len = 608 exceeds max_model_len 512"
+
+
 @pytest.mark.skipif(SHARED_DATA is None, reason="shared data not present")
 def test_shared_sharegpt_file(tok):
     reqs = datasets.load_requests("sharegpt", tok, 20, str(SHARED_DATA / "sharegpt/ShareGPT_V3_filtered_500.json"),
@@ -186,7 +228,8 @@ class FakeState:
         self.reset()
 
     def reset(self, fail_every=0, fail_mode="http", fail_after=None, usage=True, eos=False):
-        self.count, self.served, self.fail_every, self.fail_mode, self.fail_after = 0, 0, fail_every, fail_mode, fail_after
+        self.count, self.served = 0, 0
+        self.fail_every, self.fail_mode, self.fail_after = fail_every, fail_mode, fail_after
         self.usage = usage
         self.eos = eos  # the last token is EOS: a step later, a chunk with no text and finish_reason "stop"
         self.inflight = self.peak = 0  # streams open at once, and the most seen
@@ -246,7 +289,8 @@ def _fake_app(state: FakeState):
 
         async def tokens():
             if chat:  # the role announcement carries no token: TTFT must not stop here
-                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}}]})}\n\n"
+                role = {'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}}]}
+                yield f"data: {json.dumps(role)}\n\n"
             await asyncio.sleep(0.02)
             for i in range(n):
                 if i:
@@ -262,7 +306,8 @@ def _fake_app(state: FakeState):
                     yield chunk(f" t{i}", "length")
             state.served += 1
             if state.usage:
-                yield f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': 7, 'completion_tokens': n, 'total_tokens': 7 + n}})}\n\n"
+                usage = {'prompt_tokens': 7, 'completion_tokens': n, 'total_tokens': 7 + n}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -387,7 +432,8 @@ def test_serve_chat_endpoint_counts_content_chunks(fake_server, tmp_path, tok):
     url, state = fake_server
     state.reset(usage=False)  # a server that sends no usage: the client's tokenizer counts the output
     gsm = tmp_path / "gsm.jsonl"
-    gsm.write_text("\n".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) for i in range(3)))
+    gsm.write_text("\n".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"})
+                             for i in range(3)))
     res, r = _bench(url, tmp_path, "--endpoint", "/v1/chat/completions", "--dataset", "gsm8k",
                     "--dataset-path", str(gsm))
     assert res.exit_code == 0, res.output
@@ -524,6 +570,58 @@ def test_offline_latency(tmp_path):
                               "--save-result", str(out), *OFFLINE])
     assert res.exit_code == 0, res.output
     assert json.loads(out.read_text())["temperature"] == 0.0
+
+
+def test_a_result_with_non_finite_numbers_is_saved(tmp_path):
+    """A finished run is never lost to a number JSON cannot hold: inf and NaN are written as their text, as
+    request_rate's inf always was ("Out of range float values are not JSON compliant" came after the whole run)."""
+    path = tmp_path / "r.json"
+    save_result({"mode": "serve", "request_rate": float("inf"), "goodput_slos_ms": {"ttft": float("nan")},
+                 "ttfts": [0.1, float("-inf")], "duration": 1.5}, str(path))
+    data = json.loads(path.read_text())
+    assert data == {"mode": "serve", "request_rate": "inf", "goodput_slos_ms": {"ttft": "nan"},
+                    "ttfts": [0.1, "-inf"], "duration": 1.5}
+
+
+def test_serve_refuses_a_non_finite_goodput_before_running(fake_server, tmp_path):
+    url, state = fake_server
+    state.reset()
+    for slo in ("ttft:nan", "e2el:1e999"):
+        res, r = _bench(url, tmp_path, "--goodput", slo)
+        assert res.exit_code == 2 and r is None and state.count == 0, said(res)
+        assert said(res) == f"error: goodput SLO '{slo}' must be a positive finite number of milliseconds"
+
+
+def test_offline_results_record_the_lengths_and_seed_they_ran_with(tmp_path):
+    """input_len/output_len were null where the defaults were used, and seed / random_range_ratio missing: a saved
+    run could not be reproduced from its JSON."""
+    out = tmp_path / "tp.json"
+    res = runner.invoke(app, ["bench", "throughput", "--num-prompts", "2", "--output-len", "2", "--seed", "3",
+                              "--random-range-ratio", "0.25", "--save-result", str(out), *OFFLINE])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert (r["input_len"], r["output_len"], r["random_range_ratio"], r["seed"], r["num_prompts"]) == \
+        (128, 2, 0.25, 3, 2)
+    res = runner.invoke(app, ["bench", "latency", "--batch-size", "1", "--input-len", "8", "--output-len", "2",
+                              "--num-iters-warmup", "0", "--num-iters", "1", "--seed", "5", "--save-result", str(out),
+                              *OFFLINE])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["seed"] == 5
+
+
+def test_compare_shows_per_iteration_latencies_in_ms(tmp_path):
+    """A latency result's avg_latency and percentiles are seconds: 0.0118 s printed as 0.01."""
+    a = {"mode": "latency", "avg_latency": 0.011798, "percentiles": {"50": 0.011811}, "mean_ttft_ms": 3.06}
+    b = {"mode": "latency", "avg_latency": 0.021566, "percentiles": {"50": 0.021586}, "mean_ttft_ms": 3.08}
+    save_result(a, str(tmp_path / "a.json"))
+    save_result(b, str(tmp_path / "b.json"))
+    res = runner.invoke(app, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")],
+                        env={"COLUMNS": "160"})
+    assert res.exit_code == 0, res.output
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:5]]
+            for line in res.stdout.splitlines() if line.count("│") == 5}
+    assert rows["avg_latency (ms)"] == ["11.80", "21.57", "1.828×"]
+    assert rows["percentiles.50 (ms)"] == ["11.81", "21.59", "1.828×"] and rows["mean_ttft_ms"][:2] == ["3.06", "3.08"]
 
 
 # ---- compare ---------------------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 questions as chat prompts. Every sampler is seeded; a file that does not parse raises DatasetError naming
 the file and the line.
 
+Offline runs pass the engine's max_model_len: a prompt that does not fit with its output is skipped while
+sampling (as vLLM's samplers skip theirs) and the count is filled from those that fit.
+
 Prompt lengths are counted with the benchmark's tokenizer, special tokens included (what a server's usage
 reports as prompt_tokens); the serve benchmark replaces them by the server's own counts when it sends them.
 """
@@ -20,6 +23,7 @@ import numpy as np
 logger = logging.getLogger("nvllm")
 
 DATASETS = ("random", "sharegpt", "jsonl", "gsm8k")
+RANDOM_INPUT_LEN = RANDOM_OUTPUT_LEN = 128  # the random dataset's lengths when no flag gives them
 GSM8K_INSTRUCTION = ("Solve the following math problem step by step. "
                      "Write the final answer as a number after '####'.\n\n")
 
@@ -37,9 +41,18 @@ class SampleRequest:
     prompt_token_ids: list[int] | None = None  # exact ids, for offline runs (random dataset)
 
 
+def random_lengths(input_len: int | None, output_len: int | None) -> tuple[int, int]:
+    """The random dataset's (input, output) lengths: the flags', else the defaults (what a result records)."""
+    return (RANDOM_INPUT_LEN if input_len is None else input_len,
+            RANDOM_OUTPUT_LEN if output_len is None else output_len)
+
+
 def load_requests(name: str, tokenizer, num_prompts: int, path: str | None = None, input_len: int | None = None,
-                  output_len: int | None = None, range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
-    """`num_prompts` requests from dataset `name`. `output_len` None: from the data (sharegpt, gsm8k, jsonl)."""
+                  output_len: int | None = None, range_ratio: float = 0.0, seed: int = 0,
+                  max_model_len: int | None = None) -> list[SampleRequest]:
+    """`num_prompts` requests from dataset `name`. `output_len` None: from the data (sharegpt, gsm8k, jsonl).
+    `max_model_len`: the engine's limit (offline runs), checked while sampling, as vLLM's samplers check theirs: a
+    prompt whose prompt + output tokens exceed it is skipped and the count filled from those that fit."""
     if num_prompts < 1:
         raise DatasetError("--num-prompts must be at least 1")
     if output_len is not None and output_len < 1:
@@ -47,8 +60,8 @@ def load_requests(name: str, tokenizer, num_prompts: int, path: str | None = Non
     if name == "random":
         if path:
             raise DatasetError("the random dataset takes no --dataset-path")
-        return random_requests(tokenizer, num_prompts, 128 if input_len is None else input_len,
-                               128 if output_len is None else output_len, range_ratio, seed)
+        return random_requests(tokenizer, num_prompts, *random_lengths(input_len, output_len), range_ratio, seed,
+                               max_model_len)
     if name not in DATASETS:
         raise DatasetError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     if not path:
@@ -65,6 +78,7 @@ def load_requests(name: str, tokenizer, num_prompts: int, path: str | None = Non
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(pairs)) if name != "jsonl" else np.arange(len(pairs))  # jsonl: file order
     out: list[SampleRequest] = []
+    too_long = 0  # prompt + output over max_model_len
     for i in order:
         prompt, completion, own_len = pairs[i]
         messages = prompt if isinstance(prompt, list) else None
@@ -77,25 +91,32 @@ def load_requests(name: str, tokenizer, num_prompts: int, path: str | None = Non
             raise DatasetError(f"{path} holds no replies to take output lengths from; give --output-len")
         if name == "sharegpt" and not _sharegpt_valid(prompt_len, n_out, fixed=output_len is not None):
             continue
+        if max_model_len is not None and prompt_len + n_out > max_model_len:
+            too_long += 1
+            continue
         out.append(SampleRequest(text, prompt_len, n_out, messages))
         if len(out) == num_prompts:
             break
+    if not out and too_long:
+        raise DatasetError(f"no prompt of {path} fits max_model_len {max_model_len} with its output "
+                           f"({too_long} longer than that in prompt + output tokens)")
     if not out:
         why = "too long, too short, or without a reply to take an output length from (--output-len)" \
             if name == "sharegpt" and not output_len else "too long or too short"
         raise DatasetError(f"no usable prompt in {path} (all {why})")
+    fit = f" within max_model_len {max_model_len}" if too_long else ""
     if len(out) < num_prompts:
-        logger.warning("%s gives %d usable prompts; repeating them to reach %d", path, len(out), num_prompts)
+        logger.warning("%s gives %d usable prompts%s; repeating them to reach %d", path, len(out), fit, num_prompts)
         out = [out[i % len(out)] for i in range(num_prompts)]
     return out
 
 
 # ---- random -------------------------------------------------------------------------------------------
 def random_requests(tokenizer, n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0) -> list[SampleRequest]:
+                    seed: int = 0, max_model_len: int | None = None) -> list[SampleRequest]:
     """Token lengths uniform in [L·(1−r), L·(1+r)] (special tokens included in the input length); the
     tokens are consecutive ids from a random offset, decoded to text and re-encoded so that the text has
-    the length it claims."""
+    the length it claims. Lengths that could exceed ``max_model_len`` are refused: every request must fit."""
     if not 0.0 <= range_ratio < 1.0:
         raise DatasetError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
     rng = np.random.default_rng(seed)
@@ -107,6 +128,10 @@ def random_requests(tokenizer, n: int, input_len: int, output_len: int, range_ra
     if in_lo < 1:
         raise DatasetError(f"--input-len {input_len} leaves no room for prompt tokens "
                            f"({special} special tokens, range ratio {range_ratio})")
+    if max_model_len is not None and in_hi + special + out_hi > max_model_len:
+        reach = f" (up to {in_hi + special} + {out_hi} with --random-range-ratio {range_ratio})" if range_ratio else ""
+        raise DatasetError(f"--input-len + --output-len = {input_len + output_len}{reach} exceeds max_model_len "
+                           f"{max_model_len}")
     in_lens = rng.integers(in_lo, in_hi + 1, size=n)
     out_lens = rng.integers(out_lo, out_hi + 1, size=n)
     offsets = rng.integers(0, tokenizer.vocab_size, size=n)

@@ -1,8 +1,8 @@
 """Offline benchmarks through the `LLM` API (no server): `bench throughput` and `bench latency`.
 
-throughput: N requests (a dataset, or random prompts of the given lengths) submitted at once; reports
-  requests/s, output tok/s and total tok/s over the wall time of the generate call, counting the tokens the
-  engine really produced. Result keys follow vLLM's throughput benchmark (elapsed_time, num_requests,
+throughput: N requests (a dataset, or random prompts of the given lengths; all N fit max_model_len) submitted at
+  once; reports requests/s, output tok/s and total tok/s over the wall time of the generate call, counting the
+  tokens the engine really produced. Result keys follow vLLM's throughput benchmark (elapsed_time, num_requests,
   total_num_tokens, requests_per_second, tokens_per_second) plus output_tokens_per_second.
 latency: one batch of `batch_size` random prompts, `num_iters_warmup` untimed then `num_iters` timed
   generate calls (the prefix cache emptied before each, so every call prefills in full); reports per-iteration
@@ -14,18 +14,16 @@ they also report the acceptance of the measured part (the spec_decode_* keys ben
 
 from __future__ import annotations
 
-import logging
 import time
 from datetime import datetime
 from typing import Any
 
 import numpy as np
 
-from nvllm.bench.datasets import load_requests, plain_token_ids
+from nvllm.bench.datasets import load_requests, plain_token_ids, random_lengths
 from nvllm.bench.metrics import summarize
 from nvllm.config import EngineConfig
 
-logger = logging.getLogger("nvllm")
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)  # vLLM's latency benchmark
 
 
@@ -48,18 +46,19 @@ def run_throughput(config: EngineConfig, dataset: str = "random", dataset_path: 
     from nvllm.engine.llm_engine import load_tokenizer
     from nvllm.models.hub import resolve_model_path
 
-    # the dataset first, so that a bad file fails before the engine loads
-    requests = load_requests(dataset, load_tokenizer(resolve_model_path(config.tokenizer)), num_prompts,
-                             dataset_path, input_len, output_len, range_ratio, seed=config.seed)
+    # the dataset first, so that a bad file fails before the engine loads; prompts that do not fit the model are
+    # skipped while sampling, so that exactly num_prompts requests run
+    tokenizer = load_tokenizer(resolve_model_path(config.tokenizer))
+    limit = llm.engine.max_model_len if llm is not None else _model_len(config)
+
+    def sample(max_model_len):
+        return load_requests(dataset, tokenizer, num_prompts, dataset_path, input_len, output_len, range_ratio,
+                             seed=config.seed, max_model_len=max_model_len)
+
+    requests = sample(limit)
     llm = llm or LLM.from_config(config)
-    limit = llm.engine.max_model_len
-    fit = [r for r in requests if r.prompt_len + r.expected_output_len <= limit]
-    if not fit:
-        raise ValueError(f"no request fits max_model_len {limit} (prompt + output tokens)")
-    if len(fit) < len(requests):
-        logger.warning("%d of %d requests exceed max_model_len %d and are left out",
-                       len(requests) - len(fit), len(requests), limit)
-    requests = fit
+    if any(r.prompt_len + r.expected_output_len > llm.engine.max_model_len for r in requests):
+        requests = sample(llm.engine.max_model_len)  # the engine's limit is lower (its KV cache holds less)
     prompts = [r.prompt_token_ids or r.prompt for r in requests]
     params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=ignore_eos, max_tokens=r.expected_output_len)
               for r in requests]
@@ -71,8 +70,8 @@ def run_throughput(config: EngineConfig, dataset: str = "random", dataset_path: 
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {
-        **_header("throughput", llm), "dataset": dataset, "dataset_path": dataset_path,
-        "input_len": input_len, "output_len": output_len, "ignore_eos": ignore_eos,
+        **_header("throughput", llm), "dataset": dataset, "dataset_path": dataset_path, "num_prompts": num_prompts,
+        **_lengths(dataset, input_len, output_len, range_ratio), "seed": config.seed, "ignore_eos": ignore_eos,
         "elapsed_time": elapsed, "num_requests": len(outputs),
         "total_input_tokens": n_in, "total_output_tokens": n_out, "total_num_tokens": n_in + n_out,
         "requests_per_second": len(outputs) / elapsed, "tokens_per_second": (n_in + n_out) / elapsed,
@@ -80,6 +79,26 @@ def run_throughput(config: EngineConfig, dataset: str = "random", dataset_path: 
         **_spec_result(llm, spec_before),
         "kernel_report": report.snapshot(),
     }
+
+
+def _model_len(config: EngineConfig) -> int | None:
+    """The engine's max_model_len read from config.json before the engine loads; None where it cannot be read here
+    (a Hub id, a bad config: the engine says what is wrong)."""
+    from nvllm.eval.runner import model_len
+
+    try:
+        return model_len(config)
+    except (OSError, TypeError, ValueError, AttributeError):  # ConfigError is a ValueError
+        return None
+
+
+def _lengths(dataset: str, input_len: int | None, output_len: int | None, range_ratio: float) -> dict[str, Any]:
+    """The lengths the requests were drawn with, as a saved run reproduces them: the random dataset's defaults
+    filled in; a file's input lengths are its own (None), as its output lengths are without --output-len."""
+    if dataset == "random":
+        input_len, output_len = random_lengths(input_len, output_len)
+        return {"input_len": input_len, "output_len": output_len, "random_range_ratio": range_ratio}
+    return {"input_len": None, "output_len": output_len}
 
 
 def _spec_counters(llm):
@@ -157,7 +176,7 @@ def run_latency(config: EngineConfig, batch_size: int = 8, input_len: int = 32, 
     lat = np.asarray(latencies)
     result = {
         **_header("latency", llm), "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
-        "num_iters_warmup": num_iters_warmup, "num_iters": num_iters, "temperature": temperature,
+        "num_iters_warmup": num_iters_warmup, "num_iters": num_iters, "temperature": temperature, "seed": config.seed,
         "avg_latency": float(lat.mean()), "latencies": latencies,
         "percentiles": {str(p): float(np.percentile(lat, p)) for p in LATENCY_PERCENTILES},
     }
