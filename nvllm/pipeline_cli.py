@@ -88,6 +88,7 @@ def pipeline(
                            seed=engine_config.seed if _given(ctx, "seed") else None,
                            device=engine_config.device if _given(ctx, "device") else None,
                            max_shard_size=max_shard_size)
+        check_engine_flags(engine_config, cfg)
         out = out or f"{Path(engine_config.model).name}-{cfg.method}-w{cfg.bits}"
         spec = runner.EvalSpec(tasks.split(","), num_fewshot, limit, data_dir, max_gen_toks, max_length)
         bench = pipe.BenchSpec(batch_size, input_len, output_len, num_iters_warmup, num_iters, num_prompts)
@@ -98,6 +99,33 @@ def pipeline(
     console().print(f"report written to {' and '.join(result['report_files'])}", highlight=False)
     if not result["gate"]["passed"]:
         fail(f"regression gate failed: {', '.join(result['gate']['failed'])}", code=1)
+
+
+def check_engine_flags(engine_config: EngineConfig, cfg) -> None:
+    """Engine flags the pipeline cannot honour, refused before any work (EvalError, one line).
+
+    --quantization names how the quantized copy is served; the pipeline writes that copy, so the flag can only
+    repeat the format --method writes (the original runs as its checkpoint is, the gate's baseline and the speed
+    table's alike). --tokenizer: quantization calibrates with the model directory's own tokenizer and copies it
+    into the quantized copy, which the gate and the benchmarks then read; another one would reach some steps only."""
+    from nvllm.eval.runner import EvalError
+
+    q = engine_config.quantization
+    if q is not None and q != cfg.writes:
+        raise EvalError(f"--quantization {q} contradicts the quantized copy, which --method {cfg.method} writes as "
+                        f"{cfg.writes}: the pipeline serves that copy as written; drop --quantization"
+                        + (" (or give --method fp8)" if q == "fp8" else ""))
+    if not engine_config.tokenizer_follows_model and not _same_path(engine_config.tokenizer, engine_config.model):
+        raise EvalError(f"--tokenizer {engine_config.tokenizer}: the pipeline quantizes, gates and benchmarks with "
+                        f"the model's own tokenizer (`nvllm quantize` calibrates with it and copies it into the "
+                        f"quantized copy); put the tokenizer's files in {engine_config.model}, or drop --tokenizer")
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve() and Path(a).expanduser().is_dir()
+    except OSError:
+        return False
 
 
 def _given(ctx: typer.Context, flag: str) -> bool:

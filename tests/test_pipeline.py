@@ -1,0 +1,101 @@
+"""`nvllm pipeline`: engine flags it cannot honour are refused before any work, and the report's "original" is one
+configuration (the gate's baseline is the speed table's original). The end-to-end run and the other bad-input cases
+are in tests/test_eval.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from nvllm.assets import demo_model_path  # noqa: E402
+from nvllm.cli import app  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data" / "eval"
+SMALL = ["--device", "cpu", "--tasks", "wikitext", "--limit", "1", "--max-length", "128", "--data-dir", str(DATA),
+         "--batch-size", "2", "--input-len", "8", "--output-len", "4", "--num-iters-warmup", "0", "--num-iters", "1",
+         "--num-prompts", "2", "--no-progress"]
+RTN = ["--method", "rtn", "--group-size", "32", "--calib-samples", "2", "--calib-seqlen", "32"]
+QUICK = [*SMALL, *RTN]
+
+
+def invoke(*args):
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["pipeline", *args])
+    return r, " ".join(r.output.split())
+
+
+class Stop(Exception):
+    pass
+
+
+def reaches_quantization(*args) -> bool:
+    """Whether the pipeline's checks pass: it is stopped where it would start quantizing."""
+    from nvllm.eval import pipeline
+
+    def stop(*a, **kw):
+        raise pipeline.runner.EvalError("stopped before quantizing")
+
+    with mock.patch.object(pipeline, "quantize_step", stop):
+        r, said = invoke(*args)
+    assert r.exit_code == 2, said
+    return "stopped before quantizing" in said
+
+
+@pytest.mark.parametrize("method, q", [(RTN, "fp8"), (["--method", "awq", *RTN[2:]], "gptq"),
+                                       (["--method", "fp8"], "gptq")])
+def test_a_quantization_that_contradicts_the_method_is_refused_before_any_work(tmp_path, method, q):
+    """-q names how the quantized copy is served; the pipeline writes that copy, so a -q other than the format --method
+    writes contradicts it. It was refused only after the quantization and the baseline's evaluation, --out left."""
+    out = tmp_path / "q"
+    r, said = invoke(*SMALL, *method, "-q", q, "--out", str(out))
+    assert r.exit_code == 2 and f"--quantization {q} contradicts the quantized copy" in said, said
+    assert "Traceback" not in r.output and not out.exists() and "quantizing" not in said
+
+
+def test_a_quantization_naming_the_written_format_is_taken(tmp_path):
+    assert reaches_quantization(*QUICK, "-q", "gptq", "--out", str(tmp_path / "q"))  # rtn writes GPTQ v1
+    assert reaches_quantization(*SMALL, "--method", "fp8", "-q", "fp8", "--out", str(tmp_path / "q"))
+
+
+def test_a_tokenizer_other_than_the_models_is_refused_before_any_work(tmp_path):
+    """--tokenizer was accepted, then ignored by the quantization and the gate: a model directory without tokenizer
+    files failed with "no tokenizer in …" after the checks. It is refused up front, saying what to do."""
+    notok, tokdir = tmp_path / "notok", tmp_path / "tokdir"
+    notok.mkdir()
+    tokdir.mkdir()
+    demo = Path(demo_model_path())
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(demo / name, notok)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(demo / name, tokdir)
+    out = tmp_path / "q"
+    r, said = invoke(*QUICK, "--model", str(notok), "--tokenizer", str(tokdir), "--out", str(out))
+    assert r.exit_code == 2 and f"--tokenizer {tokdir}: the pipeline quantizes, gates and benchmarks with the " \
+        f"model's own tokenizer" in said and f"put the tokenizer's files in {notok}" in said, said
+    assert not out.exists() and "Traceback" not in r.output
+    # the model's own directory, however spelled, is its own tokenizer
+    assert reaches_quantization(*QUICK, "--tokenizer", f"{demo}/", "--out", str(tmp_path / "q"))
+
+
+def test_the_speed_tables_original_is_the_gates_baseline(tmp_path):
+    """With --kv-cache-dtype int8 the gate's baseline ran with the model's own cache and the speed table's original
+    with an int8 one: one "original", two configurations. Both are now the baseline (runner.baseline_config), and the
+    report says what the quantized rows ran with."""
+    out = tmp_path / "q"
+    r, said = invoke(*QUICK, "--kv-cache-dtype", "int8", "--max-drop-rel", "1000", "--out", str(out))
+    assert r.exit_code == 0, said
+    report = json.loads((tmp_path / "q-report.json").read_text())
+    gate = {m["label"]: m["kernel_report"]["kv_store"] for m in report["eval"]["models"]}
+    speed = {k: report["bench"][k]["latency"]["kernel_report"]["kv_store"] for k in ("original", "quantized")}
+    assert set(speed["original"]) == set(gate["baseline"]) == {"torch index_copy"}, (gate, speed)
+    assert set(speed["quantized"]) == set(gate["candidate"]) == {"torch quantize + index_copy"}
+    assert report["differing_settings"] == {"kv_cache_dtype": {"original": "auto", "quantized": "int8"}}
+    md = " ".join((tmp_path / "q-report.md").read_text().split())
+    assert "the quantized rows ran with kv_cache_dtype int8 (original: auto)" in md
