@@ -1,6 +1,5 @@
-"""`nvllm pipeline`: engine flags it cannot honour are refused before any work, and the report's "original" is one
-configuration (the gate's baseline is the speed table's original). The end-to-end run and the other bad-input cases
-are in tests/test_eval.py."""
+"""`nvllm pipeline`: quantize → gate → speed → report end to end; bad input and engine flags it cannot honour refused
+before any work; the report's "original" is one configuration (the gate's baseline is the speed table's original)."""
 
 from __future__ import annotations
 
@@ -99,3 +98,89 @@ def test_the_speed_tables_original_is_the_gates_baseline(tmp_path):
     assert report["differing_settings"] == {"kv_cache_dtype": {"original": "auto", "quantized": "int8"}}
     md = " ".join((tmp_path / "q-report.md").read_text().split())
     assert "the quantized rows ran with kv_cache_dtype int8 (original: auto)" in md
+
+
+def test_pipeline_quantizes_gates_benches_and_reports(tmp_path):
+    out = tmp_path / "q"
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, [
+        "pipeline", "--device", "cpu", "--method", "rtn", "--bits", "4", "--group-size", "32", "--calib-samples",
+        "2", "--calib-seqlen", "32", "--out", str(out), "--tasks", "wikitext", "--limit", "1", "--max-length", "128",
+        "--data-dir", str(DATA), "--max-drop-rel", "1000", "--batch-size", "2", "--input-len", "8", "--output-len",
+        "4", "--num-iters-warmup", "0", "--num-iters", "1", "--num-prompts", "2", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "q-report.json").read_text())
+    assert report["quantization"]["config"]["method"] == "rtn" and (out / "config.json").is_file()
+    assert report["gate"]["passed"] and report["gate"]["rows"][0]["metric"] == "token_perplexity"
+    assert report["eval"]["models"][1]["quantization_config"]["quant_method"] == "gptq"
+    quant_kernels = report["bench"]["quantized"]["latency"]["kernel_report"]
+    assert "quant_gemm" in quant_kernels and "quant_gemm" not in report["bench"]["original"]["latency"]["kernel_report"]
+    assert all(row["speedup"] > 0 for row in report["bench"]["rows"])
+    md = (tmp_path / "q-report.md").read_text()
+    for heading in ("## Quantization", "## Accuracy: regression gate passed", "## Speed", "## Kernel report"):
+        assert heading in md
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "wikitext", "--data-dir", str(DATA)], "choose a method"),
+    (["--method", "rtn", "--tasks", "/no/such/file.txt"], "perplexity file /no/such/file.txt does not exist"),
+    (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--num-iters", "0"],
+     "--num-iters must be at least 1"),
+    (["--method", "rtn", "--tasks", "gsm8k", "--data-dir", str(DATA / "mmlu")], "GSM8K not found"),
+    (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--max-drop", "inf"],
+     "--max-drop must be a finite number of at least 0, got inf"),
+    (["--method", "awq", "--quantize-lm-head", "--tasks", "wikitext", "--data-dir", str(DATA)],
+     "--quantize-lm-head applies to GPTQ and RTN only"),
+    (["--method", "rtn", "--group-size", "32", "--quantize-lm-head", "--tasks", "wikitext", "--data-dir", str(DATA)],
+     "the model ties its word embeddings"),
+    (["--method", "rtn", "--group-size", "32", "--tasks", "wikitext", "--data-dir", str(DATA), "--max-model-len",
+      "200"], "--input-len + --output-len = 256 exceeds max_model_len 200"),
+    (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--report", ""], "--report is empty"),
+])
+def test_pipeline_bad_input_fails_before_quantizing(tmp_path, args, message):
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["pipeline", "--device", "cpu", "--out", str(tmp_path / "q"),
+                                                       *args])
+    assert r.exit_code == 2 and message in " ".join(r.output.split()) and not (tmp_path / "q").exists()
+
+
+def test_pipeline_takes_the_recipes_seed_and_device_unless_given(tmp_path):
+    """A recipe's calibration seed and device hold unless --seed / --device are given (as in `nvllm quantize`)."""
+    from nvllm.eval import pipeline
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("method: rtn\ngroup_size: 32\ndevice: cuda:7\ncalibration: {dataset: calib, samples: 2, "
+                      "seqlen: 32, seed: 7}\n")
+    seen = []
+
+    def stop(model, out, cfg, *a, **kw):
+        seen.append((cfg.seed, cfg.device))
+        raise pipeline.runner.EvalError("stopped after the settings")
+
+    with mock.patch.object(pipeline, "quantize_step", stop):
+        for extra in ([], ["--seed", "3", "--device", "cpu"]):
+            r = CliRunner(env={"COLUMNS": "200"}).invoke(app, [
+                "pipeline", "--recipe", str(recipe), "--out", str(tmp_path / "q"), "--tasks", "wikitext",
+                "--data-dir", str(DATA), *(extra or ["--device", "cpu"])])
+            assert r.exit_code == 2 and "stopped after the settings" in r.output, r.output
+    assert seen == [(7, "cpu"), (3, "cpu")]
+
+
+def test_pipeline_markdown_shows_a_missing_delta_as_n_a():
+    """A NaN score's delta is null in the JSON: the Markdown says n/a (it raised a TypeError)."""
+    from nvllm.eval.pipeline import markdown
+
+    row = {"task": "wikitext", "metric": "token_perplexity", "n": 1, "baseline": 4.0, "candidate": None,
+           "delta": None, "delta_se": None, "failed": True}
+    report = {"model": "m", "date": "d", "engine": {"device": "cpu"}, "quantization": {"out_dir": "q"},
+              "gate": {"passed": False, "max_drop": 1.0, "max_drop_rel": None, "rows": [row]},
+              "bench": {"settings": {"batch_size": 1, "input_len": 4, "output_len": 2, "num_iters": 1,
+                                     "num_prompts": 1}, "rows": [], "quantized": {"latency": {}}}}
+    assert "| wikitext | token_perplexity | 1 | 4.00 | n/a | n/a | FAIL |" in markdown(report, [])
+
+
+def test_pipeline_report_that_cannot_be_written_fails_before_quantizing(tmp_path):
+    (tmp_path / "r.md").mkdir()
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, [
+        "pipeline", "--device", "cpu", "--method", "rtn", "--out", str(tmp_path / "q"), "--tasks", "wikitext",
+        "--data-dir", str(DATA), "--report", str(tmp_path / "r")])
+    assert r.exit_code == 2 and f"--report {tmp_path / 'r.md'} is a directory" in " ".join(r.output.split())
+    assert not (tmp_path / "q").exists()
