@@ -244,3 +244,29 @@ def test_a_reasoning_block_closed_by_a_token_read_late(demo_dir):
     out = outs[0].outputs[0]
     assert re.fullmatch(r"\s*Let me see\.</think>[0-9]{3}", out.text), out.text
     assert out.finish_reason == "stop"
+
+
+def test_a_step_that_raises_leaves_nothing_unfinished(engines):
+    """A step raising mid-generate (a device error) aborts the call's requests: no block stays taken, nothing counts
+    as unfinished (the step launched before it had no one left to read it for), and the next call runs as before."""
+    _, asyn = engines
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)  # no logprobs: every step deferred
+    want = _summary(asyn.generate(PROMPTS, params, use_tqdm=False))
+    engine, calls = asyn.engine, []
+    execute = engine.runner.execute
+
+    def failing(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 3:
+            raise RuntimeError("device error")
+        return execute(*args, **kwargs)
+
+    engine.runner.execute = failing
+    try:
+        with pytest.raises(RuntimeError, match="device error"):
+            asyn.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        engine.runner.execute = execute
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert _summary(asyn.generate(PROMPTS, params, use_tqdm=False)) == want

@@ -207,6 +207,8 @@ class LLMEngine:
             if not seq.finished:
                 seq.finish_reason = "abort"
                 self._finish(seq)
+        if self._inflight is not None and all(seq.finished for seq in self._inflight.pending.owners):
+            self._inflight = None  # no one left to read it for (a failed generate aborts all): nothing is unfinished
         return self._pop_output(request_id)
 
     def has_unfinished_requests(self) -> bool:
