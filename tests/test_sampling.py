@@ -202,7 +202,8 @@ def test_eos_min_tokens_and_ignore_eos(demo_dir):
     n = base.index(eos) + 1
     llm.engine.eos_token_ids = {eos}
     c = llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0]
-    assert c.finish_reason == "stop" and c.stop_reason is None and c.token_ids == base[:n]
+    # an end token besides the tokenizer's own (as generation_config.json lists them): its id, as vLLM reports it
+    assert c.finish_reason == "stop" and c.stop_reason == eos and c.token_ids == base[:n]
     assert c.text == llm.get_tokenizer().decode(base[:n - 1])  # EOS adds no text
     longer = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40, min_tokens=n + 3),
                           use_tqdm=False)[0].outputs[0]
@@ -219,6 +220,37 @@ def test_eos_min_tokens_and_ignore_eos(demo_dir):
                         use_tqdm=False)[0].outputs[0]
     assert len(late.token_ids) >= 5 and late.text.count(",") >= 1 and late.finish_reason in ("stop", "length")
     assert text.startswith(late.text)
+
+
+def test_end_tokens_stop_reasons_and_min_tokens_as_vllm(demo_dir):
+    """The demo model's generation_config.json ends on [2, 1], its tokenizer's EOS is 2: EOS stops with stop_reason
+    None, the other end token with its id (vLLM makes it a stop token id). While min_tokens is not reached every end
+    token is banned, with ignore_eos too (vLLM's min-tokens processor bans them either way)."""
+    llm = make_llm(demo_dir)
+    assert llm.get_tokenizer().eos_token_id == 2 and llm.engine.eos_token_ids == {1, 2}
+    for tok, reason in ((2, None), (1, 1)):
+        c = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=5, logit_bias={tok: 100}),
+                         use_tqdm=False)[0].outputs[0]
+        assert (c.token_ids, c.finish_reason, c.stop_reason) == ([tok], "stop", reason)
+    c = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=6, min_tokens=4, ignore_eos=True,
+                                                         logit_bias={1: 100, 2: 100}), use_tqdm=False)[0].outputs[0]
+    assert not {1, 2} & set(c.token_ids[:4]) and c.token_ids[4:] in ([1, 1], [2, 2]) and c.finish_reason == "length"
+
+
+def test_a_stop_string_may_begin_in_the_min_tokens_text(demo_dir):
+    """vLLM searches from min_tokens on for stops ending in the newer text, so one that begins in the first
+    min_tokens tokens' text and ends after it stops the sequence."""
+    llm = make_llm(demo_dir)
+    ids = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=30),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    k = next(k for k in range(3, 30) if len(tok_text(llm, ids[:k + 1])) - len(tok_text(llm, ids[:k])) >= 2)
+    boundary = len(tok_text(llm, ids[:k]))
+    text = tok_text(llm, ids[:k + 1])
+    stop = text[boundary - 2:boundary + 2]  # two characters on each side of the boundary
+    c = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=30, stop=[stop], min_tokens=k),
+                     use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop and len(c.token_ids) == k + 1
+    assert c.text == text[:text.index(stop, boundary - 2)]
 
 
 def tok_text(llm, ids: list[int]) -> str:

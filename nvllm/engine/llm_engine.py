@@ -27,7 +27,7 @@ from nvllm.engine.output_builder import OutputBuilder
 from nvllm.engine.scheduler import Scheduler
 from nvllm.engine.sequence import PrefilledSample, Sequence, Status
 from nvllm.engine.step_profile import StepProfile, step_kind
-from nvllm.engine.stop_checker import check_stop
+from nvllm.engine.stop_checker import check_stop, min_tokens_banned
 from nvllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nvllm.kernels import report
 from nvllm.models.hub import resolve_model_path
@@ -391,10 +391,10 @@ class LLMEngine:
                          None if seq.grammar_waits or seq.finished else seq.grammar, p.allowed_token_ids)
 
     def _banned(self, seq: Sequence) -> list[int]:
-        """EOS and the stop ids while min_tokens is not reached."""
+        """The end tokens and the stop ids while min_tokens is not reached."""
         if seq.num_output_tokens >= seq.params.min_tokens:
             return []
-        return sorted(set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids))
+        return min_tokens_banned(seq, self.eos_token_ids)
 
     def _append_token(self, seq: Sequence, tok: int, lp_info, now: float) -> None:
         """lp_info: the sampler's (logprob, rank, top-N), or a ready logprobs dict (a prefill worker's)."""
@@ -418,7 +418,7 @@ class LLMEngine:
         fits = seq.grammar is None or seq.grammar_waits or advance_grammar(seq.grammar, tok)
         if isinstance(seq.grammar, ThinkOrConstraint):  # the reply's first token: a reasoning block, or not
             seq.grammar_waits, seq.grammar = seq.grammar.opened, seq.grammar.inner
-        check_stop(seq, tok, length, self.eos_token_ids, self.max_model_len)
+        check_stop(seq, tok, length, self.eos_token_ids, self.max_model_len, self.tokenizer.eos_token_id)
         if seq.grammar_waits and self.reasoning.reasoning_ended(seq.text):
             seq.grammar_waits = False  # the constraint applies from the next token on
         if seq.finish_reason is None and not fits:  # the constraint is complete (or broken): nothing may follow

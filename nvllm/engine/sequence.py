@@ -42,7 +42,7 @@ class Sequence:
     order: int = 0  # its place in arrival order (the engine numbers requests as they come)
     # outputs
     text: str = ""
-    stop_floor: int = 0  # stop strings are looked for from here: the text of the first min_tokens tokens is not
+    stop_floor: int = 0  # a stop string must end after here: the text of the first min_tokens tokens is not
     logprobs: list[LogprobsDict] | None = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[LogprobsDict | None] | None = None

@@ -18,6 +18,7 @@ import torch
 
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.engine.sequence import Sequence
+from nvllm.engine.stop_checker import min_tokens_banned
 from nvllm.spec.adaptive import AdaptiveK
 from nvllm.spec.config import SpeculativeConfig
 from nvllm.spec.proposer import DraftModelProposer, Drafts, NgramProposer, Proposal
@@ -117,7 +118,7 @@ class SpecDecoder:
         rows = p.min_tokens - seq.num_output_tokens
         if rows <= 0:
             return 0, []
-        return rows, sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        return rows, min_tokens_banned(seq, self.eos_token_ids)
 
     def target_k(self, seq: Sequence) -> int:
         if self.adaptive is None:
