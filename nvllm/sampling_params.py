@@ -33,7 +33,7 @@ class StructuredOutputsParams:
     compiled: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        given = [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured outputs take exactly one of json, json_object, regex, choice or grammar"
                              + (f"; got {', '.join(given)}" if given else ""))
@@ -53,7 +53,7 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint: json, json_object, regex, choice or grammar."""
-        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+        return next(name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False))
 
     def content_key(self) -> tuple:
         """What the constraint says, to tell whether a grammar compiled earlier still is its grammar (a field
@@ -65,7 +65,7 @@ class StructuredOutputsParams:
                 self.json_object, self.disable_any_whitespace)
 
 
-_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # what StructuredOutputsParams constrains by
 
 
 @dataclass

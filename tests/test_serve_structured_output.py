@@ -1,6 +1,7 @@
-"""Structured outputs through the real server (asynchronous scheduling on, whitespace in JSON limited server-wide) and the official `openai` client: its
-``parse`` helper validates the reply against the pydantic model it sent as ``response_format``; vLLM's
-``structured_outputs`` and ``guided_*`` fields work on both endpoints, streamed too; bad constraints answer 400."""
+"""Structured outputs through the real server (asynchronous scheduling on, whitespace in JSON limited server-wide) and
+the official `openai` client: its ``parse`` helper validates the reply against the pydantic model it sent as
+``response_format``; vLLM's ``structured_outputs`` and ``guided_*`` fields work on both endpoints, streamed too; bad
+constraints answer 400."""
 
 from __future__ import annotations
 
@@ -92,3 +93,25 @@ def test_bad_constraints_answer_400(client, body, param, message):
             call()
         assert e.value.body["param"] == param and e.value.body["message"].startswith(message)
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices  # the server is still up
+
+
+def test_structured_outputs_options_go_with_another_fields_constraint(client):
+    """A structured_outputs object with options only (disable_any_whitespace) applies them to the constraint
+    response_format or a guided_* field gives, as vLLM fills its structured_outputs from response_format."""
+    from nvllm.serve.errors import APIError
+    from nvllm.serve.params import structured_outputs
+    from nvllm.serve.protocol import ChatCompletionRequest
+
+    schema = Pet.model_json_schema()
+    options = {"structured_outputs": {"disable_any_whitespace": True}}
+    for field in ({"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}},
+                  {"guided_json": schema}):
+        got = structured_outputs(ChatCompletionRequest(model=MODEL, messages=MESSAGES, **field, **options))
+        assert got.json == schema and got.disable_any_whitespace
+    got = structured_outputs(ChatCompletionRequest(model=MODEL, messages=MESSAGES, guided_regex="a+"))
+    assert got.regex == "a+" and not got.disable_any_whitespace
+    with pytest.raises(APIError, match="structured outputs take exactly one of"):
+        structured_outputs(ChatCompletionRequest(model=MODEL, messages=MESSAGES, **options))
+    r = client.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Pet, max_tokens=60,
+                                      temperature=0, extra_body=options)
+    assert isinstance(r.choices[0].message.parsed, Pet)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from nvllm.engine.async_engine import EngineRequest
 from nvllm.engine.generation_defaults import NEUTRAL, with_defaults
 from nvllm.outputs import CompletionOutput, RequestOutput
-from nvllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nvllm.sampling_params import CONSTRAINT_KINDS, SamplingParams, StructuredOutputsParams
 from nvllm.serve.errors import bad_request, from_value_error
 from nvllm.serve.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, UsageInfo
 
@@ -132,7 +132,10 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
         elif kind != "text":
             raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                               "response_format")
-    if req.structured_outputs is not None:
+    options = {}  # a structured_outputs object that gives no constraint, only options for another field's
+    if req.structured_outputs is not None and not set(req.structured_outputs) & set(CONSTRAINT_KINDS):
+        options = req.structured_outputs
+    elif req.structured_outputs is not None:
         try:
             given.append(("structured_outputs", SamplingParams(structured_outputs=req.structured_outputs)
                           .structured_outputs))
@@ -148,6 +151,12 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
                 raise bad_request(str(e), name) from None
     if len(given) > 1:
         raise bad_request(f"give one output constraint, not {' and '.join(name for name, _ in given)}", given[1][0])
+    if options:  # as vLLM fills the request's structured_outputs with response_format's schema
+        try:
+            constraint = {k: getattr(given[0][1], k) for k in CONSTRAINT_KINDS} if given else {}
+            return SamplingParams(structured_outputs={**constraint, **options}).structured_outputs
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e), "structured_outputs") from None
     return given[0][1] if given else None
 
 
