@@ -59,6 +59,14 @@ def test_generate_bad_input(args, message):
     assert "Traceback" not in r.stderr
 
 
+def test_a_prompt_over_the_tokenizers_length_gets_only_nvllms_error():
+    """transformers warns when a text encodes past the tokenizer's model_max_length (512 for the demo model, whatever
+    length is served): nvllm's own check is the one line a too-long prompt gets."""
+    r = nvllm("generate", "Once upon a time " * 300)
+    assert r.returncode == 2 and "prompt has 1202 tokens; max_model_len is 512" in r.stderr
+    assert "Token indices sequence length" not in r.stderr
+
+
 def test_generate_penalties():
     """--presence-penalty, --frequency-penalty, --repetition-penalty: what the LLM API gives for the same values."""
     from nvllm import SamplingParams

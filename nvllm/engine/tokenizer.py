@@ -14,12 +14,17 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:
         if os.path.isdir(path) and not any(_TOKENIZER_FILE.match(f) for f in os.listdir(path)):
             raise ConfigError(f"no tokenizer in {path} (no tokenizer.json, tokenizer_config.json, vocab or "
                               ".model file)") from e
         raise ConfigError(f"cannot load a tokenizer from {path}: {first_line(e)}") from e
+    # prompts are checked against the engine's max_model_len; transformers' warning that one exceeds the tokenizer's
+    # model_max_length (often not the length served) is marked as given, so that it never adds a misleading line
+    if isinstance(getattr(tokenizer, "deprecation_warnings", None), dict):
+        tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
