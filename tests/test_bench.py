@@ -426,6 +426,14 @@ def test_prompt_tokens_are_counted_with_the_models_tokenizer_or_a_warning(tmp_pa
         assert "prompt tokens are counted with the demo model's tokenizer; pass --tokenizer" in res.output, name
     with pytest.raises(ValueError, match="cannot load the tokenizer of --model org/not-cached"):
         _model_tokenizer("org/not-cached", True)  # --served-model-name: --model must name the tokenizer's model
+    # a Hub id fetches its tokenizer and config files, never the weights (one quick failure without the network,
+    # where loading the tokenizer by its id retried each file for about a minute)
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: asked.append(kw) or demo_dir)
+    assert _model_tokenizer("org/model", False).name_or_path == demo_dir
+    assert asked[0]["repo_id"] == "org/model" and "*.safetensors" not in asked[0]["allow_patterns"]
 
 
 def test_serve_chat_endpoint_counts_content_chunks(fake_server, tmp_path, tok):

@@ -115,10 +115,11 @@ def _model_tokenizer(model: str | None, names_model: bool):
     from nvllm.assets import demo_model_path
     from nvllm.engine.llm_engine import load_tokenizer
     from nvllm.logger import console
+    from nvllm.models.hub import resolve_model_path
 
     if model and (names_model or Path(model).is_dir() or "/" in model):
-        try:
-            return load_tokenizer(model)
+        try:  # a Hub id: its tokenizer files alone (one quick failure without the network, not per-file retries)
+            return load_tokenizer(resolve_model_path(model, weights=False))
         except Exception as e:  # noqa: BLE001 - no such directory or Hub id, or no network: the fallback below
             if names_model or Path(model).is_dir():
                 raise ValueError(f"cannot load the tokenizer of --model {model}: {e}") from None

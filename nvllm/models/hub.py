@@ -14,7 +14,9 @@ _PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jin
 _IGNORED = ["consolidated*"]    # Mistral's own format of the same weights, beside the Hugging Face files: not read
 
 
-def resolve_model_path(name: str, revision: str | None = None) -> str:
+def resolve_model_path(name: str, revision: str | None = None, weights: bool = True) -> str:
+    """``name`` as a local directory (downloaded first when it is a Hub id); ``weights`` False: the config and
+    tokenizer files alone (what a benchmark client counts tokens with)."""
     if os.path.isdir(name):
         return name
     if os.path.sep in name.strip("/") and name.count("/") != 1 or name.startswith(("/", ".", "~")):
@@ -22,8 +24,8 @@ def resolve_model_path(name: str, revision: str | None = None) -> str:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(repo_id=name, revision=revision, allow_patterns=_PATTERNS,
-                                 ignore_patterns=_IGNORED)
+        patterns = _PATTERNS if weights else [p for p in _PATTERNS if p != "*.safetensors"]
+        return snapshot_download(repo_id=name, revision=revision, allow_patterns=patterns, ignore_patterns=_IGNORED)
     except Exception as e:
         at = f" at revision {revision!r}" if revision else ""
         raise ConfigError(f"model directory not found, and {name!r}{at} could not be fetched from the "
