@@ -119,6 +119,26 @@ def test_streamed_calls_match_the_whole_reply(client):
         assert all(c["id"] for c in calls.values()) and finish == whole.finish_reason
 
 
+TWO_CALLS = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "days": [1-7]\}\}\n'
+             r'</tool_call>\n<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}\n</tool_call>')
+
+
+def test_the_clients_stream_helper_finishes_every_call(client):
+    """client.chat.completions.stream() fires tool_calls.function.arguments.done for each call: the calls come in a
+    chunk of their own and the finish after them (as OpenAI sends it), since the helper reads a chunk's
+    finish_reason before its calls."""
+    for kw, names in ((dict(extra_body={"guided_regex": TWO_CALLS}), ["get_weather", "get_time"]),
+                      (dict(tool_choice="required", parallel_tool_calls=False), None),
+                      (dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}), ["get_weather"])):
+        with client.chat.completions.stream(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=300,
+                                            temperature=0, **kw) as stream:
+            done = [e.name for e in stream if e.type == "tool_calls.function.arguments.done"]
+            final = stream.get_final_completion().choices[0]
+        assert done == [c.function.name for c in final.message.tool_calls] == (names or done) and done
+        assert final.finish_reason == ("stop" if "tool_choice" in kw and kw["tool_choice"] != "required"
+                                       else "tool_calls")
+
+
 def test_a_conversation_with_calls_and_results(client):
     messages = [*MESSAGES,
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {

@@ -174,6 +174,12 @@ class ChatHandler:
                     if delta is None and finish is None and lps is None:
                         continue  # held back: a tag's first characters, a tool call being written
                     delta = delta or DeltaMessage()
+                    if delta.tool_calls and finish is not None:  # the calls first, then the finish on its own (as
+                        # OpenAI sends it): the client's stream helper ends its current call when it sees the finish,
+                        # so calls in the finishing chunk never got their arguments.done event
+                        yield sse(self._chunk(request_id, req, [ChatChunkChoice(index=c.index, delta=delta,
+                                                                                logprobs=lps)]))
+                        delta, lps = DeltaMessage(), None
                     choice = ChatChunkChoice(index=c.index, delta=delta, logprobs=lps, finish_reason=finish,
                                              stop_reason=d.stop_reason)
                     chunk = self._chunk(request_id, req, [choice])
