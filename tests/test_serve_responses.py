@@ -99,7 +99,8 @@ def test_bad_input_is_a_clear_error(client):
                       (dict(input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), "input"),
                       (dict(input=[{"type": "function_call", "call_id": "c", "name": "f"}]), "input"),
                       (dict(input="x", text={"format": {"type": "json_schema", "name": "n"}}), "text"),
-                      (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input")):
+                      (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+                       "input")):
         kw.setdefault("max_output_tokens", 2)
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=MODEL, **kw)
@@ -112,52 +113,72 @@ def test_bad_input_is_a_clear_error(client):
         client.responses.retrieve(unstored.id)
 
 
-def test_streamed_reasoning_text_and_a_call_after_whitespace():
-    """The events of a reply the story model cannot write — thinking, then whitespace, then a hermes call — through
-    the real handler over a scripted engine stream: the reasoning item closes before the message opens, the message
-    holds exactly its deltas, the call follows, and nothing ends the stream but response.completed."""
-    import asyncio
-    from types import SimpleNamespace
-
+def scripted_handler():
+    """The real Responses handler (Qwen3's reasoning parser, hermes calls) over no engine: ``ScriptedStream``s feed
+    it what the story model cannot write."""
     from nvllm.assets import demo_model_path
     from nvllm.engine.tokenizer import load_tokenizer
     from nvllm.reasoning_parsers import get_reasoning_parser
     from nvllm.serve.chat import ChatHandler
     from nvllm.serve.models import ServedModels
     from nvllm.serve.prompts import PromptProcessor
-    from nvllm.serve.responses import ResponsesHandler, ResponsesRequest, response_events, to_chat
+    from nvllm.serve.responses import ResponsesHandler
     from nvllm.serve.tool_parsers import HermesToolParser
 
-    reply = '<think>Need it.</think>\n\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
     prompts = PromptProcessor(load_tokenizer(demo_model_path()), 512, 256)
     chat = ChatHandler(None, prompts, ServedModels(MODEL, "", 256), {}, HermesToolParser(),
                        get_reasoning_parser("qwen3"))
-    handler = ResponsesHandler(chat)
-    req = ResponsesRequest(model=MODEL, input="Weather?", tools=[WEATHER], stream=True)
+    return ResponsesHandler(chat)
 
-    class Stream:
-        def __init__(self):
-            self.cuts = list(range(3, len(reply), 7)) + [len(reply)]
 
-        def __aiter__(self):
-            return self
+class ScriptedStream:
+    """An engine's outputs for one reply, a few characters at a time; ``fail_after``: raise after that many."""
 
-        async def __anext__(self):
-            if not self.cuts:
-                raise StopAsyncIteration
-            end = self.cuts.pop(0)
-            done = not self.cuts
-            return SimpleNamespace(num_cached_tokens=0, outputs=[SimpleNamespace(
-                text=reply[:end], finish_reason="stop" if done else None, token_ids=list(range(end)))])
+    def __init__(self, reply: str, fail_after: int | None = None):
+        self.reply, self.fail_after = reply, fail_after
+        self.cuts = list(range(3, len(reply), 7)) + [len(reply)]
 
-        def close(self):
-            pass
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from types import SimpleNamespace
+
+        if not self.cuts:
+            raise StopAsyncIteration
+        if self.fail_after is not None and self.cuts[0] > self.fail_after:
+            raise RuntimeError("the engine failed")
+        end = self.cuts.pop(0)
+        done = not self.cuts
+        return SimpleNamespace(num_cached_tokens=0, outputs=[SimpleNamespace(
+            text=self.reply[:end], finish_reason="stop" if done else None, token_ids=list(range(end)))])
+
+    def close(self):
+        pass
+
+
+def scripted_events(handler, req, stream) -> list[dict]:
+    import asyncio
+
+    from nvllm.serve.response_events import response_events
+    from nvllm.serve.responses import to_chat
 
     async def run():
         ids = ("resp_x", to_chat(req, []), [])
-        return [chunk async for chunk in response_events(handler.events(req, ids, Stream(), [1, 2]))]
+        return [chunk async for chunk in response_events(handler.events(req, ids, stream, [1, 2]))]
 
-    events = [json.loads(c.split("data: ", 1)[1]) for c in asyncio.run(run())]
+    return [json.loads(c.split("data: ", 1)[1]) for c in asyncio.run(run())]
+
+
+def test_streamed_reasoning_text_and_a_call_after_whitespace():
+    """The events of a reply the story model cannot write — thinking, then whitespace, then a hermes call — through
+    the real handler over a scripted engine stream: the reasoning item closes before the message opens, the message
+    holds exactly its deltas, the call follows, and nothing ends the stream but response.completed."""
+    from nvllm.serve.responses import ResponsesRequest
+
+    reply = '<think>Need it.</think>\n\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    req = ResponsesRequest(model=MODEL, input="Weather?", tools=[WEATHER], stream=True)
+    events = scripted_events(scripted_handler(), req, ScriptedStream(reply))
     kinds = [e["type"] for e in events]
     assert kinds[-1] == "response.completed" and "error" not in kinds
     assert kinds.index("response.output_item.done") < kinds.index("response.output_text.delta")  # reasoning first
@@ -168,6 +189,57 @@ def test_streamed_reasoning_text_and_a_call_after_whitespace():
     assert all("logprobs" in e for e in events if e["type"] in ("response.output_text.delta",
                                                                  "response.output_text.done"))
     assert events[-1]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+
+
+def test_a_failure_mid_stream_ends_it_as_openai_does():
+    """An engine failure after some text: an ``error`` event, then ``response.failed`` with the response as it stood,
+    numbered on from the events before (the client's types validate both; its stream state ends on the second)."""
+    import pydantic
+    from openai.types.responses import ResponseStreamEvent
+
+    from nvllm.serve.responses import ResponsesRequest
+
+    req = ResponsesRequest(model=MODEL, input="hi", stream=True)
+    events = scripted_events(scripted_handler(), req, ScriptedStream("Once upon a time there was", fail_after=12))
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-2]["code"] == "server_error" and "the engine failed" in events[-2]["message"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["id"] == events[0]["response"]["id"]
+    assert failed["error"]["message"] == events[-2]["message"]
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    assert [type(adapter.validate_python(e)).__name__ for e in events[-2:]] == ["ResponseErrorEvent",
+                                                                              "ResponseFailedEvent"]
+
+
+def test_replayed_output_and_reasoning_make_one_assistant_turn():
+    """``input += response.output`` (OpenAI's function-calling guide): the reasoning, text and call items of one
+    response are one assistant turn, as vLLM merges them and as ``previous_response_id`` stores it; the reasoning
+    reaches the template as the chat endpoint gives it (reasoning_content)."""
+    import asyncio
+
+    from nvllm.serve.responses import ResponsesRequest, input_messages, to_chat
+
+    handler = scripted_handler()
+    reply = ('<think>Need the weather.</think>\n\nChecking.\n<tool_call>\n{"name": "get_weather", "arguments": '
+             '{"city": "Rome"}}\n</tool_call>')
+    req = ResponsesRequest(model=MODEL, input="Weather?", tools=[WEATHER])
+    chat_req = to_chat(req, [])
+    body = asyncio.run(handler.full(req, ("resp_a", chat_req, []), ScriptedStream(reply), [1, 2]))
+    assert [i["type"] for i in body["output"]] == ["reasoning", "message", "function_call"]
+    call = body["output"][2]
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "Sunny"}
+    replayed = input_messages(ResponsesRequest(model=MODEL, input=[{"role": "user", "content": "Weather?"},
+                                                                    *body["output"], result]))
+    assert [m["role"] for m in replayed] == ["user", "assistant", "tool"]
+    turn = replayed[1]
+    assert (turn["reasoning_content"], turn["content"]) == ("Need the weather.",
+                                                            body["output"][1]["content"][0]["text"])
+    assert [c["function"]["name"] for c in turn["tool_calls"]] == ["get_weather"]
+    stored = handler._history(ResponsesRequest(model=MODEL, input=[result], previous_response_id="resp_a"))
+    assert [(m["role"], m.get("reasoning_content")) for m in stored] == [("user", None),
+                                                                       ("assistant", "Need the weather.")]
+    assert stored[1]["content"] == turn["content"]
 
 
 def test_the_store_counts_the_memory_it_keeps_and_drops_the_oldest():

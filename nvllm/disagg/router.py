@@ -36,7 +36,7 @@ from nvllm.disagg.router_metrics import RouterMetrics
 from nvllm.disagg.worker_pool import Worker, WorkerPool
 from nvllm.serve.errors import APIError
 from nvllm.serve.http import SSE_DONE, ClientGone, check_api_key, json_object, read_body, sse, until_disconnect
-from nvllm.serve.responses import error_event
+from nvllm.serve.response_events import EventTrack
 
 logger = logging.getLogger("nvllm")
 # The events that end a Responses stream (it has no [DONE]).
@@ -231,7 +231,7 @@ class Router:
                      responses: bool = False):
         """The worker's SSE events, whole; a stream cut short ends with an error event and [DONE] (a Responses
         stream, which has no [DONE], with its own error event)."""
-        done, error, event, start, watch = False, None, [], t0, responses
+        done, error, event, start, watch, track = False, None, [], t0, responses, EventTrack()
         last = _RESPONSES_LAST if responses else ("data: [DONE]",)
         try:
             async for line in upstream.aiter_lines():
@@ -248,6 +248,7 @@ class Router:
                 if t0:
                     self.metrics.ttft.observe(time.perf_counter() - t0)
                     t0 = 0.0
+                track.note(text)
                 yield text
         except httpx.HTTPError as e:
             error = e
@@ -265,7 +266,8 @@ class Router:
         why = _describe(error) if error is not None else "the stream ended early"
         message = f"the {worker.role} worker failed mid-stream: {why}"
         if responses:
-            yield error_event("worker_failed", message, None)
+            for text in track.failure("worker_failed", message, None):
+                yield text
             return
         yield sse({"error": {"message": message, "type": "server_error", "param": None, "code": "worker_failed"}})
         yield SSE_DONE

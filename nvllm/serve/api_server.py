@@ -25,7 +25,8 @@ from nvllm.engine.generation_defaults import announce
 from nvllm.lora.request import LoRARequest
 from nvllm.serve.chat import ChatHandler
 from nvllm.serve.models import ServedModels, lora_routes
-from nvllm.serve.responses import ResponsesHandler, ResponsesRequest, response_events
+from nvllm.serve.response_events import response_events
+from nvllm.serve.responses import ResponsesHandler, ResponsesRequest
 from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.serve.tool_parsers import TOOL_PARSERS, get_tool_parser
 from nvllm.serve.completions import CompletionHandler

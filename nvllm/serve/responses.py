@@ -123,8 +123,13 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise bad_request(f"unknown input role {role!r}", "input")
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(item.get("content"))})
+            content = _text_of(item.get("content"))
+            last = messages[-1] if messages else {}
+            if role == "assistant" and last.get("role") == "assistant" and last.get("content") is None \
+                    and "tool_calls" not in last:  # the text of the turn a reasoning item began
+                last["content"] = content
+            else:
+                messages.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) and item[k] for k in ("call_id", "name")) \
                     or not isinstance(item.get("arguments"), str):
@@ -132,8 +137,9 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
                                   "input")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
-                messages[-1]["tool_calls"].append(call)
+            if messages and messages[-1]["role"] == "assistant":  # one turn: its reasoning, text and calls (an
+                # earlier response's output replayed as input), as vLLM merges them
+                messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -141,8 +147,12 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             if output is None or not item.get("call_id"):
                 raise bad_request("a function_call_output item needs its call_id and output", "input")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(output)})
-        elif kind == "reasoning":
-            continue  # earlier thinking is not fed back, as the chat templates drop it
+        elif kind == "reasoning":  # the thinking that began an assistant turn: templates that keep it (Qwen3's,
+            # in a tool loop) see it as the chat endpoint gives it, reasoning_content
+            parts = [p for p in item.get("content") or item.get("summary") or [] if isinstance(p, dict)]
+            text = "".join(p.get("text") or "" for p in parts)
+            if text:
+                messages.append({"role": "assistant", "content": None, "reasoning_content": text})
         else:
             raise bad_request(f"input items of type {kind!r} are not supported", "input")
     if not messages:
@@ -278,6 +288,8 @@ class ResponsesHandler:
         reply = {"role": "assistant", "content": "".join([message.content or "", *cut]) or None}
         if calls:
             reply["tool_calls"] = [c.model_dump() for c in calls]
+        if message.reasoning_content:  # for templates that keep the thinking of a tool loop's turns
+            reply["reasoning_content"] = message.reasoning_content
         self.store.put(response_id, turns + [reply], body)
 
     async def full(self, req: ResponsesRequest, ids, stream, prompt_ids) -> dict:
@@ -388,19 +400,3 @@ class ResponsesHandler:
     @staticmethod
     def _msg_index(reasoning_id: str | None) -> int:
         return 0 if reasoning_id is None else 1
-
-
-async def response_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Frame the Responses events: no ``[DONE]`` after them (OpenAI's and vLLM's streams end with the last event),
-    and a failure mid-stream as an ``error`` event."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except APIError as e:
-        yield error_event(e.code, e.message, e.param)
-    except Exception as e:  # noqa: BLE001 - the status line is long gone; report inside the stream
-        yield error_event("server_error", f"{type(e).__name__}: {e}", None)
-
-
-def error_event(code: str | None, message: str, param: str | None) -> str:
-    return f"event: error\ndata: {json.dumps({'type': 'error', 'code': code, 'message': message, 'param': param})}\n\n"
