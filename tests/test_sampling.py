@@ -253,6 +253,21 @@ def test_a_stop_string_may_begin_in_the_min_tokens_text(demo_dir):
     assert c.text == text[:text.index(stop, boundary - 2)]
 
 
+def test_a_stop_string_in_the_first_characters_of_the_output(demo_dir):
+    """A stop string ending within the first tokens' text, whatever the text before it (there may be none): the
+    search never starts before the text's beginning."""
+    from nvllm.engine.stop_checker import find_stop
+
+    assert find_stop(" time", 5, [" time"]) == (0, " time") and find_stop("\n\n", 2, ["\n\n"]) == (0, "\n\n")
+    assert find_stop(", there", 6, [" there"]) == (1, " there")
+    llm = make_llm(demo_dir)
+    full = llm.generate(["Once upon a"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    for stop in (full.text[:3], full.text[1:6], full.text[:8]):
+        out = llm.generate(["Once upon a"], SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
+                           use_tqdm=False)[0].outputs[0]
+        assert (out.finish_reason, out.stop_reason) == ("stop", stop) and out.text == full.text[:full.text.index(stop)]
+
+
 def tok_text(llm, ids: list[int]) -> str:
     return llm.get_tokenizer().decode(ids)
 

@@ -54,7 +54,7 @@ def find_stop(text: str, new_len: int, stops: list[str], floor: int = 0) -> tupl
     begin in the min_tokens tokens' text, not end there): (start index, the string)."""
     best = None
     for s in stops:
-        start = max(floor - len(s) + 1, len(text) - new_len - len(s) + 1)
+        start = max(0, floor - len(s) + 1, len(text) - new_len - len(s) + 1)  # (a negative start counts from the end)
         i = text.find(s, start)
         if i != -1 and (best is None or i < best[0]):
             best = (i, s)
