@@ -67,7 +67,7 @@ def serve(
                                                        "(or --model)", show_default=False)] = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
-    api_key: Annotated[Optional[str], typer.Option(envvar="NVLLM_API_KEY",
+    api_key: Annotated[Optional[str], typer.Option(envvar=["NVLLM_API_KEY", "VLLM_API_KEY"],
                                                    help="require 'Authorization: Bearer KEY' (401 without it)")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="model name clients send (default: --model)")] = None,
     chat_template: Annotated[Optional[str], typer.Option(
@@ -148,8 +148,8 @@ def router(
     mixed: Annotated[Optional[str], typer.Option(help="or: mixed replicas (plain `nvllm serve`) to balance")] = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
-    api_key: Annotated[Optional[str], typer.Option(envvar="NVLLM_API_KEY", help="required of clients; "
-                                                   "passed on to the workers")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar=["NVLLM_API_KEY", "VLLM_API_KEY"],
+                                                   help="required of clients; passed on to the workers")] = None,
     max_request_bytes: Annotated[int, typer.Option(help="larger request bodies get 413")] = 16 * 1024 * 1024,
     poll_interval: Annotated[float, typer.Option(help="seconds between worker health/load polls")] = 1.0,
     log_interval: Annotated[float, typer.Option(help="seconds between router log lines (0: off)")] = 10.0,

@@ -210,3 +210,22 @@ def test_a_prompt_that_tokenizes_to_nothing_is_refused(tmp_path):
     with pytest.raises(ValueError, match="the prompt 'Hello' tokenizes to no tokens"):
         llm.generate("Hello", GREEDY, use_tqdm=False)
     assert llm.generate("a b", GREEDY, use_tqdm=False)[0].prompt_token_ids == [0, 1]
+
+
+def test_the_api_key_from_vllms_environment_variable(tmp_path, monkeypatch):
+    """VLLM_API_KEY (vLLM's) guards the server as NVLLM_API_KEY and --api-key do: a deployment moved over from vLLM
+    keeps its key (it served without one)."""
+    import httpx
+
+    from tests.server_utils import start_server, stop_server
+
+    monkeypatch.delenv("NVLLM_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    proc, base = start_server(["--device", "cpu", "--log-stats-interval", "0"], tmp_path / "serve.log")
+    try:
+        body = {"model": "stories260K", "prompt": "Once", "max_tokens": 1}
+        assert httpx.post(f"{base}/v1/completions", json=body).status_code == 401
+        assert httpx.post(f"{base}/v1/completions", json=body,
+                          headers={"Authorization": "Bearer secret"}).status_code == 200
+    finally:
+        stop_server(proc)
