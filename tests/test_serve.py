@@ -524,11 +524,22 @@ BAD_REQUESTS = [
      b'{"prompt": "hi", "use_beam_search": true, "n": 2, "length_penalty": NaN}', None, 400),
     ("Responses text.format not an object", "/v1/responses", {"input": "hi", "text": {"format": "json"}}, None,
      400),
+    ("a chat template in the request", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages[0].content }}"}, None, 400),
     ("tool parameters with a $defs not an object", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": 5}}}]},
      None, 400),
 ]
+
+
+def test_fields_the_server_lacks_are_named_in_its_log(http):
+    """A request field this server does not use is ignored, as vLLM ignores it, and named in a warning (vLLM logs
+    them too): a client relying on one learns it from the log."""
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "vllm_xargs": {"a": 1},
+                                           "zz_unknown_field": True})
+    assert r.status_code == 200
+    assert "the request's fields vllm_xargs, zz_unknown_field are not used by this server" in LOG["path"].read_text()
 
 
 def test_a_bad_sampling_field_is_named_as_the_error_param(http):

@@ -83,6 +83,10 @@ class ChatHandler:
         prompt. ``beam``: for ``beam`` (a worker of a disaggregated deployment refuses use_beam_search)."""
         if req.use_beam_search and not beam:
             raise bad_request("use_beam_search is not supported by disaggregated workers", "use_beam_search")
+        if req.chat_template is not None:
+            raise bad_request("a chat_template in the request is not accepted: this server renders every chat with "
+                              "its own template (--chat-template), as vLLM does unless told to trust requests' ones",
+                              "chat_template")
         plan = plan_tools(req, self.tool_parser)
         self.prompts.check_ids(req.stop_token_ids or [], "stop_token_ids")
         num_top = self._num_top(req)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +22,8 @@ M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the JSON escape of a UTF-16 surrogate, D800-DFFF
+
+logger = logging.getLogger("nvllm")
 
 
 def probe_routes(app, health) -> None:
@@ -68,8 +71,15 @@ async def parse_body(request: Request, schema: type[M], limit: int) -> M:
 
 
 def parse_json(body: bytes, schema: type[M]) -> M:
-    """A JSON object body → the schema; 400 naming what is wrong."""
-    return parse_model(json_object(body), schema)
+    """A JSON object body → the schema; 400 naming what is wrong. Fields the schema does not know are ignored, with
+    a warning naming them (as vLLM logs them): a client's field this server lacks never passes unnoticed."""
+    data = json_object(body)
+    model = parse_model(data, schema)
+    known = set(schema.model_fields) | {f.alias for f in schema.model_fields.values() if f.alias}
+    ignored = sorted(set(data) - known)
+    if ignored:
+        logger.warning("the request's fields %s are not used by this server and were ignored", ", ".join(ignored))
+    return model
 
 
 def json_object(body: bytes) -> dict:

@@ -168,6 +168,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's per-request template: refused, as vLLM refuses an untrusted one
     # vLLM's: the reply's content starts with the last message's when that is the assistant's (continuing it)
     echo: bool = False
     # vLLM's: special tokens added to the rendered conversation by the tokenizer (None: only where no chat
