@@ -143,6 +143,13 @@ def test_serve_takes_the_model_as_its_argument(tmp_path):
     assert r.returncode == 2 and "unknown --chat-template-content-format 'html'" in r.stderr
     r = _serve("--chat-template", "missing.jinja")
     assert r.returncode == 2 and "chat template file missing.jinja does not exist" in r.stderr
+    r = _serve("--uvicorn-log-level", "bogus")  # refused before the model loads (uvicorn raised once serving)
+    assert r.returncode == 2 and "--uvicorn-log-level must be one of critical" in r.stderr
+    from nvllm.disagg.router_config import RouterConfig
+
+    with pytest.raises(ConfigError, match="--uvicorn-log-level must be one of"):
+        RouterConfig(["http://a:1"], ["http://b:2"], log_level="bogus")
+    assert RouterConfig(["http://a:1"], ["http://b:2"], log_level="WARNING").log_level == "warning"
     r = _serve("--help")
     assert "[MODEL]" in r.stdout and "-tp" in r.stdout and "--trust-remote-code" in r.stdout
     assert "--disable-log-stats" in r.stdout

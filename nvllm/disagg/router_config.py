@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from nvllm.config import ConfigError
-from nvllm.serve.http_options import HTTPOptions
+from nvllm.serve.http_options import HTTPOptions, checked_log_level
 
 
 def parse_urls(text: str | None, flag: str) -> list[str]:
@@ -54,6 +54,7 @@ class RouterConfig:
             raise ConfigError("a worker URL is listed twice")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        self.log_level = checked_log_level(self.log_level)
         if not (self.poll_interval > 0 and math.isfinite(self.poll_interval)):
             raise ConfigError(f"--poll-interval must be a positive number of seconds, got {self.poll_interval}")
         if not (self.log_interval >= 0 and math.isfinite(self.log_interval)):

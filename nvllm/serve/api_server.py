@@ -33,7 +33,7 @@ from nvllm.serve.completions import CompletionHandler
 from nvllm.serve.errors import APIError, from_value_error, install_error_handlers
 from nvllm.serve.http import (ClientGone, EventStreamResponse, check_api_key, parse_body, probe_routes,
                               until_disconnect)
-from nvllm.serve.http_options import HTTPOptions
+from nvllm.serve.http_options import HTTPOptions, checked_log_level
 from nvllm.serve.metrics import ServerMetrics
 from nvllm.serve.params import logprobs_limit
 from nvllm.serve.prompts import PromptProcessor
@@ -71,6 +71,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        self.log_level = checked_log_level(self.log_level)
         if self.max_request_bytes < 1:
             raise ConfigError("max_request_bytes must be at least 1")
         if self.api_key is not None and not self.api_key:

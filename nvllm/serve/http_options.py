@@ -149,3 +149,12 @@ def _no_pass_phrase() -> bytes:
 
 # Decorator: HTTP_OPTIONS among a command's flags; the command receives ``http_options: HTTPOptions``.
 http_options = option_group(HTTP_OPTIONS, HTTPOptions, "http_options")
+
+
+def checked_log_level(value: str) -> str:
+    """--uvicorn-log-level, checked before the model loads (uvicorn raised a KeyError once the server started)."""
+    from uvicorn.config import LOG_LEVELS
+
+    if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
+        raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return value.lower()
