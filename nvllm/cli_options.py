@@ -109,7 +109,8 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "max_lora_rank": _opt(64, int, "largest LoRA rank accepted"),
     "max_cpu_loras": _opt(None, Optional[int], "LoRA adapters kept in host memory (default: --max-loras)"),
     "speculative": _opt(None, Optional[str], "speculative decoding: k=4,draft=DIR | k=3,method=ngram | "
-                        "k=auto,draft=DIR | JSON {\"draft_model\": DIR, \"num_speculative_tokens\": 4}"),
+                        "k=auto,draft=DIR | JSON {\"model\": DIR, \"num_speculative_tokens\": 4} (also as "
+                        "vLLM's --speculative-config)", "--speculative", "--speculative-config"),
 }
 
 

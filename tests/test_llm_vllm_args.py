@@ -4,6 +4,7 @@ mapped names, a checked quantization method), SamplingParams.clone, llm.llm_engi
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -236,3 +237,11 @@ def test_the_api_key_from_vllms_environment_variable(tmp_path, monkeypatch):
                           headers={"Authorization": "Bearer secret"}).status_code == 200
     finally:
         stop_server(proc)
+
+
+def test_speculative_config_as_vllms_flag():
+    """vLLM's --speculative-config JSON works as nvllm's --speculative (the same option)."""
+    r = subprocess.run([sys.executable, "-m", "nvllm.cli", "generate", "--speculative-config",
+                        '{"method": "ngram", "num_speculative_tokens": 3}', "--max-tokens", "8", "Once"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0 and "speculative decoding: k=3, n-gram lookup" in r.stderr, r.stderr[-2000:]
