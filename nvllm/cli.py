@@ -190,6 +190,10 @@ def eval_command(
                                                         "else 256)")] = None,
     max_length: Annotated[Optional[int], typer.Option(help="scoring window in tokens (default: "
                                                       "max_model_len - 2)")] = None,
+    apply_chat_template: Annotated[bool, typer.Option(help="task prompts through the tokenizer's chat template "
+                                                      "(lm-eval's --apply_chat_template; the baseline's too)")] = False,
+    fewshot_as_multiturn: Annotated[Optional[bool], typer.Option(help="few-shot examples as chat turns (default: "
+                                                                 "with --apply-chat-template)")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="baseline model directory: evaluate both on identical samples "
                                                     "and gate; it loads as its checkpoint is (--quantization, "
                                                     "--kv-cache-dtype, --hf-overrides, --speculative, --revision "
@@ -223,7 +227,8 @@ def eval_command(
     try:
         if output_json is not None:
             check_output_file(output_json, "--output-json")
-        spec = runner.EvalSpec(tasks.split(","), num_fewshot, limit, data_dir, max_gen_toks, max_length)
+        spec = runner.EvalSpec(tasks.split(","), num_fewshot, limit, data_dir, max_gen_toks, max_length,
+                               apply_chat_template, fewshot_as_multiturn)
         results, rows, notes = runner.run_eval(engine_config, spec, baseline, max_drop, max_drop_rel, progress,
                                                lora)
     except (runner.EvalError, *USER_ERRORS) as e:

@@ -291,13 +291,16 @@ def test_gate_fails_on_a_2bit_copy(rtn2_model, tmp_path):
     assert "perplexity: lower is better; ± standard error" in said and "accuracy in %" not in said
 
 
-def test_gate_fails_on_a_nan_model_and_writes_valid_json(tmp_path):
-    """A candidate whose scores are not numbers (a NaN in its weights) fails the gate instead of passing as
-    "ok" (NaN > limit is false), and its results file is still valid JSON (null for the NaN)."""
-    broken = tmp_path / "nan"
+@pytest.mark.parametrize("broken_by", ["nan", "huge logits"])
+def test_gate_fails_on_a_nan_model_and_writes_valid_json(tmp_path, broken_by):
+    """A candidate whose scores are not numbers (a NaN in its weights), or beyond float range (huge but finite logits:
+    a perplexity past what math.exp takes, inf), fails the gate instead of passing as "ok" (NaN > limit is false) or
+    crashing, and its results file is still valid JSON (null for the NaN or inf)."""
+    broken = tmp_path / "broken"
     shutil.copytree(demo_model_path(), broken)
     sd = load_file(broken / "model.safetensors")
-    sd["model.norm.weight"] = torch.full_like(sd["model.norm.weight"], float("nan"))
+    norm = sd["model.norm.weight"]
+    sd["model.norm.weight"] = torch.full_like(norm, float("nan")) if broken_by == "nan" else norm * 1000
     save_file(sd, broken / "model.safetensors")
     report = tmp_path / "eval.json"
     r = cli("--model", str(broken), "--baseline", demo_model_path(), "--tasks", "wikitext", "--limit", "1",
@@ -306,6 +309,12 @@ def test_gate_fails_on_a_nan_model_and_writes_valid_json(tmp_path):
     assert "regression gate failed: wikitext" in " ".join(r.output.split())
     data = json.loads(report.read_text())
     assert not data["gate"]["passed"] and data["models"][1]["tasks"]["wikitext"]["metrics"]["token_perplexity"] is None
+
+
+def test_perplexity_beyond_float_range_is_inf():
+    m = perplexity.perplexity_metrics([-1e6], [100], [20], [400])
+    assert m["token_perplexity"] == m["word_perplexity"] == m["byte_perplexity"] == math.inf
+    assert m["bits_per_byte"] == pytest.approx(1e6 / 400 / math.log(2))
 
 
 def test_gate_scores_both_models_in_one_window(tmp_path):

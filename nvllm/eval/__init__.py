@@ -4,6 +4,8 @@ regression gate between a model and its baseline. Needs the `eval` extra (`pip i
 - `lm_eval_model.NvllmLM`: the lm-eval backend (`--model nvllm`)
 - `tasks`: local copies of lm-eval's gsm8k / mmlu task configs reading the published files
 - `perplexity`: WikiText-2 / C4 / any text file
+- `datafiles`: reading the local data files (JSON lines or a JSON array), errors naming file and line
 - `regression`: baseline vs candidate on identical samples
+- `harness_results`: lm-eval's results as `nvllm eval` keeps a task
 - `runner`: what `nvllm eval` runs
 """

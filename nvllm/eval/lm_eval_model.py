@@ -15,6 +15,8 @@ One limit of the engine shows here: a request must leave room for one generated 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,15 +26,27 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from nvllm.config import EngineConfig
 from nvllm.lora.request import LoRARequest
 from nvllm.sampling_params import SamplingParams
 
+logger = logging.getLogger("nvllm")
 Window = tuple[list[int], list[int]]  # (context tokens, continuation tokens to score)
-_ENGINE_KEYS = {"tokenizer", "dtype", "seed", "load_format", "allow_pickle", "max_model_len", "block_size",
-                "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
-                "max_num_batched_tokens", "enable_prefix_caching", "enforce_eager", "log_stats_interval",
-                "tensor_parallel_size", "max_lora_rank"}
-_SAMPLING_KEYS = {"top_p", "top_k", "min_p", "seed"}
+# every EngineConfig field, and what LLM(...) takes besides (vLLM's names); model and device are arguments of their own
+_ENGINE_KEYS = ({f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device"}) | \
+    {"speculative_config", "swap_space", "task"}
+# generation kwargs passed on to SamplingParams as vLLM's backend passes them; the backend sets these itself
+_SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} - {"max_tokens", "stop", "temperature"}
+
+
+def chat_template_of(tokenizer, name: str) -> str | dict[str, str]:
+    """The tokenizer's chat template, through nvllm's loader; a ValueError where it has none, as the hf backend
+    (transformers) fails then: nvllm's plain fallback template would make prompts no reference backend scores."""
+    from nvllm.chat_template import load_chat_template
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {name} has no chat template to apply")
+    return load_chat_template(tokenizer, None)[0]
 
 
 @register_model("nvllm")
@@ -40,7 +54,8 @@ class NvllmLM(TemplateLM):
     """lm-eval model backed by nvllm's engine.
 
     `model` (alias `pretrained`) is an HF model directory (default: the demo model); every EngineConfig field
-    (dtype, max_model_len, kv_cache_memory, ...) may be given too, or a ready `llm`. lm-eval's `batch_size` is
+    (dtype, max_model_len, kv_cache_dtype, quantization, revision, ...) and what `LLM(...)` takes besides
+    (speculative_config, swap_space, task) may be given too, or a ready `llm`. lm-eval's `batch_size` is
     accepted and ignored: the engine batches continuously (bounded by max_num_seqs / max_num_batched_tokens);
     `requests_per_call` only sets how many requests go to the engine at once (memory and progress).
     `lora_local_path` (vLLM's backend's name for it): a PEFT LoRA adapter every request runs with.
@@ -84,6 +99,8 @@ class NvllmLM(TemplateLM):
         self.progress_prefix = ""
         self.truncated = 0  # requests that lost tokens on the left to fit max_length
         self._device = llm.config.device
+        self._chat_template: str | dict[str, str] | None = None  # the tokenizer's, loaded by the first chat prompt
+        self._unused_gen_kwargs: set[str] = set()  # generation kwargs already warned about
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "NvllmLM":
@@ -143,6 +160,31 @@ class NvllmLM(TemplateLM):
 
     def tok_decode(self, tokens: list[int] | int, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    # ---- chat templates (lm-eval's --apply_chat_template) -------------------------------------------------
+    def require_chat_template(self) -> str | dict[str, str]:
+        """The template apply_chat_template renders with (``chat_template_of``), loaded once."""
+        if self._chat_template is None:
+            self._chat_template = chat_template_of(self.tokenizer, self.llm.config.tokenizer or self.llm.config.model)
+        return self._chat_template
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text of lm-eval's chat history, rendered as the hf backend renders it (the tokenizer's
+        template, each content one string, add_generation_prompt or else continue_final_message; a template that
+        refuses a system turn gets the history without it)."""
+        from nvllm.chat_template import ChatTemplateError, render_chat
+
+        def render(messages: list[dict[str, str]]) -> str:
+            return render_chat(self.tokenizer, self.require_chat_template(), messages, add_generation_prompt,
+                               not add_generation_prompt, content_format="string")
+
+        try:
+            return render(chat_history)
+        except ChatTemplateError:
+            if not any(m.get("role") == "system" for m in chat_history):
+                raise
+            logger.warning("the chat template failed on the chat history; applying it without the system turn")
+            return render([m for m in chat_history if m.get("role") != "system"])
 
     def get_model_info(self) -> dict:
         return {"model_backend": "nvllm", "model_path": self.llm.config.model, "max_length": self.max_length}
@@ -226,14 +268,11 @@ class NvllmLM(TemplateLM):
             if max_ctx <= 0:
                 raise ValueError(f"max_gen_toks {max_gen} leaves no room for the prompt in max_length "
                                  f"{self.max_length}")
-            sample = bool(kwargs.pop("do_sample", False))
-            extra = {k: kwargs[k] for k in _SAMPLING_KEYS if k in kwargs and sample}
             ids = self.tok_encode(context) or [self.prefix_token_id]
             self.truncated += len(ids) > max_ctx
             ids = ids[-max_ctx:]
             prompts.append(ids)
-            params.append(SamplingParams(temperature=float(kwargs.get("temperature", 0.0)) if sample else 0.0,
-                                         max_tokens=max_gen, stop=[u for u in until if u], **extra))
+            params.append(self.sampling_params(kwargs, max_gen, until))
             stops.append(until)
         texts: list[str] = []
         with self._track("generate_until", len(prompts), disable_tqdm) as advance:
@@ -243,12 +282,24 @@ class NvllmLM(TemplateLM):
                                          lora_request=self.lora_request)
                 for out in outs:
                     # decode the generated ids and cut at the first stop string, as the hf backend does
-                    text = self.tok_decode(out.outputs[0].token_ids)
+                    text = self.tok_decode(out.outputs[0].token_ids, params[len(texts)].skip_special_tokens)
                     texts.append(postprocess_generated_text(text, stops[len(texts)], None))
                 advance(len(outs))
         for req, text in zip(requests, texts):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return texts
+
+    def sampling_params(self, kwargs: dict[str, Any], max_gen: int, until: list[str]) -> SamplingParams:
+        """A request's SamplingParams: greedy unless do_sample (then the kwargs' temperature), every other kwarg that
+        is a SamplingParams field passed on as vLLM's backend passes it (repetition_penalty, top_p, seed, ...); the
+        others (HF-only ones such as num_beams) are ignored, with one warning naming them."""
+        sample, temperature = bool(kwargs.pop("do_sample", False)), float(kwargs.pop("temperature", 0.0))
+        unused = sorted(set(kwargs) - _SAMPLING_KEYS - self._unused_gen_kwargs)
+        if unused:
+            self._unused_gen_kwargs.update(unused)
+            logger.warning("ignoring generation kwargs that are not nvllm sampling parameters: %s", ", ".join(unused))
+        return SamplingParams(temperature=temperature if sample else 0.0, max_tokens=max_gen,
+                              stop=[u for u in until if u], **{k: v for k, v in kwargs.items() if k in _SAMPLING_KEYS})
 
     # ---- progress -------------------------------------------------------------------------------------
     @contextlib.contextmanager

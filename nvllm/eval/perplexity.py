@@ -11,28 +11,25 @@ conditioned on the tokens of its window before it and on the one token before th
 
 WikiText documents are the articles of wiki.test.raw (split at the " = Title = " headings) passed through
 lm-eval's wikitext detokenizer, as lm-eval's `wikitext` task scores them; words and bytes are counted on the
-raw article. C4: the "text" field of each JSON line; another file: .jsonl/.json(.gz) by its "text" field,
-anything else as one plain-text document.
+raw article. C4: the "text" field of each record of one file of the folder, a validation shard (c4-validation*)
+where there is one, as the established tools score C4; another file: .jsonl/.json(.gz) by its "text" field (JSON lines
+or a JSON array), anything else as one plain-text document. A perplexity beyond float range is inf.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 import re
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nvllm.config import first_line
+from nvllm.eval.datafiles import DataError, read_records, read_text, text_fields
 
 PPL_TASKS = ("wikitext", "c4")
 _HEADING = re.compile(r"^ = [^=].* = $")
 
 
-class PerplexityError(ValueError):
-    """A perplexity source that cannot be found or read (one clear line)."""
+PerplexityError = DataError  # a perplexity source that cannot be found or read (one clear line)
 
 
 @dataclass
@@ -61,23 +58,19 @@ def split_wikitext(text: str) -> list[str]:
     return [p for p in pages if p.strip()]
 
 
-def _read_text(path: Path) -> str:
-    try:
-        data = path.read_bytes()
-        return (gzip.decompress(data) if path.suffix == ".gz" else data).decode("utf-8")
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:  # EOFError: a cut .gz
-        raise PerplexityError(f"cannot read {path}: {first_line(e)}") from None
-
-
 def _json_texts(path: Path) -> list[str]:
-    text = _read_text(path)
-    try:
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        if len(rows) == 1 and isinstance(rows[0], list):
-            rows = rows[0]
-        return [str(r["text"]) for r in rows if str(r.get("text", "")).strip()]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise PerplexityError(f"{path}: expected JSON lines with a \"text\" field ({e})") from e
+    texts = [text_fields(r, where, ("text",), "one document a record")["text"] for where, r in read_records(path)]
+    if not any(t.strip() for t in texts):
+        raise PerplexityError(f"{path} holds no documents")
+    return [t for t in texts if t.strip()]
+
+
+def c4_file(folder: Path) -> Path | None:
+    """The C4 shard to score: the first validation shard (c4-validation.00000-of-00008.json.gz, as GPTQ and the
+    perplexity scripts after it read), else the first JSON file of the folder."""
+    files = sorted({p for pattern in ("*.jsonl", "*.json", "*.jsonl.gz", "*.json.gz") for p in folder.glob(pattern)
+                    if p.is_file()})
+    return next((p for p in files if "validation" in p.name), files[0] if files else None)
 
 
 def _first(paths: list[Path]) -> Path | None:
@@ -92,7 +85,7 @@ def load_corpus(name: str, data_dir: str | Path | None) -> Corpus:
 
         found = root and _first([root / d / "wiki.test.raw" for d in ("wikitext-2-raw", "wikitext-2-raw-v1", ".")])
         if found:
-            raw = split_wikitext(_read_text(found))
+            raw = split_wikitext(read_text(found))
             source = str(found)
         elif root is None:
             raw, source = _hub_wikitext(), "EleutherAI/wikitext_document_level (hub)"
@@ -103,17 +96,17 @@ def load_corpus(name: str, data_dir: str | Path | None) -> Corpus:
         if root is None:
             raise PerplexityError("c4 reads local files: pass --data-dir DIR holding c4/*.jsonl (or .json.gz)")
         folder = root / "c4" if (root / "c4").is_dir() else root
-        files = sorted(folder.glob("*.jsonl")) or sorted(folder.glob("*.json.gz")) or sorted(folder.glob("*.jsonl.gz"))
-        if not files:
-            raise PerplexityError(f"C4 not found: expected {root / 'c4' / '*.jsonl'}")
-        return Corpus(name, str(files[0]), _json_texts(files[0]))
+        found = c4_file(folder)
+        if found is None:
+            raise PerplexityError(f"C4 not found: expected {root / 'c4' / 'c4-validation*.json.gz'} (or .jsonl)")
+        return Corpus(name, str(found), _json_texts(found))
     path = Path(name).expanduser()
     if not path.is_file():
         raise PerplexityError(f"perplexity file {path} does not exist")
     stem = path.name
     if stem.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
         return Corpus(name, str(path), _json_texts(path))  # named as given: two doc.txt stay two tasks
-    text = _read_text(path)
+    text = read_text(path)
     if not text.strip():
         raise PerplexityError(f"perplexity file {path} is empty")
     return Corpus(name, str(path), [text])
@@ -154,5 +147,13 @@ def perplexity_metrics(logliks: list[float], tokens: list[int], words: list[int]
     ll = sum(logliks)
     if sum(tokens) == 0:
         raise PerplexityError("no tokens to score")
-    return {"token_perplexity": math.exp(-ll / sum(tokens)), "word_perplexity": math.exp(-ll / sum(words)),
-            "byte_perplexity": math.exp(-ll / sum(bytes_)), "bits_per_byte": -ll / sum(bytes_) / math.log(2)}
+    return {"token_perplexity": _exp(-ll / sum(tokens)), "word_perplexity": _exp(-ll / sum(words)),
+            "byte_perplexity": _exp(-ll / sum(bytes_)), "bits_per_byte": -ll / sum(bytes_) / math.log(2)}
+
+
+def _exp(x: float) -> float:
+    """exp(x), inf beyond float range: a broken but finite model (huge logits) has a perplexity past 1.8e308."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf

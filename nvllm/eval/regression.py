@@ -36,15 +36,17 @@ class Row:
         return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in self.__dict__.items()}
 
 
-def check_same_tokenizer(baseline_dir: str, candidate_dir: str) -> None:
-    """Refuse to compare models whose tokenizers differ: their samples would not be the same token sequences."""
+def check_same_tokenizer(baseline_dir: str, candidate_dir: str, chat_template: bool = False) -> None:
+    """Refuse to compare models whose tokenizers differ (with ``chat_template``, their chat templates too): their
+    samples would not be the same token sequences."""
     from nvllm.engine.tokenizer import load_tokenizer
 
     a, b = load_tokenizer(baseline_dir), load_tokenizer(candidate_dir)
     probe = "Question: 12 + 30 = ?\nAnswer: 42 ✓ déjà vu"
     why = ("vocabularies" if a.get_vocab() != b.get_vocab() else
            "special tokens" if (a.bos_token_id, a.eos_token_id) != (b.bos_token_id, b.eos_token_id) else
-           "encodings" if a.encode(probe) != b.encode(probe) else None)
+           "encodings" if a.encode(probe) != b.encode(probe) else
+           "chat templates" if chat_template and a.chat_template != b.chat_template else None)
     if why:
         raise ConfigError(f"baseline {baseline_dir} and candidate {candidate_dir} use different tokenizers "
                           f"({why} differ); a regression gate needs identical tokenization")

@@ -4,7 +4,6 @@ the hub is reachable), perplexity through perplexity.py, one result dict per mod
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import logging
 import math
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from nvllm import output_file
 from nvllm.config import ConfigError, EngineConfig, first_line
+from nvllm.eval.harness_results import digest, harness_entry
 from nvllm.eval.quiet import harness_bars
 
 TASK_HELP = "gsm8k, mmlu, mmlu_<category|subject>, wikitext, c4 or a text file path"
@@ -35,6 +35,8 @@ class EvalSpec:
     data_dir: str | None = None
     max_gen_toks: int | None = None
     max_length: int | None = None
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool | None = None  # None: as apply_chat_template (lm-eval's default)
 
     def __post_init__(self) -> None:
         from nvllm.eval.perplexity import is_perplexity_task
@@ -49,6 +51,10 @@ class EvalSpec:
             raise EvalError(f"--num-fewshot must be non-negative, got {self.num_fewshot}")
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
             raise EvalError(f"data directory {self.data_dir} does not exist")
+        if self.fewshot_as_multiturn and not self.apply_chat_template:
+            raise EvalError("--fewshot-as-multiturn needs --apply-chat-template")
+        if self.fewshot_as_multiturn is None:
+            self.fewshot_as_multiturn = self.apply_chat_template
         self.ppl_tasks = [t for t in self.tasks if is_perplexity_task(t)]
         self.harness_tasks = [t for t in self.tasks if t not in self.ppl_tasks]
 
@@ -149,7 +155,8 @@ def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "
                 r = lm_eval.simple_evaluate(model=lm, tasks=list(spec.harness_tasks), task_manager=manager,
                                             num_fewshot=spec.num_fewshot, limit=spec.limit, log_samples=True,
                                             gen_kwargs={"max_gen_toks": spec.max_gen_toks} if spec.max_gen_toks
-                                            else None)
+                                            else None, apply_chat_template=spec.apply_chat_template,
+                                            fewshot_as_multiturn=spec.fewshot_as_multiturn)
         except (AssertionError, ValueError) as e:  # lm-eval's checks of the few-shot pool's size
             if spec.num_fewshot is None or not ("available" in str(e) or "larger than population" in str(e)):
                 raise
@@ -163,7 +170,7 @@ def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "
         per_doc = res.pop("per_doc")
         out["tasks"][corpus.name] = {**res, "stderr": {}, "num_fewshot": None,
                                      "higher_is_better": {k: False for k in res["metrics"]}}
-        out["hashes"][corpus.name] = _digest([(str(i), str(n)) for i, n in enumerate(per_doc["tokens"])])
+        out["hashes"][corpus.name] = digest([(str(i), str(n)) for i, n in enumerate(per_doc["tokens"])])
     out["truncated_requests"] = lm.truncated
     out["kernel_report"] = report.snapshot()
     out["elapsed_s"] = round(time.time() - start, 2)
@@ -204,7 +211,7 @@ def run_eval(engine_config: EngineConfig, spec: EvalSpec, baseline: str | None =
     configs = [("model", candidate, lora)]
     if baseline is not None:
         base = baseline_config(engine_config, baseline)
-        regression.check_same_tokenizer(base.tokenizer, engine_config.tokenizer)
+        regression.check_same_tokenizer(base.tokenizer, engine_config.tokenizer, spec.apply_chat_template)
         configs = [("baseline", base, None), ("candidate", candidate, lora)]
         window = common_window([base, candidate])  # one scoring window for both, or their samples differ
         if spec.max_length is None:
@@ -212,10 +219,23 @@ def run_eval(engine_config: EngineConfig, spec: EvalSpec, baseline: str | None =
         elif window is not None and spec.max_length > window:  # refused before the baseline's evaluation
             raise EvalError(f"--max-length {spec.max_length} is longer than both models take: at most {window} "
                             "(max_model_len − 2 of the shorter)")
+    if spec.apply_chat_template and spec.harness_tasks:  # a tokenizer without a template fails before any model loads
+        require_chat_templates([c for _, c, _ in configs])
     with task_manager(spec) as (manager, notes), progress_bar(progress) as bar:
         results = [evaluate_model(config, spec, manager, label, bar, adapter) for label, config, adapter in configs]
     rows = regression.compare(results[0], results[1], max_drop, max_drop_rel) if baseline is not None else []
     return results, rows, notes
+
+
+def require_chat_templates(configs: list[EngineConfig]) -> None:
+    from nvllm.engine.tokenizer import load_tokenizer
+    from nvllm.eval.lm_eval_model import chat_template_of
+
+    for c in configs:
+        try:
+            chat_template_of(load_tokenizer(c.tokenizer), c.tokenizer)
+        except ValueError as e:
+            raise EvalError(str(e)) from None
 
 
 def model_len(config: EngineConfig) -> int:
@@ -250,6 +270,9 @@ def print_eval(out, results: list[dict], rows: list, max_drop: float | None, max
         if r["truncated_requests"]:
             out.print(f"[yellow]note:[/] {r['truncated_requests']} requests were cut on the left to the scoring "
                       f"window of {r['max_length']} tokens", highlight=False)
+    for name, task in results[0]["tasks"].items():  # which file a perplexity was computed on (C4: one shard)
+        if task.get("source", name) != name:
+            out.print(f"{name}: scored {task['source']}", highlight=False)
     if rows:
         out.print(regression.gate_table(rows, max_drop, max_drop_rel))
 
@@ -259,69 +282,6 @@ def _empty_cuda_cache() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _num(v):
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None  # lm-eval writes "N/A" where no standard error exists
-
-
-def _metrics(res: dict) -> tuple[dict, dict]:
-    metrics, stderr = {}, {}
-    for key, v in res.items():
-        if "," not in key:
-            continue
-        metric, filt = key.split(",", 1)
-        if metric.endswith("_stderr"):
-            stderr[f"{metric[:-len('_stderr')]},{filt}"] = _num(v)
-        else:
-            metrics[key] = _num(v)
-    return metrics, stderr
-
-
-def _leaves(r: dict, name: str) -> list[str]:
-    subs = r.get("group_subtasks", {}).get(name) or []
-    return [leaf for s in subs for leaf in _leaves(r, s)] if subs else [name]
-
-
-def _digest(pairs) -> str:
-    return hashlib.sha256(json.dumps(sorted(pairs)).encode()).hexdigest()
-
-
-def harness_entry(r: dict, name: str) -> tuple[dict, dict, str]:
-    """(task entry, per-sample metric values {metric: {sample id: value}}, digest of the samples seen)."""
-    res = r["results"].get(name) or r.get("groups", {}).get(name) or {}
-    metrics, stderr = _metrics(res)
-    leaves = _leaves(r, name)
-    hib_all = r.get("higher_is_better", {})
-    hib = {k: bool(hib_all.get(leaves[0], {}).get(k.split(",")[0], True)) for k in metrics}
-    n = res.get("sample_len") or sum(r.get("n-samples", {}).get(x, {}).get("effective", 0) for x in leaves)
-    entry = {"metrics": metrics, "stderr": stderr, "higher_is_better": hib, "n_samples": int(n),
-             "num_fewshot": r.get("n-shot", {}).get(leaves[0])}
-    tree = set(_tree(r, name))
-    subs = [k for k in r["results"] if k in tree]
-    if subs:
-        entry["subtasks"] = {}
-        for k in subs:
-            m, se = _metrics(r["results"][k])
-            entry["subtasks"][k] = {"metrics": m, "stderr": se, "n_samples": r["results"][k].get("sample_len")}
-    samples: dict[str, dict[str, float]] = {}
-    seen = []
-    for leaf in leaves:
-        for s in r.get("samples", {}).get(leaf, []):
-            sid = f"{leaf}/{s['doc_id']}"
-            seen.append((sid, s.get("doc_hash", ""), s.get("prompt_hash", "")))
-            for m in s.get("metrics", []):
-                if isinstance(s.get(m), (int, float)):
-                    samples.setdefault(f"{m},{s['filter']}", {})[sid] = float(s[m])
-    return entry, samples, _digest(list(set(seen)))
-
-
-def _tree(r: dict, name: str) -> list[str]:
-    subs = r.get("group_subtasks", {}).get(name) or []
-    return [x for s in subs for x in (s, *_tree(r, s))]
 
 
 def results_table(result: dict, title: str):
@@ -350,7 +310,8 @@ def report_json(results: list[dict], spec: EvalSpec, engine: EngineConfig, notes
     models = [{k: v for k, v in r.items() if k not in ("samples", "hashes")} for r in results]
     # max_gen_toks: the run's --max-gen-toks (None: each task's own), which changes generative scores
     return {"tasks": spec.tasks, "num_fewshot": spec.num_fewshot, "limit": spec.limit, "data_dir": spec.data_dir,
-            "max_gen_toks": spec.max_gen_toks,
+            "max_gen_toks": spec.max_gen_toks, "apply_chat_template": spec.apply_chat_template,
+            "fewshot_as_multiturn": spec.fewshot_as_multiturn,
             "data": notes, "engine": {k: v for k, v in engine.to_dict().items() if k not in ("model", "tokenizer")},
             "models": models, "gate": gate, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 

@@ -4,19 +4,23 @@
 the documents they read into `out_dir`, for `TaskManager(include_path=out_dir, include_defaults=False)`.
 
 Where the files are looked for under `--data-dir DIR`:
-  gsm8k   DIR/gsm8k/test.jsonl (+ train.jsonl, the few-shot pool), or DIR/test.jsonl
+  gsm8k   DIR/gsm8k/test.jsonl (+ train.jsonl, the few-shot pool), or DIR/test.jsonl: {"question", "answer"}
+          records (JSON lines or a JSON array), checked and copied, so that a malformed file is one line naming it
   mmlu    DIR/mmlu_final_hf, DIR/mmlu, DIR/data or DIR itself, holding test/<subject>_test.csv and
-          dev/<subject>_dev.csv, with a header row (question,choice0..3,answer as 0-3) or without one
-          (question, A, B, C, D, answer letter: the original release)
+          dev/<subject>_dev.csv (needed for few-shot only), with a header row (question,choice0..3,answer as 0-3)
+          or without one (question, A, B, C, D, answer letter: the original release)
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 
 import yaml
+
+from nvllm.eval.datafiles import DataError, read_records, read_text, text_fields
 
 HERE = Path(__file__).resolve().parent
 MMLU_SUBJECTS: dict[str, list[str]] = yaml.safe_load((HERE / "mmlu" / "subjects.yaml").read_text())
@@ -26,10 +30,6 @@ LOCAL_TASKS = {"gsm8k", *MMLU_NAMES}
 _LETTERS = "ABCD"
 
 
-class DataError(ValueError):
-    """Local data missing or malformed (one clear line)."""
-
-
 # ---- finding the files ---------------------------------------------------------------------------------
 def find_gsm8k(data_dir: Path) -> tuple[Path, Path | None]:
     for folder in (data_dir / "gsm8k", data_dir):
@@ -37,6 +37,11 @@ def find_gsm8k(data_dir: Path) -> tuple[Path, Path | None]:
             train = folder / "train.jsonl"
             return folder / "test.jsonl", train if train.is_file() else None
     raise DataError(f"GSM8K not found: expected {data_dir / 'gsm8k' / 'test.jsonl'}")
+
+
+def read_gsm8k(path: Path) -> list[dict]:
+    """The {question, answer} documents of a GSM8K file."""
+    return [text_fields(r, where, ("question", "answer"), "GSM8K's format") for where, r in read_records(path)]
 
 
 def find_mmlu(data_dir: Path) -> Path:
@@ -49,8 +54,7 @@ def find_mmlu(data_dir: Path) -> Path:
 def read_mmlu_csv(path: Path) -> list[dict]:
     """One MMLU CSV as the hub's schema {question, choices[4], answer 0-3}; a header row is detected by its
     answer column not holding an answer."""
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = [r for r in csv.reader(f) if r]
+    rows = [r for r in csv.reader(io.StringIO(read_text(path), newline="")) if r]
     if not rows:
         return []
     header = rows[0][-1].strip() not in (*_LETTERS, "0", "1", "2", "3")
@@ -117,12 +121,16 @@ def render(data_dir: str | Path, names: list[str], out_dir: Path, num_fewshot: i
     notes: dict[str, str] = {}
     if "gsm8k" in names:
         test, train = find_gsm8k(data_dir)
+        test_docs, train_docs = read_gsm8k(test), read_gsm8k(train) if train else []
+        if not test_docs:
+            raise DataError(f"{test} holds no questions")
         shots = 5 if num_fewshot is None else num_fewshot
-        if train is None and shots > 0:
+        if not train_docs and shots > 0:
             raise DataError(f"GSM8K {shots}-shot needs the few-shot pool {test.parent / 'train.jsonl'}")
-        files = {"test": str(test), **({"train": str(train)} if train else {})}
+        files = {"test": _jsonl(out_dir / "gsm8k" / "test.jsonl", test_docs),
+                 **({"train": _jsonl(out_dir / "gsm8k" / "train.jsonl", train_docs)} if train_docs else {})}
         (out_dir / "gsm8k.yaml").write_text(_fill("gsm8k.yaml", DATA_FILES=json.dumps(files), CACHE_DIR=cache,
-                                                  TRAIN_SPLIT="train" if train else "null"))
+                                                  TRAIN_SPLIT="train" if train_docs else "null"))
         notes["gsm8k"] = str(test)
     mmlu_names = [n for n in names if n in MMLU_NAMES]
     if mmlu_names:
@@ -134,15 +142,19 @@ def render(data_dir: str | Path, names: list[str], out_dir: Path, num_fewshot: i
         (folder / "_default_template_yaml").write_text((HERE / "mmlu" / "_default_template_yaml").read_text())
         for s in subjects:
             dev = root / "dev" / f"{s}_dev.csv"
-            if not dev.is_file() and num_fewshot:
-                raise DataError(f"MMLU {num_fewshot}-shot needs {dev}")
+            dev_docs = read_mmlu_csv(dev) if dev.is_file() else []
+            if not dev_docs and num_fewshot:
+                raise DataError(f"MMLU {num_fewshot}-shot needs the dev questions of {dev}")
             test_docs = read_mmlu_csv(root / "test" / f"{s}_test.csv")
-            files = {"test": _jsonl(folder / "data" / f"{s}_test.jsonl", test_docs),
-                     "dev": _jsonl(folder / "data" / f"{s}_dev.jsonl", read_mmlu_csv(dev) if dev.is_file() else [])}
+            if not test_docs:
+                raise DataError(f"{root / 'test' / f'{s}_test.csv'} holds no questions")
+            files = {"test": _jsonl(folder / "data" / f"{s}_test.jsonl", test_docs),  # no dev split at 0-shot
+                     **({"dev": _jsonl(folder / "data" / f"{s}_dev.jsonl", dev_docs)} if dev_docs else {})}
             desc = f"The following are multiple choice questions (with answers) about {s.replace('_', ' ')}.\n\n"
             (folder / f"mmlu_{s}.yaml").write_text(_fill(
                 "mmlu/_subject.yaml", SUBJECT=s, CATEGORY=SUBJECT_CATEGORY.get(s, "other"),
-                DESCRIPTION=json.dumps(desc), DATA_FILES=json.dumps(files), CACHE_DIR=cache))
+                DESCRIPTION=json.dumps(desc), DATA_FILES=json.dumps(files), CACHE_DIR=cache,
+                FEWSHOT_SPLIT="dev" if dev_docs else "null"))
         categories = [c for c in MMLU_SUBJECTS if any(SUBJECT_CATEGORY.get(s) == c for s in subjects)]
         for c in categories:
             (folder / f"_mmlu_{c}.yaml").write_text(_fill("mmlu/_category.yaml", CATEGORY=c))
