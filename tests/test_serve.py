@@ -322,6 +322,35 @@ def test_logprobs(client):
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob for t in content)
 
 
+def test_return_token_ids_as_vllm(client, http):
+    """vLLM's return_token_ids: the prompt's ids (what /tokenize gives) and each choice's generated ids beside the
+    text; streamed, the prompt's in the first chunk and each chunk's new ids, which add up to the whole reply's."""
+    prompt_ids = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()["tokens"]
+    extra = {"return_token_ids": True}
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, n=2,
+                                      extra_body=extra)
+    for c in whole.choices:
+        assert c.prompt_token_ids == prompt_ids and len(c.token_ids) == 12
+    streamed: dict[int, list[int]] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, n=2,
+                                           stream=True, extra_body=extra):
+        for c in chunk.choices:
+            assert (c.prompt_token_ids == prompt_ids) == (c.index not in streamed)
+            streamed.setdefault(c.index, []).extend(c.token_ids)
+    assert [streamed[c.index] for c in whole.choices] == [c.token_ids for c in whole.choices]
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                          extra_body=extra)
+    chat_prompt = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    assert chat.prompt_token_ids == chat_prompt and len(chat.choices[0].token_ids) == chat.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, extra_body=extra))
+    assert chunks[0].prompt_token_ids == chat_prompt and all(c.prompt_token_ids is None for c in chunks[1:])
+    assert [t for c in chunks for ch in c.choices for t in ch.token_ids or []] == chat.choices[0].token_ids
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert plain.choices[0].token_ids is None and plain.choices[0].prompt_token_ids is None
+
+
 def test_prompt_logprobs_are_the_engines(client, http):
     """vLLM's prompt_logprobs extension: None for the first prompt token, then the token and the top k at each
     position, by token id, as the offline LLM computes them (with echo + logprobs asking the engine for more, the

@@ -142,12 +142,14 @@ class ChatHandler:
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                                       logprobs=None if num_top is None else chat_logprobs(
                                           c.token_ids, c.logprobs or [], num_top,
-                                          self.prompts.logprob_token(req.return_tokens_as_token_ids))))
+                                          self.prompts.logprob_token(req.return_tokens_as_token_ids)),
+                                      token_ids=list(c.token_ids) if req.return_token_ids else None))
         plp = None
         if req.prompt_logprobs is not None and final.prompt_logprobs is not None:
             plp = prompt_logprobs_json(prompt_ids, final.prompt_logprobs, req.prompt_logprobs, self.prompts.token_text)
         return ChatCompletionResponse(id=request_id, model=self.models.response_name(req.model), choices=choices,
-                                      usage=usage([final], [len(prompt_ids)]), prompt_logprobs=plp)
+                                      usage=usage([final], [len(prompt_ids)]), prompt_logprobs=plp,
+                                      prompt_token_ids=prompt_ids if req.return_token_ids else None)
 
     async def chunks(self, req: ChatCompletionRequest, request_id: str, stream: OutputStream,
                      prompt_ids: list[int]) -> AsyncIterator[str]:
@@ -158,11 +160,15 @@ class ChatHandler:
         reply = self._reply(req, prompt_ids)
         progress = [ChoiceProgress() for _ in range(req.n)]
         replies = [reply.stream() for _ in range(req.n)]
+        new_ids: list[list[int]] = [[] for _ in range(req.n)]  # return_token_ids: not yet sent to each choice
         latest: RequestOutput | None = None
         try:
             for i in range(req.n):  # OpenAI opens every choice with the role (and vLLM's echo, the echoed text)
-                yield sse(self._chunk(request_id, req, [ChatChunkChoice(
-                    index=i, delta=DeltaMessage(role="assistant", content=self._echoed(req)))]))
+                opening = self._chunk(request_id, req, [ChatChunkChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=self._echoed(req)))])
+                if req.return_token_ids and i == 0:  # the prompt's ids in the first chunk, as vLLM sends them
+                    opening.prompt_token_ids = prompt_ids
+                yield sse(opening)
             async for out in stream:
                 latest = out
                 for c in out.outputs:
@@ -175,6 +181,7 @@ class ChatHandler:
                     rs = replies[c.index]
                     delta = rs.delta(c.text, d.finish_reason is not None)
                     finish = reply.plan.finish_reason(d.finish_reason, rs.called)
+                    new_ids[c.index] += d.token_ids if req.return_token_ids else []
                     if delta is None and finish is None and lps is None:
                         continue  # held back: a tag's first characters, a tool call being written
                     delta = delta or DeltaMessage()
@@ -186,6 +193,8 @@ class ChatHandler:
                         delta, lps = DeltaMessage(), None
                     choice = ChatChunkChoice(index=c.index, delta=delta, logprobs=lps, finish_reason=finish,
                                              stop_reason=d.stop_reason)
+                    if req.return_token_ids:  # the ids since the choice's last chunk (held-back text's too)
+                        choice.token_ids, new_ids[c.index] = new_ids[c.index], []
                     chunk = self._chunk(request_id, req, [choice])
                     if continuous:
                         chunk.usage = usage([latest], [len(prompt_ids)])

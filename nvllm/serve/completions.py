@@ -144,9 +144,11 @@ class CompletionHandler:
                 if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
                     plp = prompt_logprobs_json(prompt_ids[i], out.prompt_logprobs, req.prompt_logprobs,
                                                self.prompts.token_text)
+                ids = dict(prompt_token_ids=prompt_ids[i], token_ids=list(c.token_ids)) if req.return_token_ids \
+                    else {}
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=echo_text + c.text, logprobs=lps,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                                prompt_logprobs=plp))
+                                                prompt_logprobs=plp, **ids))
         return CompletionResponse(id=request_id, model=self.models.response_name(req.model), choices=choices,
                                   usage=usage(final, [len(p) for p in prompt_ids]))
 
@@ -158,6 +160,7 @@ class CompletionHandler:
         want_lps = req.logprobs is not None
         progress = [[ChoiceProgress() for _ in range(req.n)] for _ in prompt_ids]
         offsets = [[0] * req.n for _ in prompt_ids]
+        sent_ids = [[False] * req.n for _ in prompt_ids]  # return_token_ids: the prompt's ids sent to a choice
         echoed = [not req.echo] * len(prompt_ids)
         latest: list[RequestOutput | None] = [None] * len(prompt_ids)
         prompt_lens = [len(p) for p in prompt_ids]
@@ -191,8 +194,13 @@ class CompletionHandler:
                         lps = completion_logprobs(d.token_ids, d.logprobs or [], req.logprobs, offsets[p][c.index],
                                                   self.prompts.logprob_token(req.return_tokens_as_token_ids))
                         offsets[p][c.index] += sum(len(t) for t in lps.tokens)
+                    ids = {}
+                    if req.return_token_ids:  # the prompt's ids in the choice's first chunk, then the new ones
+                        ids = dict(token_ids=list(d.token_ids), prompt_token_ids=None if sent_ids[p][c.index]
+                                   else prompt_ids[p])
+                        sent_ids[p][c.index] = True
                     choice = CompletionChoice(index=p * req.n + c.index, text=d.text, logprobs=lps,
-                                              finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                                              finish_reason=d.finish_reason, stop_reason=d.stop_reason, **ids)
                     chunk = self._chunk(request_id, req, [choice])
                     if continuous:
                         chunk.usage = usage(latest, prompt_lens)

@@ -94,6 +94,7 @@ class SamplingRequest(OpenAIModel):
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority; must be 0 under fcfs
     request_id: str | None = Field(None, min_length=1, max_length=256)  # vLLM's: names the response (X-Request-Id wins)
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N" (None: the server's)
+    return_token_ids: bool | None = False  # vLLM's: the prompt's and the reply's token ids beside the text
 
     @field_validator("n", mode="before")
     @classmethod
@@ -243,6 +244,8 @@ class CompletionChoice(OpenAIModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids (streamed: in the choice's first chunk)
+    token_ids: list[int] | None = None  # return_token_ids (streamed: each chunk's new ones)
 
 
 class CompletionResponse(OpenAIModel):
@@ -281,6 +284,7 @@ class ChatChoice(OpenAIModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -291,6 +295,7 @@ class ChatCompletionResponse(OpenAIModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class _Delta(OpenAIModel):
@@ -324,6 +329,7 @@ class ChatChunkChoice(OpenAIModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the chunk's new ones
 
 
 class ChatCompletionChunk(OpenAIModel):
@@ -333,6 +339,7 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 class ModelPermission(OpenAIModel):
