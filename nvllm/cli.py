@@ -69,7 +69,9 @@ def serve(
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(envvar=["NVLLM_API_KEY", "VLLM_API_KEY"],
                                                    help="require 'Authorization: Bearer KEY' (401 without it)")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option(help="model name clients send (default: --model)")] = None,
+    served_model_name: Annotated[Optional[list[str]], typer.Option(
+        help="model name clients send (default: --model); repeat the flag for several names, the first is the one "
+             "responses carry")] = None,
     chat_template: Annotated[Optional[str], typer.Option(
         help="Jinja chat template: a file, or the template text itself (default: the tokenizer's)")] = None,
     max_request_bytes: Annotated[int, typer.Option(help="larger request bodies get 413")] = 16 * 1024 * 1024,

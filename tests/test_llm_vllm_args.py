@@ -245,3 +245,23 @@ def test_speculative_config_as_vllms_flag():
                         '{"method": "ngram", "num_speculative_tokens": 3}', "--max-tokens", "8", "Once"],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0 and "speculative decoding: k=3, n-gram lookup" in r.stderr, r.stderr[-2000:]
+
+
+def test_several_served_model_names(tmp_path):
+    """--served-model-name given more than once: every name is served and listed, and responses carry the first, as
+    vLLM answers (the flag kept only its last value)."""
+    import httpx
+
+    from tests.server_utils import start_server, stop_server
+
+    proc, base = start_server(["--device", "cpu", "--log-stats-interval", "0", "--served-model-name", "gpt-4-0613",
+                               "--served-model-name", "gpt-4"], tmp_path / "serve.log")
+    try:
+        assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == ["gpt-4-0613", "gpt-4"]
+        for name in ("gpt-4-0613", "gpt-4"):
+            r = httpx.post(f"{base}/v1/completions", json={"model": name, "prompt": "Once", "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["model"] == "gpt-4-0613"
+        r = httpx.post(f"{base}/v1/completions", json={"model": "stories260K", "prompt": "Once", "max_tokens": 1})
+        assert r.status_code == 404
+    finally:
+        stop_server(proc)

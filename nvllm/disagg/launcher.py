@@ -133,7 +133,9 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
         raise ConfigError(f"cannot start the KV transfer group's store: {first_line(e)[:200]}") from None
     master = f"127.0.0.1:{store.port}"
     serve_args = []
-    for key in ("served_model_name", "chat_template", "tool_call_parser", "chat_template_content_format"):
+    for name in server.served_model_name or []:
+        serve_args += ["--served-model-name", name]
+    for key in ("chat_template", "tool_call_parser", "chat_template_content_format"):
         if getattr(server, key):
             serve_args += [f"--{key.replace('_', '-')}", str(getattr(server, key))]
     if server.enable_auto_tool_choice:

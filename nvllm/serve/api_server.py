@@ -54,7 +54,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None  # default: the --model argument (the demo model: "stories260K")
+    # the names clients send (the first is the one responses carry); default: the --model argument (the demo
+    # model: "stories260K")
+    served_model_name: str | list[str] | None = None
     chat_template: str | None = None  # a Jinja file or template text; default: the tokenizer's, else a fallback
     max_request_bytes: int = 16 * 1024 * 1024
     shutdown_timeout: int = 30
@@ -72,6 +74,12 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         self.log_level = checked_log_level(self.log_level)
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None:
+            self.served_model_name = list(self.served_model_name) or None
+            if self.served_model_name and not all(isinstance(n, str) and n for n in self.served_model_name):
+                raise ConfigError("--served-model-name must not be empty")
         if self.max_request_bytes < 1:
             raise ConfigError("max_request_bytes must be at least 1")
         if self.api_key is not None and not self.api_key:
@@ -129,7 +137,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
     engine.output_hooks.append(metrics.observe)
     defaults = core.generation_defaults  # the model's sampling defaults, for request fields left unset
     announce(defaults)
-    models = ServedModels(model_name, core.config.model, core.max_model_len, config.lora_modules)
+    models = ServedModels(model_name, core.config.model, core.max_model_len, config.lora_modules,
+                          (config.served_model_name or [])[1:])
     if config.lora_modules and not core.config.enable_lora:
         raise ConfigError("--lora-modules needs --enable-lora")
     for adapter in config.lora_modules:  # a bad adapter stops the start, as vLLM checks them
@@ -304,7 +313,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
     setup_logging()
     sock = listen_socket(config.host, config.port, config.fd)  # before the slow part, so a taken port fails at once
     try:
-        model_name = config.served_model_name or default_model_name(engine_config)
+        model_name = config.served_model_name[0] if config.served_model_name else default_model_name(engine_config)
         if disagg is not None and disagg.role == "prefill" and engine_config.async_scheduling:
             # its steps end every sequence after one token, which the handoff needs at once: nothing to overlap.
             # (A decode worker keeps it: its KV receiver orders each write into the pool after the engine's queued

@@ -15,36 +15,44 @@ from nvllm.serve.protocol import LoadLoRAAdapterRequest, ModelCard, ModelList, U
 
 
 class ServedModels:
-    def __init__(self, base_name: str, root: str, max_model_len: int, adapters: list[LoRARequest] | None = None):
+    def __init__(self, base_name: str, root: str, max_model_len: int, adapters: list[LoRARequest] | None = None,
+                 aliases: list[str] | tuple[str, ...] = ()):
+        """``aliases``: the base model's other names (--served-model-name given more than once), as vLLM serves
+        them: requests may name any, and responses carry the first."""
         self.base_name, self.root, self.max_model_len = base_name, root, max_model_len
+        self.aliases = [a for a in dict.fromkeys(aliases) if a != base_name]
         self.adapters = {a.lora_name: a for a in adapters or []}
         self._next_id = max((a.lora_int_id for a in self.adapters.values()), default=0) + 1  # never reused
-        if base_name in self.adapters:
-            raise ValueError(f"LoRA adapter name {base_name!r} is the served model's name")
+        taken = sorted({base_name, *self.aliases} & set(self.adapters))
+        if taken:
+            raise ValueError(f"LoRA adapter name {taken[0]!r} is a served model name")
+
+    def _is_base(self, name: str | None) -> bool:
+        return not name or name == self.base_name or name in self.aliases
 
     def check(self, name: str | None) -> None:
         """404 for a name the server does not serve (None or "": the base model, as vLLM takes them)."""
-        if name and name != self.base_name and name not in self.adapters:
-            served = ", ".join(f"`{n}`" for n in [self.base_name, *self.adapters])
+        if not self._is_base(name) and name not in self.adapters:
+            served = ", ".join(f"`{n}`" for n in [self.base_name, *self.aliases, *self.adapters])
             raise APIError(404, f"The model `{name}` does not exist (this server serves {served})", "model",
                            "model_not_found")
 
     def lora(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names, or None for the base model; 404 for an adapter unloaded since
         the request's name was checked (it never runs on the base model under the adapter's name)."""
-        if not name or name == self.base_name:
+        if self._is_base(name):
             return None
         self.check(name)
         return self.adapters[name]
 
     def response_name(self, name: str | None) -> str:
-        """The name a response carries: the one the request gave (checked when it came: an adapter unloaded since
-        keeps its name on the replies of requests that named it), else the base model's."""
-        return name or self.base_name
+        """The name a response carries: the adapter's the request gave (checked when it came: an adapter unloaded
+        since keeps its name on the replies of requests that named it), else the base model's first name."""
+        return self.base_name if self._is_base(name) else name
 
     def add(self, name: str, path: str) -> LoRARequest:
         """A new adapter name (its id the next free one); ValueError when the name is taken."""
-        if name == self.base_name or name in self.adapters:
+        if self._is_base(name) or name in self.adapters:
             raise ValueError(f"The lora adapter '{name}' has already been loaded.")
         adapter = LoRARequest(name, self._next_id, path)
         self._next_id += 1
@@ -57,8 +65,9 @@ class ServedModels:
         return self.adapters.pop(name)
 
     def cards(self) -> ModelList:
-        base = ModelCard(id=self.base_name, root=self.root, max_model_len=self.max_model_len)
-        return ModelList(data=[base, *(ModelCard(id=a.lora_name, root=a.lora_path, parent=self.base_name,
+        base = [ModelCard(id=n, root=self.root, max_model_len=self.max_model_len) for n in [self.base_name,
+                                                                                               *self.aliases]]
+        return ModelList(data=[*base, *(ModelCard(id=a.lora_name, root=a.lora_path, parent=self.base_name,
                                                  max_model_len=self.max_model_len) for a in self.adapters.values())])
 
 
