@@ -84,10 +84,10 @@ def run_throughput(config: EngineConfig, dataset: str = "random", dataset_path: 
 def _model_len(config: EngineConfig) -> int | None:
     """The engine's max_model_len read from config.json before the engine loads; None where it cannot be read here
     (a Hub id, a bad config: the engine says what is wrong)."""
-    from nvllm.eval.runner import model_len
+    from nvllm.models.loader import config_model_len
 
     try:
-        return model_len(config)
+        return config_model_len(config)
     except (OSError, TypeError, ValueError, AttributeError):  # ConfigError is a ValueError
         return None
 

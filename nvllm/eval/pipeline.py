@@ -143,9 +143,10 @@ def markdown(report: dict, quant_lines: list[str]) -> str:
 def _check_bench_lengths(config: EngineConfig, bench: BenchSpec) -> None:
     """The benchmark's prompt + output must fit the model: checked before the quantization and evaluations."""
     from nvllm.bench.offline import check_lengths
+    from nvllm.models.loader import config_model_len
 
     try:
-        check_lengths(bench.input_len, bench.output_len, runner.model_len(config))
+        check_lengths(bench.input_len, bench.output_len, config_model_len(config))
     except ValueError as e:  # ConfigError included: the model's own problems are one line too
         raise runner.EvalError(str(e)) from None
 

@@ -238,18 +238,13 @@ def require_chat_templates(configs: list[EngineConfig]) -> None:
             raise EvalError(str(e)) from None
 
 
-def model_len(config: EngineConfig) -> int:
-    """The max_model_len an engine built from ``config`` will have, read from config.json without loading weights."""
-    from nvllm.models.loader import load_hf_config, model_len_limit
-
-    return model_len_limit(load_hf_config(config.model, config.hf_overrides), config.max_model_len, warn=False)
-
-
 def common_window(configs: list[EngineConfig]) -> int | None:
     """The longest scoring window every model takes (NvllmLM's default: max_model_len − 2); None where a config
     cannot be read here (the engine then says what is wrong with it)."""
     try:
-        return min(model_len(c) for c in configs) - 2
+        from nvllm.models.loader import config_model_len
+
+        return min(config_model_len(c) for c in configs) - 2
     except (TypeError, ValueError, AttributeError):  # ConfigError is a ValueError
         return None
 

@@ -110,6 +110,12 @@ def model_len_limit(hf_config, requested: int | None = None, warn: bool = True) 
     return limit
 
 
+def config_model_len(config) -> int:
+    """The max_model_len an engine built from ``config`` (an EngineConfig) will have, read from config.json without
+    loading weights."""
+    return model_len_limit(load_hf_config(config.model, config.hf_overrides), config.max_model_len, warn=False)
+
+
 def checkpoint_dtype(hf_config) -> torch.dtype | None:
     d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(d, str):

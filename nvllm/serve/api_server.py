@@ -74,12 +74,11 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         self.log_level = checked_log_level(self.log_level)
-        if isinstance(self.served_model_name, str):
-            self.served_model_name = [self.served_model_name]
-        if self.served_model_name is not None:
-            self.served_model_name = list(self.served_model_name) or None
-            if self.served_model_name and not all(isinstance(n, str) and n for n in self.served_model_name):
-                raise ConfigError("--served-model-name must not be empty")
+        names = self.served_model_name
+        names = [names] if isinstance(names, str) else list(names or [])
+        if not all(isinstance(n, str) and n for n in names):
+            raise ConfigError("--served-model-name must not be empty")
+        self.served_model_name = names or None
         if self.max_request_bytes < 1:
             raise ConfigError("max_request_bytes must be at least 1")
         if self.api_key is not None and not self.api_key:
