@@ -159,6 +159,14 @@ def test_top_p_min_p_mask():
     assert keep(p=0.95) == [True, True, True, False]
     assert keep(m=0.2) == [True, True, True, False]  # 0.05 < 0.2 * 0.5
     assert keep(k=2, p=1.0) == [True, True, False, False]
+    # vLLM's order: min-p narrows the distribution before the nucleus is taken over what is left, renormalised
+    # (0.5 / 0.8 = 0.625 ≥ 0.6, so the nucleus is the first token alone)
+    assert keep(m=0.5, p=0.6) == [True, False, False, False]
+    assert keep(m=0.5) == [True, True, False, False]
+    # top-k keeps every token tied with the k-th logit, as vLLM masks only logits below it
+    tied = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0]])
+    assert (apply_top_k_top_p_min_p(tied, torch.tensor([2]), torch.tensor([1.0]), torch.tensor([0.0]))
+            > -math.inf)[0].tolist() == [True, True, True, True, False]
 
 
 def test_stop_strings_tokens_and_lengths(llm):

@@ -39,17 +39,19 @@ class SamplerOutput:
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                             min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to −inf) every token outside each row's top-k / nucleus / min-p set. top_k ≤ 0 means off."""
+    """Mask (to −inf) every token outside each row's min-p / top-k / nucleus set, in vLLM's order: min-p on the
+    whole distribution, then top-k (every token tied with the k-th logit stays), then top-p on what is left,
+    renormalised. top_k ≤ 0 means off."""
     vocab = logits.shape[-1]
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mask = probs < (min_p[:, None] * probs[:, :1])
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-    pos = torch.arange(vocab, device=logits.device)
-    mask = pos[None, :] >= k[:, None]
+    mask |= sorted_logits < sorted_logits.gather(-1, (k - 1)[:, None])
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    cum_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    cum_before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens left
     mask = cum_before >= top_p[:, None]  # the token that crosses top_p is kept; the first always is
-    mask |= probs < (min_p[:, None] * probs[:, :1])
     mask[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
