@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from typing import Any
 
 
 MAX_STOP_STRINGS = 64
+MIN_TEMPERATURE = 0.01  # vLLM's: a positive temperature below it is raised to it
 MAX_STOP_LEN = 1024
 _F32_TINY, _F32_MAX = 2.0 ** -126, (2.0 - 2.0 ** -23) * 2.0 ** 127  # float32's smallest normal and largest
 MAX_LOGIT_BIAS = 100.0  # a bias is clamped to [-100, 100], as vLLM and OpenAI do
@@ -85,6 +87,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-N log-probabilities of each generated token (plus the chosen one); -1: all
     prompt_logprobs: int | None = None  # same for every prompt token after the first
     skip_special_tokens: bool = True
+    # vLLM's field, taken so that code written for it runs: nvllm reads the model's fast tokenizer, whose decoder
+    # joins special tokens as it does with either value, as in vLLM's detokenizer for fast tokenizers
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, text "" (vLLM's; no stop strings then)
     # vLLM's semantics (nvllm.layers.penalties): presence and frequency count the generated tokens only,
     # repetition_penalty every token of the prompt and the output; logit_bias (token id -> bias) comes first
@@ -122,6 +127,11 @@ class SamplingParams:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if not 0.0 <= self.temperature < math.inf:  # NaN too: it passed "< 0" and sampled garbage
             raise ValueError(f"temperature must be a non-negative finite number, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # vLLM's: scaling by 1/T this small overflows to inf or nan
+            logging.getLogger("nvllm").warning("temperature %s is below %s, which overflows the scaled logits; "
+                                               "raised to %s (0 is greedy)", self.temperature, MIN_TEMPERATURE,
+                                               MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

@@ -305,6 +305,10 @@ def test_bad_requests_rejected(llm):
             SamplingParams(**{name: value})
     # vLLM's spellings: seed -1 is no seed (each run draws anew), logprobs True the chosen token's and one more
     assert SamplingParams(seed=-1).seed is None and SamplingParams(logprobs=True, prompt_logprobs=False).logprobs == 1
+    # a positive temperature below 0.01 is raised to it and samples (1/T that small overflows), 0 alone is greedy
+    tiny = SamplingParams(temperature=1e-6)
+    assert tiny.temperature == 0.01 and not tiny.greedy and SamplingParams(temperature=0).greedy
+    assert not SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens
     out = llm.generate("Once upon", SamplingParams(temperature=0, max_tokens=2, logprobs=True), use_tqdm=False)
     assert all(len(lp) >= 1 for lp in out[0].outputs[0].logprobs)
     with pytest.raises(ValueError, match="empty"):

@@ -566,7 +566,7 @@ def test_fields_the_server_lacks_are_named_in_its_log(http):
     """A request field this server does not use is ignored, as vLLM ignores it, and named in a warning (vLLM logs
     them too): a client relying on one learns it from the log."""
     r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "vllm_xargs": {"a": 1},
-                                           "zz_unknown_field": True})
+                                           "zz_unknown_field": True, "spaces_between_special_tokens": False})
     assert r.status_code == 200
     assert "the request's fields vllm_xargs, zz_unknown_field are not used by this server" in LOG["path"].read_text()
 

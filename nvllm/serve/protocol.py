@@ -63,6 +63,7 @@ class SamplingRequest(OpenAIModel):
     min_tokens: int = Field(0, le=_INT32)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
