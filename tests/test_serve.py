@@ -272,6 +272,35 @@ def test_chat_full_and_stream(client):
     assert finish == [full.choices[0].finish_reason]
 
 
+def test_continuous_usage_counts_each_choice(client, http):
+    """vLLM's continuous_usage_stats: each chunk's usage is its own choice's prompt and output so far (chat's
+    opening role chunks: no output yet), not the request's totals; the last chunk still carries the totals."""
+    prompts = [PROMPT, PROMPT + " there was a big dog"]
+    lens = [http.post("/tokenize", json={"prompt": p}).json()["count"] for p in prompts]
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0.8, seed=1,
+                                            stream=True, stream_options=opts, extra_body={"ignore_eos": True}))
+    seen = {}
+    for ch in chunks[:-1]:
+        i = ch.choices[0].index
+        seen[i] = seen.get(i, 0) + 1  # one token per engine step, one chunk per step and choice
+        assert (ch.usage.prompt_tokens, ch.usage.completion_tokens) == (lens[i // 2], seen[i])
+    assert seen == {0: 5, 1: 5, 2: 5, 3: 5}
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (sum(lens), 20)
+
+    messages = [{"role": "user", "content": "Tell me about a cat."}]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=4, temperature=0.8,
+                                                 seed=1, stream=True, stream_options=opts,
+                                                 extra_body={"ignore_eos": True}))
+    n_prompt = chunks[-1].usage.prompt_tokens
+    assert [(ch.usage.prompt_tokens, ch.usage.completion_tokens) for ch in chunks[:2]] == [(n_prompt, 0)] * 2
+    counts = {0: [], 1: []}
+    for ch in chunks[2:-1]:
+        counts[ch.choices[0].index].append(ch.usage.completion_tokens)
+        assert ch.usage.prompt_tokens == n_prompt
+    assert counts == {0: [1, 2, 3, 4], 1: [1, 2, 3, 4]} and chunks[-1].usage.completion_tokens == 8
+
+
 def test_stop_strings(client):
     base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
     words = base.split()

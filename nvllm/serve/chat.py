@@ -13,7 +13,8 @@ from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
 from nvllm.serve.params import (MAX_LOGPROBS, EngineRequest, ChoiceProgress, check_logprobs, prompt_logprobs_json,
-                                requested_prompt_logprobs, resolve_max_tokens, submit, sampling_params, usage)
+                                requested_prompt_logprobs, resolve_max_tokens, submit, sampling_params, usage,
+                                choice_usage)
 from nvllm.serve.beam import beam_params, beam_usage, check_beam_request, search_all
 from nvllm.serve.models import ServedModels
 from nvllm.serve.prompts import PromptProcessor
@@ -168,6 +169,8 @@ class ChatHandler:
                     index=i, delta=DeltaMessage(role="assistant", content=self._echoed(req)))])
                 if req.return_token_ids and i == 0:  # the prompt's ids in the first chunk, as vLLM sends them
                     opening.prompt_token_ids = prompt_ids
+                if continuous:
+                    opening.usage = choice_usage(len(prompt_ids), 0)
                 yield sse(opening)
             async for out in stream:
                 latest = out
@@ -189,7 +192,8 @@ class ChatHandler:
                         # OpenAI sends it): the client's stream helper ends its current call when it sees the finish,
                         # so calls in the finishing chunk never got their arguments.done event
                         yield sse(self._chunk(request_id, req, [ChatChunkChoice(index=c.index, delta=delta,
-                                                                                logprobs=lps)]))
+                                                                                logprobs=lps)],
+                                              choice_usage(len(prompt_ids), len(c.token_ids)) if continuous else None))
                         delta, lps = DeltaMessage(), None
                     choice = ChatChunkChoice(index=c.index, delta=delta, logprobs=lps, finish_reason=finish,
                                              stop_reason=d.stop_reason)
@@ -197,7 +201,7 @@ class ChatHandler:
                         choice.token_ids, new_ids[c.index] = new_ids[c.index], []
                     chunk = self._chunk(request_id, req, [choice])
                     if continuous:
-                        chunk.usage = usage([latest], [len(prompt_ids)])
+                        chunk.usage = choice_usage(len(prompt_ids), len(c.token_ids))
                     yield sse(chunk)
             if include_usage:
                 yield sse(self._chunk(request_id, req, [], usage([latest], [len(prompt_ids)])))

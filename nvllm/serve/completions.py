@@ -13,7 +13,8 @@ from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
 from nvllm.serve.params import (MAX_LOGPROBS, EngineRequest, ChoiceProgress, check_logprobs, prompt_logprobs_json,
-                                requested_prompt_logprobs, resolve_max_tokens, submit, sampling_params, usage)
+                                requested_prompt_logprobs, resolve_max_tokens, submit, sampling_params, usage,
+                                choice_usage)
 from nvllm.serve.beam import beam_params, beam_usage, check_beam_request, search_all
 from nvllm.serve.models import ServedModels
 from nvllm.serve.prompts import PromptProcessor
@@ -203,7 +204,7 @@ class CompletionHandler:
                                               finish_reason=d.finish_reason, stop_reason=d.stop_reason, **ids)
                     chunk = self._chunk(request_id, req, [choice])
                     if continuous:
-                        chunk.usage = usage(latest, prompt_lens)
+                        chunk.usage = choice_usage(prompt_lens[p], len(c.token_ids))
                     yield sse(chunk)
             if include_usage:
                 yield sse(self._chunk(request_id, req, [], usage(latest, prompt_lens)))

@@ -193,6 +193,12 @@ def usage(final: list[RequestOutput | None], prompt_lens: list[int]) -> UsageInf
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
+def choice_usage(prompt_len: int, completion_tokens: int) -> UsageInfo:
+    """A streamed chunk's usage under vLLM's continuous_usage_stats: its choice's prompt and its output so far."""
+    return UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
+                     total_tokens=prompt_len + completion_tokens)
+
+
 @dataclass
 class Delta:
     text: str
