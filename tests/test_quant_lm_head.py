@@ -106,6 +106,19 @@ def test_checkpoint_layout(quantized):
                           "lm_head.g_idx": ((HIDDEN,), torch.int32)}, method
 
 
+def test_a_kept_layer_and_the_head_listed_as_vllm_reads_them(untied, tmp_path):
+    """g64 keeps down_proj (its 96 inputs do not split) in full precision: modules_in_block_to_quantize then lists
+    the quantized modules, and vLLM quantizes only what that list names (a substring test on each module's name),
+    so the quantized head must be in it too or vLLM builds a full-precision head and finds no lm_head.weight."""
+    cfg = build_config(None, method="rtn", group_size=64, quantize_lm_head=True)
+    quantize_model(str(untied), str(tmp_path / "q"), cfg)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    listed = [name for group in qc["modules_in_block_to_quantize"] for name in group]
+    assert qc["lm_head"] is True and "lm_head" in listed and not any("down_proj" in n for n in listed)
+    assert any("down_proj" in pattern for pattern in qc["dynamic"])
+    assert isinstance(load_nvllm_model(tmp_path / "q").lm_head, QuantLMHead)
+
+
 def test_logits_equal_dequantized_reference(untied, quantized):
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     fp_ref = hf_logits(untied, ids)

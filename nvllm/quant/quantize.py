@@ -168,6 +168,8 @@ def quantization_config(cfg: QuantizeConfig, out_dir: str, kept: list[KeptUnit],
             qc["modules_in_block_to_quantize"] = [
                 [f"{parent}.{s}" for s in shards] for parent, shards in (FUSED_MODULES[fused] for fused in LINEARS)
                 if f"{parent}.{shards[0]}" not in kept_names]
+            if cfg.quantize_lm_head:  # vLLM quantizes only the modules this list names once it is given, head too
+                qc["modules_in_block_to_quantize"].append([LM_HEAD])
     return qc
 
 
