@@ -100,6 +100,23 @@ def test_engine_generates_with_quant_gemm(tmp_path, qwen2_dir):
     assert got == hf_greedy(qwen2_dir, prompt, 8, deq)
 
 
+def test_hf_overrides_replace_the_quantization_config(tmp_path, qwen2_dir):
+    """--hf-overrides of quantization_config is what the loader serves, as vLLM builds its quantization from the
+    overridden config: a checkpoint whose config.json misstates its bits loads right with the fix given there."""
+    dst = tmp_path / "quant"
+    deq = write_by_hand(qwen2_dir, dst, "gptq", 4, 32, True)
+    cfg = json.loads((dst / "config.json").read_text())
+    right = dict(cfg["quantization_config"])
+    cfg["quantization_config"]["bits"] = 8
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError):
+        make_llm(str(dst))
+    prompt = [1, 17, 42, 99, 7]
+    got = make_llm(str(dst), hf_overrides={"quantization_config": right}).generate(
+        [prompt], _greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    assert got == hf_greedy(qwen2_dir, prompt, 8, deq)
+
+
 def _greedy(n):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 

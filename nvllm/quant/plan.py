@@ -99,18 +99,19 @@ def hf_module_names(layer: int, fused: str) -> list[str]:
 
 
 def read_quantization_config(model_dir: str, hf_config=None) -> dict[str, Any] | None:
-    """The raw ``quantization_config`` of a model directory: config.json's, else quantize_config.json's (older
-    AutoGPTQ checkpoints), else quant_config.json's (older AutoAWQ checkpoints: ``w_bit``, ``q_group_size``,
+    """The raw ``quantization_config`` of a model directory: ``hf_config``'s when given (config.json's, or what
+    ``--hf-overrides`` replaced it with), else config.json's, else quantize_config.json's (older AutoGPTQ
+    checkpoints), else quant_config.json's (older AutoAWQ checkpoints: ``w_bit``, ``q_group_size``,
     ``zero_point``, ``version``, no ``quant_method``); None for a full-precision model."""
     raw = None
-    path = os.path.join(model_dir, "config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            raw = json.load(f).get("quantization_config")
-    if raw is None and hf_config is not None:
+    if hf_config is not None:
         raw = getattr(hf_config, "quantization_config", None)
         if raw is not None and not isinstance(raw, dict):
             raw = raw.to_dict() if hasattr(raw, "to_dict") else None
+    path = os.path.join(model_dir, "config.json")
+    if raw is None and os.path.isfile(path):
+        with open(path) as f:
+            raw = json.load(f).get("quantization_config")
     legacy = os.path.join(model_dir, "quantize_config.json")
     if raw is None and os.path.isfile(legacy):
         with open(legacy) as f:
