@@ -191,6 +191,11 @@ def test_malformed_tensors_are_refused():
     with_zero = sym.translate("m", {"weight_packed": packed, "weight_scale": scale, "weight_zero_point": zero})
     without = sym.translate("m", {"weight_packed": packed, "weight_scale": scale})
     assert with_zero.keys() == without.keys() and all(torch.equal(with_zero[k], without[k]) for k in without)
+    for group_size, want in ((64, 1), (-1, 1), (16, 4)):  # a config of another group size: named in its terms
+        other = GPTQView({"bits": 4, "group_size": group_size, "sym": True, "actorder": None}, set())
+        with pytest.raises(ValueError, match=f"m.weight_scale holds 2 group\\(s\\) of its 64 inputs, but the "
+                                             f"quantization_config's group_size {group_size} makes {want}"):
+            other.translate("m", {"weight_packed": packed, "weight_scale": scale})
     with pytest.raises(ValueError, match="weight_g_idx must give each of the 64 inputs a group"):
         sym.translate("m", {"weight_packed": packed, "weight_scale": scale, "weight_g_idx": torch.zeros(60)})
     w8a8 = {"bits": 8, "group_size": -1, "sym": True, "actorder": None, "format": "int-quantized"}

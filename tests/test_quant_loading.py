@@ -171,8 +171,19 @@ def test_bad_quantized_checkpoints(tmp_path, qwen2_dir):
     save_file(bad, dst / "model.safetensors")
     with pytest.raises(ConfigError, match=r"down_proj.g_idx' holds group 1..4, outside the layer's 4 groups"):
         load_nvllm_model(dst)
-    # an unsupported quant method
+    # the config's group size is not the tensors': named as such
     save_file(state, dst / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": {**cfg["quantization_config"],
+                                                                              "group_size": 64}}))
+    with pytest.raises(ConfigError, match=r"g_idx' holds group 0..\d, outside the layer's \d groups \(the "
+                                          r"quantization_config's group_size 64 of its \d+ inputs\)"):
+        load_nvllm_model(dst)
+    save_file({k: v for k, v in state.items() if not k.endswith("g_idx")}, dst / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"(qzeros|scales)': checkpoint \(\d, \d+\), model expects \(\d, \d+\): "
+                                          r"one row per group, and the quantization_config's group_size 64 makes"):
+        load_nvllm_model(dst)
+    # an unsupported quant method
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "bitsandbytes", "bits": 4}
     (dst / "config.json").write_text(json.dumps(cfg))

@@ -121,7 +121,8 @@ class QuantLinear(nn.Module):
             groups = self.scales.shape[0]    # every group's rows while g_idx is unknown (see _all_groups)
             if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= groups):
                 raise ConfigError(f"{ckpt_name!r} holds group {int(tensor.min())}..{int(tensor.max())}, outside "
-                                  f"the layer's {groups} groups")
+                                  f"the layer's {groups} groups (the quantization_config's group_size "
+                                  f"{self.scheme.group_size} of its {self.in_features} inputs)")
             if shard is not None and self._g_idx_loaded and not torch.equal(dst, tensor.to(dst)):
                 raise ConfigError(f"{ckpt_name!r} differs from the g_idx of the other projections fused with it")
             dst.copy_(tensor)
@@ -132,7 +133,14 @@ class QuantLinear(nn.Module):
             per = self._packed_cols(leaf)
             cols = slice(sl.start // per, sl.stop // per)
             dst = dst[cols] if dst.dim() == 1 else dst[:, cols]
-        piece = take_shard(tensor, tuple(dst.shape), self._cuts(leaf, shard, dst.dim()), ckpt_name)
+        try:
+            piece = take_shard(tensor, tuple(dst.shape), self._cuts(leaf, shard, dst.dim()), ckpt_name)
+        except ConfigError as e:
+            if leaf not in ("qzeros", "scales") or tensor.dim() != 2 or tensor.shape[0] == dst.shape[0]:
+                raise
+            raise ConfigError(f"{e}: one row per group, and the quantization_config's group_size "
+                              f"{self.scheme.group_size} makes {dst.shape[0]} group(s) of the layer's "
+                              f"{self.in_features} inputs (the checkpoint and its config disagree)") from None
         if leaf in ("qweight", "qzeros") and tensor.dtype != torch.int32:
             raise ConfigError(f"{ckpt_name!r} must be int32, got {tensor.dtype}")
         dst.copy_(piece)

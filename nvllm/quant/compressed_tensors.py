@@ -194,7 +194,7 @@ class GPTQView:
     ``input_zero_point`` are dropped."""
 
     def __init__(self, scheme: dict[str, Any], keys: set[str]):
-        self.bits, self.sym = scheme["bits"], scheme["sym"]
+        self.bits, self.sym, self.group_size = scheme["bits"], scheme["sym"], scheme["group_size"]
         self.int_format = scheme.get("format") == INT_FORMAT
         self.parts = _INT_PARTS if self.int_format else _PARTS
         weight = "weight" if self.int_format else "weight_packed"
@@ -250,6 +250,11 @@ class GPTQView:
         groups = scale.shape[-1] if scale.dim() == 2 else 0
         if scale.dim() != 2 or scale.shape[0] != out_f or groups == 0 or in_f % groups:
             raise ValueError(f"{module}.weight_scale has shape {tuple(scale.shape)}, expected [{out_f}, groups]")
+        want = 1 if self.group_size == -1 else -(-in_f // self.group_size)
+        if groups != want:   # named here: past this point the tensors carry GPTQ's names, not the checkpoint's
+            raise ValueError(f"{module}.weight_scale holds {groups} group(s) of its {in_f} inputs, but the "
+                             f"quantization_config's group_size {self.group_size} makes {want}: the checkpoint and "
+                             "its config disagree")
         qweight = packed.t().contiguous()
         scales = scale.t().to(torch.float16).contiguous()
         if self.sym:
