@@ -41,6 +41,28 @@ def test_batch_with_chunked_prefill_and_preemption_equals_alone(demo_dir, alone)
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_aborting_many_waiting_requests_leaves_the_rest_as_they_were(demo_dir, alone):
+    """Requests aborted while they wait (a client gone with a large batch) leave the queue without a scan of it
+    apiece: finished ones are dropped as the queue is read or swept, never more than half of it, and the counts
+    and outputs of the rest are as without them."""
+    llm = make_llm(demo_dir, max_num_seqs=2)
+    engine, sched = llm.engine, llm.engine.scheduler
+    keep = prompts(3)
+    kept = [engine.add_request(f"keep{i}", p, GREEDY) for i, p in enumerate(keep)]
+    gone = [engine.add_request(f"gone{i}", "Once upon a time", SamplingParams(n=4, max_tokens=5)) for i in range(200)]
+    assert sched.num_waiting == 3 + 800
+    for rid in reversed(gone):
+        assert engine.abort_request(rid).finished
+        assert len(sched.waiting) - sched.num_waiting <= max(16, sched.num_waiting)  # swept: at most half finished
+    assert sched.num_waiting == 3 and [s.request_id for s in sched.waiting_seqs()] == kept
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [outs[rid].outputs[0].token_ids for rid in kept] == [alone[p] for p in keep]
+    assert sched.num_waiting == 0 and not sched.waiting
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_a_preempted_sequence_finding_its_own_blocks_is_no_prefix_cache_hit(demo_dir):
     """The hit rate (/metrics' prefix_cache_queries/hits, the log's) counts each prompt's lookup once: prompts that
     share nothing hit nothing, however often preempted sequences come back to their own blocks (vLLM keeps those

@@ -104,7 +104,7 @@ class DisaggWorker:
             sched, bm = core.scheduler, core.block_manager
             return {"role": self.role, "kv_rank": self.group.rank, "pid": os.getpid(), "model": ctx.model_name,
                     "engine_running": engine.is_running, "running": len(sched.running),
-                    "waiting": len(sched.waiting) + (self.receiver.queued if self.receiver else 0),
+                    "waiting": sched.num_waiting + (self.receiver.queued if self.receiver else 0),
                     "held": len(core.handoff.held), "kv_cache_usage": bm.usage, "num_blocks": bm.num_blocks,
                     "num_free_blocks": bm.num_free_blocks, "transfer": self.stats.snapshot()}
 

@@ -367,7 +367,7 @@ class LLMEngine:
                    if partial or all(s.finished for s in self.requests[rid])]
         s = self.stats
         s.num_steps += 1
-        s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        s.num_running, s.num_waiting = len(self.scheduler.running), self.scheduler.num_waiting
         s.kv_cache_usage = self.block_manager.usage
         s.prefix_queries, s.prefix_hits = self.block_manager.prefix_queries, self.block_manager.prefix_hits
         self.stat_logger.maybe_log(s)

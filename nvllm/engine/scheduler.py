@@ -47,7 +47,11 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.by_priority = policy == "priority"
         self._arrivals = itertools.count()  # requests' arrival order (the priority policy's tie-break)
+        # the waiting queue may still hold finished sequences (aborted while waiting): dropped when the queue is
+        # read or swept (``finish``), not one by one, which cost a scan of the queue each (a disconnect of a
+        # request of 100k sequences froze the engine for minutes); ``num_waiting`` / ``waiting_seqs`` skip them
         self.waiting: deque[Sequence] = deque()
+        self._departed = 0
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # LoRA: put a waiting sequence's adapter on the device, given the adapters running sequences use; False
@@ -73,6 +77,7 @@ class Scheduler:
     def _queue(self, queue, seq: Sequence, front: bool) -> None:
         """Put ``seq`` in ``queue``: at its (priority, arrival) place under the priority policy (looked for from
         the back, where new arrivals go), else at the back (or the front: a preempted sequence)."""
+        seq.queued = True
         if self.by_priority:
             key, at = (seq.priority, seq.order), len(queue)
             while at and (queue[at - 1].priority, queue[at - 1].order) > key:
@@ -95,7 +100,14 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.running) or self.num_waiting > 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) - self._departed
+
+    def waiting_seqs(self) -> list[Sequence]:
+        return [s for s in self.waiting if s.status is not Status.FINISHED]
 
     def schedule(self, hold: Callable[[Sequence], bool] | None = None) -> SchedulerOutput:
         """``hold`` (asynchronous scheduling): running sequences to leave out of this step — those certain to
@@ -144,6 +156,9 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
+            if seq.status is Status.FINISHED:
+                self._drop_waiting(i)
+                continue
             if seq.lora_id and not self.activate_lora(seq.lora_id, loras):
                 i += 1  # every adapter slot is busy: requests behind it may go first (as vLLM skips them)
                 continue
@@ -152,7 +167,7 @@ class Scheduler:
             if n <= 0 or not self.bm.allocate_slots(seq, n):
                 self.bm.free_sequence(seq)  # don't pin cached blocks while waiting
                 break
-            del self.waiting[i]
+            self._drop_waiting(i)
             loras.add(seq.lora_id)
             if self.bm.looks_up(seq) and seq.admitted:  # back after preemption: counted apart, as vLLM does
                 self.bm.preempted_queries += seq.num_tokens
@@ -169,6 +184,13 @@ class Scheduler:
             budget -= n
         return out
 
+    def _drop_waiting(self, i: int) -> None:
+        seq = self.waiting[i]
+        del self.waiting[i]
+        seq.queued = False
+        if seq.status is Status.FINISHED:
+            self._departed -= 1
+
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_sequence(seq)
         seq.status = Status.WAITING
@@ -181,9 +203,12 @@ class Scheduler:
         arriving (RECEIVING): the transfer writes into its blocks, which are freed when it ends."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        elif seq.status is Status.WAITING and seq in self.waiting:
-            self.waiting.remove(seq)
+        elif seq.status is Status.WAITING and seq.queued:
+            self._departed += 1   # left in the queue as finished (see __init__)
         receiving = seq.status is Status.RECEIVING
         seq.status = Status.FINISHED
+        if self._departed > 16 and 2 * self._departed > len(self.waiting):  # at most half the queue: O(1) a finish
+            self.waiting = deque(s for s in self.waiting if s.status is not Status.FINISHED)
+            self._departed = 0
         if free and not receiving:
             self.bm.free_sequence(seq)

@@ -29,6 +29,7 @@ class Sequence:
     metrics: RequestMetrics
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     status: Status = Status.WAITING
+    queued: bool = False  # in the scheduler's waiting queue
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at the first admission
     admitted: bool = False  # scheduled at least once (a preempted sequence coming back is not new)

@@ -69,7 +69,7 @@ class _EngineCollector:
                          str(bm.enable_prefix_caching)], 1)
         yield info
         yield gauge("num_requests_running", "Sequences in the running batch.", len(sched.running))
-        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", len(sched.waiting))
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", sched.num_waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage: fraction of blocks held by live sequences (1 = full).",
                     bm.usage)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", bm.prefix_queries)
@@ -116,7 +116,7 @@ class _EngineCollector:
 
             g = GaugeMetricFamily("nvllm:lora_requests_info", "Running and waiting LoRA adapters.",
                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-            g.add_metric([str(e.config.max_loras), names(list(sched.running)), names(list(sched.waiting))],
+            g.add_metric([str(e.config.max_loras), names(list(sched.running)), names(sched.waiting_seqs())],
                          time.time())
             yield g
 
