@@ -68,10 +68,16 @@ class BeamSearch:
         self.live = [BeamSearchSequence(list(prompt), len(prompt))]
         self.complete: list[BeamSearchSequence] = []
         self.steps = 0
+        self.aborted = False
 
     @property
     def done(self) -> bool:
-        return not self.live or self.steps >= self.limit
+        return self.aborted or not self.live or self.steps >= self.limit
+
+    def abort(self) -> None:
+        """End the search now (its step was aborted: the server shutting down): the beams so far are the result,
+        the live ones finishing with "abort", as an aborted request's output does."""
+        self.aborted = True
 
     def step_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * self.params.beam_width, ignore_eos=True)
@@ -94,7 +100,7 @@ class BeamSearch:
     def result(self, decode) -> BeamSearchOutput:
         """The best beam_width beams, their text decoded (``decode(token ids)``) as what follows the prompt."""
         for beam in self.live:
-            beam.finish_reason = "length"
+            beam.finish_reason = "abort" if self.aborted else "length"
         best = sorted(self.complete + self.live, key=self._score, reverse=True)[:self.params.beam_width]
         for beam in best:
             out = beam.output_token_ids

@@ -4,6 +4,8 @@ the official client and refuses what beam search does not combine with."""
 
 from __future__ import annotations
 
+import signal
+
 import openai
 import pytest
 import torch
@@ -113,6 +115,32 @@ def test_server_beams_are_the_offline_beams(tmp_path):
             assert e.value.body["param"] == param
     finally:
         stop_server(proc)
+
+
+def test_a_shutdown_ends_beam_searches_in_flight(tmp_path):
+    """SIGTERM while beam searches run: each ends at its aborted step with the beams so far (the live ones finishing
+    with "abort", as an aborted request's choices do), the client gets its 200, and the server exits 0 within
+    --shutdown-timeout rather than after uvicorn cancels the searches into bare 500s."""
+    import concurrent.futures
+    import time
+
+    proc, url = start_server(["--device", "cpu", "--max-model-len", "512", "--log-stats-interval", "0",
+                              "--uvicorn-log-level", "warning", "--shutdown-timeout", "1"], tmp_path / "log")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client.completions.create, model="stories260K", prompt=["Once upon a time", "The dog"],
+                               n=4, max_tokens=400, extra_body={"use_beam_search": True, "ignore_eos": True})
+                   for _ in range(2)]
+        time.sleep(3)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        waited = time.monotonic() - t0
+        replies = [f.result() for f in futures]
+    assert rc == 0 and waited < 5, (rc, waited, (tmp_path / "log").read_text()[-3000:])
+    for r in replies:
+        assert len(r.choices) == 8 and {c.finish_reason for c in r.choices} == {"abort"}
+        assert all(0 < len(c.text) for c in r.choices)
 
 
 def test_generate_command_prints_the_beams():

@@ -170,6 +170,7 @@ class AsyncLLMEngine:
         self._commands: list[tuple] = []
         self._streams: dict[str, OutputStream] = {}
         self._stopping = False
+        self._draining = False  # abort_all(refuse_new=True) ran: new requests fail (a server shutting down)
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # why the loop stopped, if it crashed
 
@@ -223,8 +224,12 @@ class AsyncLLMEngine:
         self._submit(("call", fn, done))
         return done
 
-    def abort_all(self) -> None:
-        """Abort every request in flight; each stream still ends with its final (finish_reason "abort") output."""
+    def abort_all(self, refuse_new: bool = False) -> None:
+        """Abort every request in flight; each stream still ends with its final (finish_reason "abort") output.
+        ``refuse_new``: requests added after it fail with EngineDeadError (a server shutting down: a beam search's
+        next step, a request on a kept-alive connection, find the engine closed rather than run on)."""
+        with self._cond:
+            self._draining = self._draining or refuse_new
         self._submit(("abort_all",))
 
     def _submit(self, command: tuple) -> None:
@@ -232,6 +237,9 @@ class AsyncLLMEngine:
             if self._stopping or (self._thread is not None and not self._thread.is_alive()):
                 if command[0] in ("add", "call"):
                     _fail(command[-1], EngineDeadError("the engine is shutting down"))
+                return
+            if self._draining and command[0] == "add":
+                _fail(command[-1], EngineDeadError("the server is shutting down"))
                 return
             self._commands.append(command)
             self._cond.notify()

@@ -8,6 +8,7 @@ import asyncio
 import uuid
 
 from nvllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from nvllm.engine.async_engine import EngineDeadError
 from nvllm.serve.errors import bad_request
 from nvllm.serve.params import EngineRequest, constrains_reply, submit
 from nvllm.serve.protocol import UsageInfo
@@ -52,7 +53,13 @@ async def beam_search(engine, prompt_ids: list[int], params: BeamSearchParams, l
         base = f"beam-{uuid.uuid4().hex}"
         requests = [EngineRequest(f"{base}-{i}", beam.tokens, step, lora, cache_salt, priority)
                     for i, beam in enumerate(search.live)]
-        stream = await submit(engine, requests)
+        try:
+            stream = await submit(engine, requests)
+        except EngineDeadError:   # the server is shutting down: the beams so far are the answer (if any: a 503)
+            if not search.steps:
+                raise
+            search.abort()
+            break
         finals = {}
         try:
             async for out in stream:
@@ -60,13 +67,21 @@ async def beam_search(engine, prompt_ids: list[int], params: BeamSearchParams, l
                     finals[out.request_id] = out
         finally:
             stream.close()
-        search.advance([{t: lp.logprob for t, lp in finals[r.request_id].outputs[0].logprobs[0].items()}
-                        for r in requests])
+        steps = [finals.get(r.request_id) for r in requests]
+        if any(o is None or o.outputs[0].finish_reason == "abort" or not o.outputs[0].logprobs for o in steps):
+            search.abort()   # the engine aborted the step (shutdown): no next step is queued
+            break
+        search.advance([{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in steps])
     return search.result(decode)
 
 
 async def search_all(engine, prompts: list[list[int]], params: list[BeamSearchParams], lora, decode,
                      cache_salt: str | None = None, priority: int = 0) -> list[BeamSearchOutput]:
-    """Every prompt's search at once (their steps share the engine's batches)."""
-    return list(await asyncio.gather(*(beam_search(engine, ids, p, lora, decode, cache_salt, priority)
-                                       for ids, p in zip(prompts, params))))
+    """Every prompt's search at once (their steps share the engine's batches); one failing cancels the others."""
+    tasks = [asyncio.ensure_future(beam_search(engine, ids, p, lora, decode, cache_salt, priority))
+             for ids, p in zip(prompts, params)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()

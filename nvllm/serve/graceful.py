@@ -56,7 +56,7 @@ class GracefulServer(uvicorn.Server):
 
     def _abort_in_flight(self) -> None:
         logger.warning("shutdown: aborting the requests still in flight after %ss", self.grace)
-        self.engine.abort_all()
+        self.engine.abort_all(refuse_new=True)
 
 
 @contextlib.contextmanager
