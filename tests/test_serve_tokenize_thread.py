@@ -104,3 +104,44 @@ def test_text_size_counts_a_requests_text():
     assert text_size((chat,)) > LARGE_PROMPT_CHARS
     assert text_size((CompletionRequest(prompt=[1, 2, 3]),)) < 100
     assert text_size(({"prompt": ["ab", "cde"]},)) == 5
+
+
+def test_detokenize_runs_off_the_event_loop(monkeypatch):
+    """/detokenize of millions of ids takes seconds: it runs on a tokenizer thread, as /tokenize does, while the
+    loop answers /health."""
+    import httpx
+
+    from nvllm.config import EngineConfig
+    from nvllm.engine.async_engine import AsyncLLMEngine
+    from nvllm.engine.llm_engine import LLMEngine
+    from nvllm.serve.api_server import ServerConfig, build_app
+
+    entered, release = threading.Event(), threading.Event()
+    decode = PromptProcessor.decode
+
+    def blocking(self, ids):
+        entered.set()
+        release.wait(10)
+        return decode(self, ids)
+
+    monkeypatch.setattr(PromptProcessor, "decode", blocking)
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=demo_model_path(), device="cpu", log_stats_interval=0)))
+    app = build_app(engine, ServerConfig(), "stories260K")
+    engine.start()
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            task = asyncio.ensure_future(client.post("/detokenize", json={"tokens": [1, 100, 200]}))
+            while not entered.is_set():
+                await asyncio.sleep(0.01)
+            health = await asyncio.wait_for(client.get("/health"), 5)  # answered while the decode blocks
+            assert not task.done()
+            release.set()
+            return health, await task
+
+    try:
+        health, detok = asyncio.run(main())
+    finally:
+        release.set()
+        asyncio.run(engine.shutdown())
+    assert health.status_code == 200 and detok.status_code == 200 and detok.json()["prompt"]

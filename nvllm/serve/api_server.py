@@ -273,8 +273,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
     async def detokenize(request: Request) -> DetokenizeResponse:
         req = await parse_body(request, DetokenizeRequest, limit)
         check_model(req.model)
-        prompts.check_ids(req.tokens, "tokens")
-        return DetokenizeResponse(prompt=prompts.decode(req.tokens))
+
+        def decode(tokens: list[int]) -> str:  # on a tokenizer thread, as /tokenize: millions of ids take seconds
+            prompts.check_ids(tokens, "tokens")
+            return prompts.decode(tokens)
+
+        return DetokenizeResponse(prompt=await prompts.off_loop(decode, req.tokens))
 
     if os.environ.get("NVLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"):
         api.include_router(lora_routes(models, engine, limit))
