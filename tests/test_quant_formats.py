@@ -281,7 +281,7 @@ def test_parse_configs():
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "checkpoint_format"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v3"}, "checkpoint_format"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "is_marlin_format": True}, "marlin"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": "yes"}, "desc_act"),
     ({"quant_method": "bitsandbytes"}, "quant_method"),

@@ -18,7 +18,7 @@ from nvllm.layers.quant_linear import QuantLinear
 from nvllm.quant import formats as F
 from nvllm.quant.replay import model_logits
 from tests.conftest import build_tiny_model, make_llm
-from tests.quant_utils import hf_greedy, hf_logits, load_nvllm_model, write_by_hand
+from tests.quant_utils import PROJ, hf_greedy, hf_logits, load_nvllm_model, write_by_hand
 
 # (id, fmt, bits, group, sym, act_order)
 FORMATS = [
@@ -115,6 +115,58 @@ def test_hf_overrides_replace_the_quantization_config(tmp_path, qwen2_dir):
     got = make_llm(str(dst), hf_overrides={"quantization_config": right}).generate(
         [prompt], _greedy(8), use_tqdm=False)[0].outputs[0].token_ids
     assert got == hf_greedy(qwen2_dir, prompt, 8, deq)
+
+
+def _pack_by_definition(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words of ``values`` packed along ``dim`` (0: rows, GPTQ's qweight; 1: columns, its qzeros), the
+    lowest field first, written out from the format's definition."""
+    per = 32 // bits
+    v = values.to(torch.int64)
+    v = v if dim == 0 else v.t()
+    words = torch.zeros(v.shape[0] // per, v.shape[1], dtype=torch.int64)
+    for i in range(per):
+        words |= v[i::per] << (bits * i)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words if dim == 0 else words.t().contiguous()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_v2_checkpoints_are_served_as_defined(tmp_path, qwen2_dir, bits):
+    """GPTQModel's checkpoint_format gptq_v2 (vLLM serves it): v1's layout with the zero points stored as they are
+    (v1 stores zero − 1). Built here from the definition, zero points of 0 included (each layer's first group of
+    up_proj: non-negative weights), and served to HF's own forward with the dequantized weights."""
+    group, top = 32, 2**bits - 1
+    dst = tmp_path / "v2"
+    dst.mkdir()
+    state, out, deq = load_file(qwen2_dir / "model.safetensors"), {}, {}
+    for name, w in state.items():
+        if not PROJ.match(name):
+            out[name] = w
+            continue
+        w = w.clone()
+        if "up_proj" in name:
+            w[:, :group] = w[:, :group].abs()
+        g = w.reshape(w.shape[0], -1, group)
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / top).clamp(min=1e-8).half().float()
+        zero = (-lo / scale).round().clamp(0, top)
+        q = (g / scale[..., None] + zero[..., None]).round().clamp(0, top).reshape(w.shape)
+        base = name.removesuffix(".weight")
+        out[f"{base}.qweight"] = _pack_by_definition(q.t(), bits, 0)
+        out[f"{base}.qzeros"] = _pack_by_definition(zero.t(), bits, 1)            # [G, out], no offset
+        out[f"{base}.scales"] = scale.t().half().contiguous()
+        out[f"{base}.g_idx"] = (torch.arange(w.shape[1]) // group).to(torch.int32)
+        deq[name] = ((q.reshape(g.shape) - zero[..., None]) * scale[..., None]).reshape(w.shape)
+        assert "up_proj" not in name or (zero[:, 0] == 0).all()
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((qwen2_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False,
+                                  "sym": False, "checkpoint_format": "gptq_v2"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    model = load_nvllm_model(dst)
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref = hf_logits(qwen2_dir, ids, deq)
+    torch.testing.assert_close(model_logits(model, ids), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
 def _greedy(n):

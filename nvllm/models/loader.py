@@ -289,11 +289,11 @@ def load_model(config: EngineConfig, hf_config, dtype: torch.dtype, device: torc
         weights = _without_attention_scales(iterate_weights(config.model, config.load_format, config.allow_pickle))
         with torch.no_grad():
             try:
-                view = _compressed_tensors_view(config.model, hf_config)
+                view = _compressed_tensors_view(config.model, hf_config) or _gptq_v2_view(config.model, hf_config)
                 model.load_weights(weights if view is None else view(weights))
             except ValueError as e:  # a compressed-tensors module that cannot be translated
                 raise ConfigError(f"{config.model}: {e}") from e
-            if view is not None and view.dropped:
+            if view is not None and getattr(view, "dropped", 0):
                 logger.info("the checkpoint's %d static activation tensors (input_scale, input_zero_point) are "
                             "not used: its linears run W8A16", view.dropped)
         logger.info("loaded %s from %s", arch, config.model)
@@ -322,6 +322,18 @@ def _without_attention_scales(weights: Iterator[tuple[str, torch.Tensor]]) -> It
     if skipped:
         logger.warning("the checkpoint's %d KV-cache / attention scales (k_scale, v_scale, …) are not used: "
                        "--kv-cache-dtype int8/fp8 computes its own scales per token and head", skipped)
+
+
+def _gptq_v2_view(model_dir: str, hf_config):
+    """A GPTQ v2 checkpoint's tensors are read translated into v1's (nvllm.quant.gptq_v2); None for any other."""
+    from nvllm.quant.gptq_v2 import GPTQv2View
+    from nvllm.quant.plan import read_quantization_config
+    from nvllm.quant.quant_config import parse_quantization_config
+
+    raw = read_quantization_config(model_dir, hf_config)
+    if raw is None or parse_quantization_config(raw).packing != "gptq_v2":
+        return None
+    return GPTQv2View(parse_quantization_config(raw).bits, checkpoint_keys(model_dir) or set())
 
 
 def _compressed_tensors_view(model_dir: str, hf_config):

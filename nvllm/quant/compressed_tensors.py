@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from nvllm.quant import fp8
-from nvllm.quant.formats import default_g_idx
+from nvllm.quant.formats import default_g_idx, gptq_v1_tensors
 from nvllm.quant.fp8 import Fp8Scheme
 from nvllm.quant.packing import pack_cols, pack_rows, unpack_rows
 
@@ -283,16 +283,8 @@ class GPTQView:
             raise ValueError(f"{module}.weight_g_idx must give each of the {in_f} inputs a group in [0, {groups})")
         else:
             g_idx = g_idx.to(torch.int32)
-        mirror = zeros == 0
-        if mirror.any():  # v1 cannot store a zero of 0: the code, the zero and the scale mirrored
-            top = (1 << bits) - 1
-            q = unpack_rows(qweight, bits)                                      # [in, out]
-            q = torch.where(mirror[g_idx.long()], top - q, q)
-            qweight = pack_rows(q, bits)
-            zeros = torch.where(mirror, top, zeros)
-            scales = torch.where(mirror, -scales, scales)
         self.dropped += sum(k in parts for k in ("input_scale", "input_zero_point"))
-        return {"qweight": qweight, "qzeros": pack_cols(zeros - 1, bits), "scales": scales, "g_idx": g_idx}
+        return gptq_v1_tensors(qweight, zeros, scales, g_idx, bits)
 
     def _packed(self, module: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """The module's codes as ``weight_packed``'s words ``[out, in*bits/32]`` (``int-quantized``: its int8

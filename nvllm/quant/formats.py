@@ -200,6 +200,22 @@ def pack_gptq(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx:
     }
 
 
+def gptq_v1_tensors(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                    bits: int) -> dict[str, torch.Tensor]:
+    """A packed layer (``qweight [in*bits/32, out]``, ``g_idx [in]``) with its true zero points ``zeros [G, out]``
+    (0 .. 2^bits - 1, as compressed-tensors and GPTQ v2 store them) → GPTQ v1 tensors. v1 stores zero − 1, which a
+    zero of 0 cannot be: such a group is mirrored — codes 2^bits−1−q, zero 2^bits−1, scale negated — which gives the
+    same weights, (−s)·((top − q) − top) = s·q."""
+    mirror = zeros == 0
+    if mirror.any():
+        top = (1 << bits) - 1
+        q = unpack_rows(qweight, bits)                                      # [in, out]
+        qweight = pack_rows(torch.where(mirror[g_idx.long()], top - q, q), bits)
+        zeros = torch.where(mirror, top, zeros)
+        scales = torch.where(mirror, -scales, scales)
+    return {"qweight": qweight, "qzeros": pack_cols(zeros - 1, bits), "scales": scales, "g_idx": g_idx}
+
+
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ v1 ``qweight``/``qzeros`` → ``q [out, in]``, true ``zeros [G, out]`` (stored value + 1)."""
     q = unpack_rows(qweight, bits).t().contiguous()

@@ -54,7 +54,7 @@ class QuantConfig:
     group_size: int    # as written: -1 means one group per output channel
     desc_act: bool
     sym: bool
-    packing: str       # "awq_gemm" | "gptq_v1" (compressed-tensors int: read translated into it) | "fp8"
+    packing: str       # "awq_gemm" | "gptq_v1" | "gptq_v2" (read translated into v1, as compressed-tensors int) | "fp8"
     fp8: Fp8Scheme | None = None   # FP8 weights (quant_method fp8, compressed-tensors float): nvllm.quant.fp8
     activations: str | None = None   # compressed-tensors int-quantized: its int8 activation scheme, not applied
 
@@ -96,17 +96,18 @@ def parse_quantization_config(cfg: dict[str, Any]) -> QuantConfig:
         return QuantConfig("awq", bits, group_size, desc_act=False, sym=False, packing="awq_gemm")
 
     if c.get("is_marlin_format"):
-        raise ValueError("unsupported GPTQ checkpoint_format 'marlin': only 'gptq' (v1) is served")
+        raise ValueError("unsupported GPTQ checkpoint_format 'marlin': only 'gptq' (v1) and 'gptq_v2' are served")
     fmt = str(c.get("checkpoint_format", "gptq")).lower()
-    if fmt != "gptq":
+    if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"unsupported GPTQ checkpoint_format {c.get('checkpoint_format')!r}: only 'gptq' (v1) "
-                         f"is served")
+                         f"and 'gptq_v2' are served")
     desc_act = c.get("desc_act", False)
     sym = c.get("sym", True)
     for key, val in (("desc_act", desc_act), ("sym", sym)):
         if not isinstance(val, bool):
             raise ValueError(f"GPTQ {key} must be true or false, got {val!r}")
-    return QuantConfig("gptq", bits, group_size, desc_act=desc_act, sym=sym, packing="gptq_v1")
+    return QuantConfig("gptq", bits, group_size, desc_act=desc_act, sym=sym,
+                       packing="gptq_v2" if fmt == "gptq_v2" else "gptq_v1")
 
 
 def _fp8_config(method: str, scheme: Fp8Scheme) -> QuantConfig:
