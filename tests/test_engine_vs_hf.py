@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from nvllm import SamplingParams
+from nvllm.config import ConfigError
 from tests.conftest import ARCHS, make_llm
 
 PROMPT = [1, 45, 300, 12, 99, 7, 250, 31, 400, 18, 77, 5, 301, 130, 64, 9, 200, 11, 17, 310]
@@ -131,6 +132,10 @@ def test_sliding_window_caps_the_length_only_where_a_layer_slides(tmp_path, kind
     assert make_llm(str(path)).engine.max_model_len == limit
     if limit > 16:
         check_against_hf(path, (PROMPT * 3)[:40], 8)
+    else:  # asked for more than the window: refused, as past the model's other limits (it was lowered with a warning)
+        assert make_llm(str(path), max_model_len=16).engine.max_model_len == 16
+        with pytest.raises(ConfigError, match="max_model_len 100 exceeds the model's sliding window 16"):
+            make_llm(str(path), max_model_len=100)
 
 
 @pytest.mark.parametrize("written, overrides", [

@@ -81,7 +81,8 @@ def _rope_folded(config, overrides: dict) -> dict:
 def model_len_limit(hf_config, requested: int | None = None, warn: bool = True) -> int:
     """The longest sequence the engine serves: max_position_embeddings (as far as a rope scaling stretches it, see
     ``context_length``), or ``requested`` (--max-model-len) within it; capped to a sliding window where some layer
-    slides (within it, sliding attention equals full attention)."""
+    slides (nvllm has no windowed attention: within the window, sliding attention equals full attention), and a
+    ``requested`` length past that window is a ConfigError, as one past the other limits is."""
     c = hf_config
     limit = context_length(c.max_position_embeddings, rope_parameters(c)[1])
     window = getattr(c, "sliding_window", None)
@@ -103,6 +104,10 @@ def model_len_limit(hf_config, requested: int | None = None, warn: bool = True) 
             raise ConfigError(f"max_model_len {requested} exceeds the model's {what} {limit}")
         limit = requested
     if uses_window and window < limit:
+        if requested is not None:
+            raise ConfigError(f"max_model_len {requested} exceeds the model's sliding window {window}: nvllm serves "
+                              f"sliding-window models within their window, where sliding attention equals full "
+                              f"attention (it has no windowed attention); use --max-model-len {window} or less")
         if warn:
             logger.warning("the model uses sliding-window attention (%d); max_model_len capped to %d, within "
                            "which it equals full attention", window, window)
