@@ -226,7 +226,8 @@ def _engine(**kw):
     from nvllm.config import EngineConfig
     from nvllm.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(device="cpu", log_stats_interval=0, max_model_len=256, **kw), warmup=False)
+    kw.setdefault("max_model_len", 256)
+    return LLMEngine(EngineConfig(device="cpu", log_stats_interval=0, **kw), warmup=False)
 
 
 def _run(engine) -> dict:
@@ -324,6 +325,52 @@ def test_decode_side_recomputes_and_aborts_cleanly():
         decode.add_prefilled_request("d", prompt, seeded, 0.0, [PrefilledSample(5, generator_state=torch.zeros(
             7, dtype=torch.uint8))])
     assert "d" not in decode.requests and not decode.has_unfinished_requests()
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("max_tokens", [8, 14])
+def test_received_prompts_never_pin_a_full_pool(max_tokens):
+    """A decode pool with no room for a prompt when it was registered queues it to be recomputed; prompts whose KV
+    arrives later wait behind it holding their blocks. Nothing may stall on them: with nothing running they go
+    first (8 tokens: admission had stopped at the head forever), and a running sequence needing a block takes one
+    of theirs before it preempts itself (40 tokens: it preempted itself again and again). Every answer equals the
+    one a mixed engine gives."""
+    from nvllm.engine.kv_handoff import kv_handle_id
+    from nvllm.engine.sequence import PrefilledSample
+    from nvllm.sampling_params import SamplingParams
+
+    prefill, mixed = _engine(num_kv_blocks=32, block_size=16), _engine(num_kv_blocks=32, block_size=16)
+    decode = _engine(num_kv_blocks=5, block_size=16, max_model_len=64)   # 80 tokens
+    p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = {"x": list(range(10, 60)), "y": list(range(100, 117)), "z": list(range(200, 210))}
+    for rid, ids in prompts.items():
+        prefill.add_request(rid, ids, p, prefill_only=True)
+        mixed.add_request(rid, ids, p)
+    firsts, want = _run(prefill), _run(mixed)
+    targets = []
+    for rid, ids in prompts.items():
+        held = prefill.handoff.held[kv_handle_id(rid, 0)]
+        (t,) = decode.add_prefilled_request(rid, ids, p, 0.0, [PrefilledSample(
+            firsts[rid].outputs[0].token_ids[0], generator_state=held.generator_state)])
+        targets.append((rid, t))
+    assert [t.block_ids is None for _, t in targets] == [False, True, False]  # y: no room, recomputed here
+    for rid, t in targets:   # the transfers end after y was queued
+        handle = kv_handle_id(rid, 0)
+        if t.block_ids is None:
+            prefill.handoff.release(handle, exported=False)
+            continue
+        src = prefill.export_kv(handle)[t.skip_blocks:]
+        KVLayout(decode.runner.kv_caches).scatter(t.block_ids, KVLayout(prefill.runner.kv_caches).gather(src))
+        prefill.release_kv(handle)
+        decode.handoff.arrived(t.seq, True)
+    done = {}
+    for _ in range(2000):
+        done.update({o.request_id: o for o in decode.step() if o.finished})
+        if not decode.has_unfinished_requests():
+            break
+    assert not decode.has_unfinished_requests(), "the decode engine stalled"
+    assert {rid: o.outputs[0].token_ids for rid, o in done.items()} == \
+        {rid: o.outputs[0].token_ids for rid, o in want.items()}
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
 
 

@@ -52,6 +52,10 @@ class Scheduler:
         # request of 100k sequences froze the engine for minutes); ``num_waiting`` / ``waiting_seqs`` skip them
         self.waiting: deque[Sequence] = deque()
         self._departed = 0
+        # waiting sequences that hold blocks (a decode worker's prompts whose KV was received), by arrival: their
+        # blocks are only a copy of a prompt they can recompute, so they give them up to whoever needs blocks and
+        # cannot otherwise get them (a running sequence, before it preempts one; see also _holders_first)
+        self._holders: dict[int, Sequence] = {}
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # LoRA: put a waiting sequence's adapter on the device, given the adapters running sequences use; False
@@ -73,6 +77,16 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self._queue(self.waiting, seq, front=False)
+        if seq.block_table:
+            self._holders[id(seq)] = seq
+
+    def _release_holder(self) -> bool:
+        """Free the blocks of the latest waiting sequence that holds some (it recomputes its prompt); False when
+        none does."""
+        if not self._holders:
+            return False
+        self.bm.free_sequence(self._holders.popitem()[1])
+        return True
 
     def _queue(self, queue, seq: Sequence, front: bool) -> None:
         """Put ``seq`` in ``queue``: at its (priority, arrival) place under the priority policy (looked for from
@@ -134,6 +148,8 @@ class Scheduler:
                     i += 1
                     continue
             while not self.bm.allocate_slots(seq, n):
+                if self._release_holder():
+                    continue
                 j = self._victim(i, out.scheduled)
                 victim = self.running.pop(j)
                 if j < i:   # priority policy: scheduled already this step; its tokens go back to the budget
@@ -152,6 +168,27 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out
+        self._admit(out, budget)
+        if not out.scheduled and not self.running and self._holders_first():
+            self._admit(out, budget)
+        return out
+
+    def _holders_first(self) -> bool:
+        """Nothing runs and nothing was admitted, so the blocks that are not free are pinned by waiting sequences
+        that hold KV (a decode worker's received prompts, queued behind one waiting to be recomputed): no finish
+        will ever free them. Those sequences go to the front of the queue, where admission runs them or, when one
+        does not fit, lets its blocks go (it recomputes its prompt): progress either way. False when none holds
+        blocks."""
+        if not self._holders:
+            return False
+        holds = [id(s) in self._holders for s in self.waiting]
+        self.waiting = deque([s for s, h in zip(self.waiting, holds) if h] +
+                             [s for s, h in zip(self.waiting, holds) if not h])
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences, first come first served (or by priority), while the token budget, the sequence
+        limit and the blocks allow."""
         loras = {s.lora_id for s in self.running if s.lora_id}
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -166,6 +203,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.bm.tokens_that_fit(seq))
             if n <= 0 or not self.bm.allocate_slots(seq, n):
                 self.bm.free_sequence(seq)  # don't pin cached blocks while waiting
+                self._holders.pop(id(seq), None)
                 break
             self._drop_waiting(i)
             loras.add(seq.lora_id)
@@ -182,12 +220,12 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
-        return out
 
     def _drop_waiting(self, i: int) -> None:
         seq = self.waiting[i]
         del self.waiting[i]
         seq.queued = False
+        self._holders.pop(id(seq), None)
         if seq.status is Status.FINISHED:
             self._departed -= 1
 
@@ -201,6 +239,7 @@ class Scheduler:
         """Remove a finished (or aborted) sequence and free its blocks. free=False keeps them (a prefill
         worker's sequence waiting for a decode worker to fetch its KV); so does a sequence whose KV is still
         arriving (RECEIVING): the transfer writes into its blocks, which are freed when it ends."""
+        self._holders.pop(id(seq), None)
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq.queued:
