@@ -33,6 +33,7 @@ import torch
 from nvllm.quant import fp8
 from nvllm.quant.formats import default_g_idx, gptq_v1_tensors
 from nvllm.quant.fp8 import Fp8Scheme
+from nvllm.quant.module_tensors import translated_by_module
 from nvllm.quant.packing import pack_cols, pack_rows, unpack_rows
 
 # config.json's weights scheme as llm-compressor writes it (compressed-tensors' QuantizationArgs fields)
@@ -222,21 +223,15 @@ class GPTQView:
         return not self.stored and (not self.int_format or leaf != "weight" or tensor.dtype == torch.int8)
 
     def __call__(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in weights:
-            module, _, leaf = name.rpartition(".")
-            if not self._ours(module, leaf, tensor):
-                yield name, tensor
-                continue
-            parts = pending.setdefault(module, {})
-            parts[leaf] = tensor
-            if parts.keys() == self.stored.get(module):
-                yield from ((f"{module}.{k}", v) for k, v in self.translate(module, pending.pop(module)).items())
-        for module, parts in pending.items():  # tensor names not known beforehand (a pickle checkpoint)
-            if not self.needs <= parts.keys():
-                raise ValueError(f"compressed-tensors module {module!r} lacks "
-                                 f"{', '.join(sorted(self.needs - parts.keys()))}")
-            yield from ((f"{module}.{k}", v) for k, v in self.translate(module, parts).items())
+        return translated_by_module(weights, self._ours, self.stored, self._complete)
+
+    def _complete(self, module: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``translate``, once a module whose names were not known beforehand (a pickle checkpoint) is checked
+        for every part its scheme needs (the known ones were, in ``__init__``)."""
+        if module not in self.stored and not self.needs <= parts.keys():
+            raise ValueError(f"compressed-tensors module {module!r} lacks "
+                             f"{', '.join(sorted(self.needs - parts.keys()))}")
+        return self.translate(module, parts)
 
     def translate(self, module: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One module's tensors → GPTQ v1 (see the module doc)."""

@@ -3,8 +3,8 @@ the zero points stored as they are, where v1 stores zero − 1. Their tensors ar
 layout nvllm's kernels take (``nvllm.quant.formats.gptq_v1_tensors``: a group whose zero is 0 is mirrored), so a
 v2 checkpoint computes exactly what its own definition says.
 
-A module's tensors are held until its ``qweight``, ``qzeros``, ``scales`` (and ``g_idx`` when the checkpoint has
-one) have all arrived: shards may split a module."""
+A module's tensors are translated once its ``qweight``, ``qzeros``, ``scales`` (and ``g_idx`` when the checkpoint
+has one) have all arrived (``nvllm.quant.module_tensors``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from nvllm.quant.formats import default_g_idx, gptq_v1_tensors
+from nvllm.quant.module_tensors import translated_by_module
 from nvllm.quant.packing import unpack_cols
 
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
@@ -32,25 +33,17 @@ class GPTQv2View:
         self.stored = {m: parts for m, parts in stored.items() if "qzeros" in parts}
 
     def __call__(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in weights:
-            module, _, leaf = name.rpartition(".")
-            if leaf not in _PARTS or (self.stored and module not in self.stored):
-                yield name, tensor
-                continue
-            parts = pending.setdefault(module, {})
-            parts[leaf] = tensor
-            if parts.keys() == self.stored.get(module):
-                yield from self._translated(module, pending.pop(module))
-        for module, parts in pending.items():
-            yield from self._translated(module, parts)
+        return translated_by_module(weights, self._ours, self.stored, self.translate)
 
-    def _translated(self, module: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _ours(self, module: str, leaf: str, tensor: torch.Tensor) -> bool:
+        return leaf in _PARTS and (not self.stored or module in self.stored)
+
+    def translate(self, module: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One module's tensors → GPTQ v1 (see the module doc)."""
         if not _NEEDED <= parts.keys():  # not a quantized module (a pickle's stray g_idx): left to the loader
             if "qzeros" in parts:
                 raise ValueError(f"GPTQ v2 module {module!r} lacks {', '.join(sorted(_NEEDED - parts.keys()))}")
-            yield from ((f"{module}.{k}", v) for k, v in parts.items())
-            return
+            return parts
         qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
         if qzeros.dtype != torch.int32 or qzeros.dim() != 2 or qweight.dim() != 2:
             raise ValueError(f"{module}.qzeros must be a 2-D int32 tensor, got {qzeros.dtype} {tuple(qzeros.shape)}")
@@ -66,4 +59,4 @@ class GPTQv2View:
             v1["g_idx"] = parts["g_idx"]   # as stored: the loader checks it against the layer
         else:
             del v1["g_idx"]
-        yield from ((f"{module}.{k}", v) for k, v in v1.items())
+        return v1
