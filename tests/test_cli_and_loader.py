@@ -33,6 +33,25 @@ def test_generate_demo_model_default():
     assert "finish_reason=length" in r.stderr
 
 
+def test_commands_that_never_serve_start_without_the_server_libraries():
+    """`nvllm generate` (as quantize and eval) loads neither FastAPI nor uvicorn: a machine without them (an
+    inference-only image) still runs it, and the CLI starts without their import time."""
+    blocker = (
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('fastapi', 'uvicorn', 'starlette', 'prometheus_client'):\n"
+        "            raise ImportError('not installed: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "sys.argv[0] = 'nvllm'\n"
+        "from nvllm.cli import app\n"
+        "app()\n")
+    r = subprocess.run([sys.executable, "-c", blocker, "generate", "--max-tokens", "6", "--log-stats-interval", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("Once upon a time, there was")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/dir"], "model directory not found"),
     (["--temperature", "-1"], "temperature must be a non-negative finite number"),

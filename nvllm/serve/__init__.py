@@ -1,5 +1,4 @@
-"""`nvllm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the AsyncLLMEngine."""
+"""`nvllm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the AsyncLLMEngine.
 
-from nvllm.serve.api_server import ServerConfig, build_app, run_server
-
-__all__ = ["ServerConfig", "build_app", "run_server"]
+The package itself imports nothing: commands that never serve (`nvllm quantize`, `generate`, `eval`) start without
+loading FastAPI and uvicorn. Import `nvllm.serve.api_server` for `build_app`, `run_server` and `ServerConfig`."""
