@@ -169,6 +169,14 @@ def test_top_p_min_p_mask():
             > -math.inf)[0].tolist() == [True, True, True, True, False]
 
 
+def test_a_tied_tokens_rank_counts_every_token_at_least_as_likely():
+    """vLLM's rank: the number of tokens whose log-probability is >= the chosen one's (itself included)."""
+    from nvllm.layers.sampler import batch_token_logprobs
+    row = torch.tensor([[-1.0, -2.0, -1.0, -3.0, -1.0, float("-inf")]])
+    got = [batch_token_logprobs(row, [t], [0])[0][1] for t in range(6)]
+    assert got == [3, 4, 3, 5, 3, 6]
+
+
 def test_stop_strings_tokens_and_lengths(llm):
     base = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0]
     full = base.outputs[0].text

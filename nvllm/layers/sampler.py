@@ -188,10 +188,11 @@ def token_logprobs(row_logprobs: torch.Tensor, token: int, top_n: int) -> tuple[
 
 def batch_token_logprobs(logprobs: torch.Tensor, tokens: list[int], top_ns: list[int]) -> list[tuple]:
     """token_logprobs for many rows at once: a handful of device ops and one host copy per quantity, whatever
-    the number of rows (prompt log-probabilities ask for thousands)."""
+    the number of rows (prompt log-probabilities ask for thousands). A token's rank counts the tokens at least as
+    likely, itself included, as vLLM's: a token tied with others takes the tie's last place."""
     idx = torch.tensor(tokens, device=logprobs.device)[:, None]
     chosen = logprobs.gather(1, idx)
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
     chosen = chosen[:, 0].tolist()
     k = max(top_ns, default=0)
     tops: list[list[tuple[int, float]]] = [[] for _ in tokens]
