@@ -216,6 +216,26 @@ def rtn2_model(tmp_path_factory) -> str:
     return str(out)
 
 
+def test_the_report_names_the_quantization_the_loader_served(tmp_path):
+    """An older AutoGPTQ checkpoint keeps its settings in quantize_config.json, not config.json: the eval report
+    carries what the loader read from it (it said null for a model served quantized)."""
+    from tests.quant_utils import write_by_hand
+
+    model = tmp_path / "gptq"
+    write_by_hand(Path(demo_model_path()), model, "gptq", bits=8, skip=("down_proj",))
+    cfg = json.loads((model / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    (model / "config.json").write_text(json.dumps(cfg))
+    (model / "quantize_config.json").write_text(json.dumps(qc))
+    text = tmp_path / "doc.txt"
+    text.write_text("Once upon a time, there was a little girl named Lily.\n")
+    report = tmp_path / "eval.json"
+    r = cli("--model", str(model), "--tasks", str(text), "--output-json", str(report), "--no-progress")
+    assert r.exit_code == 0, r.output
+    got = json.loads(report.read_text())["models"][0]["quantization_config"]
+    assert got["quant_method"] == "gptq" and got["bits"] == 8 and got["group_size"] == qc["group_size"]
+
+
 def test_a_drop_equal_to_the_limit_passes_whatever_the_rounding():
     """0.25 − 0.24 is 1.0000000000000009 points in floating point: at --max-drop 1 that is within the limit; a drop
     of 2 points is not, nor 2.01% of a 50-point baseline at --max-drop-rel 2."""

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from nvllm.assets import demo_model_path
 from nvllm.cli import app
 from nvllm.engine.llm_engine import load_tokenizer
+from nvllm.models import hub
 from nvllm.quant import calibration as C
 from nvllm.quant.recipe import RecipeError, build_config
 from tests.conftest import REPO
@@ -385,7 +386,7 @@ def test_bad_calibration_datasets_are_one_line(tmp_path, monkeypatch):
     folder.mkdir()
     (folder / "train.jsonl").write_text("\n".join(json.dumps({"body": f"cat {i}", "n": i}) for i in range(8)))
     (tmp_path / "d.jsonl").write_text('{"text": "Once upon a time"}\n')
-    monkeypatch.setattr(C, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     unreachable = "not a local file or folder, and the Hugging Face Hub is not reachable"
@@ -421,12 +422,12 @@ def test_the_hub_probe_follows_the_endpoint_proxies_and_offline_spellings(monkey
     for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
-    assert not C._hub_reachable(timeout=2)
+    assert not hub.hub_reachable(timeout=2)
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
-    assert C._hub_reachable(timeout=2)
-    assert not C._offline()
+    assert hub.hub_reachable(timeout=2)
+    assert not hub.hub_offline()
     for spelling in ("1", "true", "YES", "on"):
         monkeypatch.setenv("HF_HUB_OFFLINE", spelling)
-        assert C._offline()
+        assert hub.hub_offline()
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    assert not C._offline()
+    assert not hub.hub_offline()

@@ -113,9 +113,9 @@ def load_corpus(name: str, data_dir: str | Path | None) -> Corpus:
 
 
 def _hub_wikitext() -> list[str]:
-    from nvllm.eval.runner import hub_reachable
+    from nvllm.models import hub
 
-    if not hub_reachable():
+    if hub.hub_offline() or not hub.hub_reachable():
         raise PerplexityError("the Hugging Face hub is unreachable: pass --data-dir DIR holding "
                               "wikitext-2-raw/wiki.test.raw")
     import datasets  # pragma: no cover - needs the hub

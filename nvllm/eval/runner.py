@@ -4,11 +4,8 @@ the hub is reachable), perplexity through perplexity.py, one result dict per mod
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import math
-import os
-import socket
 import tempfile
 import time
 from contextlib import contextmanager
@@ -18,6 +15,8 @@ from pathlib import Path
 from nvllm import output_file
 from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.eval.harness_results import digest, harness_entry
+from nvllm.models import hub
+from nvllm.quant.plan import read_quantization_config
 from nvllm.eval.quiet import harness_bars
 
 TASK_HELP = "gsm8k, mmlu, mmlu_<category|subject>, wikitext, c4 or a text file path"
@@ -69,16 +68,6 @@ def require_lm_eval() -> None:
         fail("nvllm eval needs lm-eval: pip install -e '.[eval]'")
 
 
-def hub_reachable(timeout: float = 3.0) -> bool:
-    if any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 @contextmanager
 def task_manager(spec: EvalSpec):
     """lm-eval's TaskManager for the harness tasks: local configs rendered into a temporary folder when
@@ -105,17 +94,10 @@ def task_manager(spec: EvalSpec):
     unknown = [t for t in spec.harness_tasks if t not in manager.all_tasks]
     if unknown:
         raise EvalError(f"unknown task {unknown[0]!r}; choose from {TASK_HELP}")
-    if not hub_reachable():
+    if hub.hub_offline() or not hub.hub_reachable():
         raise EvalError("the Hugging Face hub is unreachable and no --data-dir was given: pass --data-dir DIR "
                         "with local copies (gsm8k/test.jsonl, mmlu/test/*.csv, ...)")
     yield manager, {t: "lm-eval task (hub)" for t in spec.harness_tasks}
-
-
-def quantization_config(model_dir: str) -> dict | None:
-    try:
-        return json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError):
-        return None
 
 
 def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "model", progress=None,
@@ -147,7 +129,8 @@ def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "
         raise EvalError(str(e)) from e
     lm.progress, lm.progress_prefix = progress, f"{label}: "
     out: dict = {"label": label, "model": config.model, "lora": lora, "tokenizer": config.tokenizer,
-                 "quantization_config": quantization_config(config.model), "max_length": lm.max_length,
+                 "quantization_config": read_quantization_config(config.model, llm.engine.runner.hf_config),
+                 "max_length": lm.max_length,
                  "tasks": {}, "samples": {}, "hashes": {}}
     if spec.harness_tasks:
         try:

@@ -7,6 +7,8 @@ ignored."""
 from __future__ import annotations
 
 import os
+import socket
+from urllib.parse import urlparse
 
 from nvllm.config import ConfigError, first_line
 
@@ -30,3 +32,23 @@ def resolve_model_path(name: str, revision: str | None = None, weights: bool = T
         at = f" at revision {revision!r}" if revision else ""
         raise ConfigError(f"model directory not found, and {name!r}{at} could not be fetched from the "
                           f"Hugging Face Hub: {type(e).__name__}: {first_line(e)}") from e
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE / HF_DATASETS_OFFLINE as huggingface_hub reads them (1, true, yes, on)."""
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hub's endpoint (HF_ENDPOINT, a mirror, or huggingface.co) answers a connection; assumed so behind
+    a proxy, which only a request through it can tell. The offline switches are hub_offline's to read."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)),
+                                 timeout=timeout).close()
+        return True
+    except OSError:
+        return False

@@ -34,15 +34,14 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import zlib
 from pathlib import Path
 from typing import NamedTuple
-from urllib.parse import urlparse
 
 import torch
 
 from nvllm.config import first_line
+from nvllm.models import hub
 
 CALIB_DIR = Path(__file__).resolve().parents[2] / "calib"
 SHIPPED_SAMPLE = CALIB_DIR / "c4-sample.jsonl"
@@ -161,35 +160,15 @@ def read_texts(path: str | os.PathLike) -> list:
     return texts
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hub's endpoint (HF_ENDPOINT, a mirror, or huggingface.co) answers a connection; assumed so behind
-    a proxy, which only a request through it can tell."""
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True
-    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    try:
-        socket.create_connection((url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)),
-                                 timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def _offline() -> bool:
-    """HF_HUB_OFFLINE / HF_DATASETS_OFFLINE as huggingface_hub reads them (1, true, yes, on)."""
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
 def _c4_texts() -> tuple[list[str] | None, str]:
     """C4 through ``datasets``, or (None, why not)."""
     try:
         import datasets
     except ImportError:
         return None, "the datasets package is not installed"
-    if _offline():
+    if hub.hub_offline():
         return None, "the Hugging Face Hub is set offline"
-    if not _hub_reachable():
+    if not hub.hub_reachable():
         return None, "the Hugging Face Hub is not reachable"
     try:
         ds = datasets.load_dataset(C4_REPO, data_files={"validation": C4_FILE}, split="validation")
@@ -220,7 +199,7 @@ def _load_dataset(name: str, config: str | None, split: str, needs: str | None =
         return ds
     if needs is not None and importlib.util.find_spec(needs) is None:
         raise CalibrationError(f"--calib-dataset {name}: its files need the {needs} package: pip install {needs}")
-    if not folder.is_dir() and not _offline() and not _hub_reachable():  # not half a minute of retries
+    if not folder.is_dir() and not hub.hub_offline() and not hub.hub_reachable():  # not half a minute of retries
         raise CalibrationError(f"cannot load calibration dataset {name}: not a local file or folder, and the "
                                f"Hugging Face Hub is not reachable (with HF_HUB_OFFLINE=1 a copy in the datasets "
                                f"cache is used)")
