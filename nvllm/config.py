@@ -25,8 +25,15 @@ class ConfigError(ValueError):
 
 
 def first_line(e: BaseException) -> str:
-    """An exception's first non-blank line (libraries' messages often run over several), or its type's name."""
-    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    """An exception's first non-blank line (libraries' messages often run over several), or its type's name. A line
+    that ends in a colon only introduces the reason, on the next line: the two are joined."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    out = lines[0] if lines else type(e).__name__
+    for line in lines[1:]:
+        if not out.endswith(":"):
+            break
+        out = f"{out} {line}"
+    return out
 
 
 def resolve_device(name: str) -> str:

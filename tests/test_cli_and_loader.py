@@ -67,7 +67,9 @@ def test_commands_that_never_serve_start_without_the_server_libraries():
     (["--logprobs", "513"], "logprobs must be at most the vocabulary size 512, got 513"),
     (["--repetition-penalty", "0"], "repetition_penalty must be a number greater than 0 within float32's range"),
     (["--presence-penalty", "3"], "presence_penalty must be in [-2, 2], got 3.0"),
-    (["--hf-overrides", '{"num_hidden_layers": "abc"}'], "--hf-overrides: "),
+    (["--hf-overrides", '{"num_hidden_layers": "abc"}'],   # transformers' reason is on its message's second line
+     "--hf-overrides: Validation error for field 'num_hidden_layers': TypeError: Field 'num_hidden_layers' expected "
+     "int, got str"),
     (["--hf-overrides", '{"max_position_embeddings": -5}'],
      "config.json: max_position_embeddings must be a positive integer, got -5"),
 ])
