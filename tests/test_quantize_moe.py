@@ -189,8 +189,11 @@ def test_experts_the_scheme_cannot_pack_stay_dense(tmp_path, fmt):
         ignored = {m for m in modules if any(match_name(m, t) for t in qc["ignore"])}
         assert ignored == {m for m in modules if ".mlp." in m}     # every expert and the router
     else:
-        assert (qc["modules_to_not_convert"] == ["mlp.experts"]) if fmt == "awq" else (
-            list(qc["dynamic"]) == [r"-:.*\.(mlp\.experts(\.\d+\.\w+)?)$"] and "modules_in_block_to_quantize" not in qc)
+        # the router is named layer by layer: "mlp.gate" would also name layer 0's dense mlp.gate_proj
+        assert (qc["modules_to_not_convert"] == ["mlp.experts", "layers.1.mlp.gate"]) if fmt == "awq" else (
+            list(qc["dynamic"]) == [r"-:.*\.(mlp\.experts(\.\d+\.\w+)?)$"] and qc["modules_in_block_to_quantize"]
+            == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+                ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]])
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in tensors
     assert any(k.startswith("model.layers.1.self_attn.q_proj.") and k.endswith(("qweight", "weight_packed"))
                for k in tensors)
@@ -203,6 +206,51 @@ def test_experts_the_scheme_cannot_pack_stay_dense(tmp_path, fmt):
     dummy = load_model(EngineConfig(model=str(tmp_path / "q"), device="cpu", load_format="dummy"),
                        load_hf_config(str(tmp_path / "q")), torch.float32, torch.device("cpu"))
     assert type(dummy.layers[1].moe.experts).__name__ == "Experts"
+
+
+@pytest.mark.parametrize("kind", list(SIZES))
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_other_loaders_convert_exactly_the_quantized_modules(tmp_path, sources, kind, fmt):
+    """Loaders built on transformers 4 replace a layer's linears by quantized ones unless the config says otherwise:
+    AutoAWQ / transformers' AWQ every linear no ``modules_to_not_convert`` entry is a substring of; optimum's GPTQ
+    every linear whose name ends with a ``modules_in_block_to_quantize`` entry (all of them without the list); vLLM
+    a linear some entry of that list is a substring of. Each rule must pick exactly the modules stored quantized —
+    a router among them would be built quantized with no qweight to load."""
+    quantize(sources[kind], tmp_path / "q", method=fmt)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    linears = {k.rsplit(".", 1)[0] for k, t in tensors.items() if k.startswith("model.layers.") and (
+        k.endswith(".qweight") or k.endswith(".weight") and t.dim() == 2)}
+    quantized = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".qweight")}
+    routers = {m for m in linears if m.endswith((".gate", ".shared_expert_gate"))}
+    assert routers and not routers & quantized and quantized
+    if fmt == "awq":
+        skip = qc["modules_to_not_convert"] or []
+        assert {m for m in linears if not any(s in m for s in skip)} == quantized
+    else:
+        listed = [n for group in qc["modules_in_block_to_quantize"] for n in group]
+        assert {m for m in linears if any(m.endswith(n) for n in listed)} == quantized
+        assert {m for m in linears if ".experts." not in m and any(n in m for n in listed)} == \
+            {m for m in quantized if ".experts." not in m}   # vLLM asks its linears; the experts go by `dynamic`
+
+
+def test_dummy_weights_follow_modules_in_block_to_quantize(tmp_path, sources):
+    """Without weights (load_format dummy) the config decides: a module of a decoder layer that
+    ``modules_in_block_to_quantize`` does not name is built dense, as vLLM and optimum read the list."""
+    from nvllm.config import EngineConfig
+    from nvllm.models.loader import load_hf_config, load_model
+
+    quantize(sources["qwen3-moe"], tmp_path / "q", method="rtn")
+    path = tmp_path / "q" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["quantization_config"]["modules_in_block_to_quantize"] = [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"]]
+    path.write_text(json.dumps(cfg))
+    model = load_model(EngineConfig(model=str(tmp_path / "q"), device="cpu", load_format="dummy"),
+                       load_hf_config(str(tmp_path / "q")), torch.float32, torch.device("cpu"))
+    assert type(model.layers[1].moe.experts).__name__ == "Experts"
+    assert type(model.layers[0].gate_up_proj).__name__ != "QuantLinear"
+    assert type(model.layers[0].qkv_proj).__name__ == type(model.layers[1].o_proj).__name__ == "QuantLinear"
 
 
 def test_cli_and_refusals(tmp_path, sources):

@@ -129,13 +129,18 @@ def excluded_by_config(raw: dict[str, Any], hf_names: list[str]) -> bool:
     """True when the config keeps these modules in full precision. ``modules_to_not_convert`` (and FP8's
     ``ignored_layers``) entries match as substrings of the module name (AutoAWQ / vLLM); ``dynamic`` keys
     ``-:REGEX`` exclude what the regex matches from the start of the name (GPTQModel / vLLM); ``ignore`` entries
-    are names or ``re:`` patterns (compressed-tensors). All shards of a fused module must agree."""
+    are names or ``re:`` patterns (compressed-tensors); once ``modules_in_block_to_quantize`` is given, a decoder
+    layer's module none of its entries names (as a substring, as vLLM reads it) stays dense. All shards of a fused
+    module must agree."""
     skip = [str(m) for m in (raw.get("modules_to_not_convert") or []) + (raw.get("ignored_layers") or [])]
     negative = [k[2:] for k in (raw.get("dynamic") or {}) if str(k).startswith("-:")]
+    in_block = [str(m) for g in (raw.get("modules_in_block_to_quantize") or [])
+                for m in (g if isinstance(g, list) else [g])]
 
     def excluded(name: str) -> bool:
         return (any(m in name for m in skip) or any(re.match(p, name) for p in negative)
-                or compressed_tensors.ignored(raw, name))
+                or compressed_tensors.ignored(raw, name)
+                or bool(in_block) and name.startswith("model.layers.") and not any(m in name for m in in_block))
 
     flags = {excluded(n) for n in hf_names}
     if len(flags) > 1:

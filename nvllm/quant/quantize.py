@@ -39,8 +39,8 @@ from nvllm.quant.calibration import calibration_windows, load_texts
 from nvllm.quant.quant_config import awq_quantization_config, gptq_quantization_config
 from nvllm.quant.methods import AWQMethod, GPTQMethod, RTNMethod
 from nvllm.quant.compressed_tensors import quantization_config as ct_quantization_config
-from nvllm.quant.plan import (FUSED_MODULES, LINEARS, LM_HEAD, QuantScheme, head_problem, quantizable_units,
-                              read_quantization_config, routers)
+from nvllm.quant.plan import (LM_HEAD, QuantScheme, head_problem, quantizable_units, read_quantization_config,
+                              routers)
 from nvllm.quant.recipe import QuantizeConfig
 from nvllm.quant.rtn import Grid
 from nvllm.quant.lazy_model import LazyModel
@@ -142,15 +142,48 @@ def build_method(cfg: QuantizeConfig):
     return RTNMethod(grid, cfg.group_size)
 
 
-def quantization_config(cfg: QuantizeConfig, out_dir: str, kept: list[KeptUnit], shape) -> dict:
+def block_modules(shape, units: dict[int, set[str]]) -> list[list[str]]:
+    """The quantized modules of the decoder layers by their names within a layer (``self_attn.q_proj``), grouped as
+    GPTQModel lists them (a fused linear's shards together; every expert's gate and up, then every expert's down),
+    each group once, in model order: ``modules_in_block_to_quantize``."""
+    groups: list[list[str]] = []
+    for key, names, _ in quantizable_units(shape):
+        _, layer, unit = key.split(".", 2)
+        if unit not in units[int(layer)]:
+            continue
+        inside = [n.split(".", 3)[3] for n in names]   # "model.layers.{i}.mlp.gate_proj" → "mlp.gate_proj"
+        parts = [[n for j, n in enumerate(inside) if j % 3 != 2], inside[2::3]] if unit == "experts" else [inside]
+        groups += [g for g in parts if g not in groups]
+    return groups
+
+
+def awq_not_converted(shape, kept: list[KeptUnit]) -> list[str] | None:
+    """AWQ's ``modules_to_not_convert``: what the plan keeps, and a mixture's routers (AutoAWQ and transformers'
+    AWQ loader replace every linear of a layer this list does not name, a router included). The list matches
+    substrings, so a router is named ``mlp.gate`` only where no quantizable module's name contains that (a dense
+    layer's ``mlp.gate_proj`` does): otherwise layer by layer, ``layers.{i}.mlp.gate``."""
+    names = [n for k in kept for n in k.names]
+    inside = {n.split(".", 3)[3] for _, unit_names, _ in quantizable_units(shape) for n in unit_names}
+    full = routers(shape)                                   # "model.layers.{i}.mlp.gate"
+    for r in dict.fromkeys(r.split(".", 3)[3] for r in full):
+        if not any(r in n for n in inside):
+            names.append(r)
+        else:
+            names += [f.split(".", 1)[1] for f in full if f.endswith(f".{r}")]
+    return names or None
+
+
+def quantization_config(cfg: QuantizeConfig, out_dir: str, units: dict[int, set[str]], kept: list[KeptUnit],
+                        shape) -> dict:
     """``quantization_config`` as AutoAWQ / AutoGPTQ / llm-compressor write it, plus what stays in full precision:
-    AWQ's ``modules_to_not_convert`` (substrings of module names), GPTQ's ``dynamic`` ``-:REGEX`` exclusions
-    (GPTQModel's per-module override, which vLLM reads) and, for a dense model, ``modules_in_block_to_quantize``
-    (the modules of a decoder layer that are quantized, what transformers / optimum read; the same in every layer),
-    compressed-tensors' ``ignore`` (which names a mixture's routers too: that format quantizes every linear it
-    does not ignore)."""
+    AWQ's ``modules_to_not_convert`` (substrings of module names, a mixture's routers among them), GPTQ's
+    ``dynamic`` ``-:REGEX`` exclusions (GPTQModel's per-module override, which vLLM reads) and, when a layer keeps
+    something in full precision — a dense model's unpackable linear, a mixture's routers —,
+    ``modules_in_block_to_quantize`` (the modules of a decoder layer that are quantized, what transformers /
+    optimum convert; without it they convert every linear of the layer), compressed-tensors' ``ignore`` (which
+    names a mixture's routers too: that format quantizes every linear it does not ignore)."""
     if cfg.writes == "awq":
-        return awq_quantization_config(cfg.group_size, 4, True, [n for k in kept for n in k.names] or None)
+        return awq_quantization_config(cfg.group_size, 4, True, awq_not_converted(shape, kept))
     if cfg.writes == "compressed-tensors":  # every layer's kept modules by name, and the head unless quantized
         ignore = [] if cfg.quantize_lm_head else [LM_HEAD]
         ignore += [f"re:.*\\.({k.pattern})$" for k in kept]
@@ -163,13 +196,10 @@ def quantization_config(cfg: QuantizeConfig, out_dir: str, kept: list[KeptUnit],
         qc["lm_head"] = True          # GPTQModel's key; vLLM's GPTQ config reads it (lm_head_quantized)
     if kept:
         qc["dynamic"] = {f"-:.*\\.({k.pattern})$": {} for k in kept}
-        if shape.moe is None:   # transformers / optimum read neither: they convert the block modules listed here
-            kept_names = {n for k in kept for n in k.names}
-            qc["modules_in_block_to_quantize"] = [
-                [f"{parent}.{s}" for s in shards] for parent, shards in (FUSED_MODULES[fused] for fused in LINEARS)
-                if f"{parent}.{shards[0]}" not in kept_names]
-            if cfg.quantize_lm_head:  # vLLM quantizes only the modules this list names once it is given, head too
-                qc["modules_in_block_to_quantize"].append([LM_HEAD])
+    if kept or shape.moe is not None:
+        qc["modules_in_block_to_quantize"] = block_modules(shape, units)
+        if cfg.quantize_lm_head:  # vLLM quantizes only the modules this list names once it is given, head too
+            qc["modules_in_block_to_quantize"].append([LM_HEAD])
     return qc
 
 
@@ -225,7 +255,7 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     if cfg.quantize_lm_head:
         w = model.model.lm_head.weight
         summary.head_size_before = w.numel() * w.element_size()
-    qc = quantization_config(cfg, out_dir, kept, shape)
+    qc = quantization_config(cfg, out_dir, units, kept, shape)
     # GPTQModel reads quantize_config.json, its ``dynamic`` exclusions included (they name what stays dense)
     extra = {"quantize_config.json": dict(qc)} if cfg.writes == "gptq" else None
     written: set[str] = set()
