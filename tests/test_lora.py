@@ -31,9 +31,16 @@ def setup(tmp_path_factory):
 
 
 def test_adapters_and_the_base_in_one_batch_match_peft(setup):
+    """... and the kernel report names the LoRA paths that ran: per-adapter matmuls on prompt rows, a slot per token
+    in decode steps."""
+    from nvllm.kernels import report
+
     _, base, adapters = setup
     llm = make_llm(str(base), enable_lora=True)
+    report.reset()
     check_against_peft(llm, hf_model(base), adapters)
+    ran = set(report.snapshot().get("lora", {}))
+    assert ran == {"torch matmuls per adapter (prompt rows)", "torch reference (a slot per token)"}, ran
 
 
 def test_decode_graph_rows_apply_each_rows_adapter_slot(setup):

@@ -13,6 +13,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from nvllm.kernels import report  # noqa: E402
 from nvllm.kernels.lora import launch_sizes, lora_apply, lora_apply_reference  # noqa: E402
 
 
@@ -55,7 +56,9 @@ def test_kernels_equal_the_reference(dtype, K, monkeypatch):
     y, x, a, b, ranks, slots = case(dtype, K=K)
     want = lora_apply_reference(y.clone(), x, a, b, ranks, slots)
     got = y.clone()
+    report.reset()
     assert lora_apply(got, x, a, b, ranks, slots) is got
+    assert report.snapshot()["lora"] == {"triton shrink + expand (a slot per token)": 1}
     assert not torch.isnan(got).any()
     # bf16: the 3.9 interpreter rounds fp32 → bf16 by truncation, torch to nearest: one ulp apart at most
     torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1.6e-2,

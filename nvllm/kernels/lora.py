@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from nvllm.kernels import pdl
+from nvllm.kernels import pdl, report
 from nvllm.kernels.backend import eager_triton, use_triton
 
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
@@ -112,7 +112,9 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
                slots: torch.Tensor) -> torch.Tensor:
     """``lora_apply_reference`` as the two kernels where Triton runs (``use_triton``)."""
     if not use_triton(x):
+        report.record("lora", "torch reference (a slot per token)")
         return lora_apply_reference(y, x, a, b, ranks, slots)
+    report.record("lora", "triton shrink + expand (a slot per token)")
     T, K = x.shape
     N = y.shape[1]
     if T == 0:

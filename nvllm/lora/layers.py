@@ -25,6 +25,7 @@ from torch import nn
 
 from nvllm.kernels.activation import silu_and_mul
 from nvllm.kernels.attention_partials import finished_attention
+from nvllm.kernels import report
 from nvllm.kernels.lora import lora_apply
 from nvllm.layers.linear import sum_over_ranks
 from nvllm.lora.adapter import LoRAWeights
@@ -84,6 +85,7 @@ class LoRALinear(nn.Module):
         if mapping is not None and mapping.slots is not None:
             lora_apply(y, x, self.a, self.b, self.ranks, mapping.slots)
         elif mapping is not None:
+            report.record("lora", "torch matmuls per adapter (prompt rows)")
             for slot, rows in mapping.rows.items():
                 r = self.slot_ranks[slot]
                 if r:
