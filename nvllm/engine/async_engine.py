@@ -251,7 +251,7 @@ class AsyncLLMEngine:
             while True:
                 with self._cond:
                     while not (self._commands or self._stopping or engine.has_unfinished_requests()):
-                        self._cond.wait()
+                        self._wait_idle(engine)
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
                 for command in commands:
@@ -272,6 +272,16 @@ class AsyncLLMEngine:
                     _fail(command[-1], EngineDeadError("the engine is shutting down"))
             for request_id in list(self._streams):
                 self._abort(request_id)
+
+    def _wait_idle(self, engine: LLMEngine) -> None:
+        """Wait for work (holding ``_cond``). The stats line covering the last tokens is logged when it falls due,
+        not when the next request comes; with everything logged, the next line's rates count from the next wake."""
+        due = engine.stat_logger.due_in(engine.stats)
+        if due is None:
+            self._cond.wait()
+            engine.stat_logger.restart()
+        elif not self._cond.wait(due):
+            engine.stat_logger.maybe_log(engine.stats, force=True)
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":

@@ -43,7 +43,10 @@ class EngineStats:
 
 @dataclass
 class StatLogger:
-    """Logs one line every `interval` seconds while the engine works."""
+    """Logs one line every `interval` seconds while the engine works. A loop that waits for requests asks
+    ``due_in`` how long it may sleep before the line that covers its last tokens is due, and calls ``restart``
+    when work arrives after an idle time with nothing left to log: each line covers at most one interval, never
+    the idle time before it."""
 
     interval: float
     _last_time: float = field(default_factory=time.monotonic)
@@ -52,6 +55,16 @@ class StatLogger:
     _last_queries: int = 0
     _last_hits: int = 0
     _last_spec: SpecStats | None = None
+
+    def due_in(self, s: EngineStats) -> float | None:
+        """Seconds until the line covering tokens not yet logged is due (0: now); None when nothing waits."""
+        if self.interval <= 0 or (s.prompt_tokens == self._last_prompt and s.generation_tokens == self._last_gen):
+            return None
+        return max(0.0, self.interval - (time.monotonic() - self._last_time))
+
+    def restart(self) -> None:
+        """The next line's rates count from now (the engine was idle, everything before was logged)."""
+        self._last_time = time.monotonic()
 
     def maybe_log(self, s: EngineStats, force: bool = False) -> None:
         now = time.monotonic()
