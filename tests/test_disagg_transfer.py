@@ -160,10 +160,12 @@ def test_two_process_gloo_transfer_is_bit_exact():
     assert all(r[2] is True for r in got), got
 
 
-def test_layout_mismatch_is_refused():
-    """Workers whose pools differ stop at the rendezvous with one clear error (here: both in one process,
-    rank 1 on a thread; the store's keys are all a rank needs to see the mismatch). Rank 0 serves the store here,
-    as in a deployment started by hand (`--kv-rank 0 --kv-master HOST:PORT`): the one test of that path."""
+@pytest.mark.parametrize("differs", ["layout", "weights"])
+def test_layout_or_weights_mismatch_is_refused(differs):
+    """Workers whose pools differ, or that serve other weights of the same shapes, stop at the rendezvous with one
+    clear error (here: both in one process, rank 1 on a thread; the store's keys are all a rank needs to see the
+    mismatch). Rank 0 serves the store here, as in a deployment started by hand (`--kv-rank 0 --kv-master
+    HOST:PORT`): the one test of that path."""
     import threading
 
     from nvllm.config import ConfigError
@@ -171,19 +173,46 @@ def test_layout_mismatch_is_refused():
 
     port, errors = free_port(), []
 
-    def join(rank: int, layout: str) -> None:
+    def join(rank: int) -> None:
+        info = {"role": ("prefill", "decode")[rank], "layout": "float32[2]", "url": "", "weights": "ab"}
+        info[differs] += str(rank)
         try:
-            TransferGroup(rank, 2, ("127.0.0.1", port), "gloo", torch.device("cpu"),
-                          {"role": ("prefill", "decode")[rank], "layout": layout, "url": ""}, 10.0, 30.0)
+            TransferGroup(rank, 2, ("127.0.0.1", port), "gloo", torch.device("cpu"), info, 10.0, 30.0)
         except ConfigError as e:
             errors.append(str(e))
 
-    threads = [threading.Thread(target=join, args=(r, f"float32[{r}]")) for r in (0, 1)]
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert len(errors) == 2 and all("layout differs" in e for e in errors), errors
+    want = "layout differs" if differs == "layout" else "serves other weights than this worker"
+    assert len(errors) == 2 and all(want in e for e in errors), errors
+
+
+def test_the_weights_fingerprint_tells_checkpoints_apart(tmp_path):
+    """Copies of a checkpoint agree; another checkpoint of the same shapes differs (here one tensor's first value
+    changed; a fine-tune changes all of a tensor's values); so do dummy weights of another seed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nvllm.disagg.weights_fingerprint import weights_fingerprint
+    from tests.conftest import build_tiny_model
+
+    a = build_tiny_model("llama", tmp_path / "a")
+    shutil.copytree(a, tmp_path / "copy")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    sd = load_file(b / "model.safetensors")
+    name = "model.layers.1.self_attn.v_proj.weight"
+    sd[name] = sd[name].clone()
+    sd[name][0, 0] += 1.0
+    save_file(sd, b / "model.safetensors")
+    fp = {p.name: weights_fingerprint(str(p), "auto", 0) for p in (a, tmp_path / "copy", b)}
+    assert fp["a"] == fp["copy"] != fp["b"]
+    assert weights_fingerprint(str(a), "dummy", 0) == weights_fingerprint(str(b), "dummy", 0) != \
+        weights_fingerprint(str(a), "dummy", 1)
 
 
 def test_a_rank_that_joined_before_is_refused_at_once():

@@ -45,7 +45,7 @@ class TransferGroup:
         """Join the group (blocks until every worker has joined, at most join_timeout seconds). info: what
         this worker tells the others (role, layout signature, url, …); peers[r] is rank r's. The store at
         ``master`` is rank 0's, unless ``store_external`` (another process serves it; every rank connects)."""
-        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.rank, self.backend = rank, backend
         self.device = device if backend == "nccl" else torch.device("cpu")
         self.timeout = datetime.timedelta(seconds=transfer_timeout)
         logger.info("joining the KV transfer group at %s:%d as rank %d of %d (it waits for every rank)", *master,
@@ -58,6 +58,12 @@ class TransferGroup:
             raise ConfigError(f"KV transfer group: rank {other}'s KV cache layout differs from this worker's "
                               f"(rank {rank}): {self.peers[other]['layout']} vs {mine}; every worker must serve the "
                               "same model with the same dtype, block size and KV cache type")
+        other = next((r for r, p in self.peers.items() if p.get("weights") != info.get("weights")), None)
+        if other is not None:
+            raise ConfigError(f"KV transfer group: rank {other} serves other weights than this worker (rank {rank}; "
+                              f"weights fingerprint {self.peers[other].get('weights')} vs {info.get('weights')}): "
+                              "one model's KV is wrong for another, even of the same shapes (a base model and its "
+                              "fine-tune); every worker must serve the same checkpoint")
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout

@@ -34,6 +34,7 @@ from nvllm.disagg.kv_sender import KVSender, SendJob
 from nvllm.disagg.metrics import TransferCollector, TransferStats
 from nvllm.disagg.staging import KVLayout
 from nvllm.disagg.transfer_group import TransferGroup
+from nvllm.disagg.weights_fingerprint import weights_fingerprint
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nvllm.engine.kv_handoff import kv_handle_id
 from nvllm.outputs import RequestOutput
@@ -70,7 +71,9 @@ class DisaggWorker:
         self.layout = KVLayout(core.runner.kv_caches)
         backend = _backend(cfg.kv_backend, self.layout.device)
         self.group = TransferGroup(cfg.kv_rank, cfg.kv_world_size, cfg.master, backend, self.layout.device,
-                                   {"role": cfg.role, "layout": self.layout.signature, "url": url},
+                                   {"role": cfg.role, "layout": self.layout.signature, "url": url,
+                                    "weights": weights_fingerprint(core.config.model, core.config.load_format,
+                                                                   core.config.seed)},
                                    cfg.kv_transfer_timeout, store_external=cfg.kv_store_external)
         if not self.group.ranks("prefill") or not self.group.ranks("decode"):
             raise ConfigError("the KV transfer group needs at least one prefill and one decode worker")
