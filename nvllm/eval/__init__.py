@@ -8,4 +8,6 @@ regression gate between a model and its baseline. Needs the `eval` extra (`pip i
 - `regression`: baseline vs candidate on identical samples
 - `harness_results`: lm-eval's results as `nvllm eval` keeps a task
 - `runner`: what `nvllm eval` runs
+- `pipeline`: `nvllm pipeline` (quantize, gate, benchmark, one report)
+- `quiet`: keeping lm-eval, datasets and transformers quiet under nvllm's own progress
 """

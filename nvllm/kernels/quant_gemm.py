@@ -222,7 +222,7 @@ def _dequant_kernel(
 def _pick_config(M: int, K: int, group: int, act_order: bool, dtype: torch.dtype) -> dict[str, int]:
     """Tile sizes. From one H200 sweep (bf16, CUDA graphs, BLOCK_N 32/64/128 × BLOCK_K 64/128 × split-K on/off,
     qkv 3584→4608 and down 18944→3584, M 1/16/64): BLOCK_N 128, BLOCK_K 128 and split-K to ~2 waves were best
-    or within 10% everywhere; no split-K was up to 4× slower on the long-K shape. A per-shape table is due."""
+    or within 10% everywhere; no split-K was up to 4× slower on the long-K shape. One rule for every shape."""
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     block_n = 128
     block_k = 32

@@ -290,7 +290,7 @@ def quant_gemv_half2_kernel(
     EARLY: tl.constexpr,                      # with X_PAIRS, a split of one K step of 64: its words, scales and
                                               # zeros loaded before its inputs (1: after the PDL wait, 2: before)
     MERGE: tl.constexpr,                      # with X_PAIRS: the inputs are a split decode attention's unmerged
-                                              # partials (``_merged_inputs``), x_ptr only gives their dtype
+                                              # partials (``_merged_pairs``), x_ptr only gives their dtype
     HEAD_DIM: tl.constexpr, PO_D: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr,
     PDL: tl.constexpr,
 ):
