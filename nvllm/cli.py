@@ -222,9 +222,8 @@ def eval_command(
 
     if baseline is None and (max_drop is not None or max_drop_rel is not None):
         fail("--max-drop / --max-drop-rel need --baseline")
-    if baseline is not None and max_drop is None and max_drop_rel is None:
-        max_drop = 1.0
-    check_gate_thresholds(max_drop, max_drop_rel)
+    if baseline is not None:
+        max_drop, max_drop_rel = check_gate_thresholds(max_drop, max_drop_rel)
     quiet_libraries()
     try:
         if output_json is not None:

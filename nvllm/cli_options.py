@@ -28,14 +28,18 @@ def fail(message: str, code: int = 2):
     raise typer.Exit(code)
 
 
-def check_gate_thresholds(max_drop: float | None, max_drop_rel: float | None) -> None:
-    """The regression gate's thresholds (eval --baseline, pipeline), or one line and exit 2."""
+def check_gate_thresholds(max_drop: float | None, max_drop_rel: float | None) -> tuple[float | None, float | None]:
+    """The regression gate's thresholds in force (eval --baseline, pipeline): neither given, a drop of at most 1.0
+    point; or one line and exit 2."""
     from nvllm.eval.regression import check_thresholds
 
+    if max_drop is None and max_drop_rel is None:
+        max_drop = 1.0
     try:
         check_thresholds(max_drop, max_drop_rel)
     except ValueError as e:
         fail(str(e))
+    return max_drop, max_drop_rel
 
 
 def panel_option(panel: str):

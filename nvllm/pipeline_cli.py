@@ -75,9 +75,7 @@ def pipeline(
     from nvllm.quant.recipe import build_config
 
     runner.require_lm_eval()
-    if max_drop is None and max_drop_rel is None:
-        max_drop = 1.0
-    check_gate_thresholds(max_drop, max_drop_rel)
+    max_drop, max_drop_rel = check_gate_thresholds(max_drop, max_drop_rel)
     quiet_libraries()
     try:
         # --seed and --device also set the calibration's seed and device, where given; else the recipe's hold

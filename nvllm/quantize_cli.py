@@ -65,21 +65,16 @@ def quantize(
     from nvllm.logger import console
     from nvllm.quant import quantize as q
     from nvllm.quant.recipe import build_config
-    from nvllm.quant.report import LayerProgress, print_report
+    from nvllm.quant.report import quantize_with_report
 
     if out is None:
         fail("--out DIR is required")
-    bar = LayerProgress(console(), enabled=progress)
     try:
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
                            quantize_lm_head=quantize_lm_head, checkpoint_format=checkpoint_format,
                            calib_dataset=calib_dataset, calib_split=calib_split, calib_column=calib_column,
                            calib_config=calib_config, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                            seed=seed, device=device, max_shard_size=max_shard_size)
-        summary = q.quantize_model(model or demo_model_path(), out, cfg, overwrite, progress=bar.update,
-                                   on_start=bar.start, revision=revision)
+        quantize_with_report(model or demo_model_path(), out, cfg, overwrite, console(), progress, revision)
     except q.USER_ERRORS as e:
-        bar.stop()
         fail(str(e))
-    bar.stop()
-    print_report(summary, console())

@@ -169,7 +169,7 @@ def run_latency(config: EngineConfig, batch_size: int = 8, input_len: int = 32, 
             latencies.append(time.perf_counter() - start)
             for o in outputs:
                 m, n = o.metrics, len(o.outputs[0].token_ids)
-                ttfts.append(m.first_token_time - m.arrival_time)
+                ttfts.append(m.ttft)
                 if n > 1:
                     tpots.append((m.last_token_time - m.first_token_time) / (n - 1))
             bar.advance(timed)

@@ -52,7 +52,7 @@ class Router:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512,
                                                             keepalive_expiry=_IDLE_S))
-        self.pool = WorkerPool(cfg.prefill, cfg.decode, cfg.mixed, self.client, cfg.poll_interval, cfg.api_key)
+        self.pool = WorkerPool(cfg.prefill, cfg.decode, cfg.mixed, self.client, cfg.api_key)
         self.metrics = RouterMetrics(self.pool)
         self.responses = ResponseOwners()
         self._tasks: set[asyncio.Task] = set()  # background releases, referenced until they end

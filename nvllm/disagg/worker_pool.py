@@ -43,11 +43,11 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], mixed: list[str], client: httpx.AsyncClient,
-                 poll_interval: float = 1.0, api_key: str | None = None):
+                 api_key: str | None = None):
         """api_key: sent with the polls (the workers of a deployment share the router's key)."""
         self.workers = [Worker(u, "prefill") for u in prefill] + [Worker(u, "decode") for u in decode] + \
             [Worker(u, "mixed") for u in mixed]
-        self.client, self.poll_interval = client, poll_interval
+        self.client = client
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.queue_seconds: dict[tuple[str, str], float] = {}  # (role, waiting|running) → request-seconds
         self._turn = itertools.count()
@@ -88,11 +88,6 @@ class WorkerPool:
         worker.up, worker.problem = False, error
 
     # ---- polling -------------------------------------------------------------------------------------------
-    async def poll_forever(self) -> None:
-        while True:
-            await self.poll_all()
-            await asyncio.sleep(self.poll_interval)
-
     async def poll_all(self) -> None:
         now = time.monotonic()
         if self._last_poll is not None:  # integrate the queues the workers reported over the interval

@@ -135,12 +135,7 @@ class BlockManager:
     def free_sequence(self, seq: Sequence) -> None:
         """Release seq's blocks, last block first, so a prefix outlives its tail in the cache."""
         for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[bid] = None
-                if block.hash is None:  # nothing worth keeping: reuse it first
-                    self.free.move_to_end(bid, last=False)
+            self._release(bid)
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
@@ -153,14 +148,18 @@ class BlockManager:
         tokens are ever hashed (register_full_blocks counts computed tokens), so none of these carries one."""
         keep = -(-seq.num_tokens // self.block_size)
         while len(seq.block_table) > keep:
-            bid = seq.block_table.pop()
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[bid] = None
-                if block.hash is None:
-                    self.free.move_to_end(bid, last=False)
+            self._release(seq.block_table.pop())
         del seq.block_hashes[len(seq.block_table):]
+
+    def _release(self, bid: int) -> None:
+        """Drop one reference to block ``bid``; unreferenced, it is free (first in line when it holds nothing worth
+        keeping in the prefix cache, else last)."""
+        block = self.blocks[bid]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[bid] = None
+            if block.hash is None:
+                self.free.move_to_end(bid, last=False)
 
     def reset_prefix_cache(self) -> None:
         for bid in self.free:

@@ -363,7 +363,7 @@ class LLMEngine:
         return self._finish_step(touched, partial)
 
     def _finish_step(self, touched: dict[str, None], partial: bool) -> list[RequestOutput]:
-        outputs = [self._output(rid) for rid in touched
+        outputs = [self.output(rid) for rid in touched
                    if partial or all(s.finished for s in self.requests[rid])]
         s = self.stats
         s.num_steps += 1
@@ -454,10 +454,7 @@ class LLMEngine:
 
     # ---- outputs -------------------------------------------------------------------------------------
     def output(self, request_id: str) -> RequestOutput:
-        """The request's output now (popped, and counted as finished, when every sequence has finished)."""
-        return self._output(request_id)
-
-    def _output(self, request_id: str) -> RequestOutput:
+        """The request's output now (popped when every sequence has finished)."""
         seqs = self.requests[request_id]
         if all(s.finished for s in seqs):
             return self._pop_output(request_id)
@@ -466,6 +463,5 @@ class LLMEngine:
     def _pop_output(self, request_id: str) -> RequestOutput:
         seqs = self.requests.pop(request_id)
         out = self.outputs.build(request_id, seqs, self.prompts.pop(request_id, None))
-        self.stats.finished_requests += 1
         out.metrics.finished_time = time.time()
         return out

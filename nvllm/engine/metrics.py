@@ -27,7 +27,6 @@ class EngineStats:
     prompt_tokens_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROMPT_SOURCES, 0))
     generation_tokens: int = 0
     num_steps: int = 0
-    finished_requests: int = 0
     spec: SpecStats | None = None  # speculative-decoding counters (None: speculation off)
 
     def count_prompt(self, total: int, cached: int, received: int = 0) -> None:

@@ -53,7 +53,6 @@ class Sequence:
     grammar: object = None  # structured outputs: the xgrammar matcher following the generated tokens
     grammar_waits: bool = False  # the reply is in its reasoning block (reasoning_parser): the constraint waits
     bad_words: list[list[int]] | None = None  # params.bad_words as token ids (nvllm.layers.token_masks)
-    last_reported: int = 0  # generated tokens already handed out in a RequestOutput
     # speculative decoding
     num_draft_computed: int = 0  # tokens whose K/V are in the draft model's cache (same block table)
     spec_state: object = None  # k=auto: this request's k and acceptance window (nvllm.spec.adaptive.KState)

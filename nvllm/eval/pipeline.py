@@ -35,16 +35,9 @@ class BenchSpec:
 
 
 def quantize_step(model: str, out: str, quant_cfg, overwrite: bool, console, progress: bool):
-    from nvllm.quant import quantize as q
-    from nvllm.quant.report import LayerProgress, print_report
+    from nvllm.quant.report import quantize_with_report
 
-    bar = LayerProgress(console, enabled=progress)
-    try:
-        summary = q.quantize_model(model, out, quant_cfg, overwrite, progress=bar.update, on_start=bar.start)
-    finally:
-        bar.stop()
-    print_report(summary, console)
-    return summary
+    return quantize_with_report(model, out, quant_cfg, overwrite, console, progress)
 
 
 def bench_step(configs: list[tuple[str, EngineConfig]], bench: BenchSpec, progress: bool) -> dict:

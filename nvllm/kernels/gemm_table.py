@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from nvllm import output_file
+
 CUBLAS = "cublas"
 """Table value meaning "run F.linear" (cuBLAS measured faster)."""
 
@@ -119,11 +121,8 @@ def _entries() -> list[dict]:
 
 
 def _write_json(path: str, data: dict) -> None:
-    """Atomically: a temp file renamed into place."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    """Whole or not at all (``output_file.write_text``: a temporary file renamed into place)."""
+    output_file.write_text(path, json.dumps(data, indent=1))
 
 
 def save_gemm_table(path: str, meta: dict | None = None) -> None:

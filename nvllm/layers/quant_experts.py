@@ -24,9 +24,6 @@ from nvllm.quant.dummy_codes import fill_dummy
 from nvllm.quant.formats import QuantWeight, awq_to_gptq, default_g_idx
 from nvllm.quant.plan import QuantScheme
 
-LEAVES = ("qweight", "qzeros", "scales", "g_idx")
-
-
 class QuantExperts(nn.Module):
     """``Experts`` with packed weights (module doc). ``m``: the MoeShape (this rank's ``part`` of the intermediate
     size); ``scheme``: the checkpoint's format, bits and group size."""

@@ -128,3 +128,19 @@ def print_report(summary: QuantizeSummary, console) -> None:
     console.print(error_table(summary))
     for line in summary_lines(summary):
         console.print(line, highlight=False, markup=False)
+
+
+def quantize_with_report(model: str, out: str, cfg, overwrite: bool, console, progress: bool,
+                         revision: str | None = None) -> QuantizeSummary:
+    """``quantize_model`` under the per-layer progress bar, then the report: what `nvllm quantize` and
+    `nvllm pipeline` show. The bar is stopped whatever happens (the caller turns a user error into its one line)."""
+    from nvllm.quant.quantize import quantize_model
+
+    bar = LayerProgress(console, enabled=progress)
+    try:
+        summary = quantize_model(model, out, cfg, overwrite, progress=bar.update, on_start=bar.start,
+                                 revision=revision)
+    finally:
+        bar.stop()
+    print_report(summary, console)
+    return summary

@@ -31,7 +31,6 @@ class ReplyStream:
     """What each new piece of one streamed choice adds: reasoning, content, tool call deltas."""
 
     def __init__(self, reply: ChatReply):
-        self.reply = reply
         self.reasoning = ReasoningStream(reply.reasoning) if reply.reasoning else None
         self.tools = ToolStream(reply.plan) if reply.plan.mode != "none" else None
         self.sent = 0  # content characters sent (without tools)

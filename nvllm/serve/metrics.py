@@ -163,15 +163,15 @@ class ServerMetrics:
                 prev_num, prev_time = self._seen.get(out.request_id, (0, None))
                 if num > prev_num and m.last_token_time is not None:
                     if prev_time is None:
-                        if m.first_token_time is not None:
-                            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+                        if m.ttft is not None:
+                            self.ttft.observe(max(0.0, m.ttft))
                     else:
                         self.itl.observe(max(0.0, m.last_token_time - prev_time))
                     self._seen[out.request_id] = (num, m.last_token_time)
                 if out.finished:
                     self._seen.pop(out.request_id, None)
-                    if m.finished_time is not None:
-                        self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+                    if m.e2e_latency is not None:
+                        self.e2e.observe(max(0.0, m.e2e_latency))
                     self._observe_finished(out)
                     for c in out.outputs:  # no reason: a prefill worker handed it to a decode worker
                         self._success.labels(self._model_name, c.finish_reason or "handed_off").inc()
