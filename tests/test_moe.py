@@ -207,7 +207,9 @@ def test_triton_path_matches_the_torch_path(tiny_models, monkeypatch):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
         got[kernels] = ([o.outputs[0].token_ids for o in outs], report.snapshot()["fused_moe"])
     assert got["triton"][0] == got["torch"][0]
-    assert set(got["torch"][1]) == {"torch reference"} and set(got["triton"][1]) == {"triton fused_moe"}
+    assert set(got["torch"][1]) == {"torch reference"}
+    assert set(got["triton"][1]) == {"triton gemv (a row per token and expert)",
+                                     "triton grouped gemm (moe_align, moe_sum)"}
 
 
 def test_speculative_decoding_keeps_a_mixture_of_experts_greedy_output(tiny_models):

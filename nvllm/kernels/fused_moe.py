@@ -351,6 +351,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         return x.new_empty(0, hidden)
     rows = t * top_k
     if rows <= (num_experts if SMALL_ROWS is None else SMALL_ROWS):
+        report.record("fused_moe", "triton gemv (a row per token and expert)")
         ids = topk_ids.contiguous()
         h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
         _moe_gemv_up(x, w13, h, ids)
@@ -358,6 +359,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
         _moe_gemv_down(act, w2, out, ids, topk_weights.to(torch.float32).contiguous())
         return out
+    report.record("fused_moe", "triton grouped gemm (moe_align, moe_sum)")
     config = gemm_config(rows, num_experts)
     sorted_ids, block_experts, num_padded = align_tokens(topk_ids, num_experts, config["BLOCK_M"])
     h = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
@@ -375,7 +377,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """The module doc's op. x [T, H] contiguous; w13, w2 contiguous, x's dtype."""
     if use_triton(x):
-        report.record("fused_moe", "triton fused_moe")
         return fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
     report.record("fused_moe", "torch reference")
     return fused_experts_reference(x, w13, w2, topk_weights, topk_ids)
