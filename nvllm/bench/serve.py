@@ -118,8 +118,9 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
                     return out
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                    # the output as the server counted it; the prompt stays the dataset's count (--tokenizer), as
+                    # vLLM's benchmark keeps it: a chat template's or a BOS token's tokens are not input tokens there
                     out.output_tokens = usage.get("completion_tokens", out.output_tokens)
-                    out.prompt_len = usage.get("prompt_tokens") or out.prompt_len
                 for choice in chunk.get("choices") or []:
                     delta = (choice.get("delta") or {}) if chat else choice
                     piece = delta.get("content" if chat else "text")
