@@ -28,8 +28,13 @@ def test_parser_forms():
     assert c.auto and c.num_speculative_tokens == 4
     c = parse_speculative('{"draft_model": "/d", "num_speculative_tokens": 5}')
     assert (c.method, c.draft_model, c.num_speculative_tokens) == ("draft", "/d", 5)
+    # one n-gram size given: the other takes its value, as vLLM reads them
     c = parse_speculative({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
-    assert (c.method, c.prompt_lookup_max) == ("ngram", 4)
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 4, 4)
+    c = parse_speculative({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+    assert parse_speculative({"model": "/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}
+                             ).draft_model == "/d"     # vLLM's examples pass it: the draft runs whole
     assert parse_speculative(None) is None and parse_speculative("") is None
     assert parse_speculative(c) is c
     assert isinstance(EngineConfig(speculative="k=2,method=ngram").speculative, SpeculativeConfig)
@@ -58,6 +63,7 @@ def test_parser_forms():
     ("k4,method=ngram", "not key=value"),
     ('{"draft_model": "/d", ', "JSON is malformed"),
     ("k=2,method=ngram,ngram_min=3,ngram_max=2", "prompt_lookup_min <= prompt_lookup_max"),
+    ('{"model": "/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}', "runs whole on one GPU"),
 ])
 def test_parser_errors(text, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

@@ -4,8 +4,10 @@ Accepted forms (CLI `--speculative`, `LLM(speculative=...)`, `EngineConfig(specu
   "k=4,draft=DIR"            a draft model proposes 4 tokens per step
   "k=3,method=ngram"         prompt lookup: no draft model
   "k=auto,draft=DIR"         k tuned per request from its recent acceptance (1..8)
-  '{"draft_model": "DIR", "num_speculative_tokens": 4}'   JSON (also "method", "prompt_lookup_min/max"; null
-                                                          leaves an option at its default)
+  '{"draft_model": "DIR", "num_speculative_tokens": 4}'   JSON (also "method", "prompt_lookup_min/max" — one
+                                                          given, the other takes its value, as in vLLM —,
+                                                          "draft_tensor_parallel_size": 1; null leaves an option
+                                                          at its default)
   a dict of the JSON keys, or a SpeculativeConfig.
   "...,disable_by_batch_size=16"   no drafting while 16 or more sequences run (large batches are compute-bound:
                                    verifying k + 1 positions per sequence costs more than it saves)
@@ -31,7 +33,8 @@ _KEYS = {"k": "num_speculative_tokens", "num_speculative_tokens": "num_speculati
          "method": "method",
          "ngram_min": "prompt_lookup_min", "prompt_lookup_min": "prompt_lookup_min",
          "ngram_max": "prompt_lookup_max", "prompt_lookup_max": "prompt_lookup_max",
-         "synthetic_acceptance": "synthetic_acceptance", "disable_by_batch_size": "disable_by_batch_size"}
+         "synthetic_acceptance": "synthetic_acceptance", "disable_by_batch_size": "disable_by_batch_size",
+         "draft_tensor_parallel_size": "draft_tensor_parallel_size"}
 
 
 @dataclass
@@ -110,9 +113,15 @@ def _from_mapping(items: dict[str, Any]) -> SpeculativeConfig:
         fields["num_speculative_tokens"], fields["auto"] = 4, True
     elif k is not None:
         fields["num_speculative_tokens"] = _int("k", k)
-    for name in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+    for name in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size", "draft_tensor_parallel_size"):
         if name in fields and fields[name] is not None:
             fields[name] = _int(name, fields[name])
+    if fields.pop("draft_tensor_parallel_size", 1) != 1:   # vLLM's examples pass 1: what nvllm always does
+        raise ConfigError("speculative draft_tensor_parallel_size: the draft runs whole on one GPU (1)")
+    # one n-gram size given: the other takes its value, as vLLM reads them (neither: 1..3)
+    for given, other in (("prompt_lookup_min", "prompt_lookup_max"), ("prompt_lookup_max", "prompt_lookup_min")):
+        if given in fields and other not in fields:
+            fields[other] = fields[given]
     if "method" in fields:
         fields["method"] = str(fields["method"]).strip().lower()
     elif not fields.get("draft_model") and "prompt_lookup_max" in fields:
