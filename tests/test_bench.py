@@ -423,9 +423,10 @@ def test_prompt_tokens_are_counted_with_the_models_tokenizer_or_a_warning(tmp_pa
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     assert _model_tokenizer(demo_dir, False).name_or_path == demo_dir
-    for name in ("org/not-cached", "my-served-name"):
-        res = runner.invoke(app, ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", name,
-                                  "--num-prompts", "1", "--input-len", "4", "--output-len", "2", "--no-progress"])
+    for name in ("org/not-cached", "my-served-name", None):   # None: no --model (the server's first model runs)
+        res = runner.invoke(app, ["bench", "serve", "--base-url", "http://127.0.0.1:9", *(["--model", name] if name
+                                  else []), "--num-prompts", "1", "--input-len", "4", "--output-len", "2",
+                                  "--no-progress"])
         assert "prompt tokens are counted with the demo model's tokenizer; pass --tokenizer" in res.output, name
     with pytest.raises(ValueError, match="cannot load the tokenizer of --model org/not-cached"):
         _model_tokenizer("org/not-cached", True)  # --served-model-name: --model must name the tokenizer's model
@@ -452,7 +453,7 @@ def test_serve_chat_endpoint_counts_content_chunks(fake_server, tmp_path, tok):
     assert min(r["ttfts"]) >= 0.02  # the role-only chunk at t=0 is not the first token
     assert all(len(itl) == 4 for itl in r["itls"])
     assert r["output_lens"] == [len(tok.encode(" t0 t1 t2 t3 t4", add_special_tokens=False))] * 12
-    assert min(r["input_lens"]) > 20  # the client's count of the GSM8K prompt
+    assert min(r["input_lens"]) > 20  # the client's count of the rendered chat prompt
 
 
 @pytest.mark.parametrize("mode", ["http", "stream"])

@@ -109,7 +109,7 @@ def bench_serve(
 
 def _model_tokenizer(model: str | None, names_model: bool):
     """The tokenizer that counts prompt tokens when --tokenizer is not given: --model's (a directory, or a Hub id as
-    vLLM's benchmark loads it), else the demo model's, said in a warning when --model named something else."""
+    vLLM's benchmark loads it), else the demo model's, said in a warning unless --model names the demo model."""
     from pathlib import Path
 
     from nvllm.assets import demo_model_path
@@ -123,9 +123,10 @@ def _model_tokenizer(model: str | None, names_model: bool):
         except Exception as e:  # noqa: BLE001 - no such directory or Hub id, or no network: the fallback below
             if names_model or Path(model).is_dir():
                 raise ValueError(f"cannot load the tokenizer of --model {model}: {e}") from None
-    if model and model != "stories260K":
+    if model != "stories260K":
+        whose = f"{model}'s" if model else "the served model's"
         console().print(f"[yellow]warning:[/] prompt tokens are counted with the demo model's tokenizer; pass "
-                        f"--tokenizer for {model}'s", highlight=False, soft_wrap=True)
+                        f"--tokenizer (or --model) for {whose}", highlight=False, soft_wrap=True)
     return load_tokenizer(demo_model_path())
 
 

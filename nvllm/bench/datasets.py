@@ -5,8 +5,9 @@ the file and the line.
 Offline runs pass the engine's max_model_len: a prompt that does not fit with its output is skipped while
 sampling (as vLLM's samplers skip theirs) and the count is filled from those that fit.
 
-Prompt lengths are counted with the benchmark's tokenizer, special tokens included (what a server's usage
-reports as prompt_tokens); the serve benchmark replaces them by the server's own counts when it sends them.
+Prompt lengths are counted with the benchmark's tokenizer, special tokens included, GSM8K's chat prompts as
+rendered; the serve benchmark keeps these counts (vLLM's benchmark sums its datasets' counts too), whatever usage
+the server reports.
 """
 
 from __future__ import annotations

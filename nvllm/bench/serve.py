@@ -119,7 +119,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                     # the output as the server counted it; the prompt stays the dataset's count (--tokenizer), as
-                    # vLLM's benchmark keeps it: a chat template's or a BOS token's tokens are not input tokens there
+                    # vLLM's benchmark keeps it, whatever the server adds to it (a chat endpoint's template)
                     out.output_tokens = usage.get("completion_tokens", out.output_tokens)
                 for choice in chunk.get("choices") or []:
                     delta = (choice.get("delta") or {}) if chat else choice
