@@ -68,3 +68,27 @@ def test_a_server_logs_its_last_tokens_on_time_and_never_averages_over_idle_time
         asyncio.run(main())
     finally:
         log.removeHandler(caplog.handler)
+
+
+def test_an_interval_past_the_platforms_timeout_never_stops_the_engine():
+    """--log-stats-interval 1e10 (a way to say "never"): the idle wait is capped at what the platform takes; the
+    loop thread stayed alive to serve the next request."""
+    import asyncio
+
+    from nvllm.config import EngineConfig
+    from nvllm.engine.async_engine import AsyncLLMEngine
+    from nvllm.engine.llm_engine import LLMEngine
+
+    core = LLMEngine(EngineConfig(device="cpu", log_stats_interval=1e10, max_model_len=256), warmup=False)
+    engine = AsyncLLMEngine(core)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def main():
+        for _ in range(2):
+            outs = [o async for o in engine.generate("Once upon a time", params)]
+            assert outs[-1].finished
+            await asyncio.sleep(0.2)   # the loop goes idle with tokens not yet logged
+        assert engine.is_running
+        await engine.shutdown()
+
+    asyncio.run(main())

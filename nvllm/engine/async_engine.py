@@ -249,11 +249,16 @@ class AsyncLLMEngine:
         engine = self.engine
         try:
             while True:
+                stats_due = False
                 with self._cond:
                     while not (self._commands or self._stopping or engine.has_unfinished_requests()):
-                        self._wait_idle(engine)
+                        if self._wait_idle(engine):
+                            stats_due = True
+                            break
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
+                if stats_due:  # logged outside the lock: a slow log handler never holds up a request's submit
+                    engine.stat_logger.maybe_log(engine.stats, force=True)
                 for command in commands:
                     self._apply(command)
                 if stopping:
@@ -273,15 +278,16 @@ class AsyncLLMEngine:
             for request_id in list(self._streams):
                 self._abort(request_id)
 
-    def _wait_idle(self, engine: LLMEngine) -> None:
-        """Wait for work (holding ``_cond``). The stats line covering the last tokens is logged when it falls due,
-        not when the next request comes; with everything logged, the next line's rates count from the next wake."""
+    def _wait_idle(self, engine: LLMEngine) -> bool:
+        """Wait for work (holding ``_cond``); True when, instead, the stats line covering the last tokens fell due
+        (the caller logs it then, not when the next request comes). With everything logged, the next line's rates
+        count from the next wake."""
         due = engine.stat_logger.due_in(engine.stats)
         if due is None:
             self._cond.wait()
             engine.stat_logger.restart()
-        elif not self._cond.wait(due):
-            engine.stat_logger.maybe_log(engine.stats, force=True)
+            return False
+        return not self._cond.wait(min(due, threading.TIMEOUT_MAX))
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
