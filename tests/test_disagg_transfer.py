@@ -115,8 +115,8 @@ def _transfer_proc(rank: int, port: int, results) -> None:
             layouts[(dtype, kv_dtype)] = (caches, KVLayout(caches))
         sig = ",".join(layout.signature for _, layout in layouts.values())
         group = TransferGroup(rank, 2, ("127.0.0.1", port), "gloo", torch.device("cpu"),
-                              {"role": "prefill" if rank == 0 else "decode", "layout": sig, "url": ""}, 30.0, 60.0,
-                              store_external=True)
+                              {"role": "prefill" if rank == 0 else "decode", "layout": sig, "url": "", "weights": "w"},
+                              30.0, 60.0, store_external=True)
         buffer = MessageBuffer(torch.device("cpu"))  # one reused buffer for every transfer, as a transfer thread
         for tag, (caches, layout) in enumerate(layouts.values(), start=1):
             message = buffer.get(layout.nbytes(len(SRC_BLOCKS)))
@@ -191,8 +191,10 @@ def test_layout_or_weights_mismatch_is_refused(differs):
 
 
 def test_the_weights_fingerprint_tells_checkpoints_apart(tmp_path):
-    """Copies of a checkpoint agree; another checkpoint of the same shapes differs (here one tensor's first value
-    changed; a fine-tune changes all of a tensor's values); so do dummy weights of another seed."""
+    """Copies of a checkpoint agree, re-sharded too; another checkpoint of the same shapes differs (here one tensor's
+    first value changed; a fine-tune changes all of a tensor's values); so do online quantization and dummy weights
+    of another seed."""
+    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -209,10 +211,21 @@ def test_the_weights_fingerprint_tells_checkpoints_apart(tmp_path):
     sd[name] = sd[name].clone()
     sd[name][0, 0] += 1.0
     save_file(sd, b / "model.safetensors")
-    fp = {p.name: weights_fingerprint(str(p), "auto", 0) for p in (a, tmp_path / "copy", b)}
-    assert fp["a"] == fp["copy"] != fp["b"]
-    assert weights_fingerprint(str(a), "dummy", 0) == weights_fingerprint(str(b), "dummy", 0) != \
-        weights_fingerprint(str(a), "dummy", 1)
+    # re-saved in two shards with an index: the same weights, another layout
+    sd = load_file(a / "model.safetensors")
+    resharded = tmp_path / "resharded"
+    shutil.copytree(a, resharded)
+    (resharded / "model.safetensors").unlink()
+    names = sorted(sd)
+    save_file({k: sd[k] for k in names[::2]}, resharded / "model-00001-of-00002.safetensors")
+    save_file({k: sd[k] for k in names[1::2]}, resharded / "model-00002-of-00002.safetensors")
+    (resharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(names)}}))
+    fp = {p.name: weights_fingerprint(str(p), "auto", 0, {}) for p in (a, tmp_path / "copy", b, resharded)}
+    assert fp["a"] == fp["copy"] == fp["resharded"] != fp["b"]
+    assert weights_fingerprint(str(a), "auto", 0, {"quantization": "fp8"}) != fp["a"]   # quantized while loading
+    assert weights_fingerprint(str(a), "dummy", 0, {}) == weights_fingerprint(str(b), "dummy", 0, {}) != \
+        weights_fingerprint(str(a), "dummy", 1, {})
 
 
 def test_a_rank_that_joined_before_is_refused_at_once():
@@ -232,8 +245,8 @@ def test_a_rank_that_joined_before_is_refused_at_once():
     def join(rank: int) -> None:
         try:
             groups[rank] = TransferGroup(rank, 2, ("127.0.0.1", store.port), "gloo", torch.device("cpu"),
-                                         {"role": ("prefill", "decode")[rank], "layout": "x", "url": ""}, 10.0, 30.0,
-                                         store_external=True)
+                                         {"role": ("prefill", "decode")[rank], "layout": "x", "url": "",
+                                          "weights": "w"}, 10.0, 30.0, store_external=True)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
 
@@ -246,7 +259,7 @@ def test_a_rank_that_joined_before_is_refused_at_once():
     start = time.monotonic()
     with pytest.raises(ConfigError, match="rank 1 joined it before"):
         TransferGroup(1, 2, ("127.0.0.1", store.port), "gloo", torch.device("cpu"),
-                      {"role": "decode", "layout": "x", "url": ""}, 10.0, 30.0, store_external=True)
+                      {"role": "decode", "layout": "x", "url": "", "weights": "w"}, 10.0, 30.0, store_external=True)
     assert time.monotonic() - start < 5
 
 

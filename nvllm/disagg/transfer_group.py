@@ -58,10 +58,14 @@ class TransferGroup:
             raise ConfigError(f"KV transfer group: rank {other}'s KV cache layout differs from this worker's "
                               f"(rank {rank}): {self.peers[other]['layout']} vs {mine}; every worker must serve the "
                               "same model with the same dtype, block size and KV cache type")
-        other = next((r for r, p in self.peers.items() if p.get("weights") != info.get("weights")), None)
+        other = next((r for r, p in self.peers.items() if "weights" not in p), None)
+        if other is not None:
+            raise ConfigError(f"KV transfer group: rank {other} sent no weights fingerprint (an older nvllm?): every "
+                              "worker of a deployment must run the same nvllm")
+        other = next((r for r, p in self.peers.items() if p["weights"] != info["weights"]), None)
         if other is not None:
             raise ConfigError(f"KV transfer group: rank {other} serves other weights than this worker (rank {rank}; "
-                              f"weights fingerprint {self.peers[other].get('weights')} vs {info.get('weights')}): "
+                              f"weights fingerprint {self.peers[other]['weights']} vs {info['weights']}): "
                               "one model's KV is wrong for another, even of the same shapes (a base model and its "
                               "fine-tune); every worker must serve the same checkpoint")
         if backend == "nccl":

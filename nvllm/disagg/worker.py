@@ -72,8 +72,10 @@ class DisaggWorker:
         backend = _backend(cfg.kv_backend, self.layout.device)
         self.group = TransferGroup(cfg.kv_rank, cfg.kv_world_size, cfg.master, backend, self.layout.device,
                                    {"role": cfg.role, "layout": self.layout.signature, "url": url,
-                                    "weights": weights_fingerprint(core.config.model, core.config.load_format,
-                                                                   core.config.seed)},
+                                    "weights": weights_fingerprint(
+                                        core.config.model, core.config.load_format, core.config.seed,
+                                        {"quantization": core.config.quantization,
+                                         "hf_overrides": core.config.hf_overrides})},
                                    cfg.kv_transfer_timeout, store_external=cfg.kv_store_external)
         if not self.group.ranks("prefill") or not self.group.ranks("decode"):
             raise ConfigError("the KV transfer group needs at least one prefill and one decode worker")
