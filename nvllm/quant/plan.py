@@ -6,7 +6,8 @@ A fused module is quantized as a whole or not at all. A module stays in full pre
 be packed in the scheme (a group size that does not divide its input dimension, an output size that is not a
 whole number of packed words) or when the checkpoint's ``quantization_config`` excludes it
 (``modules_to_not_convert``, AutoAWQ / transformers; ``ignored_layers``, FP8; ``dynamic`` with ``-:`` regexes,
-GPTQModel / vLLM; ``ignore``, compressed-tensors).
+GPTQModel / vLLM; ``ignore``, compressed-tensors; a decoder module ``modules_in_block_to_quantize`` leaves out,
+optimum / vLLM).
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def _from_mapping(items: dict[str, Any]) -> SpeculativeConfig:
         if name is None:
             raise ConfigError(f"unknown speculative option {key!r}; use k, draft, method, ngram_min, ngram_max, "
                               "disable_by_batch_size (JSON: num_speculative_tokens, draft_model, method, "
-                              "prompt_lookup_min/max, disable_by_batch_size)")
+                              "prompt_lookup_min/max, disable_by_batch_size, draft_tensor_parallel_size)")
         if name in fields:
             raise ConfigError(f"speculative option {key!r} given twice")
         if value is not None:   # JSON null (as config dumps write unset options): the default
