@@ -11,13 +11,12 @@ served weights on top of the files: the config (dummy weights come from it and a
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
 import struct
 
-from nvllm.models.loader import safetensors_files
+from nvllm.models.loader import pickle_files, safetensors_files
 
 _EDGE = 64          # bytes read at each end of a tensor's data
 _SAMPLES, _SAMPLE = 256, 4096
@@ -39,7 +38,7 @@ def weights_fingerprint(model_dir: str, load_format: str, seed: int, served: dic
         for name in sorted(tensors):
             h.update(name.encode() + b"\0" + tensors[name])
     else:
-        for path in sorted(glob.glob(os.path.join(model_dir, "*.bin")) + glob.glob(os.path.join(model_dir, "*.pt"))):
+        for path in pickle_files(model_dir):
             _sampled_digest(path, h)
     return h.hexdigest()[:16]
 

@@ -174,6 +174,11 @@ def _refuse_overlap(files: list[str]) -> None:
             owner[name] = path
 
 
+def pickle_files(model_dir: str) -> list[str]:
+    """The checkpoint's pickle weight files (*.bin, *.pt), read only where no safetensors file is."""
+    return sorted(glob.glob(os.path.join(model_dir, "*.bin")) + glob.glob(os.path.join(model_dir, "*.pt")))
+
+
 def iterate_weights(model_dir: str, load_format: str, allow_pickle: bool) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
@@ -189,7 +194,7 @@ def iterate_weights(model_dir: str, load_format: str, allow_pickle: bool) -> Ite
             except Exception as e:
                 raise ConfigError(f"cannot read weight file {path} (truncated or corrupt?): {e}") from e
         return
-    pickles = sorted(glob.glob(os.path.join(model_dir, "*.bin")) + glob.glob(os.path.join(model_dir, "*.pt")))
+    pickles = pickle_files(model_dir)
     if not pickles:
         raise ConfigError(f"no weight files (*.safetensors) in {model_dir}")
     if not allow_pickle:

@@ -3,7 +3,7 @@ errors and times, and a summary (method, bits, sizes, calibration, what stayed i
 
 from __future__ import annotations
 
-from nvllm.quant.quantize import QuantizeSummary
+from nvllm.quant.quantize import QuantizeSummary, quantize_model
 from nvllm.quant.replay import ORDER
 from nvllm.quant.sequential import ERROR_WINDOWS
 
@@ -134,8 +134,6 @@ def quantize_with_report(model: str, out: str, cfg, overwrite: bool, console, pr
                          revision: str | None = None) -> QuantizeSummary:
     """``quantize_model`` under the per-layer progress bar, then the report: what `nvllm quantize` and
     `nvllm pipeline` show. The bar is stopped whatever happens (the caller turns a user error into its one line)."""
-    from nvllm.quant.quantize import quantize_model
-
     bar = LayerProgress(console, enabled=progress)
     try:
         summary = quantize_model(model, out, cfg, overwrite, progress=bar.update, on_start=bar.start,
