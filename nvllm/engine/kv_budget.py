@@ -1,16 +1,17 @@
 """How many KV-cache blocks a rank holds: the count asked for (``num_kv_blocks``), the bytes asked for
 (``kv_cache_memory``), or on a GPU what ``gpu_memory_utilization`` leaves after the model's profiled peak, less what
 a speculative draft model and the LoRA slots will take; on the CPU room for max_num_seqs full-length sequences, at
-most 4 GiB."""
+most 4 GiB. And the max_model_len those blocks can hold."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
 import torch
 
-from nvllm.config import EngineConfig
+from nvllm.config import ConfigError, EngineConfig
 from nvllm.layers.attention import kv_cache_bytes_per_token
 from nvllm.lora.manager import layer_linears
 from nvllm.models.llama import ModelShape
@@ -18,6 +19,7 @@ from nvllm.models.loader import load_hf_config
 from nvllm.models.registry import resolve_architecture
 
 GiB = 1 << 30
+logger = logging.getLogger("nvllm")
 
 
 def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, kv_bytes_per_token: int,
@@ -69,3 +71,18 @@ def draft_footprint(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]
     params = layers * (h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h) + s.mlp_parameters() \
         + s.vocab_size * h * (1 if s.tie_word_embeddings else 2)
     return params * dtype.itemsize, kv_cache_bytes_per_token(layers, kv_heads, head_dim, dtype, config.kv_cache_dtype)
+
+
+def fit_max_model_len(max_model_len: int, capacity: int, explicit: bool) -> int:
+    """max_model_len within the KV cache's ``capacity`` (tokens). A sequence may grow to max_model_len tokens, so the
+    pool must hold that many: otherwise a lone long sequence would preempt itself forever. An ``explicit``
+    max_model_len over the capacity is an error; the model's own limit is lowered to the capacity, and the log says
+    so."""
+    if max_model_len <= capacity:
+        return max_model_len
+    if explicit:
+        raise ConfigError(f"max_model_len {max_model_len} exceeds the KV cache's {capacity} tokens; "
+                          "lower --max-model-len or give the cache more memory (--gpu-memory-utilization, "
+                          "--kv-cache-memory, --num-kv-blocks)")
+    logger.warning("max_model_len lowered from %d to %d, the tokens the KV cache holds", max_model_len, capacity)
+    return capacity

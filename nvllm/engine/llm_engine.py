@@ -9,10 +9,11 @@ import time
 from collections.abc import Sequence as Seq
 
 
-from nvllm.config import ConfigError, EngineConfig
+from nvllm.config import EngineConfig
 from nvllm.engine import generation_defaults
 from nvllm.engine.admission import Admission
 from nvllm.engine.block_manager import BlockManager
+from nvllm.engine.kv_budget import fit_max_model_len
 from nvllm.engine.kv_handoff import KVHandoff, KVTarget
 from nvllm.engine.metrics import EngineStats, StatLogger
 from nvllm.engine.inflight import InflightStep
@@ -27,9 +28,9 @@ from nvllm.engine.output_builder import OutputBuilder
 from nvllm.engine.scheduler import Scheduler
 from nvllm.engine.sequence import PrefilledSample, Sequence, Status
 from nvllm.engine.step_profile import StepProfile, step_kind
+from nvllm.engine.warmup import warm_up
 from nvllm.engine.stop_checker import check_stop, min_tokens_banned
 from nvllm.engine.tokenizer import eos_token_ids, load_tokenizer
-from nvllm.kernels import report
 from nvllm.models.hub import resolve_model_path
 from nvllm.models.loader import load_hf_config
 from nvllm.layers.sampler import SampleRow
@@ -97,39 +98,11 @@ class LLMEngine:
             self._warmup()
 
     def _fit_max_model_len_to_cache(self) -> None:
-        """A sequence may grow to max_model_len tokens, so the pool must hold that many: otherwise a lone long
-        sequence would preempt itself forever. An explicit max_model_len over the capacity is an error; the
-        model's own limit is lowered to the capacity, and the log says so."""
-        capacity = self.runner.num_blocks * self.config.block_size
-        if self.max_model_len <= capacity:
-            return
-        if self.config.max_model_len is not None:
-            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the KV cache's {capacity} tokens; "
-                              "lower --max-model-len or give the cache more memory (--gpu-memory-utilization, "
-                              "--kv-cache-memory, --num-kv-blocks)")
-        logger.warning("max_model_len lowered from %d to %d, the tokens the KV cache holds", self.max_model_len,
-                       capacity)
-        self.max_model_len = capacity
+        self.max_model_len = fit_max_model_len(self.max_model_len, self.runner.num_blocks * self.config.block_size,
+                                               explicit=self.config.max_model_len is not None)
 
     def _warmup(self) -> None:
-        """Short requests, one at a time, with prompts of 2, 4, 8, … 256 tokens: every kernel variant a prefill
-        of up to that many tokens picks (Triton compiles one per tile choice, ~1 s each on first use) is built
-        now rather than under the first users' requests. Then the kernel report is printed."""
-        report.reset()
-        extra = 0 if self.spec is None else self.spec.spec_config.num_speculative_tokens  # one verified step too
-        limit = min(self.max_model_len - 2 - extra, self.config.max_num_batched_tokens, 256)
-        lengths = [n for n in (2, 4, 8, 16, 32, 64, 128, 256) if n <= limit] or [1]
-        bm = self.block_manager
-        caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False  # every prompt computed in full
-        for i, n in enumerate(lengths):
-            self.add_request(f"warmup-{i}", [self.tokenizer.bos_token_id or 0] * n,
-                             SamplingParams(max_tokens=2 + extra, temperature=0.0, ignore_eos=True))
-            while self.has_unfinished_requests():
-                self.step()
-        bm.enable_prefix_caching = caching
-        from nvllm.logger import console
-
-        console().print(report.format_table())
+        warm_up(self)
         self.stats = self._new_stats()
         self.stat_logger = StatLogger(self.stat_logger.interval)  # its next line counts from zero, as the stats do
         self.step_profile = StepProfile()
