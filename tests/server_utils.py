@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -81,3 +82,26 @@ def assert_keeps_idle_connection(base: str) -> None:
         assert r.status == 200 and conn.sock is sock  # the same connection answered
     finally:
         conn.close()
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    """/metrics parsed with prometheus-client's parser: {sample name (+ finished_reason label): value}."""
+    out = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            if s.name.endswith(("_bucket", "_created")):
+                continue
+            reason = s.labels.get("finished_reason")
+            out[f"{s.name}[{reason}]" if reason else s.name] = s.value
+    return out
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http)
+        if (m["nvllm:num_requests_running"] == 0 and m["nvllm:num_requests_waiting"] == 0
+                and m["nvllm:kv_cache_usage_perc"] == 0):
+            return m
+        assert time.monotonic() < deadline, f"engine did not go idle: {m}"
+        time.sleep(0.05)

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_utils import assert_keeps_idle_connection, spawn, start_server
-from tests.test_serve import BAD_REQUESTS, PROMPTS
+from tests.test_serve import PROMPTS
+from tests.test_serve_bad_input import BAD_REQUESTS
 
 KEY = "sk-disagg"
 MODEL = "stories260K"

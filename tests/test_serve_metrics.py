@@ -9,8 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_utils import start_server, stop_server
-from tests.test_serve import metrics
+from tests.server_utils import metrics, start_server, stop_server
 
 PROMPT = "Once upon a time"
 
