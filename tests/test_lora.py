@@ -1,7 +1,8 @@
 """LoRA adapters against PEFT's own model: adapters PEFT creates and saves are served by the engine, several at once
 and beside the base model in one batch, on dense, GPTQ and FP8 bases; the greedy tokens and log-probabilities
-are PEFT's (on GPTQ and FP8 bases, PEFT runs their dequantized weights). The prefix cache never hands one adapter's KV to another; bad adapters and settings are one clear error;
-the server picks adapters by model name for the official client."""
+are PEFT's (on GPTQ and FP8 bases, PEFT runs their dequantized weights). The prefix cache never hands one adapter's
+KV to another (it knows adapters by their files); bad adapters and settings are one clear error; the server picks
+adapters by model name for the official client."""
 
 from __future__ import annotations
 
@@ -95,6 +96,31 @@ def test_the_prefix_cache_keeps_adapters_apart(setup):
     assert plain.outputs[0].token_ids == alone != first.outputs[0].token_ids
     assert plain.num_cached_tokens == 0 and again.num_cached_tokens > 0
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_the_prefix_cache_knows_adapters_by_their_files(setup, tmp_path):
+    """The prefix cache keys an adapter's KV by what its files hold: a copy under another name and path shares it;
+    the same name, id and path whose adapter_config.json changed (lora_alpha: a new scale, same weights file)
+    shares nothing with the KV of before, and gives what a fresh engine gives."""
+    import shutil
+
+    _, base, adapters = setup
+    llm = make_llm(str(base), enable_lora=True, block_size=4, max_loras=1, max_cpu_loras=1)
+    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+    prompt = PROMPTS[1] * 3
+    ad = shutil.copytree(adapters["all"], tmp_path / "ad")
+    copy = shutil.copytree(adapters["all"], tmp_path / "copy")
+    request = LoRARequest("ad", 1, str(ad))
+    first = llm.generate([prompt], params, lora_request=request, use_tqdm=False)[0]
+    shared = llm.generate([prompt], params, lora_request=LoRARequest("copy", 2, str(copy)), use_tqdm=False)[0]
+    assert shared.num_cached_tokens > 0 and shared.outputs[0].token_ids == first.outputs[0].token_ids
+    assert 1 not in llm.engine.runner.lora.known  # max_cpu_loras 1: "ad" left host memory; next time it is read
+    config = json.loads((ad / "adapter_config.json").read_text())
+    (ad / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": config["lora_alpha"] * 4}))
+    again = llm.generate([prompt], params, lora_request=request, use_tqdm=False)[0]
+    fresh = make_llm(str(base), enable_lora=True).generate([prompt], params, lora_request=request, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == fresh.outputs[0].token_ids != first.outputs[0].token_ids
 
 
 def test_adapters_beyond_max_loras_wait_for_a_slot(setup):

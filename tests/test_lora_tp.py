@@ -15,7 +15,7 @@ import torch
 from nvllm import LoRARequest, SamplingParams
 from nvllm.config import ConfigError
 from nvllm.engine.step_inputs import StepInputs
-from nvllm.lora.manager import _salt, loads_message, read_loads_message
+from nvllm.lora.manager import adapter_digest, loads_message, read_loads_message
 from tests.conftest import build_tiny_model, make_llm
 from tests.lora_utils import PROMPTS, check_against_peft, make_adapter
 from tests.quant_utils import hf_model, write_by_hand
@@ -83,24 +83,32 @@ def test_a_rank_keeps_its_piece_of_each_adapter(tmp_path):
 
 def test_a_worker_loads_the_weights_rank0_read_or_refuses(tmp_path):
     """``put`` (a worker's side of rank 0's slot choice) fills the slot from its host copy or the files; files
-    changed on disk since rank 0 read them are a ConfigError, never other weights in the slot."""
+    changed on disk since rank 0 read them (here its config: another lora_alpha) are a ConfigError, never other
+    weights in the slot; files only touched are the same adapter."""
+    import json
+
     base = build_tiny_model("qwen2", tmp_path / "base")
     path = adapters_of(base, tmp_path)["all"]
     lora = make_llm(str(base), enable_lora=True).engine.runner.lora
     request = LoRARequest("all", 1, str(path))
-    salt = _salt(request)
-    lora.put(1, request, salt)
+    digest = adapter_digest(str(path))
+    lora.put(1, request, digest)
     qkv = lora.linears["layers.0.qkv_proj"]
     assert dict(lora.loaded) == {1: 1} and qkv.slot_ranks[1] == 24 and qkv.a[1, :24].abs().sum() > 0
-    lora.put(0, request, salt)  # the host copy, into another slot
+    lora.put(0, request, digest)  # the host copy, into another slot
     assert dict(lora.loaded) == {1: 0} and torch.equal(qkv.a[0], qkv.a[1])
     weights = path / "adapter_model.safetensors"
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    lora.put(1, request, salt)  # still rank 0's weights: the host copy
+    lora.forget(1)
+    lora.put(1, request, digest)  # read again: the same bytes
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 64}))
+    lora.put(1, request, digest)  # still rank 0's weights: the host copy
     lora.forget(1)
     with pytest.raises(ConfigError, match="changed on disk after rank 0 read it"):
-        lora.put(1, request, salt)
+        lora.put(1, request, digest)
+    assert 1 not in lora.known
 
 
 def test_adapters_touched_on_disk_keep_serving_on_every_rank(tmp_path):
@@ -121,3 +129,30 @@ def test_adapters_touched_on_disk_keep_serving_on_every_rank(tmp_path):
         st = weights.stat()
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
         assert run("all") == first["all"] and run("attn") == first["attn"]
+
+
+def test_an_adapter_rewritten_on_disk_is_read_again_with_a_fresh_prefix_cache(tmp_path):
+    """An adapter in host memory but on no device slot, whose files were rewritten (retrained weights): rank 0
+    reads it again, as the workers do, and its next request runs the new weights throughout — none of the KV cached
+    under the old ones, the tokens a fresh engine gives."""
+    import shutil
+    import time
+
+    base = build_tiny_model("llama", tmp_path / "base", intermediate_size=128)
+    a = make_adapter(base, tmp_path / "a", 1, r=8, lora_alpha=16)
+    retrained = make_adapter(base, tmp_path / "retrained", 7, r=8, lora_alpha=16)
+    b = make_adapter(base, tmp_path / "b", 2, r=4, lora_alpha=4)
+    prompt = [1, 300, 12, 7, 7, 99, 250, 4, 18] * 3
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    A, B = LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b))
+    with make_llm(str(base), enable_lora=True, tensor_parallel_size=2, max_loras=1, max_cpu_loras=2,
+                  block_size=4) as llm:
+        old = llm.generate([prompt], params, lora_request=A, use_tqdm=False)[0]
+        llm.generate([prompt[:3]], params, lora_request=B, use_tqdm=False)  # B takes the only slot
+        time.sleep(0.05)
+        shutil.copy(retrained / "adapter_model.safetensors", a / "adapter_model.safetensors")
+        new = llm.generate([prompt], params, lora_request=A, use_tqdm=False)[0]
+    fresh = make_llm(str(base), enable_lora=True, block_size=4).generate([prompt], params, lora_request=A,
+                                                                          use_tqdm=False)[0]
+    assert new.num_cached_tokens == 0
+    assert new.outputs[0].token_ids == fresh.outputs[0].token_ids != old.outputs[0].token_ids

@@ -80,8 +80,8 @@ def worker_main(rank: int, size: int, port: int, config, conn, num_threads: int)
             message = group.broadcast_message()
             loads = read_loads_message(message)
             if loads is not None:
-                for slot, request, salt in loads:
-                    runner.lora.put(slot, request, salt)
+                for slot, request, digest in loads:
+                    runner.lora.put(slot, request, digest)
                 continue
             step = StepInputs.unpack(message)
             if step is None:

@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from nvllm.engine.block_manager import prefix_salt
 from nvllm.engine.detokenizer import IncrementalDetokenizer
 from nvllm.engine.sequence import Sequence
 from nvllm.engine.structured_output import StructuredOutputs
@@ -94,11 +95,13 @@ class Admission:
         return ids
 
     def sequences(self, request_id: str, ids: list[int], params: SamplingParams, metrics: RequestMetrics,
-                  salt: bytes | None, lora_id: int) -> list[Sequence]:
-        """The request's n sequences (``salt``: its prefix-cache salt; ``lora_id``: its adapter, 0 for none). A
+                  lora_digest: bytes | None, lora_id: int, cache_salt: str | None) -> list[Sequence]:
+        """The request's n sequences (``lora_digest``, ``lora_id``: its adapter's digest and id, None and 0 for none;
+        ``cache_salt``: its own prefix-cache salt). A
         logprobs count of -1 (vLLM's: the whole vocabulary) becomes the vocabulary's size here, once."""
         whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
         params = dataclasses.replace(params, **whole) if whole else params
+        salt = prefix_salt(lora_digest, cache_salt)
         seqs = []
         bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else None
         for i in range(params.n):
@@ -108,7 +111,7 @@ class Admission:
             seq = Sequence(request_id, i, list(ids), len(ids), params, metrics, gen)
             if params.detokenize:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            seq.cache_salt, seq.lora_id = salt, lora_id
+            seq.cache_salt, seq.request_cache_salt, seq.lora_id = salt, cache_salt, lora_id
             seq.bad_words = bad_words
             if params.structured_outputs is not None:
                 seq.grammar = self.structured.matcher(params.structured_outputs)

@@ -2,10 +2,10 @@
 and prefix caching.
 
 Prefix caching: a block that is full of computed tokens gets a hash chained from the previous block's hash
-and its own token ids (SHA-256; the first block's chain starts from the sequence's ``cache_salt``, its LoRA
-adapter's name); a new sequence whose leading blocks hash the same (and whose token ids match
-the stored ones) shares those blocks instead of recomputing them. Freed blocks keep their contents and hash in
-the free list until they are reused, least recently freed first.
+and its own token ids (SHA-256; the first block's chain starts from the sequence's ``cache_salt``: its LoRA
+adapter's digest and its request's cache_salt, ``prefix_salt``); a new sequence whose leading blocks hash the same
+(and whose token ids match the stored ones) shares those blocks instead of recomputing them. Freed blocks keep their
+contents and hash in the free list until they are reused, least recently freed first.
 """
 
 from __future__ import annotations
@@ -25,6 +25,15 @@ class Block:
         self.ref_count = 0
         self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
+
+
+def prefix_salt(lora_digest: bytes | None, cache_salt: str | None) -> bytes | None:
+    """Where a sequence's chain of block hashes starts: its LoRA adapter's digest (``nvllm.lora.manager``;
+    None for the base model) and its request's cache_salt (vLLM's: blocks shared only among requests that give the
+    same); None for neither."""
+    if cache_salt:
+        return hashlib.sha256((lora_digest or b"") + b"\0salt\0" + cache_salt.encode()).digest()
+    return lora_digest
 
 
 def chain_hash(prev: bytes | None, token_ids: tuple[int, ...]) -> bytes:

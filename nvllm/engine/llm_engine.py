@@ -3,7 +3,6 @@ the block manager and the model runner; everything above it (LLM, the server, be
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Sequence as Seq
@@ -163,11 +162,9 @@ class LLMEngine:
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams,
                      metrics: RequestMetrics, lora_request: LoRARequest | None = None,
                      cache_salt: str | None = None) -> list[Sequence]:
-        salt = self.load_lora(lora_request)  # first: a bad adapter is a ValueError with nothing registered
-        if cache_salt:
-            salt = hashlib.sha256((salt or b"") + b"\0salt\0" + cache_salt.encode()).digest()
+        digest = self.load_lora(lora_request)  # first: a bad adapter is a ValueError with nothing registered
         lora_id = lora_request.lora_int_id if lora_request is not None else 0
-        seqs = self.admission.sequences(request_id, ids, params, metrics, salt, lora_id)
+        seqs = self.admission.sequences(request_id, ids, params, metrics, digest, lora_id, cache_salt)
         self.requests[request_id] = seqs
         return seqs
 

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nvllm.engine.block_manager import BlockManager
+from nvllm.engine.block_manager import BlockManager, prefix_salt
 from nvllm.engine.sequence import Sequence, Status
 
 
@@ -58,9 +58,9 @@ class Scheduler:
         self._holders: dict[int, Sequence] = {}
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # LoRA: put a waiting sequence's adapter on the device, given the adapters running sequences use; False
-        # when no slot is free (nvllm.lora.manager.LoRAManager.activate)
-        self.activate_lora: Callable[[int, set[int]], bool] = lambda lora_id, in_use: True
+        # LoRA: put a waiting sequence's adapter on the device, given the adapters running sequences use; its digest,
+        # or None when no slot is free (nvllm.lora.manager.LoRAManager.activate)
+        self.activate_lora: Callable[[int, set[int]], bytes | None] = lambda lora_id, in_use: b""
 
     def check_priority(self, priority: int) -> None:
         """ValueError for a non-zero priority unless the scheduling policy is "priority"."""
@@ -196,9 +196,13 @@ class Scheduler:
             if seq.status is Status.FINISHED:
                 self._drop_waiting(i)
                 continue
-            if seq.lora_id and not self.activate_lora(seq.lora_id, loras):
-                i += 1  # every adapter slot is busy: requests behind it may go first (as vLLM skips them)
-                continue
+            if seq.lora_id:
+                digest = self.activate_lora(seq.lora_id, loras)
+                if digest is None:
+                    i += 1  # every adapter slot is busy: requests behind it may go first (as vLLM skips them)
+                    continue
+                if not seq.block_table:  # its KV is computed from here on, with the weights of this digest
+                    seq.cache_salt = prefix_salt(digest, seq.request_cache_salt)
             hit = self.bm.allocate_cached_prefix(seq) if not seq.block_table else 0
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.bm.tokens_that_fit(seq))
             if n <= 0 or not self.bm.allocate_slots(seq, n):

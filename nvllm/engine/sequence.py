@@ -35,9 +35,10 @@ class Sequence:
     admitted: bool = False  # scheduled at least once (a preempted sequence coming back is not new)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full blocks in block_table
-    # the first block's hash input besides its tokens: the LoRA adapter's name (KV computed under one adapter is
-    # not another's); None for the base model
+    # the first block's hash input besides its tokens (block_manager.prefix_salt): the LoRA adapter's digest (KV
+    # computed under one adapter is not another's) and the request's cache_salt; None for the base model unsalted
     cache_salt: bytes | None = None
+    request_cache_salt: str | None = None  # the request's own cache_salt
     lora_id: int = 0  # the LoRA adapter this sequence runs with (0: the base model)
     priority: int = 0  # the request's (scheduling_policy priority: lower runs first)
     order: int = 0  # its place in arrival order (the engine numbers requests as they come)
@@ -105,3 +106,4 @@ class PrefilledSample:
     num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    prefix_salt: bytes | None = None  # held KV: the prefill side's Sequence.cache_salt (b"" for none); None: unchecked

@@ -112,7 +112,7 @@ class _EngineCollector:
             known = e.runner.lora.known
 
             def names(seqs) -> str:
-                return ",".join(sorted({entry[0].lora_name for s in seqs if (entry := known.get(s.lora_id))}))
+                return ",".join(sorted({entry.request.lora_name for s in seqs if (entry := known.get(s.lora_id))}))
 
             g = GaugeMetricFamily("nvllm:lora_requests_info", "Running and waiting LoRA adapters.",
                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
