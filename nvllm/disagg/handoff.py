@@ -35,6 +35,9 @@ class SampleHandoff(Message):
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     handle: str | None = None  # the held KV; None when the first token finished the sample
+    # held KV: hex of its sequence's prefix-cache salt (its LoRA adapter's digest and the request's cache_salt; ""
+    # for none). The decode side's must be the same, or the KV was computed under another adapter than it runs
+    prefix_salt: str | None = None
 
 
 class RequestHandoff(Message):
@@ -110,4 +113,5 @@ def decode_state(text: str | None) -> torch.Tensor | None:
 def to_sample(s: SampleHandoff) -> PrefilledSample:
     return PrefilledSample(first_token=s.first_token, logprobs=entries_to_logprobs(s.logprobs),
                            generator_state=decode_state(s.generator_state), num_cached_tokens=s.num_cached_tokens,
-                           first_scheduled_time=s.first_scheduled_time, first_token_time=s.first_token_time)
+                           first_scheduled_time=s.first_scheduled_time, first_token_time=s.first_token_time,
+                           prefix_salt=None if s.prefix_salt is None else bytes.fromhex(s.prefix_salt))

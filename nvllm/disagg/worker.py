@@ -36,7 +36,7 @@ from nvllm.disagg.staging import KVLayout
 from nvllm.disagg.transfer_group import TransferGroup
 from nvllm.disagg.weights_fingerprint import weights_fingerprint
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from nvllm.engine.kv_handoff import kv_handle_id
+from nvllm.engine.kv_handoff import KVHandoffMismatch, kv_handle_id
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import APIError, bad_request, from_value_error
 from nvllm.serve.http import ClientGone, parse_body, parse_model, until_disconnect
@@ -182,7 +182,8 @@ class DisaggWorker:
                 logprobs=logprobs_to_entries(c.logprobs[0]) if c.logprobs else None,
                 generator_state=encode_state(held.generator_state) if held else None,
                 num_cached_tokens=out.num_cached_tokens, first_scheduled_time=out.metrics.first_scheduled_time,
-                first_token_time=out.metrics.first_token_time, handle=handle))
+                first_token_time=out.metrics.first_token_time, handle=handle,
+                prefix_salt=(held.seq.cache_salt or b"").hex() if held else None))
         plp = None if out.prompt_logprobs is None else [logprobs_to_entries(d) for d in out.prompt_logprobs]
         return RequestHandoff(prompt_ids=ids, arrival_time=out.metrics.arrival_time, prompt_logprobs=plp,
                               samples=samples)
@@ -246,6 +247,9 @@ class DisaggWorker:
 
                     await stream.add_prefilled(rid, ids, params, h.arrival_time, samples, plp, r.lora, r.cache_salt,
                                                r.priority, receive=receive)
+            except KVHandoffMismatch as e:
+                stream.close()
+                raise _mismatch(str(e)) from None
             except ValueError as e:  # bad ids, a bad RNG state: nothing half-registered stays
                 stream.close()
                 raise from_value_error(e) from None

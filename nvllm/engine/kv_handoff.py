@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from nvllm.engine.llm_engine import LLMEngine
 
 
+class KVHandoffMismatch(ValueError):
+    """The prefill worker's KV is not this engine's to use (computed under another LoRA adapter): a deployment
+    fault, not the request's."""
+
+
 def kv_handle_id(request_id: str, index: int) -> str:
     return f"{request_id}/{index}"
 
@@ -120,6 +125,11 @@ class KVHandoff:
         metrics.first_scheduled_time = min((s.first_scheduled_time for s in samples if s.first_scheduled_time),
                                            default=None)
         seqs = e._new_request(request_id, ids, params, metrics, lora_request, cache_salt)
+        if any(s.prefix_salt is not None and s.prefix_salt != (seq.cache_salt or b"") for seq, s in zip(seqs, samples)):
+            del e.requests[request_id]
+            name = f"LoRA adapter {lora_request.lora_name!r}" if lora_request is not None else "the base model"
+            raise KVHandoffMismatch(f"the prefill worker computed this prompt's KV with other weights than this "
+                                    f"worker's {name}: the workers must load the same adapter files under each name")
         e.scheduler.place_in_line(seqs, priority)
         e.prompts[request_id] = None
         now, receiving = time.time(), []
