@@ -62,7 +62,8 @@ class StructuredOutputsParams:
         changed since, as after ``SamplingParams.clone()``, needs a new one)."""
         import json
 
-        schema = self.json if not isinstance(self.json, dict) else json.dumps(self.json, sort_keys=True, default=str)
+        # in the schema's own order, as it is compiled: the grammar writes properties in that order
+        schema = self.json if not isinstance(self.json, dict) else json.dumps(self.json, default=str)
         return (schema, self.regex, tuple(self.choice) if self.choice else self.choice, self.grammar,
                 self.json_object, self.disable_any_whitespace)
 

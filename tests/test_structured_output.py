@@ -260,3 +260,11 @@ def test_a_constraint_changed_after_use_is_the_one_enforced(llm):
     so.regex = r"[a-z]{2}!"
     assert re.fullmatch(r"[a-z]{2}!", llm.generate(["Once"], SamplingParams(temperature=0, structured_outputs=so),
                                                    use_tqdm=False)[0].outputs[0].text)
+    # the same properties in another order: the grammar writes them in the schema's order, so it is another grammar
+    props = {"a": {"type": "integer"}, "b": {"type": "integer"}}
+    so = S(json={"type": "object", "properties": props, "required": ["a", "b"], "additionalProperties": False},
+           disable_any_whitespace=True)
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)
+    assert llm.generate(["Once"], params, use_tqdm=False)[0].outputs[0].text.startswith('{"a":')
+    so.json = {**so.json, "properties": {"b": props["b"], "a": props["a"]}}
+    assert llm.generate(["Once"], params, use_tqdm=False)[0].outputs[0].text.startswith('{"b":')
