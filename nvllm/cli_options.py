@@ -24,7 +24,10 @@ def fail(message: str, code: int = 2):
     console's width (80 columns when stderr is not a terminal); a terminal wraps it for display."""
     from nvllm.logger import console
 
-    console().print(f"[bold red]error:[/] {message}", highlight=False, markup=True, soft_wrap=True)
+    from rich.markup import escape
+
+    # the message is text: a path or a pip extra in brackets ('.[eval]') is printed as written
+    console().print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
     raise typer.Exit(code)
 
 

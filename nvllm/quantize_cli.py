@@ -49,7 +49,9 @@ def quantize(
                                                         rich_help_panel=_CAL)] = None,
     seed: Annotated[Optional[int], typer.Option(help="calibration window seed (default 0)",
                                                 rich_help_panel=_CAL)] = None,
-    recipe: Annotated[Optional[str], typer.Option(help="YAML recipe (recipes/*.yaml); flags override it")] = None,
+    recipe: Annotated[Optional[str], typer.Option(
+        help="YAML recipe: a file, or a shipped one by name (gptq-w4g128, awq-w4g128, rtn-w4g128, …, as in "
+             "recipes/); flags override it")] = None,
     overwrite: Annotated[bool, typer.Option(
         help="replace an existing --out (a model directory, one with a config.json, or an empty one)")] = False,
     max_shard_size: Annotated[Optional[str], typer.Option(help="largest weights file, e.g. 5GB or 500MB: larger "

@@ -52,6 +52,24 @@ def test_recipe_and_flag_override(tmp_path):
     assert "method awq, 4-bit, group size 64, zero point; format AWQ-GEMM" in out
 
 
+def test_shipped_recipes_are_named_alone_from_any_directory(tmp_path, monkeypatch):
+    """The recipes ship in the package: `--recipe gptq-w4g128` (or the README's recipes/gptq-w4g128.yaml) finds them
+    from any directory, as an installed wheel has no checkout beside it; a name that is neither is one line listing
+    them, and a path with brackets is printed as written."""
+    from nvllm.quant.recipe import load_recipe
+
+    monkeypatch.chdir(tmp_path)
+    want = load_recipe(str(REPO / "recipes" / "gptq-w4g128.yaml"))
+    assert load_recipe("gptq-w4g128") == load_recipe("gptq-w4g128.yaml") == load_recipe("recipes/gptq-w4g128.yaml")
+    assert load_recipe("gptq-w4g128") == want
+    code, out = run("--recipe", "awq-w4g128", "--group-size", "64", "--out", str(tmp_path / "q"), *FAST)
+    assert code == 0 and "method awq, 4-bit, group size 64, zero point; format AWQ-GEMM" in out, out
+    code, out = run("--recipe", "gptq-w5", "--out", str(tmp_path / "q2"))
+    assert code == 2 and "recipe not found: gptq-w5 (shipped recipes: awq-w4g128, fp8-block128," in out, out
+    code, out = run("--recipe", "mine[v2].yaml", "--out", str(tmp_path / "q2"))
+    assert code == 2 and "recipe not found: mine[v2].yaml" in out, out
+
+
 def test_shipped_recipes_validate(tmp_path):
     recipes = sorted((REPO / "recipes").glob("*.yaml"))
     assert len(recipes) >= 4

@@ -1,5 +1,5 @@
 """Evaluation on nvllm's engine: lm-evaluation-harness tasks (GSM8K, MMLU, ...), perplexity, and the
-regression gate between a model and its baseline. Needs the `eval` extra (`pip install -e ".[eval]"`).
+regression gate between a model and its baseline. Needs the `eval` extra (`pip install "nvllm[eval]"`).
 
 - `lm_eval_model.NvllmLM`: the lm-eval backend (`--model nvllm`)
 - `tasks`: local copies of lm-eval's gsm8k / mmlu task configs reading the published files

@@ -2,9 +2,9 @@
 
     python -m nvllm.eval --model nvllm --model_args model=DIR,dtype=bfloat16 --tasks gsm8k
 
-lm-eval releases that read the `lm_eval.models` entry-point group find the backend by themselves (nvllm
-declares it), so there plain `lm_eval --model nvllm ...` works too; this module covers the releases that
-do not.
+nvllm also declares the backend in the `lm_eval.models` entry-point group, for an lm-eval that discovers model
+plugins that way; lm-eval 0.4.13 (the newest release the `eval` extra allows) does not, so plain
+`lm_eval --model nvllm` does not find it there: use this module.
 """
 
 import nvllm.eval.lm_eval_model  # noqa: F401  (registers "nvllm" with lm-eval)

@@ -65,7 +65,7 @@ def require_lm_eval() -> None:
     except ImportError:
         from nvllm.cli_options import fail
 
-        fail("nvllm eval needs lm-eval: pip install -e '.[eval]'")
+        fail("nvllm eval needs lm-eval: pip install 'nvllm[eval]' (from a checkout: pip install -e '.[eval]')")
 
 
 @contextmanager

@@ -43,7 +43,7 @@ import torch
 from nvllm.config import first_line
 from nvllm.models import hub
 
-CALIB_DIR = Path(__file__).resolve().parents[2] / "calib"
+CALIB_DIR = Path(__file__).resolve().parents[1] / "assets" / "calib"  # the repository's calib/, in the package
 SHIPPED_SAMPLE = CALIB_DIR / "c4-sample.jsonl"
 C4_REPO = "allenai/c4"
 C4_FILE = "en/c4-validation.00000-of-00008.json.gz"

@@ -1,7 +1,8 @@
 """What to quantize and how: ``QuantizeConfig``, validated once, built from defaults, a YAML recipe and the
 command line (in that order of precedence, the command line last).
 
-A recipe (recipes/*.yaml) uses the same names as the flags, with the method's own knobs and the calibration
+A recipe (a YAML file; those in recipes/ ship with the package and are named alone: ``--recipe gptq-w4g128``) uses
+the same names as the flags, with the method's own knobs and the calibration
 settings in sections::
 
     method: gptq            # awq | gptq | rtn | fp8 (e4m3 weights, no calibration)
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from nvllm.config import first_line
@@ -233,8 +235,29 @@ def parse_recipe(data: Any, where: str = "recipe") -> dict[str, Any]:
     return fields
 
 
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "assets" / "recipes"  # the repository's recipes/, in the package
+
+
+def recipe_path(name: str) -> str:
+    """A recipe file: ``name`` as a path, or else one of the shipped recipes by its name (``gptq-w4g128``, with or
+    without ``.yaml``, or ``recipes/gptq-w4g128.yaml`` as the README writes it from a checkout)."""
+    if Path(name).exists():
+        return name
+    stem = Path(name).name.removesuffix(".yaml")
+    shipped = RECIPES_DIR / f"{stem}.yaml"
+    if shipped.is_file() and (Path(name).parent in (Path("."), Path("recipes"))):
+        return str(shipped)
+    return name
+
+
+def shipped_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
 def load_recipe(path: str) -> dict[str, Any]:
     import yaml
+
+    path = recipe_path(path)
 
     class UniqueKeys(yaml.SafeLoader):
         """YAML lets a later key replace an earlier one in silence; a recipe that names a setting twice is refused."""
@@ -251,7 +274,7 @@ def load_recipe(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             data = yaml.load(f, Loader=UniqueKeys)
     except FileNotFoundError:
-        raise RecipeError(f"recipe not found: {path}") from None
+        raise RecipeError(f"recipe not found: {path} (shipped recipes: {', '.join(shipped_recipes())})") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise RecipeError(f"cannot read recipe {path}: {first_line(e)}") from e
     return parse_recipe(data, path)
