@@ -12,6 +12,7 @@ from http.client import HTTPConnection
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -105,3 +106,13 @@ def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
             return m
         assert time.monotonic() < deadline, f"engine did not go idle: {m}"
         time.sleep(0.05)
+
+
+def openai_client(base: str, key: str) -> openai.OpenAI:
+    """The official client on a server the test started (no retries: a failure shows at once)."""
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def http_client(base: str, key: str) -> httpx.Client:
+    """httpx on that server, with its API key, for what the official client will not send."""
+    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60)

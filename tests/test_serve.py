@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import assert_keeps_idle_connection, start_server
+from tests.server_utils import assert_keeps_idle_connection, http_client, openai_client, start_server
 
 KEY = "sk-test-key"
 MODEL = "stories260K"
@@ -73,12 +73,12 @@ def _shutdown_with_a_stream_in_flight(proc: subprocess.Popen, base: str, log_pat
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+    return openai_client(server, KEY)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+    with http_client(server, KEY) as c:
         yield c
 
 

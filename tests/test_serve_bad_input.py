@@ -3,11 +3,10 @@ field where there is one) and the server keeps serving; the official `openai` cl
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
-from tests.server_utils import start_server, stop_server
+from tests.server_utils import http_client, openai_client, start_server, stop_server
 
 KEY = "sk-test-key"
 MODEL = "stories260K"
@@ -28,13 +27,8 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+    with http_client(server, KEY) as c:
         yield c
 
 
@@ -152,7 +146,8 @@ def test_a_surrogate_pair_is_one_character(http):
     assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hi \U0001F600")
 
 
-def test_openai_client_sees_typed_errors(client):
+def test_openai_client_sees_typed_errors(server):
+    client = openai_client(server, KEY)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
     assert e.value.body["param"] == "max_tokens"

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import start_server, stop_server, wait_idle
+from tests.server_utils import http_client, start_server, stop_server, wait_idle
 
 KEY = "sk-test-key"
 MODEL = "stories260K"
@@ -30,7 +30,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+    with http_client(server, KEY) as c:
         yield c
 
 
