@@ -25,23 +25,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(command: str, args: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+def spawn(command: str, args: list[str], log_path: Path, new_session: bool = False) -> tuple[subprocess.Popen, str]:
     """`nvllm COMMAND ARGS` on a socket bound here on a free port and handed over (``--fd``): no other process can
-    take the port between its choice and the server's start. Returns the process and the base URL."""
+    take the port between its choice and the server's start. ``new_session``: its own process group (the test may
+    signal the whole group, as a terminal or a service manager does). Returns the process and the base URL."""
     with socket.socket() as sock, open(log_path, "w") as log:
         sock.bind(("127.0.0.1", 0))
         cmd = [sys.executable, "-m", "nvllm.cli", command, "--fd", str(sock.fileno()), *args]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"},
-                                pass_fds=(sock.fileno(),))
+                                pass_fds=(sock.fileno(),), start_new_session=new_session)
         return proc, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-def start_server(args: list[str], log_path: Path, timeout: float = 120, command: str = "serve", verify=None
-                 ) -> tuple[subprocess.Popen, str]:
+def start_server(args: list[str], log_path: Path, timeout: float = 120, command: str = "serve", verify=None,
+                 new_session: bool = False) -> tuple[subprocess.Popen, str]:
     """`nvllm COMMAND ARGS` (``serve``: the demo model unless ARGS say otherwise; or ``router``), ``spawn``ed;
     waits for /health. ``verify``: an SSL context trusting the server's certificate, for one serving HTTPS. Returns
     the process and the base URL; a server that exits or never becomes healthy fails the test."""
-    proc, base = spawn(command, args, log_path)
+    proc, base = spawn(command, args, log_path, new_session)
     if verify is not None:
         base = base.replace("http://", "https://")
     deadline = time.monotonic() + timeout

@@ -11,6 +11,8 @@ before any process starts, and `nvllm generate --tensor-parallel-size 2` works.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import multiprocessing
 import os
 import signal
@@ -352,8 +354,9 @@ def test_killed_worker_stops_the_serving_loop(demo_dir):
 
 
 def test_server_exits_when_a_worker_dies(tmp_path):
-    """`nvllm serve --tensor-parallel-size 2` whose worker is killed: the request that finds it gone fails, and
-    the server shuts down with exit status 1 (a supervisor restarts it) instead of answering 503 for ever."""
+    """`nvllm serve --tensor-parallel-size 2` whose worker is killed while it is idle: the server shuts down with
+    exit status 1 (a supervisor restarts it) at once — no request has to find the worker gone first, and /health
+    never says 200 meanwhile."""
     import httpx
 
     from tests.server_utils import start_server
@@ -367,14 +370,53 @@ def test_server_exits_when_a_worker_dies(tmp_path):
         assert children, "the server started no worker process"
         for pid in children:
             os.kill(pid, signal.SIGKILL)
-        r = httpx.post(f"{base}/v1/completions", json={"model": "stories260K", "prompt": "Once upon a time",
-                                                       "max_tokens": 8}, timeout=60)
-        assert r.status_code >= 500 and "rank 1" in r.text, r.text
-        assert proc.wait(timeout=60) == 1
-        assert "the engine stopped" in log_path.read_text()
+        time.sleep(1)
+        with contextlib.suppress(httpx.HTTPError):  # down already, or going
+            assert httpx.get(f"{base}/health", timeout=5).status_code == 503
+        assert proc.wait(timeout=30) == 1
+        log = log_path.read_text()
+        assert "the engine stopped" in log and "was killed by SIGKILL" in log, log
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+
+
+def test_sigterm_to_the_whole_group_lets_requests_finish(tmp_path):
+    """A service manager's SIGTERM reaches every process of the group (systemd's control-group kill; a terminal's
+    Ctrl-C too): the workers stay up, so rank 0's graceful shutdown lets the streams in flight run to their end,
+    then the server exits 0 and its workers with it."""
+    import httpx
+
+    from tests.server_utils import start_server
+
+    log_path = tmp_path / "server.log"
+    proc, base = start_server(["--tensor-parallel-size", "2", "--device", "cpu", "--log-stats-interval", "0",
+                               "--uvicorn-log-level", "warning"], log_path, new_session=True)
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
+                          json={"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 120, "n": 4,
+                                "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            os.killpg(proc.pid, signal.SIGTERM)
+            rest = list(lines)
+        finishes = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in rest
+                    if line.startswith("data: {")]
+        assert sorted(f for f in finishes if f) == ["length"] * 4 and rest[-2:] == ["data: [DONE]", ""], rest[-4:]
+        assert proc.wait(timeout=60) == 0, log_path.read_text()
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+                  for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+                   for pid in children)
+        assert "Traceback" not in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 

@@ -6,6 +6,10 @@ forward and the same LM-head calls, never sampling. Before a step, rank 0 may se
 slots, which the worker puts in the same slots. An empty message ends the loop. Any exception is sent to
 rank 0 through the pipe (pickled when it can be, so a ConfigError arrives as a ConfigError) before the process
 exits; a worker whose parent dies exits too.
+
+A worker ignores SIGINT and SIGTERM: a terminal's Ctrl-C and a service manager's SIGTERM reach every process of the
+group, and rank 0 shuts down gracefully (the requests in flight run to their end, which needs every rank), then
+ends its workers itself.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 import traceback
@@ -51,6 +56,8 @@ def _report(conn, rank: int, error: BaseException) -> None:
 
 def worker_main(rank: int, size: int, port: int, config, conn, num_threads: int) -> None:
     """Entry point of worker ``rank``: ``config`` is the engine's, with this rank's device."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent()
     code = 0
     try:

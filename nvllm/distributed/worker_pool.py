@@ -6,12 +6,14 @@ then the group's rendezvous. Rank r runs on cuda:(first + r) where cuda:first is
 
 Failure: a watcher thread waits on the workers' process sentinels. When one ends while the engine runs, the
 pool records why — the exception the worker sent (re-raised on rank 0 as that very exception) or how the process
-died (exit code, signal) — and aborts the compute group, so that a collective in flight fails instead of waiting.
-Every step runs inside ``guard()``: it raises the recorded failure before a step, and when a step fails it
-raises the root cause and stops the workers (a step interrupted half-way leaves the ranks out of step for good).
+died (exit code, signal) —, aborts the compute group, so that a collective in flight fails instead of waiting,
+and tells ``on_failure``'s callbacks (a server's loop stops then, idle or not). Every step runs inside
+``guard()``: it raises the recorded failure before a step, and when a step fails it raises the root cause (a
+WorkerFailure) and stops the workers (a step interrupted half-way leaves the ranks out of step for good).
 
 Stop (``stop()``: engine teardown, garbage collection or interpreter exit through the runner's finalizer): an
-empty message ends the workers' loops; a worker not gone within seconds is terminated, then killed.
+empty message ends the workers' loops; a worker not gone within seconds is killed (workers ignore SIGINT and
+SIGTERM: rank 0 decides when they stop, see ``nvllm.distributed.worker``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pickle
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -54,6 +57,7 @@ class WorkerPool:
 
         self.size = config.tensor_parallel_size
         self.failure: BaseException | None = None
+        self.on_failure: list[Callable[[BaseException], None]] = []  # called (from the watcher) once a failure is known
         self.group: TPGroup | None = None
         self.lock = threading.RLock()  # held by each step; stop() waits for the step in flight
         self._fail_lock = threading.Lock()
@@ -131,6 +135,11 @@ class WorkerPool:
         logger.error("tensor parallel: %s", error)
         if self.group is not None:
             self.group.abort()
+        for callback in self.on_failure:
+            try:
+                callback(error)
+            except Exception:  # noqa: BLE001 - one listener's failure must not hide the others'
+                logger.exception("tensor parallel: a failure callback failed")
 
     def check(self) -> None:
         """Raise the recorded failure (stopping the surviving workers), or WorkerFailure when the pool was
@@ -149,18 +158,22 @@ class WorkerPool:
             self.check()
             try:
                 yield
-            except BaseException as e:
+            except Exception as e:
                 deadline = time.monotonic() + _CAUSE_GRACE_S
                 while self.failure is None and time.monotonic() < deadline:
                     time.sleep(0.02)
                 cause = self.failure
                 if cause is None:
-                    self._fail(WorkerFailure(f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e}); "
-                                             "the workers were stopped"))
+                    cause = WorkerFailure(f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e}); "
+                                          "the workers were stopped")
+                    self._fail(cause)
                 self.stop()
-                if cause is None or cause is e:
+                if cause is e:
                     raise
                 raise cause from e
+            except BaseException:  # Ctrl-C or an exit while a step ran: no failure of the group; the workers stop
+                self.stop()
+                raise
 
     # ---- stop -------------------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -179,10 +192,7 @@ class WorkerPool:
             for p in self.procs:
                 p.join(5.0 if clean else 0.2)
             for p in self.procs:
-                if p.is_alive():
-                    p.terminate()
-                    p.join(2.0)
-                if p.is_alive():
+                if p.is_alive():  # (SIGTERM would do nothing: workers ignore it)
                     p.kill()
                     p.join(2.0)
         finally:

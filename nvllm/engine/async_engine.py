@@ -177,6 +177,9 @@ class AsyncLLMEngine:
     # ---- life cycle ----------------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            workers = getattr(self.engine.runner, "workers", None)
+            if workers is not None:  # a tensor-parallel rank that dies stops the loop at once, busy or idle
+                workers.on_failure.append(lambda error: self._submit(("fail", error)))
             self._thread = threading.Thread(target=self._run, name="nvllm-engine", daemon=True)
             self._thread.start()
 
@@ -186,11 +189,16 @@ class AsyncLLMEngine:
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is still in flight (its streams end with finish_reason "abort") and stop the loop."""
+        await asyncio.to_thread(self.stop, timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """``shutdown`` from a thread without an event loop (a server whose shutdown was cut short: the loop ends
+        before the interpreter tears down under it)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout)
+            self._thread.join(timeout)
 
     # ---- requests ------------------------------------------------------------------------------------
     async def precompile(self, params: SamplingParams) -> None:
@@ -297,6 +305,8 @@ class AsyncLLMEngine:
             for request_id in list(self._streams):
                 self._abort(request_id)
             return
+        if command[0] == "fail":  # a tensor-parallel worker died (WorkerPool.on_failure): no step can run again
+            raise command[1]
         if command[0] == "call":
             _, fn, done = command
             if done.set_running_or_notify_cancel():

@@ -315,6 +315,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
 
     setup_logging()
     sock = listen_socket(config.host, config.port, config.fd)  # before the slow part, so a taken port fails at once
+    engine = None
     try:
         model_name = config.served_model_name[0] if config.served_model_name else default_model_name(engine_config)
         if disagg is not None and disagg.role == "prefill" and engine_config.async_scheduling:
@@ -346,5 +347,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
         return 0
     finally:
         sock.close()
+        if engine is not None:  # a second Ctrl-C cuts uvicorn's shutdown short: the loop still ends before teardown
+            engine.stop(timeout=10)
     logger.info("server stopped")
     return 1 if server.engine_died else 0
