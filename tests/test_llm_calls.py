@@ -75,6 +75,20 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
         SamplingParams(stop=["."], detokenize=False)
 
 
+def test_dropping_the_last_reference_frees_the_engine_at_once(demo_dir):
+    """No reference cycle holds the engine: `del llm` frees it, its weights and its cache then and there (a cycle
+    kept them until the garbage collector ran, so the next LLM in the process found the memory still taken)."""
+    llm = make_llm(demo_dir, enable_lora=True)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    kept = [weakref.ref(o) for o in (llm.engine, llm.engine.runner, llm.engine.runner.model)]
+    gc.disable()
+    try:
+        del llm
+        assert [ref() is None for ref in kept] == [True, True, True]
+    finally:
+        gc.enable()
+
+
 def test_close_frees_the_cache_and_refuses_later_calls(demo_dir):
     """close() gives back the KV cache (of the draft model too), so that the next LLM built in the process has the
     memory; the closed LLM then refuses to generate with one clear error, and a second close() is harmless."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence as Seq
 
 
@@ -73,15 +74,18 @@ class LLMEngine:
                                    policy=config.scheduling_policy)
         if self.runner.lora is not None:
             self.scheduler.activate_lora = self.runner.lora.activate
-        self.loras = LoraAdapters(self.runner.lora, lambda: {
-            s.lora_id for seqs in self.requests.values() for s in seqs if s.lora_id and not s.finished})
+        # (nothing here holds the engine itself: dropping the last reference frees the engine, the weights and the
+        # cache at once, with no wait for the garbage collector)
         self.requests: dict[str, list[Sequence]] = {}
+        requests = self.requests
+        self.loras = LoraAdapters(self.runner.lora, lambda: {
+            s.lora_id for seqs in requests.values() for s in seqs if s.lora_id and not s.finished})
         self.prompts: dict[str, str | None] = {}
         self.outputs = OutputBuilder(self.tokenizer)
         self.stats = self._new_stats()
         self.stat_logger = StatLogger(config.log_stats_interval)
         self.step_profile = StepProfile()
-        self.handoff = KVHandoff(self)  # disaggregated prefill / decode: held and arriving KV
+        self.handoff = KVHandoff(weakref.proxy(self))  # disaggregated prefill / decode: held and arriving KV
         # asynchronous scheduling: the launched step whose sampled tokens are not read yet
         self.async_scheduling = bool(config.async_scheduling) and self.spec is None and self.runner.tp.size == 1
         self._inflight: InflightStep | None = None
