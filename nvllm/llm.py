@@ -6,8 +6,10 @@ A script that builds one must guard its top level with `if __name__ == "__main__
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import threading
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -90,15 +92,16 @@ class LLM:
         self.close()
 
     def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable[..., Any] = True,
                  lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
                  priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Prompts: a string, a list of strings, a list of token-id lists, or {"prompt": "..."} /
         {"prompt_token_ids": [...]} dicts. Without sampling_params, `get_default_sampling_params()` (the model's
         recommended settings). lora_request: one adapter for all prompts, or one (or None) per prompt (the engine
         needs enable_lora=True). priority: one per prompt, lower first (vLLM's; needs scheduling_policy
-        "priority"). Every prompt is validated before any runs: one bad prompt raises ValueError and nothing is
-        queued."""
+        "priority"). use_tqdm: a progress bar, or (as vLLM) a tqdm-like factory to build it. Every prompt is
+        validated before any runs: one bad prompt raises ValueError and nothing is queued."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
@@ -120,7 +123,8 @@ class LLM:
         return [int(p) for p in priorities]
 
     def chat(self, messages: Conversation | Seq[Conversation],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., Any] = True,
              lora_request: LoRARequest | Seq[LoRARequest | None] | None = None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
@@ -152,25 +156,39 @@ class LLM:
         return self._generate(ids, sampling_params, use_tqdm, texts, lora_request=lora_request)
 
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams,
-                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+                    lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                    use_tqdm: bool | Callable[..., Any] = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search (nvllm.beam_search): the best ``params.beam_width`` continuations of each prompt,
-        best first, each with its tokens, cumulative log-probability and text."""
+        best first, each with its tokens, cumulative log-probability and text. ``lora_request``: one adapter, or
+        one per prompt; ``concurrency_limit``: how many prompts are searched at once (all by default)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be a positive integer, got {concurrency_limit!r}")
         engine = self.engine
         salts = _salts(prompts)
         searches = [BeamSearch(engine.tokenize(_prompt_of(p)), params, engine.eos_token_ids, engine.max_model_len)
                     for p in prompts]
-        while any(not s.done for s in searches):
-            active = [i for i, s in enumerate(searches) if not s.done]
-            beams = [(searches[i], b, salts[i]) for i in active for b in searches[i].live]
-            outs = self._generate([b.tokens for _, b, _ in beams], [s.step_params() for s, _, _ in beams], False,
-                                  lora_request=lora_request, log=False, cache_salts=[salt for *_, salt in beams])
-            active = [searches[i] for i in active]
-            tops = iter({t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs)
-            for s in active:
-                s.advance([next(tops) for _ in s.live])
+        limit = concurrency_limit or max(len(searches), 1)
+        with _progress("beam search", len(searches), use_tqdm) as advance:
+            for start in range(0, len(searches), limit):
+                chunk = range(start, min(start + limit, len(searches)))
+                while any(not searches[i].done for i in chunk):
+                    active = [i for i in chunk if not searches[i].done]
+                    beams = [(i, b) for i in active for b in searches[i].live]
+                    outs = self._generate([b.tokens for _, b in beams], [searches[i].step_params() for i, _ in beams],
+                                          False, lora_request=[loras[i] for i, _ in beams], log=False,
+                                          cache_salts=[salts[i] for i, _ in beams])
+                    tops = iter({t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs)
+                    for i in active:
+                        searches[i].advance([next(tops) for _ in searches[i].live])
+                        if searches[i].done:
+                            advance()
         engine.stat_logger.maybe_log(engine.stats, force=True)
         decode = self.get_tokenizer().decode
         return [s.result(lambda ids: decode(ids, skip_special_tokens=True)) for s in searches]
@@ -219,21 +237,36 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
 
-    def _run(self, request_ids: list[str], use_tqdm: bool, log: bool = True) -> list[RequestOutput]:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    def _run(self, request_ids: list[str], use_tqdm, log: bool = True) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      disable=not use_tqdm, transient=True, console=console()) as bar:
-            task = bar.add_task("generate", total=len(request_ids))
+        with _progress("generating", len(request_ids), use_tqdm) as advance:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step(partial=False):
                     if out.finished:
                         done[out.request_id] = out
-                        bar.advance(task)
+                        advance()
         if log:  # the run's closing stats line (a beam search logs once, after its last step)
             self.engine.stat_logger.maybe_log(self.engine.stats, force=True)
         return [done[r] for r in request_ids]
+
+
+@contextlib.contextmanager
+def _progress(what: str, total: int, use_tqdm):
+    """A progress bar over ``total`` items; yields the function that counts one done. ``use_tqdm``: False (none),
+    True (a Rich bar), or, as vLLM takes it, a tqdm-like factory called as ``use_tqdm(total=..., desc=...)``."""
+    if callable(use_tqdm):
+        bar = use_tqdm(total=total, desc=what)
+        try:
+            yield lambda: bar.update(1)
+        finally:
+            bar.close()
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), disable=not use_tqdm,
+                  transient=True, console=console()) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda: bar.advance(task)
 
 
 def _salts(prompts) -> list[str | None]:

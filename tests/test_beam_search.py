@@ -74,6 +74,44 @@ def test_eos_ends_a_beam_as_vllm_ends_it(tmp_path):
         BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))
 
 
+def test_an_adapter_per_prompt_a_concurrency_limit_and_a_progress_factory(tmp_path):
+    """vLLM's beam_search arguments: lora_request one per prompt (each prompt's beams are those of a search with its
+    adapter alone), concurrency_limit (prompts searched a few at a time: the same beams), use_tqdm as a factory."""
+    from nvllm import LoRARequest
+    from tests.lora_utils import make_adapter
+
+    base = build_tiny_model("qwen2", tmp_path / "base")
+    adapter = LoRARequest("a", 1, str(make_adapter(base, tmp_path / "a", 1, r=8, lora_alpha=16)))
+    llm = make_llm(str(base), enable_lora=True)
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    prompts = [PROMPT, PROMPT[:4], PROMPT[1:]]
+    loras = [adapter, None, adapter]
+    alone = [llm.beam_search([p], params, lora_request=lo)[0] for p, lo in zip(prompts, loras)]
+
+    class Bar:
+        made: list = []
+
+        def __init__(self, total, desc):
+            self.made.append(self)
+            self.total, self.count, self.closed = total, 0, False
+
+        def update(self, n):
+            self.count += n
+
+        def close(self):
+            self.closed = True
+
+    for limit in (None, 1, 2):
+        got = llm.beam_search(prompts, params, lora_request=loras, concurrency_limit=limit, use_tqdm=Bar)
+        assert [[s.tokens for s in o.sequences] for o in got] == [[s.tokens for s in o.sequences] for o in alone]
+        assert (Bar.made[-1].total, Bar.made[-1].count, Bar.made[-1].closed) == (3, 3, True)
+    assert alone[0].sequences[0].tokens != llm.beam_search([PROMPT], params)[0].sequences[0].tokens
+    with pytest.raises(ValueError, match="3 prompts but 2 LoRA requests"):
+        llm.beam_search(prompts, params, lora_request=loras[:2])
+    with pytest.raises(ValueError, match="concurrency_limit must be a positive integer"):
+        llm.beam_search(prompts, params, concurrency_limit=0)
+
+
 def test_a_beams_text_reads_on_from_the_prompt():
     """SentencePiece drops a text's leading space: a beam's text is decoded after the prompt's last tokens, so a
     beam of one is greedy sampling's text, word space included, and echo gives the prompt's text + the beam's."""
