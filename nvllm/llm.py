@@ -20,6 +20,7 @@ from nvllm.engine.llm_engine import LLMEngine
 from nvllm.logger import console, setup_logging
 from nvllm.lora.request import LoRARequest
 from nvllm.outputs import RequestOutput
+from nvllm.prompt_inputs import cache_salts, prompt_of
 from nvllm.sampling_params import SamplingParams
 
 Prompt = str | Seq[int] | dict[str, Any]
@@ -108,8 +109,8 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts: a string, a list of token ids, a dict, or a list of those; got "
                              f"{type(prompts).__name__}")
-        salts = _salts(prompts)
-        return self._generate([_prompt_of(p) for p in prompts], sampling_params, use_tqdm, lora_request=lora_request,
+        salts = cache_salts(prompts)
+        return self._generate([prompt_of(p) for p in prompts], sampling_params, use_tqdm, lora_request=lora_request,
                               cache_salts=salts, priorities=self._priorities(priority, len(prompts)))
 
     def _priorities(self, priority: Seq[int] | None, n: int) -> list[int] | None:
@@ -171,8 +172,8 @@ class LLM:
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be a positive integer, got {concurrency_limit!r}")
         engine = self.engine
-        salts = _salts(prompts)
-        searches = [BeamSearch(engine.tokenize(_prompt_of(p)), params, engine.eos_token_ids, engine.max_model_len)
+        salts = cache_salts(prompts)
+        searches = [BeamSearch(engine.tokenize(prompt_of(p)), params, engine.eos_token_ids, engine.max_model_len)
                     for p in prompts]
         limit = concurrency_limit or max(len(searches), 1)
         with _progress("beam search", len(searches), use_tqdm) as advance:
@@ -267,22 +268,3 @@ def _progress(what: str, total: int, use_tqdm):
                   transient=True, console=console()) as bar:
         task = bar.add_task(what, total=total)
         yield lambda: bar.advance(task)
-
-
-def _salts(prompts) -> list[str | None]:
-    """Each prompt's cache_salt (dict prompts, as vLLM's); ValueError for one that is not a non-empty string."""
-    salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
-    bad = next((s for s in salts if s is not None and (not isinstance(s, str) or not s)), None)
-    if bad is not None:
-        raise ValueError(f"cache_salt must be a non-empty string, got {bad!r}")
-    return salts
-
-
-def _prompt_of(p):
-    """A dict prompt's text or token ids (as vLLM's TextPrompt and TokensPrompt, ``cache_salt`` beside them);
-    anything else as it is."""
-    if not isinstance(p, dict):
-        return p
-    if ("prompt" in p) == ("prompt_token_ids" in p):
-        raise ValueError(f"a dict prompt holds exactly one of 'prompt' and 'prompt_token_ids', got {sorted(p)}")
-    return p["prompt"] if "prompt" in p else p["prompt_token_ids"]

@@ -44,8 +44,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
-    @property
     def finished(self) -> bool:
+        """A method, as vLLM's CompletionOutput.finished() (RequestOutput.finished is a field)."""
         return self.finish_reason is not None
 
 

@@ -32,6 +32,28 @@ def test_vllm_engine_arguments(demo_dir):
         plain.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_vllm_engine_level_calls_and_outputs(demo_dir):
+    """llm.llm_engine as vLLM scripts drive it: dict prompts (text, token ids, a cache_salt), abort_request with a
+    list of ids; and CompletionOutput.finished() a method, as vLLM's."""
+    llm = LLM(demo_dir, device="cpu", log_stats_interval=0)
+    engine = llm.llm_engine
+    ids = llm.get_tokenizer().encode("Once upon a time")
+    engine.add_request("text", {"prompt": "Once upon a time"}, GREEDY)
+    engine.add_request("ids", {"prompt_token_ids": ids, "cache_salt": "tenant"}, GREEDY)
+    engine.add_request("gone-1", "The dog", GREEDY)
+    engine.add_request("gone-2", "The cat", GREEDY)
+    assert engine.requests["ids"][0].request_cache_salt == "tenant"
+    engine.abort_request(["gone-1", "gone-2"])
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(done) == ["ids", "text"]
+    assert done["text"].outputs[0].token_ids == done["ids"].outputs[0].token_ids
+    assert done["text"].outputs[0].finished() is True
+    with pytest.raises(ValueError, match="exactly one of 'prompt' and 'prompt_token_ids'"):
+        engine.add_request("bad", {"text": "x"}, GREEDY)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"tokenizer_mode": "mistral"}, "tokenizer_mode 'mistral' is not supported"),
     ({"task": "embed"}, "task 'embed' is not supported"),

@@ -36,6 +36,7 @@ from nvllm.models.loader import load_hf_config
 from nvllm.layers.sampler import SampleRow
 from nvllm.layers.token_masks import bad_word_bans
 from nvllm.outputs import LogprobsDict, RequestMetrics, RequestOutput
+from nvllm.prompt_inputs import cache_salt_of, prompt_of
 from nvllm.sampling_params import SamplingParams
 from nvllm.spec.metrics import SpecStats
 
@@ -129,7 +130,7 @@ class LLMEngine:
         """The prompt's token ids, or ValueError naming what makes this request unservable."""
         return self.admission.validate(prompt, params, self.max_model_len)
 
-    def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str | None, prompt: str | Seq[int] | dict, params: SamplingParams | None = None,
                     arrival_time: float | None = None, prefill_only: bool = False,
                     prompt_text: str | None = None, lora_request: LoRARequest | None = None,
                     cache_salt: str | None = None, priority: int = 0) -> str:
@@ -139,7 +140,10 @@ class LLMEngine:
         the outputs' prompt for token ids encoded elsewhere (a rendered chat prompt). lora_request: the adapter
         to run with (read now; needs enable_lora). cache_salt: its blocks are shared only with requests of the same
         salt (vLLM's). priority: with scheduling_policy "priority", lower values are admitted first (and preempted
-        last); with "fcfs" it must be 0."""
+        last); with "fcfs" it must be 0. The prompt may be one of vLLM's dict prompts (``nvllm.prompt_inputs``)."""
+        if isinstance(prompt, dict):
+            cache_salt = cache_salt or cache_salt_of(prompt)
+            prompt = prompt_of(prompt)
         params = params or SamplingParams()
         self.scheduler.check_priority(priority)
         request_id = request_id or self.new_request_id()
@@ -172,8 +176,13 @@ class LLMEngine:
         self.requests[request_id] = seqs
         return seqs
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output (finish_reason "abort")."""
+    def abort_request(self, request_id: str | Seq[str]) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (finish_reason "abort"). Several ids
+        (vLLM's list) abort each; None is returned then."""
+        if not isinstance(request_id, str):
+            for one in request_id:
+                self.abort_request(one)
+            return None
         seqs = self.requests.get(request_id)
         if seqs is None:
             return None

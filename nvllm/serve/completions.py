@@ -226,7 +226,7 @@ def _without_tokens(out: RequestOutput) -> RequestOutput:
     """An output of a prompt-only request: the engine's one generated token taken away, "length" once finished."""
     outputs = [dataclasses.replace(c, text="", token_ids=[], cumulative_logprob=None,
                                    logprobs=None if c.logprobs is None else [], stop_reason=None,
-                                   finish_reason="length" if c.finished else None) for c in out.outputs]
+                                   finish_reason="length" if c.finished() else None) for c in out.outputs]
     return dataclasses.replace(out, outputs=outputs)
 
 
