@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 
 _configured = False
 
 
-def setup_logging(level: int | str = logging.INFO) -> logging.Logger:
+def setup_logging() -> logging.Logger:
+    """The `nvllm` logger with its Rich handler, set up once per process: at NVLLM_LOGGING_LEVEL (vLLM's
+    VLLM_LOGGING_LEVEL; INFO by default). Later calls (every LLM built) leave the level as the program set it."""
     global _configured
     logger = logging.getLogger("nvllm")
     if not _configured:
@@ -17,8 +20,14 @@ def setup_logging(level: int | str = logging.INFO) -> logging.Logger:
         handler.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
         logger.addHandler(handler)
         logger.propagate = False
+        level = os.environ.get("NVLLM_LOGGING_LEVEL", "INFO").upper()
+        if not isinstance(logging.getLevelName(level), int):
+            logger.setLevel(logging.INFO)
+            logger.warning("NVLLM_LOGGING_LEVEL %r is not a logging level (DEBUG, INFO, WARNING, ERROR); INFO used",
+                           level)
+        else:
+            logger.setLevel(level)
         _configured = True
-    logger.setLevel(level)
     return logger
 
 

@@ -89,6 +89,30 @@ def test_dropping_the_last_reference_frees_the_engine_at_once(demo_dir):
         gc.enable()
 
 
+def test_the_log_level_a_program_sets_stays_and_the_environment_sets_the_first(demo_dir):
+    """An LLM built after the program lowered nvllm's log level keeps it (each LLM reset it to INFO);
+    NVLLM_LOGGING_LEVEL (vLLM's VLLM_LOGGING_LEVEL) sets the level a process starts with."""
+    import logging
+    import os
+    import subprocess
+    import sys
+
+    logger = logging.getLogger("nvllm")
+    make_llm(demo_dir)
+    before = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        make_llm(demo_dir)
+        assert logger.level == logging.WARNING
+    finally:
+        logger.setLevel(before)
+    run = [sys.executable, "-m", "nvllm.cli", "generate", "--device", "cpu", "--max-tokens", "2", "Once"]
+    for level, shown in (("WARNING", False), ("info", True)):
+        out = subprocess.run(run, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "NVLLM_LOGGING_LEVEL": level, "COLUMNS": "200"})
+        assert out.returncode == 0 and ("engine ready" in out.stderr) == shown, out.stderr[-2000:]
+
+
 def test_close_frees_the_cache_and_refuses_later_calls(demo_dir):
     """close() gives back the KV cache (of the draft model too), so that the next LLM built in the process has the
     memory; the closed LLM then refuses to generate with one clear error, and a second close() is harmless."""

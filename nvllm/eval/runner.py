@@ -103,7 +103,16 @@ def task_manager(spec: EvalSpec):
 def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "model", progress=None,
                    lora: str | None = None) -> dict:
     """Evaluate one model (with the LoRA adapter ``lora``) on every task of `spec`; the result dict `nvllm eval`
-    prints, compares and saves."""
+    prints, compares and saves. The nvllm log level it lowers under progress bars is restored after."""
+    logger = logging.getLogger("nvllm")
+    level = logger.level
+    try:
+        return _evaluate_model(config, spec, manager, label, progress, lora)
+    finally:
+        logger.setLevel(level)
+
+
+def _evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str, progress, lora: str | None) -> dict:
     import lm_eval
 
     from nvllm.eval.lm_eval_model import NvllmLM
