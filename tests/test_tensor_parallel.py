@@ -420,6 +420,26 @@ def test_sigterm_to_the_whole_group_lets_requests_finish(tmp_path):
             proc.wait()
 
 
+def test_the_workers_store_listens_on_loopback_only():
+    """The TCPStore rank 0 (and the --disaggregate launcher) serves its workers from: on 127.0.0.1 alone — its own
+    bind listened on every interface, an unauthenticated control port open to the network."""
+    import datetime
+
+    from nvllm.distributed.group import local_store
+
+    store = local_store(1, datetime.timedelta(seconds=5))
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, port = local.split(":")
+                if state == "0A" and int(port, 16) == store.port:
+                    listening.append(address)
+    assert listening == ["0100007F"], listening  # 127.0.0.1, and nothing on tcp6's any-address
+    del store
+
+
 def test_keep_alive_on_engine_death_keeps_the_server_up(monkeypatch):
     """NVLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1: the server notices the dead engine but stays up (answering 503)."""
     import asyncio

@@ -25,13 +25,13 @@ import threading
 import typing
 
 import torch
-import torch.distributed as dist
 
 from nvllm.cli_options import ENGINE_OPTIONS
 from nvllm.config import ConfigError, EngineConfig, first_line
 from nvllm.disagg.config import DisaggConfig, parse_xpyd
 from nvllm.disagg.router_app import run_router
 from nvllm.disagg.router_config import RouterConfig
+from nvllm.distributed.group import local_store
 from nvllm.serve.api_server import ServerConfig
 from nvllm.serve.sockets import bind_socket, listen_socket
 
@@ -126,8 +126,7 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
     sock = listen_socket(server.host, server.port, server.fd)  # the router's: a taken port fails before anything starts
     try:
         # the group's store, served by this process (a local, alive until the workers have stopped)
-        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=900),
-                              wait_for_workers=False)
+        store = local_store(None, datetime.timedelta(seconds=900))
     except Exception as e:  # noqa: BLE001 - one line, whatever the store raised
         sock.close()
         raise ConfigError(f"cannot start the KV transfer group's store: {first_line(e)[:200]}") from None

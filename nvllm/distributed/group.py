@@ -28,6 +28,26 @@ CONTROL_TIMEOUT = datetime.timedelta(days=365)  # workers wait here between step
 COMPUTE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("NVLLM_TP_TIMEOUT", "600")))
 STORE_TIMEOUT = datetime.timedelta(seconds=120)
 ABORT_WAIT_S = 5.0
+
+
+def local_store(world_size: int | None, timeout: datetime.timedelta):
+    """A TCPStore served by this process for workers on this host: listening on loopback only (its own bind listens
+    on every interface, an unauthenticated control port open to the network), on a port the OS picks."""
+    import socket
+
+    import torch.distributed as dist
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4096)
+    try:
+        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], world_size, True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except (TypeError, RuntimeError, ValueError):  # a torch without master_listen_fd for its backend
+        sock.close()
+        return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timeout, wait_for_workers=False)
+    sock.detach()  # the store serves on this socket from now on
+    return store
 """How long ``abort`` waits for an NCCL communicator to be torn down before leaving it to the process's exit: on
 the H200 machine, aborting one that CUDA graphs captured collectives on did not return (device run O)."""
 logger = logging.getLogger("nvllm")

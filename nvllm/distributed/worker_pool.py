@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from nvllm.distributed.group import STORE_TIMEOUT, TPGroup
+from nvllm.distributed.group import STORE_TIMEOUT, TPGroup, local_store
 from nvllm.engine.step_inputs import SHUTDOWN
 
 logger = logging.getLogger("nvllm")
@@ -51,8 +51,6 @@ class WorkerPool:
     def __init__(self, config, device: torch.device):
         import multiprocessing as mp
 
-        import torch.distributed as dist
-
         from nvllm.distributed.worker import worker_main
 
         self.size = config.tensor_parallel_size
@@ -63,7 +61,7 @@ class WorkerPool:
         self._fail_lock = threading.Lock()
         self._stopped = False
         self.procs, self.conns = [], []
-        self.store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+        self.store = local_store(self.size, STORE_TIMEOUT)
         ctx = mp.get_context("spawn")
         try:
             for rank in range(1, self.size):
