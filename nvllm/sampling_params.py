@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 
@@ -68,6 +68,8 @@ class StructuredOutputsParams:
                 self.json_object, self.disable_any_whitespace)
 
 
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's former name
+
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # what StructuredOutputsParams constrains by
 
 
@@ -103,8 +105,14 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as max_model_len allows)
+    # vLLM's name for structured_outputs before 0.11 (GuidedDecodingParams, the same fields): taken as it
+    guided_decoding: InitVar[StructuredOutputsParams | dict | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding=None) -> None:
+        if guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its former name), not both")
+            self.structured_outputs = guided_decoding
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or [])]

@@ -245,6 +245,17 @@ def test_keywords_as_names_and_values_are_not_refused(llm):
     assert out.finish_reason in ("stop", "length")
 
 
+def test_vllms_former_guided_decoding_name_is_taken(llm):
+    """Scripts for vLLM before 0.11: SamplingParams(guided_decoding=GuidedDecodingParams(...)) is structured_outputs."""
+    from nvllm.sampling_params import GuidedDecodingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=20, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    assert sp.structured_outputs.choice == ["yes", "no"]
+    assert llm.generate(["Once"], sp, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(guided_decoding={"regex": "a+"}, structured_outputs={"regex": "b+"})
+
+
 def test_a_constraint_changed_after_use_is_the_one_enforced(llm):
     """vLLM's idiom: clone the params, change one request's constraint. The grammar compiled for the first values
     must not be reused for the new ones (the cached grammar is keyed by what the constraint says)."""
