@@ -5,6 +5,7 @@ and the router's bookkeeping (response owners, a worker the socket layer refuses
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -130,6 +131,24 @@ def test_disaggregate_1p1d_launches_and_stops_as_one(tmp_path):
     assert "[prefill-0]" in text and "--max-num-seqs 4" in text, text
     # the workers got their sockets bound and the group's store served by the launcher: no port picked, then bound
     assert text.count("serve --fd ") == 2 and text.count("--kv-store-external") == 2, text
+
+
+def test_disaggregate_streams_past_the_shutdown_timeout_end_properly(tmp_path):
+    """SIGTERM with streams longer than --shutdown-timeout: once it has passed the workers abort them, so each
+    stream still ends with its last chunk (finish_reason "abort") and [DONE] — the router cut them off mid-way."""
+    log = tmp_path / "launcher.log"
+    proc, url = start_server(["--disaggregate", "1P1D", "--shutdown-timeout", "1", *COMMON], log)
+    with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 240, "n": 16,
+                            "temperature": 1.0, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        proc.send_signal(signal.SIGTERM)
+        rest = list(lines)
+    finishes = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in rest if line.startswith("data: {")]
+    assert sorted(f for f in finishes if f) == ["abort"] * 16, rest[-6:]
+    assert "data: [DONE]" in rest, rest[-6:]
+    assert proc.wait(60) == 0, log.read_text()
 
 
 # ---- the router's bookkeeping ---------------------------------------------------------------------------------

@@ -143,9 +143,10 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
         serve_args.append("--return-tokens-as-token-ids")
     for adapter in server.lora_modules:
         serve_args += ["--lora-modules", f"{adapter.lora_name}={adapter.lora_path}"]
-    # the workers answer the router alone: no CORS headers for browsers (CORS and TLS are the router's)
+    # the workers answer the router alone: no CORS headers for browsers (CORS and TLS are the router's). Their
+    # shutdown grace is the router's: it signals them once --shutdown-timeout has passed, and they abort at once
     serve_args += ["--allowed-origins", "[]", "--max-request-bytes", str(server.max_request_bytes),
-                   "--shutdown-timeout", str(server.shutdown_timeout), "--uvicorn-log-level", server.log_level,
+                   "--shutdown-timeout", "0", "--uvicorn-log-level", server.log_level,
                    "--kv-world-size", str(n), "--kv-master", master, "--kv-store-external",
                    "--kv-backend", disagg.kv_backend,
                    "--kv-handle-timeout", str(disagg.kv_handle_timeout),
@@ -181,7 +182,8 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
         run_router(RouterConfig(prefill=urls["prefill"], decode=urls["decode"], host=server.host, port=server.port,
                                 api_key=server.api_key, max_request_bytes=server.max_request_bytes,
                                 log_level=server.log_level, log_interval=engine_config.log_stats_interval,
-                                shutdown_timeout=server.shutdown_timeout, http=server.http), sock)
+                                shutdown_timeout=server.shutdown_timeout, http=server.http), sock,
+                   on_grace=lambda: _signal_all(workers))
         return 1 if failed.is_set() else 0
     finally:
         stopping.set()
@@ -190,6 +192,15 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
         sock.close()
         for w in workers:
             w.stop(server.shutdown_timeout + 15)
+
+
+def _signal_all(workers: list[_Worker]) -> None:
+    """The router's shutdown grace is over: SIGTERM to every worker, which aborts what it still runs (each stream
+    ends with its last chunk and [DONE], relayed by the router) and exits."""
+    logger.warning("shutdown: the workers abort the requests still in flight")
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.send_signal(signal.SIGTERM)
 
 
 def _watch(workers: list[_Worker], failed: threading.Event, stopping: threading.Event) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -88,10 +89,29 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
     return app
 
 
-def run_router(cfg: RouterConfig, sock=None) -> None:
-    """Serve until SIGINT/SIGTERM; sock: the listening socket when the caller bound it already."""
+class _RouterServer(uvicorn.Server):
+    """uvicorn's graceful shutdown, and ``on_grace`` called once ``grace`` seconds of it have passed: the
+    --disaggregate launcher then has its workers abort what still runs, so every stream still ends properly (its
+    last chunk, then [DONE]) before uvicorn gives up on it."""
+
+    def __init__(self, config: uvicorn.Config, grace: float, on_grace: Callable[[], None] | None):
+        super().__init__(config)
+        self.grace, self.on_grace = grace, on_grace
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.grace, self.on_grace) if self.on_grace else None
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+
+def run_router(cfg: RouterConfig, sock=None, on_grace: Callable[[], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; sock: the listening socket when the caller bound it already; on_grace: called
+    --shutdown-timeout seconds into a shutdown (the router then waits a few seconds more for the last chunks)."""
     from nvllm.logger import setup_logging
-    from nvllm.serve.graceful import KEEP_ALIVE_S, exit_quietly_after_signals
+    from nvllm.serve.graceful import FLUSH_S, KEEP_ALIVE_S, exit_quietly_after_signals
     from nvllm.serve.sockets import listen_socket
 
     setup_logging()
@@ -102,9 +122,10 @@ def run_router(cfg: RouterConfig, sock=None) -> None:
         logger.info("router at %s://%s:%d/v1: %s", cfg.http.scheme, host, port,
                     f"mixed {', '.join(cfg.mixed)}" if cfg.mixed else
                     f"prefill {', '.join(cfg.prefill)}; decode {', '.join(cfg.decode)}")
-        server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, timeout_keep_alive=KEEP_ALIVE_S,
-                                               timeout_graceful_shutdown=cfg.shutdown_timeout,
-                                               **cfg.http.uvicorn_kwargs()))
+        flush = 2 * FLUSH_S if on_grace is not None else 0  # the workers' abort and their last chunks, relayed
+        server = _RouterServer(uvicorn.Config(app, log_level=cfg.log_level, timeout_keep_alive=KEEP_ALIVE_S,
+                                              timeout_graceful_shutdown=cfg.shutdown_timeout + flush,
+                                              **cfg.http.uvicorn_kwargs()), cfg.shutdown_timeout, on_grace)
         with exit_quietly_after_signals():
             server.run(sockets=[sock])
     finally:
