@@ -172,5 +172,9 @@ def test_server_requests_take_the_model_defaults_and_explicit_values_win(client,
     chat = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
                                      extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 12 and chat.choices[0].finish_reason == "length"
+    # a completion without max_tokens: its 16 within the model's 12 (as vLLM); an explicit one wins
+    plain = c.completions.create(model="m", prompt=PROMPT, extra_body={"ignore_eos": True})
+    longer = c.completions.create(model="m", prompt=PROMPT, max_tokens=20, extra_body={"ignore_eos": True})
+    assert (plain.usage.completion_tokens, longer.usage.completion_tokens) == (12, 20)
     log = " ".join(log_path.read_text().split())
     assert "overridden by the model's Hugging Face generation config" in log and "'top_k': 1" in log

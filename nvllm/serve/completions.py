@@ -82,6 +82,8 @@ class CompletionHandler:
         prompt_logprobs = max((k for k in (echoed, asked) if k is not None), default=None)
         default_max = self.defaults.get("max_tokens")
         requested = 1 if _prompt_only(req) else req.max_tokens  # the one token generated is dropped (_without_tokens)
+        if "max_tokens" not in req.model_fields_set and default_max is not None and not _prompt_only(req):
+            requested = min(requested, default_max)  # left unset: the field's 16, within the model's max_new_tokens
         params = [sampling_params(req, resolve_max_tokens(requested, len(ids), max_len, "max_tokens", default_max),
                                   req.logprobs, prompt_logprobs, self.defaults)
                   for ids in prompt_ids]
