@@ -74,7 +74,8 @@ ENGINE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "disable_log_stats": _opt(False, bool, "no periodic stats lines (vLLM's flag; --log-stats-interval 0)"),
     "max_logprobs": _opt(None, Optional[int], "the most logprobs / prompt_logprobs a request may ask (-1: the "
                          "vocabulary; default: 20 on the server, the vocabulary offline)"),
-    "dtype": _opt("auto", str, "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on GPU)"),
+    "dtype": _opt("auto", str, "auto | float32 | bfloat16 | float16 (auto: float32 on CPU; on a GPU the "
+                  "checkpoint's, bfloat16 for a float32 one)"),
     "device": _opt("auto", str, "auto | cpu | cuda | cuda:N"),
     "seed": _opt(0, int, "engine seed (sampling without a per-request seed, dummy weights)"),
     "load_format": _opt("auto", str, "auto | safetensors | pt | dummy (random weights from config.json)"),

@@ -51,7 +51,8 @@ def bench_serve(
                                                               "request asks for one at random (repeat, or "
                                                               "comma-separate)")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(
-        help="tokenizer directory for prompt lengths (default: --model if a directory, else the demo model's)")] = None,
+        help="tokenizer for prompt lengths (default: --model's, a directory or a Hub id; else the demo "
+             "model's)")] = None,
     dataset: Annotated[str, typer.Option("--dataset", "--dataset-name", help="random | sharegpt | jsonl | gsm8k",
                                          rich_help_panel=_DATA)] = "random",
     dataset_path: Annotated[Optional[str], typer.Option(rich_help_panel=_DATA)] = None,
@@ -149,7 +150,8 @@ def bench_advise(
     base_url: Annotated[str, typer.Option(help="a mixed server's root")] = "http://127.0.0.1:8000",
     endpoint: Annotated[str, typer.Option(help="/v1/completions or /v1/chat/completions")] = "/v1/completions",
     model: Annotated[Optional[str], typer.Option(help="model name to request (default: the server's first)")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory (default: the demo model's)")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(
+        help="tokenizer (default: --model's, a directory or a Hub id; else the demo model's)")] = None,
     dataset: Annotated[str, typer.Option("--dataset", "--dataset-name", help="random | sharegpt | jsonl | gsm8k",
                                          rich_help_panel=_DATA)] = "random",
     dataset_path: Annotated[Optional[str], typer.Option(rich_help_panel=_DATA)] = None,
