@@ -58,6 +58,7 @@ def test_workers_serve_an_adapter_only_with_the_same_files(tmp_path):
         refused = ask(urls["router"], "differs")
         assert refused.status_code == 500 and refused.json()["error"]["code"] == "handoff_mismatch", refused.text
         assert "LoRA adapter 'differs'" in refused.json()["error"]["message"]
+        assert ask(urls["router"], "same").status_code == 200  # the decode worker stays up for everything else
         local = ask(urls["decode"], "differs").json()
         assert (local["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
         assert httpx.get(f"{urls['decode']}/health").status_code == 200

@@ -278,7 +278,9 @@ class Router:
         task.add_done_callback(self._tasks.discard)
 
     def _relay_error(self, resp: httpx.Response, worker: Worker, role: str) -> Response:
-        if resp.status_code >= 500:
+        # a worker that answers 5xx is marked down, except for a handoff it refused (the two workers disagree on
+        # one request's weights, an adapter's files: the worker itself serves the rest)
+        if resp.status_code >= 500 and _error_code(resp) != "handoff_mismatch":
             self._failed(worker, role, f"HTTP {resp.status_code}")
         self.metrics.outcome("client_error" if resp.status_code < 500 else "failed")
         return Response(resp.content, status_code=resp.status_code,
@@ -345,6 +347,15 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._close()
+
+
+def _error_code(resp: httpx.Response) -> str | None:
+    """The OpenAI error body's code, if the answer is one."""
+    try:
+        error = resp.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def _streams(upstream: httpx.Response) -> bool:
