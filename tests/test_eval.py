@@ -194,6 +194,20 @@ def test_two_text_files_of_one_name_are_two_tasks(tmp_path):
     assert sorted(tasks) == names and tasks[names[0]] != tasks[names[1]]
 
 
+def test_an_evaluation_leaves_the_log_level_as_it_found_it(tmp_path):
+    """In a fresh process (nvllm's logger not set up yet), an evaluation under progress bars lowers the level and
+    gives back INFO, not the unset level it found: the next model's (a baseline's, the next LLM's) lines show."""
+    import subprocess
+    import sys
+
+    (tmp_path / "doc.txt").write_text("Once upon a time, there was a little girl named Lily.\n")
+    code = ("import logging; from nvllm.eval.runner import EvalSpec, run_eval; from nvllm.config import EngineConfig; "
+            f"run_eval(EngineConfig(device='cpu'), EvalSpec(tasks=[{str(tmp_path / 'doc.txt')!r}]), "
+            "progress=True); print('level', logging.getLogger('nvllm').getEffectiveLevel())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "level 20" in out.stdout, out.stdout[-1000:] + out.stderr[-2000:]
+
+
 # ---- the command line -----------------------------------------------------------------------------------
 def cli(*args: str, env: dict | None = None):
     return CliRunner(env={"COLUMNS": "200", **(env or {})}).invoke(app, ["eval", "--device", "cpu", *args])

@@ -104,7 +104,9 @@ def evaluate_model(config: EngineConfig, spec: EvalSpec, manager, label: str = "
                    lora: str | None = None) -> dict:
     """Evaluate one model (with the LoRA adapter ``lora``) on every task of `spec`; the result dict `nvllm eval`
     prints, compares and saves. The nvllm log level it lowers under progress bars is restored after."""
-    logger = logging.getLogger("nvllm")
+    from nvllm.logger import setup_logging
+
+    logger = setup_logging()  # configured first: the level restored is the one in force, never NOTSET
     level = logger.level
     try:
         return _evaluate_model(config, spec, manager, label, progress, lora)
