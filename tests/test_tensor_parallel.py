@@ -328,6 +328,21 @@ def test_killed_worker_ends_the_engine_within_seconds(demo_dir):
     assert_workers_gone(llm)
 
 
+def test_ctrl_c_in_a_step_stops_the_workers_at_once(demo_dir, monkeypatch):
+    """Ctrl-C while a split step runs: the KeyboardInterrupt reaches the caller within seconds and the workers are
+    gone — no shutdown message waits on workers caught mid-collective (that waited out NVLLM_TP_TIMEOUT)."""
+    llm = make_llm(demo_dir, tensor_parallel_size=2)
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    start = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Once upon a time"] * 8, SamplingParams(temperature=0, max_tokens=480, ignore_eos=True),
+                     use_tqdm=False)
+    assert time.monotonic() - start < 20
+    llm.close()
+    assert_workers_gone(llm)
+
+
 def test_killed_worker_stops_the_serving_loop(demo_dir):
     """Under the server's loop a dead rank fails the requests in flight and stops the loop (so /health answers
     503), instead of leaving a loop whose every request fails."""

@@ -169,19 +169,20 @@ class WorkerPool:
                 if cause is e:
                     raise
                 raise cause from e
-            except BaseException:  # Ctrl-C or an exit while a step ran: no failure of the group; the workers stop
-                self.stop()
+            except BaseException:  # Ctrl-C or an exit while a step ran: no failure of the group, but the workers are
+                self.stop(clean=False)  # mid-collective: no shutdown message would reach them; they are killed
                 raise
 
     # ---- stop -------------------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """End the workers (cleanly when the group is healthy) and release the group. Idempotent."""
+    def stop(self, clean: bool = True) -> None:
+        """End the workers (cleanly when the group is healthy and ``clean``: no step was cut short) and release the
+        group. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
         locked = self.lock.acquire(timeout=10)
         try:
-            clean = self.failure is None and self.group is not None and all(p.is_alive() for p in self.procs)
+            clean = clean and self.failure is None and self.group is not None and all(p.is_alive() for p in self.procs)
             if clean:
                 try:
                     self.group.broadcast_message(SHUTDOWN)

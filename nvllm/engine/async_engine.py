@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence as Seq
 from typing import Any, NamedTuple
 
@@ -179,7 +180,8 @@ class AsyncLLMEngine:
         if self._thread is None:
             workers = getattr(self.engine.runner, "workers", None)
             if workers is not None:  # a tensor-parallel rank that dies stops the loop at once, busy or idle
-                workers.on_failure.append(lambda error: self._submit(("fail", error)))
+                me = weakref.ref(self)  # (the pool outlives no engine: no cycle through it)
+                workers.on_failure.append(lambda error: (a := me()) is not None and a._submit(("fail", error)))
             self._thread = threading.Thread(target=self._run, name="nvllm-engine", daemon=True)
             self._thread.start()
 
@@ -306,6 +308,7 @@ class AsyncLLMEngine:
                 self._abort(request_id)
             return
         if command[0] == "fail":  # a tensor-parallel worker died (WorkerPool.on_failure): no step can run again
+            self._fail_streams(command[1])
             raise command[1]
         if command[0] == "call":
             _, fn, done = command
@@ -347,9 +350,7 @@ class AsyncLLMEngine:
             outputs = self.engine.step()
         except Exception as e:
             logger.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
-            for request_id, stream in list(self._streams.items()):
-                stream._put(EngineDeadError(f"engine step failed: {e}"))
-                self._abort(request_id)
+            self._fail_streams(e)
             if isinstance(e, WorkerFailure):  # a tensor-parallel rank is gone: no step can run again, so the loop
                 raise                         # stops (is_running turns False; /health says 503)
             return
@@ -360,6 +361,12 @@ class AsyncLLMEngine:
                 self._streams.pop(out.request_id, None)
             if stream is not None:
                 stream._put(out)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        """Every request in flight ends in an error (its stream raises EngineDeadError) and is aborted."""
+        for request_id, stream in list(self._streams.items()):
+            stream._put(EngineDeadError(f"engine step failed: {error}"))
+            self._abort(request_id)
 
     def _run_hooks(self, outputs: list[RequestOutput]) -> None:
         for hook in self.output_hooks:
