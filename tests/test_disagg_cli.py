@@ -149,6 +149,7 @@ def test_disaggregate_streams_past_the_shutdown_timeout_end_properly(tmp_path):
     assert sorted(f for f in finishes if f) == ["abort"] * 16, rest[-6:]
     assert "data: [DONE]" in rest, rest[-6:]
     assert proc.wait(60) == 0, log.read_text()
+    assert "no decode worker is left" not in log.read_text()
 
 
 # ---- the router's bookkeeping ---------------------------------------------------------------------------------

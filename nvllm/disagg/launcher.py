@@ -143,10 +143,9 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
         serve_args.append("--return-tokens-as-token-ids")
     for adapter in server.lora_modules:
         serve_args += ["--lora-modules", f"{adapter.lora_name}={adapter.lora_path}"]
-    # the workers answer the router alone: no CORS headers for browsers (CORS and TLS are the router's). Their
-    # shutdown grace is the router's: it signals them once --shutdown-timeout has passed, and they abort at once
+    # the workers answer the router alone: no CORS headers for browsers (CORS and TLS are the router's)
     serve_args += ["--allowed-origins", "[]", "--max-request-bytes", str(server.max_request_bytes),
-                   "--shutdown-timeout", "0", "--uvicorn-log-level", server.log_level,
+                   "--shutdown-timeout", str(server.shutdown_timeout), "--uvicorn-log-level", server.log_level,
                    "--kv-world-size", str(n), "--kv-master", master, "--kv-store-external",
                    "--kv-backend", disagg.kv_backend,
                    "--kv-handle-timeout", str(disagg.kv_handle_timeout),
@@ -179,11 +178,13 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
                 wsock.close()  # the worker holds its own copy
             urls[role].append(f"http://127.0.0.1:{port}")
         watch.start()
+        # once the router's shutdown begins, a worker that exits is no failure of the deployment; once its grace has
+        # passed, the workers abort what they still run
         run_router(RouterConfig(prefill=urls["prefill"], decode=urls["decode"], host=server.host, port=server.port,
                                 api_key=server.api_key, max_request_bytes=server.max_request_bytes,
                                 log_level=server.log_level, log_interval=engine_config.log_stats_interval,
                                 shutdown_timeout=server.shutdown_timeout, http=server.http), sock,
-                   on_grace=lambda: _signal_all(workers))
+                   on_grace=lambda: _abort_all(workers), on_shutdown=stopping.set)
         return 1 if failed.is_set() else 0
     finally:
         stopping.set()
@@ -194,13 +195,14 @@ def launch(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConf
             w.stop(server.shutdown_timeout + 15)
 
 
-def _signal_all(workers: list[_Worker]) -> None:
-    """The router's shutdown grace is over: SIGTERM to every worker, which aborts what it still runs (each stream
-    ends with its last chunk and [DONE], relayed by the router) and exits."""
+def _abort_all(workers: list[_Worker]) -> None:
+    """The router's shutdown grace is over: SIGUSR1 to every worker, which aborts what it still runs (each stream
+    ends with its last chunk and [DONE], relayed by the router); they are stopped once the router has. (A SIGTERM
+    that reached the workers as well, from a service manager, shuts them down with the same grace.)"""
     logger.warning("shutdown: the workers abort the requests still in flight")
     for w in workers:
         if w.proc.poll() is None:
-            w.proc.send_signal(signal.SIGTERM)
+            w.proc.send_signal(signal.SIGUSR1)
 
 
 def _watch(workers: list[_Worker], failed: threading.Event, stopping: threading.Event) -> None:

@@ -94,11 +94,14 @@ class _RouterServer(uvicorn.Server):
     --disaggregate launcher then has its workers abort what still runs, so every stream still ends properly (its
     last chunk, then [DONE]) before uvicorn gives up on it."""
 
-    def __init__(self, config: uvicorn.Config, grace: float, on_grace: Callable[[], None] | None):
+    def __init__(self, config: uvicorn.Config, grace: float, on_grace: Callable[[], None] | None,
+                 on_shutdown: Callable[[], None] | None):
         super().__init__(config)
-        self.grace, self.on_grace = grace, on_grace
+        self.grace, self.on_grace, self.on_shutdown = grace, on_grace, on_shutdown
 
     async def shutdown(self, sockets=None) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown()
         timer = asyncio.get_running_loop().call_later(self.grace, self.on_grace) if self.on_grace else None
         try:
             await super().shutdown(sockets)
@@ -107,9 +110,11 @@ class _RouterServer(uvicorn.Server):
                 timer.cancel()
 
 
-def run_router(cfg: RouterConfig, sock=None, on_grace: Callable[[], None] | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; sock: the listening socket when the caller bound it already; on_grace: called
-    --shutdown-timeout seconds into a shutdown (the router then waits a few seconds more for the last chunks)."""
+def run_router(cfg: RouterConfig, sock=None, on_grace: Callable[[], None] | None = None,
+               on_shutdown: Callable[[], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; sock: the listening socket when the caller bound it already; on_shutdown: called
+    as a shutdown begins; on_grace: called --shutdown-timeout seconds into it (the router then waits a few seconds
+    more for the last chunks)."""
     from nvllm.logger import setup_logging
     from nvllm.serve.graceful import FLUSH_S, KEEP_ALIVE_S, exit_quietly_after_signals
     from nvllm.serve.sockets import listen_socket
@@ -125,7 +130,8 @@ def run_router(cfg: RouterConfig, sock=None, on_grace: Callable[[], None] | None
         flush = 2 * FLUSH_S if on_grace is not None else 0  # the workers' abort and their last chunks, relayed
         server = _RouterServer(uvicorn.Config(app, log_level=cfg.log_level, timeout_keep_alive=KEEP_ALIVE_S,
                                               timeout_graceful_shutdown=cfg.shutdown_timeout + flush,
-                                              **cfg.http.uvicorn_kwargs()), cfg.shutdown_timeout, on_grace)
+                                              **cfg.http.uvicorn_kwargs()), cfg.shutdown_timeout, on_grace,
+                              on_shutdown)
         with exit_quietly_after_signals():
             server.run(sockets=[sock])
     finally:

@@ -37,7 +37,8 @@ from nvllm.serve.http_options import HTTPOptions, checked_log_level
 from nvllm.serve.metrics import ServerMetrics
 from nvllm.serve.params import logprobs_limit
 from nvllm.serve.prompts import PromptProcessor
-from nvllm.serve.graceful import FLUSH_S, KEEP_ALIVE_S, GracefulServer, exit_quietly_after_signals
+from nvllm.serve.graceful import (FLUSH_S, KEEP_ALIVE_S, GracefulServer, abort_on_sigusr1,
+                                  exit_quietly_after_signals)
 from nvllm.serve.sockets import listen_socket, url_host
 from nvllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                   ModelList, TokenizeRequest, TokenizeResponse)
@@ -340,7 +341,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
                                                timeout_graceful_shutdown=config.shutdown_timeout + FLUSH_S,
                                                **config.http.uvicorn_kwargs()),
                                 engine, config.shutdown_timeout)
-        with exit_quietly_after_signals():
+        with exit_quietly_after_signals(), abort_on_sigusr1(server):
             server.run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C while the model loads: nothing is serving yet
         logger.info("interrupted before serving")

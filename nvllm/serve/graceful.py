@@ -37,8 +37,12 @@ class GracefulServer(uvicorn.Server):
         self.engine, self.grace = engine, grace
         self.keep_alive = os.environ.get("NVLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") not in ("", "0")
         self.engine_died = False
+        self.abort_requested = False  # SIGUSR1 (abort_on_sigusr1): abort what is in flight at the next tick
 
     async def on_tick(self, counter: int) -> bool:
+        if self.abort_requested:
+            self.abort_requested = False
+            self._abort_in_flight()
         error = self.engine.error
         if error is not None and not self.engine_died and not self.keep_alive:
             self.engine_died = True
@@ -55,8 +59,23 @@ class GracefulServer(uvicorn.Server):
             timer.cancel()
 
     def _abort_in_flight(self) -> None:
-        logger.warning("shutdown: aborting the requests still in flight after %ss", self.grace)
+        logger.warning("shutdown: aborting the requests still in flight")
         self.engine.abort_all(refuse_new=True)
+
+
+@contextlib.contextmanager
+def abort_on_sigusr1(server: GracefulServer):
+    """SIGUSR1 aborts every request in flight (each stream ends with its last chunk, then [DONE]) and refuses new
+    ones: what the --disaggregate launcher sends its workers once its router's --shutdown-timeout has passed. (The
+    handler only sets a flag; the server's loop acts on it.)"""
+    if not hasattr(signal, "SIGUSR1"):
+        yield
+        return
+    previous = signal.signal(signal.SIGUSR1, lambda *_: setattr(server, "abort_requested", True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 @contextlib.contextmanager
