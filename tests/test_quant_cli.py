@@ -62,6 +62,8 @@ def test_shipped_recipes_are_named_alone_from_any_directory(tmp_path, monkeypatc
     want = load_recipe(str(REPO / "recipes" / "gptq-w4g128.yaml"))
     assert load_recipe("gptq-w4g128") == load_recipe("gptq-w4g128.yaml") == load_recipe("recipes/gptq-w4g128.yaml")
     assert load_recipe("gptq-w4g128") == want
+    (tmp_path / "gptq-w4g128").mkdir()  # a folder of that name (an earlier --out) hides nothing
+    assert load_recipe("gptq-w4g128") == want
     code, out = run("--recipe", "awq-w4g128", "--group-size", "64", "--out", str(tmp_path / "q"), *FAST)
     assert code == 0 and "method awq, 4-bit, group size 64, zero point; format AWQ-GEMM" in out, out
     code, out = run("--recipe", "gptq-w5", "--out", str(tmp_path / "q2"))

@@ -43,8 +43,10 @@ def local_store(world_size: int | None, timeout: datetime.timedelta):
     try:
         store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], world_size, True, timeout=timeout,
                               wait_for_workers=False, master_listen_fd=sock.fileno())
-    except (TypeError, RuntimeError, ValueError):  # a torch without master_listen_fd for its backend
+    except (TypeError, RuntimeError, ValueError) as e:  # a torch without master_listen_fd for its backend
         sock.close()
+        logger.warning("the workers' store listens on every interface (this torch refused a loopback socket: %s)",
+                       first_line(e)[:160])
         return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timeout, wait_for_workers=False)
     sock.detach()  # the store serves on this socket from now on
     return store

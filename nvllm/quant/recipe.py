@@ -241,7 +241,7 @@ RECIPES_DIR = Path(__file__).resolve().parents[1] / "assets" / "recipes"  # the 
 def recipe_path(name: str) -> str:
     """A recipe file: ``name`` as a path, or else one of the shipped recipes by its name (``gptq-w4g128``, with or
     without ``.yaml``, or ``recipes/gptq-w4g128.yaml`` as the README writes it from a checkout)."""
-    if Path(name).exists():
+    if Path(name).is_file():
         return name
     stem = Path(name).name.removesuffix(".yaml")
     shipped = RECIPES_DIR / f"{stem}.yaml"
