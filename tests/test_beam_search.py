@@ -175,7 +175,9 @@ def test_a_shutdown_ends_beam_searches_in_flight(tmp_path):
         rc = proc.wait(timeout=60)
         waited = time.monotonic() - t0
         replies = [f.result() for f in futures]
-    assert rc == 0 and waited < 5, (rc, waited, (tmp_path / "log").read_text()[-3000:])
+    # (the replies tell the abort from uvicorn's cancel, which would have answered bare 500s: the time only bounds
+    # a hang, loosely, as a loaded machine's shutdown takes longer)
+    assert rc == 0 and waited < 30, (rc, waited, (tmp_path / "log").read_text()[-3000:])
     for r in replies:
         assert len(r.choices) == 8 and {c.finish_reason for c in r.choices} == {"abort"}
         assert all(0 < len(c.text) for c in r.choices)
