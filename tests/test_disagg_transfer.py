@@ -444,3 +444,40 @@ def test_transfer_thread_runs_its_periodic_work_under_a_steady_stream_of_jobs():
     t.stop()
     t._thread.join(5)
     assert t.jobs > 20 and t.ticks >= 5, (t.jobs, t.ticks)
+
+
+def test_a_failing_job_never_ends_the_transfer_thread():
+    """A job that raises what the transfer code does not expect (an HTTP caller's tag past int64 did): the thread
+    logs it and goes on with the next jobs and its periodic expiry of held KV. Such a tag is refused at the door."""
+    from pydantic import ValidationError
+
+    from nvllm.disagg.handoff import SendCall
+    from nvllm.disagg.metrics import TransferLogger, TransferStats
+    from nvllm.disagg.transfer_thread import TransferThread
+
+    class Flaky(TransferThread):
+        interval = 0.05
+
+        def __init__(self):
+            self.done, self.ticks = [], 0
+            layout = KVLayout(_filled_caches(torch.float32, "auto", 0))
+            super().__init__(layout, TransferLogger(TransferStats(), "prefill", 0), "test-flaky")
+
+        def handle(self, job, stream) -> None:
+            if job == "bad":
+                raise ValueError("Overflow when unpacking long long")
+            self.done.append(job)
+
+        def periodic(self) -> None:
+            self.ticks += 1
+
+    t = Flaky()
+    for job in ("a", "bad", "b"):
+        t.submit(job)
+    time.sleep(0.3)
+    t.stop()
+    t._thread.join(5)
+    assert t.done == ["a", "b"] and t.ticks >= 2
+    for tag in (-1, 2**31, 2**70):
+        with pytest.raises(ValidationError):
+            SendCall(handle="h", dst_rank=1, tag=tag)

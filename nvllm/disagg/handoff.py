@@ -73,7 +73,7 @@ class DecodeCall(Message):
 class SendCall(Message):
     handle: str
     dst_rank: int
-    tag: int
+    tag: int = Field(ge=0, le=2**31 - 1)  # the decode side's (KVReceiver): an int32, as gloo and NCCL take it
     skip_blocks: int = 0
 
 

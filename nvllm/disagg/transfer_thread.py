@@ -6,6 +6,7 @@ is (``handle``) and, with ``interval``, what to do between jobs that often, busy
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -17,6 +18,7 @@ from nvllm.disagg.metrics import TransferLogger
 from nvllm.disagg.staging import KVLayout
 
 
+logger = logging.getLogger("nvllm")
 _NO_JOB = object()
 
 
@@ -67,5 +69,8 @@ class TransferThread(ABC):
                 continue
             if job is None:
                 return
-            self.handle(job, stream)
+            try:
+                self.handle(job, stream)
+            except Exception:  # noqa: BLE001 - one job's failure never ends the thread: later jobs, and the
+                logger.exception("a KV transfer job failed")  # periodic expiry of held KV, still need it
             self.log.maybe_log()
