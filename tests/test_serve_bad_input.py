@@ -146,6 +146,13 @@ def test_a_surrogate_pair_is_one_character(http):
     assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hi \U0001F600")
 
 
+def test_seeds_at_both_ends_of_int64_are_accepted(http):
+    """vLLM's range for seed is int64's: -2**63 and 2**63 - 1 both sample (one past either end is a 400)."""
+    for seed, status in ((-2**63, 200), (2**63 - 1, 200), (-2**63 - 1, 400)):
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 1.0, "seed": seed})
+        assert r.status_code == status, (seed, r.text)
+
+
 def test_openai_client_sees_typed_errors(server):
     client = openai_client(server, KEY)
     with pytest.raises(openai.BadRequestError) as e:
@@ -161,3 +168,66 @@ def test_openai_client_sees_typed_errors(server):
     bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_an_unexpected_error_is_a_500_json_on_a_connection_that_stays_open(caplog):
+    """A bug behind a route is one 500 in the OpenAI shape, logged, and the client's keep-alive connection still
+    serves its next request (Starlette's handler for Exception re-raises, and the server then drops the
+    connection: a client that reused it got a reset)."""
+    import json
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from nvllm.serve.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("a bug")
+
+    @app.get("/ok")
+    async def ok():
+        return {"ok": True}
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+
+    def answer(conn, path):  # one HTTP/1.1 exchange on ``conn``: status and JSON body
+        conn.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            assert chunk, f"connection closed before {path} was answered"
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+        while len(body) < length:
+            chunk = conn.recv(65536)
+            assert chunk, f"connection closed inside {path}'s body"
+            body += chunk
+        return int(head.split()[1]), json.loads(body)
+
+    try:
+        with socket.create_connection(listener.getsockname(), timeout=10) as conn:
+            status, body = answer(conn, "/boom")
+            assert status == 500
+            assert body["error"]["type"] == "server_error" and "RuntimeError: a bug" in body["error"]["message"]
+            time.sleep(0.2)  # the server had closed the connection by now
+            assert answer(conn, "/ok") == (200, {"ok": True})
+        assert "unexpected error serving /boom" in caplog.text
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        listener.close()

@@ -60,6 +60,9 @@ def validation_message(e: ValidationError | RequestValidationError) -> tuple[str
     if loc[:1] == ["prompt"] and err.get("type") != "missing":  # a union: pydantic's first branch error misleads
         return "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists", \
             "prompt"
+    if loc[:1] == ["tool_choice"] and err.get("type") != "missing":  # a union too
+        return "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": " \
+            "{\"name\": ...}}", "tool_choice"
     field = ".".join(loc) or None
     return (f"{field}: {err.get('msg', 'invalid value')}" if field else err.get("msg", "invalid request")), \
         (loc[0] if loc else None)
@@ -83,7 +86,31 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail), None, None)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("unexpected error serving %s", request.url.path)
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", None, None)
+    app.add_middleware(UnexpectedErrors)
+
+
+class UnexpectedErrors:
+    """Any other exception before the response began: a 500 in the OpenAI shape on a connection that stays open.
+    (A handler for ``Exception`` runs in Starlette's outermost middleware, which re-raises after answering, and
+    the server then drops the connection under a client that already sent its next request on it.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            if started:  # a stream that failed mid-way: nothing more can be said on it
+                raise
+            logger.exception("unexpected error serving %s", scope.get("path"))
+            await error_response(500, f"internal error: {type(e).__name__}: {e}")(scope, receive, send)

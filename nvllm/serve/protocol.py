@@ -56,7 +56,7 @@ class SamplingRequest(OpenAIModel):
     top_p: float | None = None
     top_k: int | None = Field(None, le=_INT32)
     min_p: float | None = None
-    seed: int | None = Field(None, ge=-_INT64, le=_INT64)
+    seed: int | None = Field(None, ge=-2**63, le=_INT64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
