@@ -99,7 +99,16 @@ def test_bad_input_is_a_clear_error(client):
                       (dict(input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), "input"),
                       (dict(input=[{"type": "function_call", "call_id": "c", "name": "f"}]), "input"),
                       (dict(input="x", text={"format": {"type": "json_schema", "name": "n"}}), "text"),
+                      (dict(input="x", text={"format": {"type": "json_schema", "name": "n", "schema": {"type": 5}}}),
+                       "text"),
                       (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+                       "input"),
+                      (dict(input=[{"type": "reasoning", "content": 5}]), "input"),
+                      (dict(input=[{"type": "function_call_output", "call_id": 5, "output": "x"}]), "input"),
+                      (dict(input="x", tools=[WEATHER], tool_choice={"type": "function", "name": 5}),
+                       "tool_choice"),
+                      (dict(input=[{"type": "reasoning", "summary": True}]), "input"),
+                      (dict(input=[{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]}]),
                        "input")):
         kw.setdefault("max_output_tokens", 2)
         with pytest.raises(openai.BadRequestError) as e:

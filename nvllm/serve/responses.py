@@ -144,12 +144,16 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            if output is None or not item.get("call_id"):
+            if output is None or not isinstance(item.get("call_id"), str) or not item["call_id"]:
                 raise bad_request("a function_call_output item needs its call_id and output", "input")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(output)})
         elif kind == "reasoning":  # the thinking that began an assistant turn: templates that keep it (Qwen3's,
             # in a tool loop) see it as the chat endpoint gives it, reasoning_content
-            parts = [p for p in item.get("content") or item.get("summary") or [] if isinstance(p, dict)]
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list) or not all(
+                    isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in parts):
+                raise bad_request("a reasoning item's content (or summary) must be a list of parts with their text "
+                                  "as a string", "input")
             text = "".join(p.get("text") or "" for p in parts)
             if text:
                 messages.append({"role": "assistant", "content": None, "reasoning_content": text})
@@ -174,7 +178,7 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest
                                                                              "strict") if k in t}})
     choice = req.tool_choice
     if isinstance(choice, dict):
-        if choice.get("type") != "function" or not choice.get("name"):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or not choice["name"]:
             raise bad_request("tool_choice must be none, auto, required or {type: function, name}", "tool_choice")
         choice = {"type": "function", "function": {"name": choice["name"]}}
     fmt = (req.text or {}).get("format")
