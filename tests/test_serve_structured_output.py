@@ -75,7 +75,12 @@ def test_vllm_fields_on_completions(client):
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"guided_regex": "[a-"}, None, "invalid structured outputs regex: Regex parsing error"),
+    ({"guided_regex": "[a-"}, "guided_regex", "invalid structured outputs regex: Regex parsing error"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format", "invalid structured outputs json"),
+    ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs", "invalid structured outputs json"),
+    ({"guided_json": {"type": "nonsense"}, "structured_outputs": {"disable_any_whitespace": True}}, "guided_json",
+     "invalid structured outputs json"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
      "response_format of type json_schema needs json_schema.schema"),
     ({"response_format": {"type": "structural_tag"}}, "response_format", "response_format type must be"),

@@ -145,3 +145,57 @@ def test_detokenize_runs_off_the_event_loop(monkeypatch):
         release.set()
         asyncio.run(engine.shutdown())
     assert health.status_code == 200 and detok.status_code == 200 and detok.json()["prompt"]
+
+
+@pytest.mark.parametrize("endpoint,blocked", [("chat", "nvllm.serve.chat.chat_logprobs"),
+                                              ("completions", "nvllm.serve.completions.completion_logprobs"),
+                                              ("completions", "nvllm.serve.api_server._json_response")])
+def test_a_large_response_is_built_and_encoded_off_the_event_loop(endpoint, blocked, monkeypatch):
+    """n = 128 samples with 20 top logprobs each make a response of tens of megabytes, seconds to build and encode:
+    both run off the loop, which answers /health meanwhile (it had stalled every request and probe for 17 s)."""
+    import importlib
+
+    import httpx
+
+    from nvllm.config import EngineConfig
+    from nvllm.engine.async_engine import AsyncLLMEngine
+    from nvllm.engine.llm_engine import LLMEngine
+    from nvllm.serve.api_server import ServerConfig, build_app
+
+    module, name = blocked.rsplit(".", 1)
+    module = importlib.import_module(module)
+    original, entered, release = getattr(module, name), threading.Event(), threading.Event()
+
+    def blocking(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, blocking)
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=demo_model_path(), device="cpu", log_stats_interval=0)))
+    app = build_app(engine, ServerConfig(), "stories260K")
+    engine.start()
+    body = {"model": "stories260K", "max_tokens": 3, "logprobs": 2}
+    if endpoint == "chat":
+        body.update(messages=[{"role": "user", "content": "Once"}], logprobs=True, top_logprobs=2)
+    else:
+        body.update(prompt="Once")
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+            task = asyncio.ensure_future(client.post(path, json=body))
+            while not entered.is_set():
+                await asyncio.sleep(0.01)
+            health = await asyncio.wait_for(client.get("/health"), 5)  # answered while the response is built
+            assert not task.done()
+            release.set()
+            return health, await task
+
+    try:
+        health, reply = asyncio.run(main())
+    finally:
+        release.set()
+        asyncio.run(engine.shutdown())
+    assert health.status_code == 200 and reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["logprobs"]

@@ -158,6 +158,8 @@ def test_a_conversation_with_calls_and_results(client):
     (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "'nope', which is not among the tools"),
     (dict(tool_choice="required", response_format={"type": "json_object"}), "cannot be combined"),
     (dict(tool_choice="sometimes"), "tool_choice"),
+    (dict(tool_choice={"type": "function"}), "tool_choice must be 'none', 'auto', 'required' or {\"type\": "
+                                             "\"function\", \"function\": {\"name\": ...}}"),
     (dict(messages=[*MESSAGES, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "get_weather", "arguments": "{oops"}}]}]), "tool call arguments must be JSON text"),
 ])
@@ -165,6 +167,17 @@ def test_bad_tool_requests_answer_400(client, kw, message):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, **kw)
     assert message in e.value.body["message"]
+
+
+def test_a_tool_whose_schema_does_not_compile_is_named(client):
+    """A named or required tool_choice constrains the reply to the tools' parameter schemas: one that does not
+    compile is a 400 naming tools."""
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {"type": 5}}}
+    for choice in ("required", {"type": "function", "function": {"name": "broken"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[broken], tool_choice=choice,
+                                           max_tokens=5)
+        assert e.value.body["param"] == "tools" and "invalid structured outputs" in e.value.body["message"]
 
 
 @pytest.mark.parametrize("args, message", [

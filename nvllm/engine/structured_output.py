@@ -42,6 +42,10 @@ def _import_xgrammar():
     return xgrammar
 
 
+class InvalidConstraint(ValueError):
+    """A request's output constraint that does not compile (the caller's mistake)."""
+
+
 class StructuredOutputs:
     """The engine's grammar compiler (built at the first constrained request: reading a large vocabulary takes a
     moment) and the masking of a step's constrained rows."""
@@ -94,7 +98,7 @@ class StructuredOutputs:
                 return compiler.compile_grammar(_import_xgrammar().Grammar.from_lark(params.grammar))
             return compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"invalid structured outputs {kind}: {_message(e)}") from None
+            raise InvalidConstraint(f"invalid structured outputs {kind}: {_message(e)}") from None
 
     def matcher(self, params: StructuredOutputsParams):
         """A new matcher for one sequence (its tokens are fed as they come: ``advance``)."""

@@ -6,6 +6,7 @@ in-flight requests get `shutdown_timeout` seconds to finish before they are abor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -115,6 +116,11 @@ class ServingContext:
     answer: Callable[..., Awaitable[Response]]
 
 
+def _json_response(body) -> JSONResponse:
+    """A whole response encoded (run off the event loop: a large one takes seconds)."""
+    return JSONResponse(body.model_dump())
+
+
 def default_model_name(engine_config: EngineConfig) -> str:
     from nvllm.assets import demo_model_path
 
@@ -183,7 +189,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
                 raise APIError(503, str(e), code="engine_unavailable") from None
             except ValueError as e:  # the search's own checks (a prompt that leaves no room)
                 raise from_value_error(e) from None
-            return JSONResponse(body.model_dump())
+            return await asyncio.to_thread(_json_response, body)
         try:  # a client gone while the prompts are tokenized and queued: nothing stays queued
             request_id, stream, prompt_ids = await until_disconnect(request, (start or handler.start)(req))
         except ClientGone:
@@ -200,7 +206,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
             raise APIError(503, str(e), code="engine_unavailable") from None
         finally:
             stream.close()  # a no-op when they finished; aborts them when anything cut the wait short
-        return JSONResponse(body.model_dump())
+        return await asyncio.to_thread(_json_response, body)
 
     api = APIRouter(dependencies=[Depends(authorized)])
 

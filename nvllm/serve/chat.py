@@ -3,6 +3,7 @@ answered whole or streamed (a role chunk per choice, then one content chunk per 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 
 from collections.abc import AsyncIterator
@@ -12,9 +13,9 @@ from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (MAX_LOGPROBS, EngineRequest, ChoiceProgress, check_logprobs, prompt_logprobs_json,
-                                requested_prompt_logprobs, resolve_max_tokens, submit, sampling_params, usage,
-                                choice_usage)
+from nvllm.serve.params import (MAX_LOGPROBS, EngineRequest, ChoiceProgress, check_logprobs, constraint_param,
+                                prompt_logprobs_json, requested_prompt_logprobs, resolve_max_tokens, submit,
+                                sampling_params, usage, choice_usage)
 from nvllm.serve.beam import beam_params, beam_usage, check_beam_request, search_all
 from nvllm.serve.models import ServedModels
 from nvllm.serve.prompts import PromptProcessor
@@ -77,7 +78,7 @@ class ChatHandler:
 
     async def start(self, req: ChatCompletionRequest) -> tuple[str, OutputStream, list[int]]:
         request_id, requests, ids = await self.prompts.off_loop(self.prepare, req)
-        return request_id, await submit(self.engine, requests), ids
+        return request_id, await submit(self.engine, requests, constraint_param(req)), ids
 
     def prepare(self, req: ChatCompletionRequest, beam: bool = False) -> tuple[str, list[EngineRequest], list[int]]:
         """Validate everything: the response id, the one engine request (id, prompt ids, params, LoRA adapter), the
@@ -132,6 +133,11 @@ class ChatHandler:
                 final = out
         finally:
             stream.close()
+        # off the event loop: n samples with top logprobs make a response of tens of megabytes, built for seconds
+        return await asyncio.to_thread(self._response, req, request_id, final, prompt_ids)
+
+    def _response(self, req: ChatCompletionRequest, request_id: str, final: RequestOutput,
+                  prompt_ids: list[int]) -> ChatCompletionResponse:
         num_top = self._num_top(req)
         reply = self._reply(req, prompt_ids)
         choices = []

@@ -3,6 +3,7 @@ one SSE chunk per choice per engine step. Choice index = prompt index · n + sam
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 
@@ -12,9 +13,9 @@ from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import sse
-from nvllm.serve.params import (MAX_LOGPROBS, EngineRequest, ChoiceProgress, check_logprobs, prompt_logprobs_json,
-                                requested_prompt_logprobs, resolve_max_tokens, submit, sampling_params, usage,
-                                choice_usage)
+from nvllm.serve.params import (MAX_LOGPROBS, EngineRequest, ChoiceProgress, check_logprobs, constraint_param,
+                                prompt_logprobs_json, requested_prompt_logprobs, resolve_max_tokens, submit,
+                                sampling_params, usage, choice_usage)
 from nvllm.serve.beam import beam_params, beam_usage, check_beam_request, search_all
 from nvllm.serve.models import ServedModels
 from nvllm.serve.prompts import PromptProcessor
@@ -59,7 +60,7 @@ class CompletionHandler:
     async def start(self, req: CompletionRequest) -> tuple[str, OutputStream, list[list[int]]]:
         """Validate everything, then queue one engine request per prompt (all or none)."""
         request_id, requests, prompt_ids = await self.prompts.off_loop(self.prepare, req)
-        return request_id, await submit(self.engine, requests), prompt_ids
+        return request_id, await submit(self.engine, requests, constraint_param(req)), prompt_ids
 
     def prepare(self, req: CompletionRequest, beam: bool = False) -> tuple[str, list[EngineRequest], list[list[int]]]:
         """Validate everything: the response id, the engine requests (id, prompt ids, params, LoRA adapter), the
@@ -132,6 +133,11 @@ class CompletionHandler:
                 final[self._prompt_index(out)] = _without_tokens(out) if _prompt_only(req) else out
         finally:
             stream.close()
+        # off the event loop: many samples with logprobs make a response of megabytes, built for seconds
+        return await asyncio.to_thread(self._response, req, request_id, final, prompt_ids)
+
+    def _response(self, req: CompletionRequest, request_id: str, final: list[RequestOutput],
+                  prompt_ids: list[list[int]]) -> CompletionResponse:
         choices = []
         for i, out in enumerate(final):
             echo_text, echo_lps = self._echo(req, i, prompt_ids[i], out) if req.echo else ("", None)

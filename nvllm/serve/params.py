@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from nvllm.engine.async_engine import EngineRequest
 from nvllm.engine.generation_defaults import NEUTRAL, with_defaults
+from nvllm.engine.structured_output import InvalidConstraint
 from nvllm.outputs import CompletionOutput, RequestOutput
 from nvllm.sampling_params import CONSTRAINT_KINDS, SamplingParams, StructuredOutputsParams
 from nvllm.serve.errors import bad_request, from_value_error
@@ -15,12 +16,16 @@ from nvllm.serve.protocol import PromptLogprob, PromptLogprobs, PromptTokensDeta
 MAX_LOGPROBS = 20
 
 
-async def submit(engine, requests: list[EngineRequest]):
+async def submit(engine, requests: list[EngineRequest], constraint: str | None = None):
     """Open one output stream and add the requests to it in one engine command: bad input becomes the 400 and
-    nothing is queued; the stream is closed on any failure."""
+    nothing is queued; the stream is closed on any failure. ``constraint``: the field the requests' output
+    constraint came from (``constraint_param``), named by the 400 when it does not compile."""
     stream = engine.open_stream()
     try:
         await stream.add_many(requests)
+    except InvalidConstraint as e:
+        stream.close()
+        raise bad_request(str(e), constraint) from None
     except ValueError as e:
         stream.close()
         raise from_value_error(e) from None
@@ -102,6 +107,21 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 _CONSTRAINT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def constraint_param(req: SamplingRequest) -> str | None:
+    """The field a request's output constraint comes from: ``tools`` for a chat's named or required tool_choice,
+    else the one field ``structured_outputs`` takes it from."""
+    choice = getattr(req, "tool_choice", None)
+    if choice is not None and choice not in ("none", "auto"):
+        return "tools"
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type") != "text":
+        return "response_format"
+    given = [f for f in _CONSTRAINT_FIELDS if getattr(req, f) is not None]
+    if given[:1] == ["structured_outputs"] and not set(req.structured_outputs) & set(CONSTRAINT_KINDS):
+        given.pop(0)  # only options for another field's constraint
+    return given[0] if given else None
 
 
 def constrains_reply(req: SamplingRequest) -> bool:
