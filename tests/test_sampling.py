@@ -132,9 +132,12 @@ def test_sampler_draws_follow_the_softmax_on_both_paths(kernels, monkeypatch):
 
     monkeypatch.setenv("NVLLM_KERNELS", kernels)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0])
-    n, temp = 4000, 0.8
+    # the interpreter runs the kernel's 6 ms a row: fewer draws there (a temperature of 1 instead of 0.8 is still
+    # a chi-square over 100)
+    n, temp = (4000 if kernels == "torch" else 1200), 0.8
+    quantile = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}  # 99.9% chi-square, by dof
     sampler = Sampler(seed=5)
-    for top_k, dof_limit in ((0, 24.32), (3, 13.82)):      # 99.9% chi-square quantiles, 7 and 2 dof
+    for top_k in (0, 3):
         rows = [SampleRow(SamplingParams(temperature=temp, top_k=top_k), None, [])] * n
         rows += [SampleRow(SamplingParams(temperature=0), None, [])] * 2
         batch = torch.cat([logits.repeat(n, 1), torch.tensor([[0.0, 5.0] + [0.0] * 6, [9.0] + [0.0] * 7])])
@@ -145,7 +148,12 @@ def test_sampler_draws_follow_the_softmax_on_both_paths(kernels, monkeypatch):
         counts = torch.bincount(torch.tensor(got[:n]), minlength=8).double()
         assert counts[keep:].sum() == 0
         expected = torch.softmax(logits[:keep] / temp, -1).double() * n
-        assert ((counts[:keep] - expected) ** 2 / expected).sum().item() < dof_limit
+        j = keep - 1  # the unlikely tail pooled into one bin of at least 5 expected draws (the logits descend)
+        while expected[j:].sum() < 5:
+            j -= 1
+        counts = torch.cat([counts[:j], counts[j:keep].sum(0, keepdim=True)])
+        expected = torch.cat([expected[:j], expected[j:].sum(0, keepdim=True)])
+        assert ((counts - expected) ** 2 / expected).sum().item() < quantile[len(expected) - 1]
         assert report.snapshot()["sampler"] == {("triton gumbel argmax" if kernels == "triton" else "torch"): 1}
 
 

@@ -53,10 +53,10 @@ def test_fused_silu_and_mul_epilogue_end_to_end(demo_dir, monkeypatch):
             G.set_gemm_choice(n, k, m, torch.float32, G.SkinnyConfig("fma", 8, 64))
         assert interleave_gate_ups(model) == len(model.layers)
         report.reset()
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     finally:
         G.clear_gemm_table()
-    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.outputs[0].token_ids for o in outs] == [w[:6] for w in want]
     impls = report.snapshot()["silu_and_mul"]
     assert impls.get("in the gate_up GEMM's epilogue", 0) > 0 and impls.get("triton silu_and_mul", 0) > 0, impls
 
