@@ -106,9 +106,9 @@ def test_text_size_counts_a_requests_text():
     assert text_size(({"prompt": ["ab", "cde"]},)) == 5
 
 
-def test_detokenize_runs_off_the_event_loop(monkeypatch):
-    """/detokenize of millions of ids takes seconds: it runs on a tokenizer thread, as /tokenize does, while the
-    loop answers /health."""
+def _health_while_blocked(monkeypatch, owner, name: str, path: str, body: dict):
+    """POST ``body`` to ``path`` of an in-process server on the demo model while ``owner.name`` (patched) blocks;
+    /health must be answered meanwhile. The (health, reply) responses."""
     import httpx
 
     from nvllm.config import EngineConfig
@@ -116,34 +116,40 @@ def test_detokenize_runs_off_the_event_loop(monkeypatch):
     from nvllm.engine.llm_engine import LLMEngine
     from nvllm.serve.api_server import ServerConfig, build_app
 
-    entered, release = threading.Event(), threading.Event()
-    decode = PromptProcessor.decode
+    original, entered, release = getattr(owner, name), threading.Event(), threading.Event()
 
-    def blocking(self, ids):
+    def blocking(*args, **kwargs):
         entered.set()
         release.wait(10)
-        return decode(self, ids)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(PromptProcessor, "decode", blocking)
+    monkeypatch.setattr(owner, name, blocking)
     engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=demo_model_path(), device="cpu", log_stats_interval=0)))
     app = build_app(engine, ServerConfig(), "stories260K")
     engine.start()
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            task = asyncio.ensure_future(client.post("/detokenize", json={"tokens": [1, 100, 200]}))
+            task = asyncio.ensure_future(client.post(path, json=body))
             while not entered.is_set():
                 await asyncio.sleep(0.01)
-            health = await asyncio.wait_for(client.get("/health"), 5)  # answered while the decode blocks
+            health = await asyncio.wait_for(client.get("/health"), 5)  # answered while the call blocks
             assert not task.done()
             release.set()
             return health, await task
 
     try:
-        health, detok = asyncio.run(main())
+        return asyncio.run(main())
     finally:
         release.set()
         asyncio.run(engine.shutdown())
+
+
+def test_detokenize_runs_off_the_event_loop(monkeypatch):
+    """/detokenize of millions of ids takes seconds: it runs on a tokenizer thread, as /tokenize does, while the
+    loop answers /health."""
+    health, detok = _health_while_blocked(monkeypatch, PromptProcessor, "decode", "/detokenize",
+                                          {"tokens": [1, 100, 200]})
     assert health.status_code == 200 and detok.status_code == 200 and detok.json()["prompt"]
 
 
@@ -155,47 +161,13 @@ def test_a_large_response_is_built_and_encoded_off_the_event_loop(endpoint, bloc
     both run off the loop, which answers /health meanwhile (it had stalled every request and probe for 17 s)."""
     import importlib
 
-    import httpx
-
-    from nvllm.config import EngineConfig
-    from nvllm.engine.async_engine import AsyncLLMEngine
-    from nvllm.engine.llm_engine import LLMEngine
-    from nvllm.serve.api_server import ServerConfig, build_app
-
     module, name = blocked.rsplit(".", 1)
-    module = importlib.import_module(module)
-    original, entered, release = getattr(module, name), threading.Event(), threading.Event()
-
-    def blocking(*args, **kwargs):
-        entered.set()
-        release.wait(10)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, blocking)
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=demo_model_path(), device="cpu", log_stats_interval=0)))
-    app = build_app(engine, ServerConfig(), "stories260K")
-    engine.start()
     body = {"model": "stories260K", "max_tokens": 3, "logprobs": 2}
     if endpoint == "chat":
         body.update(messages=[{"role": "user", "content": "Once"}], logprobs=True, top_logprobs=2)
     else:
         body.update(prompt="Once")
-
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-            task = asyncio.ensure_future(client.post(path, json=body))
-            while not entered.is_set():
-                await asyncio.sleep(0.01)
-            health = await asyncio.wait_for(client.get("/health"), 5)  # answered while the response is built
-            assert not task.done()
-            release.set()
-            return health, await task
-
-    try:
-        health, reply = asyncio.run(main())
-    finally:
-        release.set()
-        asyncio.run(engine.shutdown())
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    health, reply = _health_while_blocked(monkeypatch, importlib.import_module(module), name, path, body)
     assert health.status_code == 200 and reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["logprobs"]
