@@ -48,6 +48,39 @@ def test_async_engine_in_process():
     asyncio.run(main())
 
 
+def test_a_reader_that_falls_behind_holds_a_bounded_number_of_outputs():
+    """A stream not read while its request generates 100 tokens (a client whose socket is full) keeps its first
+    MAX_UNREAD - 1 outputs and the latest, not one a step (cumulative snapshots: memory quadratic in the length);
+    the reader still gets every token, and a reader that keeps up one output a step."""
+    from nvllm.config import EngineConfig
+    from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
+    from nvllm.engine.llm_engine import LLMEngine
+    from nvllm.sampling_params import SamplingParams
+
+    core = LLMEngine(EngineConfig(device="cpu", log_stats_interval=0, max_model_len=MAX_MODEL_LEN), warmup=False)
+    engine = AsyncLLMEngine(core)
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+
+    async def main():
+        stream = engine.open_stream()
+        await stream.add(None, PROMPT, params)
+        deadline = time.monotonic() + 60
+        while not (stream._queue and stream._queue[-1][0].finished):  # nothing read until the request finished
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        stalled = [o async for o in stream]
+        kept = OutputStream.MAX_UNREAD
+        assert [len(o.outputs[0].token_ids) for o in stalled] == [*range(1, kept), 100]
+        assert stalled[-1].finished and all(
+            stalled[-1].outputs[0].token_ids[:len(o.outputs[0].token_ids)] == o.outputs[0].token_ids for o in stalled)
+        live = [o async for o in engine.generate(PROMPT, SamplingParams(max_tokens=30, temperature=0,
+                                                                        ignore_eos=True))]
+        assert len(live) == 30 and live[-1].outputs[0].token_ids == stalled[-1].outputs[0].token_ids[:30]
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_async_engine_survives_an_add_cancelled_before_it_lands():
     """A caller that gives up while its add waits behind a running step (a client gone, a timeout) must not
     take the engine loop down: the add is dropped and everyone else carries on."""

@@ -10,6 +10,7 @@ which frees their KV blocks before the next step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -48,12 +49,23 @@ class EngineDeadError(RuntimeError):
 
 
 class OutputStream:
-    """The outputs of one or more requests, in the order the engine produced them; ends when all finish."""
+    """The outputs of one or more requests, in the order the engine produced them; ends when all finish.
+
+    An output is cumulative (its request so far). A reader that keeps up gets one a step; one that falls
+    ``MAX_UNREAD`` steps behind a request (a client reading slowly, its socket full) has that request's newest
+    unread output replaced by the next instead of one more queued, so the stream holds a bounded number of
+    outputs a request: queued whole, a stalled stream of T tokens held T snapshots, O(T²) memory."""
+
+    MAX_UNREAD = 16
 
     def __init__(self, engine: "AsyncLLMEngine"):
         self._engine = engine
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queue: collections.deque[list[RequestOutput] | BaseException] = collections.deque()  # unread, in
+        # order; an output in a one-item list, so that a request's newest can be replaced where it waits
+        self._newest: dict[str, list[RequestOutput]] = {}  # each request's newest unread output
+        self._unread: dict[str, int] = {}  # how many of each request's outputs wait
+        self._ready = asyncio.Event()
         self.pending: set[str] = set()  # requests added and not yet finished
 
     async def add(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams,
@@ -138,9 +150,20 @@ class OutputStream:
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # called on the engine thread
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._deliver, item)
         except RuntimeError:  # the event loop is closed: nobody is listening
             pass
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:  # on the loop
+        if isinstance(item, BaseException):
+            self._queue.append(item)
+        elif self._unread.get(item.request_id, 0) >= self.MAX_UNREAD:
+            self._newest[item.request_id][0] = item
+        else:
+            self._newest[item.request_id] = slot = [item]
+            self._unread[item.request_id] = self._unread.get(item.request_id, 0) + 1
+            self._queue.append(slot)
+        self._ready.set()
 
     def __aiter__(self) -> "OutputStream":
         return self
@@ -148,10 +171,17 @@ class OutputStream:
     async def __anext__(self) -> RequestOutput:
         if not self.pending:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        while not self._queue:
+            self._ready.clear()
+            await self._ready.wait()
+        head = self._queue.popleft()
+        if isinstance(head, BaseException):
             self.pending.clear()
-            raise item
+            raise head
+        (item,) = head
+        self._unread[item.request_id] -= 1
+        if not self._unread[item.request_id]:
+            del self._unread[item.request_id], self._newest[item.request_id]
         if item.finished:
             self.pending.discard(item.request_id)
         return item
@@ -215,7 +245,8 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | Seq[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """One request's outputs, one per engine step that advanced it; aborts it if the caller goes away."""
+        """One request's outputs, one per engine step that advanced it (cumulative; a caller far behind the
+        engine gets fewer: OutputStream); aborts it if the caller goes away."""
         stream = self.open_stream()
         try:
             await stream.add(request_id, prompt, params)
