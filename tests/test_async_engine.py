@@ -81,6 +81,43 @@ def test_a_reader_that_falls_behind_holds_a_bounded_number_of_outputs():
     asyncio.run(main())
 
 
+def test_a_reader_behind_a_failed_engine_gets_the_error():
+    """The engine fails while a reader is more than MAX_UNREAD outputs behind: the stream still ends in the error
+    after the outputs before it (the abort that follows the error must not overtake it as a normal finish)."""
+    from nvllm.config import EngineConfig
+    from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream
+    from nvllm.engine.llm_engine import LLMEngine
+    from nvllm.sampling_params import SamplingParams
+
+    core = LLMEngine(EngineConfig(device="cpu", log_stats_interval=0, max_model_len=MAX_MODEL_LEN), warmup=False)
+    engine = AsyncLLMEngine(core)
+    steps, real_step = [0], core.step
+
+    def failing_step():
+        steps[0] += 1
+        if steps[0] > 2 * OutputStream.MAX_UNREAD:
+            raise RuntimeError("a device fault")
+        return real_step()
+
+    core.step = failing_step
+
+    async def main():
+        stream = engine.open_stream()
+        await stream.add(None, PROMPT, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+        deadline = time.monotonic() + 60
+        while not (stream._queue and isinstance(stream._queue[-1], BaseException)):  # nothing read meanwhile
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        got = []
+        with pytest.raises(EngineDeadError, match="a device fault"):
+            async for out in stream:
+                got.append(out)
+        assert len(got) == OutputStream.MAX_UNREAD and not got[-1].finished
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_async_engine_survives_an_add_cancelled_before_it_lands():
     """A caller that gives up while its add waits behind a running step (a client gone, a timeout) must not
     take the engine loop down: the add is dropped and everyone else carries on."""

@@ -1,10 +1,10 @@
 """AsyncLLMEngine: the engine's step loop on a background thread, beside an asyncio event loop.
 
 The engine is not thread-safe, so only the loop thread touches it: adds and aborts travel to it through a
-command list it drains before every step. Each caller reads an `OutputStream`, an asyncio.Queue that the
-loop thread fills through `loop.call_soon_threadsafe`; one stream may carry several requests (the n prompts
-of one HTTP call). A stream closed before its requests finish (client gone, task cancelled) aborts them,
-which frees their KV blocks before the next step.
+command list it drains before every step. Each caller reads an `OutputStream`, which the loop thread fills
+through `loop.call_soon_threadsafe` (a reader far behind gets a request's later steps merged); one stream may
+carry several requests (the n prompts of one HTTP call). A stream closed before its requests finish (client
+gone, task cancelled) aborts them, which frees their KV blocks before the next step.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class EngineDeadError(RuntimeError):
 
 
 class OutputStream:
-    """The outputs of one or more requests, in the order the engine produced them; ends when all finish.
+    """The outputs of one or more requests, each request's in the order the engine produced them; ends when all
+    finish, or with the engine's error (nothing after it is read).
 
     An output is cumulative (its request so far). A reader that keeps up gets one a step; one that falls
     ``MAX_UNREAD`` steps behind a request (a client reading slowly, its socket full) has that request's newest
@@ -65,6 +66,7 @@ class OutputStream:
         # order; an output in a one-item list, so that a request's newest can be replaced where it waits
         self._newest: dict[str, list[RequestOutput]] = {}  # each request's newest unread output
         self._unread: dict[str, int] = {}  # how many of each request's outputs wait
+        self._failed = False  # the engine's error is queued: the outputs after it (its aborts) are not for reading
         self._ready = asyncio.Event()
         self.pending: set[str] = set()  # requests added and not yet finished
 
@@ -155,7 +157,10 @@ class OutputStream:
             pass
 
     def _deliver(self, item: RequestOutput | BaseException) -> None:  # on the loop
+        if self._failed:  # a replaced output must not overtake the error
+            return
         if isinstance(item, BaseException):
+            self._failed = True
             self._queue.append(item)
         elif self._unread.get(item.request_id, 0) >= self.MAX_UNREAD:
             self._newest[item.request_id][0] = item
