@@ -3,7 +3,6 @@ answered whole or streamed (a role chunk per choice, then one content chunk per 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 
 from collections.abc import AsyncIterator
@@ -12,7 +11,7 @@ from nvllm.chat_template import texts_of
 from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
-from nvllm.serve.http import sse
+from nvllm.serve.http import off_loop, sse
 from nvllm.serve.params import (MAX_LOGPROBS, EngineRequest, ChoiceProgress, check_logprobs, constraint_param,
                                 prompt_logprobs_json, requested_prompt_logprobs, resolve_max_tokens, submit,
                                 sampling_params, usage, choice_usage)
@@ -134,7 +133,7 @@ class ChatHandler:
         finally:
             stream.close()
         # off the event loop: n samples with top logprobs make a response of tens of megabytes, built for seconds
-        return await asyncio.to_thread(self._response, req, request_id, final, prompt_ids)
+        return await off_loop(self._response, req, request_id, final, prompt_ids)
 
     def _response(self, req: ChatCompletionRequest, request_id: str, final: RequestOutput,
                   prompt_ids: list[int]) -> ChatCompletionResponse:

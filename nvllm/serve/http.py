@@ -1,15 +1,18 @@
 """HTTP plumbing the endpoints share: the API-key check, reading a size-limited JSON body into a schema,
-Server-Sent Events framing, and racing a request's work against the client going away."""
+Server-Sent Events framing, racing a request's work against the client going away, and building whole responses
+off the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from fastapi import Request
@@ -24,6 +27,16 @@ T = TypeVar("T")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the JSON escape of a UTF-16 surrogate, D800-DFFF
 
 logger = logging.getLogger("nvllm")
+
+# Whole responses are built and encoded here: n samples with top logprobs make tens of megabytes, seconds of work
+# that on the loop had stalled every other request and /health. Threads of their own, so that a few large builds do
+# not hold up the default executor's work (structured-output compiles, shutdown).
+_RESPONSE_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nvllm-respond")
+
+
+async def off_loop(fn: Callable[..., T], *args) -> T:
+    """``fn(*args)`` on a response thread, awaited."""
+    return await asyncio.get_running_loop().run_in_executor(_RESPONSE_THREADS, functools.partial(fn, *args))
 
 
 def probe_routes(app, health) -> None:
