@@ -107,6 +107,7 @@ def test_bad_input_is_a_clear_error(client):
                       (dict(input=[{"type": "function_call_output", "call_id": 5, "output": "x"}]), "input"),
                       (dict(input="x", tools=[WEATHER], tool_choice={"type": "function", "name": 5}),
                        "tool_choice"),
+                      (dict(input="x", tools=[WEATHER], tool_choice="sometimes"), "tool_choice"),
                       (dict(input=[{"type": "reasoning", "summary": True}]), "input"),
                       (dict(input=[{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]}]),
                        "input")):
@@ -114,7 +115,8 @@ def test_bad_input_is_a_clear_error(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=MODEL, **kw)
         assert e.value.body["param"] == param
-        assert not re.search(r"max_completion_tokens|response_format|\bjson_schema\.", e.value.body["message"])
+        assert not re.search(r"max_completion_tokens|response_format|\bjson_schema\.|\"function\": \{",
+                             e.value.body["message"])
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope", max_output_tokens=2)
     unstored = client.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)

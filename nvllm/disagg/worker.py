@@ -37,9 +37,11 @@ from nvllm.disagg.transfer_group import TransferGroup
 from nvllm.disagg.weights_fingerprint import weights_fingerprint
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nvllm.engine.kv_handoff import KVHandoffMismatch, kv_handle_id
+from nvllm.engine.structured_output import InvalidConstraint
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import APIError, bad_request, from_value_error
 from nvllm.serve.http import ClientGone, parse_body, parse_model, until_disconnect
+from nvllm.serve.params import constraint_param
 
 
 def _backend(choice: str, device) -> str:
@@ -157,6 +159,8 @@ class DisaggWorker:
         except ValueError as e:
             stream.close()  # the abort first: a step between a release and the abort could hold a sample again
             await self._release(handles)
+            if isinstance(e, InvalidConstraint):
+                raise bad_request(str(e), constraint_param(req)) from None
             raise from_value_error(e) from None
         except ClientGone:
             stream.close()

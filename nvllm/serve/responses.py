@@ -177,9 +177,11 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest
             tools.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
                                                                              "strict") if k in t}})
     choice = req.tool_choice
+    if choice is not None and choice not in ("none", "auto", "required") and not (
+            isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str)
+            and choice["name"]):
+        raise bad_request("tool_choice must be none, auto, required or {type: function, name}", "tool_choice")
     if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or not choice["name"]:
-            raise bad_request("tool_choice must be none, auto, required or {type: function, name}", "tool_choice")
         choice = {"type": "function", "function": {"name": choice["name"]}}
     fmt = (req.text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
