@@ -221,3 +221,25 @@ def test_a_high_priority_prompt_does_not_stall_running_decodes(demo_dir):
     eng.step()   # admitted, its first chunk beside the decode
     out = eng.scheduler.schedule()   # still prefilling: the decode keeps its place
     assert [(s.priority, n) for s, n in out.scheduled] == [(5, 1), (0, 15)]
+
+
+def test_waiting_seqs_reads_a_queue_the_engine_thread_changes_meanwhile(demo_dir):
+    """/metrics lists the waiting sequences' adapters from the event loop while the engine thread queues and drops
+    sequences: a change between two items of the read (here made by reading a sequence's status) must not end the
+    read in "deque mutated during iteration" (a 500 for the scrape)."""
+    llm = make_llm(demo_dir, max_num_seqs=1)
+    engine, sched = llm.engine, llm.engine.scheduler
+    for i in range(3):
+        engine.add_request(f"r{i}", "Once upon a time", GREEDY)
+    first = sched.waiting[0]
+
+    class Switching:  # a sequence whose status is read while "the engine thread" queues another
+        request_id = "switch"
+
+        @property
+        def status(self):
+            sched.waiting.append(first)
+            return first.status
+
+    sched.waiting.appendleft(Switching())
+    assert [s.request_id for s in sched.waiting_seqs()] == ["switch", "r0", "r1", "r2"]

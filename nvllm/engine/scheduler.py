@@ -121,7 +121,8 @@ class Scheduler:
         return len(self.waiting) - self._departed
 
     def waiting_seqs(self) -> list[Sequence]:
-        return [s for s in self.waiting if s.status is not Status.FINISHED]
+        """The sequences waiting; safe from another thread (/metrics): the queue is copied in one step first."""
+        return [s for s in list(self.waiting) if s.status is not Status.FINISHED]
 
     def schedule(self, hold: Callable[[Sequence], bool] | None = None) -> SchedulerOutput:
         """``hold`` (asynchronous scheduling): running sequences to leave out of this step — those certain to
