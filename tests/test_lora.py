@@ -376,3 +376,49 @@ def test_metrics_name_the_running_and_waiting_adapters(setup):
     engine.step()  # one slot: "all" runs, "attn" waits for it
     text = ServerMetrics(engine, "m").render().decode()
     assert 'nvllm:lora_requests_info{max_lora="1",running_lora_adapters="all",waiting_lora_adapters="attn"}' in text
+
+
+def test_a_failed_runtime_load_releases_only_its_own_name():
+    """POST /v1/load_lora_adapter reserves the name, then waits for the engine; if an unload and a new load of the
+    same name come meanwhile and the first load then fails, the new adapter keeps its name (it had been dropped:
+    served 200, then 404 on every request naming it)."""
+    import asyncio
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    import httpx
+    from fastapi import FastAPI
+
+    from nvllm.serve.errors import install_error_handlers
+    from nvllm.serve.models import ServedModels, lora_routes
+
+    calls: list[concurrent.futures.Future] = []
+
+    def call(fn):  # the engine's command queue, answered by the test
+        calls.append(concurrent.futures.Future())
+        return calls[-1]
+
+    engine = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(enable_lora=True)), call=call)
+    models = ServedModels("base", "/base", 64)
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(lora_routes(models, engine, 65536))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            failing = asyncio.ensure_future(client.post("/v1/load_lora_adapter",
+                                                        json={"lora_name": "late", "lora_path": "/old"}))
+            while not calls:
+                await asyncio.sleep(0.01)
+            assert (await client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})).status_code == 200
+            loading = asyncio.ensure_future(client.post("/v1/load_lora_adapter",
+                                                        json={"lora_name": "late", "lora_path": "/new"}))
+            while len(calls) < 3:
+                await asyncio.sleep(0.01)
+            calls[2].set_result(None)
+            assert (await loading).status_code == 200
+            calls[0].set_exception(ValueError("not an adapter"))
+            assert (await failing).status_code == 400
+
+    asyncio.run(main())
+    assert models.adapters["late"].lora_path == "/new"

@@ -59,6 +59,12 @@ class ServedModels:
         self.adapters[name] = adapter
         return adapter
 
+    def discard(self, adapter: LoRARequest) -> None:
+        """Forget ``adapter``'s name if it still names this adapter (a load that failed: while it waited for the
+        engine, an unload and a new load of the same name may have come and gone)."""
+        if self.adapters.get(adapter.lora_name) is adapter:
+            del self.adapters[adapter.lora_name]
+
     def remove(self, name: str) -> LoRARequest:
         if name not in self.adapters:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
@@ -88,7 +94,7 @@ def lora_routes(models: ServedModels, engine, limit: int) -> APIRouter:
         try:
             await asyncio.wrap_future(engine.call(lambda e: e.load_lora(adapter)))
         except Exception as e:  # noqa: BLE001 - whatever the adapter did, the name is released
-            models.remove(req.lora_name)
+            models.discard(adapter)
             raise APIError(400, str(e), "lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
