@@ -61,6 +61,28 @@ def test_cli_mistakes(args, message):
     assert res.exit_code == 2 and message in res.output, res.output
 
 
+def test_a_taken_store_port_is_one_line_before_the_model_loads(monkeypatch):
+    """Rank 0 serves the KV transfer group's store on --kv-master's port: another process holding it is told at
+    once, not after the model has loaded."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from nvllm.cli import app
+    from nvllm.engine.llm_engine import LLMEngine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(LLMEngine, "__init__", no_load)
+    with socket.create_server(("", 0)) as taken:
+        port = taken.getsockname()[1]
+        res = CliRunner().invoke(app, ["serve", "--role", "prefill", "--kv-rank", "0", "--kv-world-size", "2",
+                                       "--kv-master", f"127.0.0.1:{port}", "--port", "0", "--device", "cpu"],
+                                 env={"COLUMNS": "200"})
+    assert res.exit_code == 2 and f"port {port} is taken" in res.output, res.output
+
+
 def test_worker_flags_rebuild_the_engine_config():
     """The launcher's worker flags: nothing for the defaults (an empty --hf-overrides included), and flags that the
     CLI parses back into the same config."""

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import re
+import socket
 from dataclasses import dataclass
 
 from nvllm.config import ConfigError
@@ -85,3 +87,16 @@ class DisaggConfig:
     @property
     def master(self) -> tuple[str, int]:
         return parse_host_port(self.kv_master, "--kv-master")
+
+    def check_store_port(self) -> None:
+        """Rank 0 serves the group's store on --kv-master's port (every interface): a port another process holds
+        fails here, before the model loads, instead of minutes later at the rendezvous."""
+        if self.role == "mixed" or self.disaggregate is not None or self.kv_rank != 0 or self.kv_store_external:
+            return
+        host, port = self.master
+        try:
+            socket.create_server(("", port)).close()
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(f"--kv-master {host}:{port}: port {port} is taken, and rank 0 serves the KV "
+                                  "transfer group's store there: pick a free port") from None

@@ -323,6 +323,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, disagg: "Disag
     sock = listen_socket(config.host, config.port, config.fd)  # before the slow part, so a taken port fails at once
     engine = None
     try:
+        if disagg is not None:
+            disagg.check_store_port()
         model_name = config.served_model_name[0] if config.served_model_name else default_model_name(engine_config)
         if disagg is not None and disagg.role == "prefill" and engine_config.async_scheduling:
             # its steps end every sequence after one token, which the handoff needs at once: nothing to overlap.
