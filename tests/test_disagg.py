@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import quote
 
 import httpx
 import openai
@@ -398,6 +399,30 @@ def test_router_passes_x_request_id_and_answers_ping_and_version(deployment):
     assert r.status_code == 200 and r.json()["id"] == "cmpl-trace-1"
     assert httpx.get(f"{router}/ping").status_code == 200 and httpx.post(f"{router}/ping").status_code == 200
     assert httpx.get(f"{router}/version").json()["version"]
+
+
+def test_router_passes_what_a_mixed_server_takes(deployment):
+    """Requests a mixed server answers, the router answers alike: an X-Request-Id of non-ASCII bytes (it was a 500
+    that left the worker counted busy), prompt logprobs whose handoff is larger than the client's body limit (a
+    413 for a 366-byte request), non-ASCII text near the limit (the router's calls had escaped it to six times the
+    bytes), and stored-response ids that are not URL-safe (a 500, or another id looked up)."""
+    router = deployment["urls"]["router"]
+    r = httpx.post(f"{router}/v1/completions", headers=[(b"authorization", f"Bearer {KEY}".encode()),
+                                                        (b"x-request-id", b"caf\xe9")],
+                   json={"model": MODEL, "prompt": "Once", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-caf\xe9", r.text
+    for body in ({"prompt": "the cat sat on the mat and looked at the dog " * 6, "max_tokens": 4,
+                  "prompt_logprobs": 20},
+                 {"prompt": "Once", "max_tokens": 4, "n": 16, "logprobs": 20, "temperature": 1.0, "seed": 1},
+                 {"prompt": "Once", "max_tokens": 2, "user": "\U0001F600" * 6000}):
+        r = httpx.post(f"{router}/v1/completions", headers=AUTH, json={"model": MODEL, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+    for rid in ("\x00", "a?x=1", "a#b", ".."):
+        r = httpx.get(f"{router}/v1/responses/{quote(rid, safe='').replace('.', '%2E')}", headers=AUTH)
+        assert r.status_code == 404 and r.json()["error"]["message"] == f"Response with id '{rid}' not found.", r.text
+    workers = httpx.get(f"{router}/router/workers", headers=AUTH).json()["workers"]
+    assert not any(w["in_flight"] for w in workers), workers
+    _wait_pool_empty(deployment["urls"]["prefill"])
 
 
 def test_bench_serve_reports_the_disaggregation_split(deployment):

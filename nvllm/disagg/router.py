@@ -25,6 +25,7 @@ import json
 import logging
 import time
 import uuid
+from urllib.parse import quote
 
 import httpx
 from fastapi import Request
@@ -61,15 +62,16 @@ class Router:
     async def route(self, endpoint: str, request: Request) -> Response:
         try:
             check_api_key(request, self.cfg.api_key)
-            data = json_object(await read_body(request, self.cfg.max_request_bytes))
+            body = await read_body(request, self.cfg.max_request_bytes)
+            data = json_object(body)
         except APIError:  # refused here, before any worker: the client's mistake all the same
             self.metrics.outcome("client_error")
             raise
         headers = _forwarded(request)
         t0 = time.perf_counter()
-        if not self.pool.disaggregated:
+        if not self.pool.disaggregated:  # the client's bytes as they came: within the replica's limit as here
             path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-            upstream, worker = await self._open("mixed", path, json.dumps(data), headers, request)
+            upstream, worker = await self._open("mixed", path, body, headers, request)
             return await self._answer(upstream, worker, request, t0)
         prefill = self.pool.pick("prefill")
         if prefill is None or self.pool.pick("decode") is None:  # nothing to prefill for
@@ -81,7 +83,7 @@ class Router:
             with self.pool.busy(prefill):
                 resp = await until_disconnect(request, self.client.post(
                     prefill.url + "/internal/prefill", headers=headers,
-                    content=json.dumps({"endpoint": endpoint, "request": data, "call_id": call_id})))
+                    content=_envelope({"endpoint": endpoint, "request": data, "call_id": call_id})))
         except ClientGone:  # the prefill worker sees the disconnect too, unless its handoff was already on the way:
             self.metrics.outcome("client_gone")   # what it holds for this call is released by name
             await self._release(prefill, [], headers, calls=[call_id])
@@ -102,7 +104,7 @@ class Router:
             await self._release(prefill, handles, headers)
 
         try:
-            upstream, worker = await self._open("decode", "/internal/decode", json.dumps(
+            upstream, worker = await self._open("decode", "/internal/decode", _envelope(
                 {"endpoint": endpoint, "request": data, "prefill": handoff}), headers, request)
         except BaseException:
             await release()
@@ -118,13 +120,14 @@ class Router:
         response it continues (if that worker is down, another answers that it does not know the id)."""
         try:
             check_api_key(request, self.cfg.api_key)
-            data = json_object(await read_body(request, self.cfg.max_request_bytes))
+            body = await read_body(request, self.cfg.max_request_bytes)
+            data = json_object(body)
         except APIError:
             self.metrics.outcome("client_error")
             raise
         t0 = time.perf_counter()
-        upstream, worker = await self._open(self._whole_role, "/v1/responses", json.dumps(data), _forwarded(request),
-                                            request, self.responses.owner(data.get("previous_response_id")))
+        upstream, worker = await self._open(self._whole_role, "/v1/responses", body, _forwarded(request), request,
+                                            self.responses.owner(data.get("previous_response_id")))
         return await self._answer(upstream, worker, request, t0, responses=True)
 
     async def stored_response(self, request: Request, response_id: str) -> Response:
@@ -138,8 +141,8 @@ class Router:
                            code="no_worker_available")
         for worker in workers:
             try:
-                r = await self.client.get(f"{worker.url}/v1/responses/{response_id}", headers=_forwarded(request),
-                                          timeout=10.0)
+                r = await self.client.get(f"{worker.url}/v1/responses/{_path_segment(response_id)}",
+                                          headers=_forwarded(request), timeout=10.0)
             except httpx.HTTPError as e:
                 self._failed(worker, "responses", e)
                 continue
@@ -153,7 +156,7 @@ class Router:
         """The workers that take a request whole."""
         return "decode" if self.pool.disaggregated else "mixed"
 
-    async def _open(self, role: str, path: str, body: str, headers: dict, request: Request,
+    async def _open(self, role: str, path: str, body: bytes, headers: list, request: Request,
                     prefer: str | None = None) -> tuple[httpx.Response, Worker]:
         """Send the request to the least-loaded worker of the role that accepts a connection (the worker at URL
         ``prefer`` first, if it is up); the response is open (stream) and counted in the worker's in-flight until
@@ -177,6 +180,9 @@ class Router:
                 self._failed(worker, role, e)
                 self.metrics.outcome("failed")
                 raise APIError(503, f"the {role} worker failed: {_describe(e)}", code="worker_failed") from None
+            except BaseException:  # anything else (a cancelled task) leaves the count as it found it
+                worker.in_flight -= 1
+                raise
         self.metrics.outcome("failed")
         raise APIError(503, f"no {role} worker is up", code="no_worker_available")
 
@@ -290,7 +296,7 @@ class Router:
         self.metrics.failures.labels(worker.role, worker.url, stage).inc()
         self.pool.failed(worker, error if isinstance(error, str) else _describe(error))
 
-    async def _release(self, prefill: Worker, handles: list[str], headers: dict, calls: list[str] = ()) -> None:
+    async def _release(self, prefill: Worker, handles: list[str], headers: list, calls: list[str] = ()) -> None:
         if not handles and not calls:
             return
         with contextlib.suppress(httpx.HTTPError):
@@ -364,10 +370,22 @@ def _streams(upstream: httpx.Response) -> bool:
     return upstream.headers.get("content-type", "").startswith("text/event-stream")
 
 
-def _forwarded(request: Request) -> dict:
-    """The client's headers a worker reads: its key, and the X-Request-Id that names the response."""
-    kept = {name: request.headers[name] for name in ("Authorization", "X-Request-Id") if name in request.headers}
-    return {"Content-Type": "application/json", **kept}
+def _forwarded(request: Request) -> list[tuple[bytes, bytes]]:
+    """The client's headers a worker reads: its key, and the X-Request-Id that names the response — as the bytes
+    that came (a header of non-ASCII bytes, which a server reads as Latin-1, is no error)."""
+    kept = [(k, v) for k, v in request.headers.raw if k.lower() in (b"authorization", b"x-request-id")]
+    return [(b"content-type", b"application/json"), *kept]
+
+
+def _envelope(call: dict) -> bytes:
+    """A worker's internal call, its text as written (not escaped to ASCII: six times the bytes)."""
+    return json.dumps(call, ensure_ascii=False).encode()
+
+
+def _path_segment(value: str) -> str:
+    """``value`` as one URL path segment: every reserved or control character escaped, dots too (a URL library
+    resolves ``..``)."""
+    return quote(value, safe="").replace(".", "%2E")
 
 
 def _describe(e: BaseException) -> str:

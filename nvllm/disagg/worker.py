@@ -44,6 +44,12 @@ from nvllm.serve.http import ClientGone, parse_body, parse_model, until_disconne
 from nvllm.serve.params import constraint_param
 
 
+# The router's prefill and decode calls: the client's request (held to --max-request-bytes by the router) in an
+# envelope, and a decode call the prefill worker's handoff too — prompt ids and logprobs, which a short request can
+# make large (prompt_logprobs, n samples of top logprobs): a 366-byte request's decode call took 81 kB.
+HANDOFF_BYTES = 256 << 20
+
+
 def _backend(choice: str, device) -> str:
     if choice == "auto":
         return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
@@ -118,7 +124,7 @@ class DisaggWorker:
         if self.role == "prefill":
             @r.post("/internal/prefill")
             async def prefill(request: Request) -> Response:
-                return await self._prefill(ctx, request, await parse_body(request, PrefillCall, limit))
+                return await self._prefill(ctx, request, await parse_body(request, PrefillCall, limit + HANDOFF_BYTES))
 
             @r.post("/internal/kv/send")
             async def kv_send(request: Request) -> Response:
@@ -131,7 +137,7 @@ class DisaggWorker:
         else:
             @r.post("/internal/decode")
             async def decode(request: Request) -> Response:
-                return await self._decode(ctx, request, await parse_body(request, DecodeCall, limit))
+                return await self._decode(ctx, request, await parse_body(request, DecodeCall, limit + HANDOFF_BYTES))
         return r
 
     # ---- prefill side ------------------------------------------------------------------------------------
