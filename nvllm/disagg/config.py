@@ -91,7 +91,7 @@ class DisaggConfig:
     def check_store_port(self) -> None:
         """Rank 0 serves the group's store on --kv-master's port (every interface): a port another process holds
         fails here, before the model loads, instead of minutes later at the rendezvous."""
-        if self.role == "mixed" or self.disaggregate is not None or self.kv_rank != 0 or self.kv_store_external:
+        if self.role == "mixed" or self.kv_rank != 0 or self.kv_store_external:
             return
         host, port = self.master
         try:

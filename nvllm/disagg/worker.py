@@ -37,11 +37,10 @@ from nvllm.disagg.transfer_group import TransferGroup
 from nvllm.disagg.weights_fingerprint import weights_fingerprint
 from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nvllm.engine.kv_handoff import KVHandoffMismatch, kv_handle_id
-from nvllm.engine.structured_output import InvalidConstraint
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import APIError, bad_request, from_value_error
 from nvllm.serve.http import ClientGone, parse_body, parse_model, until_disconnect
-from nvllm.serve.params import constraint_param
+from nvllm.serve.params import constraint_param, request_error
 
 
 # The router's prefill and decode calls: the client's request (held to --max-request-bytes by the router) in an
@@ -165,9 +164,7 @@ class DisaggWorker:
         except ValueError as e:
             stream.close()  # the abort first: a step between a release and the abort could hold a sample again
             await self._release(handles)
-            if isinstance(e, InvalidConstraint):
-                raise bad_request(str(e), constraint_param(req)) from None
-            raise from_value_error(e) from None
+            raise request_error(e, constraint_param(req)) from None
         except ClientGone:
             stream.close()
             await self._release(handles)

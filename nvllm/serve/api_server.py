@@ -31,8 +31,8 @@ from nvllm.reasoning_parsers import get_reasoning_parser
 from nvllm.serve.tool_parsers import TOOL_PARSERS, get_tool_parser
 from nvllm.serve.completions import CompletionHandler
 from nvllm.serve.errors import APIError, from_value_error, install_error_handlers
-from nvllm.serve.http import (ClientGone, EventStreamResponse, check_api_key, off_loop, parse_body, probe_routes,
-                              until_disconnect)
+from nvllm.serve.http import (ClientGone, EventStreamResponse, check_api_key, on_response_thread, parse_body,
+                              probe_routes, until_disconnect)
 from nvllm.serve.http_options import HTTPOptions, checked_log_level
 from nvllm.serve.metrics import ServerMetrics
 from nvllm.serve.params import logprobs_limit
@@ -188,7 +188,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
                 raise APIError(503, str(e), code="engine_unavailable") from None
             except ValueError as e:  # the search's own checks (a prompt that leaves no room)
                 raise from_value_error(e) from None
-            return await off_loop(_json_response, body)
+            return await on_response_thread(_json_response, body)
         try:  # a client gone while the prompts are tokenized and queued: nothing stays queued
             request_id, stream, prompt_ids = await until_disconnect(request, (start or handler.start)(req))
         except ClientGone:
@@ -205,7 +205,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, model_name: str,
             raise APIError(503, str(e), code="engine_unavailable") from None
         finally:
             stream.close()  # a no-op when they finished; aborts them when anything cut the wait short
-        return await off_loop(_json_response, body)
+        return await on_response_thread(_json_response, body)
 
     api = APIRouter(dependencies=[Depends(authorized)])
 

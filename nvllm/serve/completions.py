@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
-from nvllm.serve.http import off_loop, sse
+from nvllm.serve.http import on_response_thread, sse
 from nvllm.serve.params import (MAX_LOGPROBS, EngineRequest, ChoiceProgress, check_logprobs, constraint_param,
                                 prompt_logprobs_json, requested_prompt_logprobs, resolve_max_tokens, submit,
                                 sampling_params, usage, choice_usage)
@@ -133,7 +133,7 @@ class CompletionHandler:
         finally:
             stream.close()
         # off the event loop: many samples with logprobs make a response of megabytes, built for seconds
-        return await off_loop(self._response, req, request_id, final, prompt_ids)
+        return await on_response_thread(self._response, req, request_id, final, prompt_ids)
 
     def _response(self, req: CompletionRequest, request_id: str, final: list[RequestOutput],
                   prompt_ids: list[list[int]]) -> CompletionResponse:

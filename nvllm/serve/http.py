@@ -34,7 +34,7 @@ logger = logging.getLogger("nvllm")
 _RESPONSE_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nvllm-respond")
 
 
-async def off_loop(fn: Callable[..., T], *args) -> T:
+async def on_response_thread(fn: Callable[..., T], *args) -> T:
     """``fn(*args)`` on a response thread, awaited."""
     return await asyncio.get_running_loop().run_in_executor(_RESPONSE_THREADS, functools.partial(fn, *args))
 

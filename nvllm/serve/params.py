@@ -10,7 +10,7 @@ from nvllm.engine.generation_defaults import NEUTRAL, with_defaults
 from nvllm.engine.structured_output import InvalidConstraint
 from nvllm.outputs import CompletionOutput, RequestOutput
 from nvllm.sampling_params import CONSTRAINT_KINDS, SamplingParams, StructuredOutputsParams
-from nvllm.serve.errors import bad_request, from_value_error
+from nvllm.serve.errors import APIError, bad_request, from_value_error
 from nvllm.serve.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, UsageInfo
 
 MAX_LOGPROBS = 20
@@ -23,16 +23,19 @@ async def submit(engine, requests: list[EngineRequest], constraint: str | None =
     stream = engine.open_stream()
     try:
         await stream.add_many(requests)
-    except InvalidConstraint as e:
-        stream.close()
-        raise bad_request(str(e), constraint) from None
     except ValueError as e:
         stream.close()
-        raise from_value_error(e) from None
+        raise request_error(e, constraint) from None
     except BaseException:
         stream.close()
         raise
     return stream
+
+
+def request_error(e: ValueError, constraint: str | None) -> APIError:
+    """The 400 for a request the engine refused to add: a constraint that does not compile names ``constraint``
+    (``constraint_param``), anything else the field from_value_error finds."""
+    return bad_request(str(e), constraint) if isinstance(e, InvalidConstraint) else from_value_error(e)
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str,
