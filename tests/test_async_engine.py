@@ -53,7 +53,8 @@ def test_a_reader_that_falls_behind_holds_a_bounded_number_of_outputs():
     MAX_UNREAD - 1 outputs and the latest, not one a step (cumulative snapshots: memory quadratic in the length);
     the reader still gets every token, and a reader that keeps up one output a step."""
     from nvllm.config import EngineConfig
-    from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
+    from nvllm.engine.async_engine import AsyncLLMEngine
+    from nvllm.engine.output_stream import OutputStream
     from nvllm.engine.llm_engine import LLMEngine
     from nvllm.sampling_params import SamplingParams
 
@@ -85,7 +86,8 @@ def test_a_reader_behind_a_failed_engine_gets_the_error():
     """The engine fails while a reader is more than MAX_UNREAD outputs behind: the stream still ends in the error
     after the outputs before it (the abort that follows the error must not overtake it as a normal finish)."""
     from nvllm.config import EngineConfig
-    from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream
+    from nvllm.engine.async_engine import AsyncLLMEngine
+    from nvllm.engine.output_stream import EngineDeadError, OutputStream
     from nvllm.engine.llm_engine import LLMEngine
     from nvllm.sampling_params import SamplingParams
 

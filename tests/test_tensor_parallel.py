@@ -348,7 +348,8 @@ def test_killed_worker_stops_the_serving_loop(demo_dir):
     503), instead of leaving a loop whose every request fails."""
     import asyncio
 
-    from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+    from nvllm.engine.async_engine import AsyncLLMEngine
+    from nvllm.engine.output_stream import EngineDeadError
 
     llm = make_llm(demo_dir, tensor_parallel_size=2)
     engine = AsyncLLMEngine(llm.engine)

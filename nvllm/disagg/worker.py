@@ -35,8 +35,9 @@ from nvllm.disagg.metrics import TransferCollector, TransferStats
 from nvllm.disagg.staging import KVLayout
 from nvllm.disagg.transfer_group import TransferGroup
 from nvllm.disagg.weights_fingerprint import weights_fingerprint
-from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from nvllm.engine.async_engine import AsyncLLMEngine
 from nvllm.engine.kv_handoff import KVHandoffMismatch, kv_handle_id
+from nvllm.engine.output_stream import EngineDeadError
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import APIError, bad_request, from_value_error
 from nvllm.serve.http import ClientGone, parse_body, parse_model, until_disconnect

@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, Response
 
 from nvllm.chat_template import CONTENT_FORMATS, read_chat_template
 from nvllm.config import ConfigError, EngineConfig
-from nvllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from nvllm.engine.async_engine import AsyncLLMEngine
+from nvllm.engine.output_stream import EngineDeadError
 from nvllm.engine.generation_defaults import announce
 from nvllm.lora.request import LoRARequest
 from nvllm.serve.chat import ChatHandler

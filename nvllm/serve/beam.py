@@ -8,7 +8,7 @@ import asyncio
 import uuid
 
 from nvllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from nvllm.engine.async_engine import EngineDeadError
+from nvllm.engine.output_stream import EngineDeadError
 from nvllm.serve.errors import bad_request
 from nvllm.serve.params import EngineRequest, constrains_reply, submit
 from nvllm.serve.protocol import UsageInfo

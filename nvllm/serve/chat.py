@@ -8,7 +8,8 @@ import functools
 from collections.abc import AsyncIterator
 
 from nvllm.chat_template import texts_of
-from nvllm.engine.async_engine import AsyncLLMEngine, OutputStream
+from nvllm.engine.async_engine import AsyncLLMEngine
+from nvllm.engine.output_stream import OutputStream
 from nvllm.outputs import RequestOutput
 from nvllm.serve.errors import bad_request
 from nvllm.serve.http import on_response_thread, sse

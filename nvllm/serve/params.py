@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nvllm.engine.async_engine import EngineRequest
+from nvllm.engine.output_stream import EngineRequest
 from nvllm.engine.generation_defaults import NEUTRAL, with_defaults
 from nvllm.engine.structured_output import InvalidConstraint
 from nvllm.outputs import CompletionOutput, RequestOutput
