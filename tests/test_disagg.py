@@ -439,6 +439,16 @@ def test_bench_serve_reports_the_disaggregation_split(deployment):
               "disagg_mean_first_decode_ms", "disagg_kv_transfer_gb_per_s"):
         assert r[k] > 0, k
     assert r["disagg_kv_recomputed"] == 0 and r["disagg_worker_failures"] == 0
+    # the deployment's kernel report: what both workers ran, summed (bench printed "no kernel report" before)
+    assert r["kernel_report"] and r["kernel_report"].get("attention.decode"), r["kernel_report"]
+    urls = deployment["urls"]
+    up = [w["url"] for w in httpx.get(f"{urls['router']}/router/workers", headers=AUTH).json()["workers"] if w["up"]]
+    parts = [httpx.get(f"{u}/v1/kernel_report", headers=AUTH).json() for u in up]
+    whole = httpx.get(f"{urls['router']}/v1/kernel_report", headers=AUTH).json()
+    assert whole == {op: {impl: sum(p.get(op, {}).get(impl, 0) for p in parts)
+                          for impl in {i for p in parts for i in p.get(op, {})}}
+                     for op in {o for p in parts for o in p}}
+    assert httpx.get(f"{urls['router']}/v1/kernel_report").status_code == 401
 
 
 def test_advisor_against_a_live_mixed_server(deployment, tmp_path):

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from nvllm.disagg.router import Router
 from nvllm.disagg.router_config import RouterConfig
-from nvllm.serve.errors import install_error_handlers
+from nvllm.serve.errors import APIError, install_error_handlers
 from nvllm.serve.http import check_api_key, probe_routes
 
 logger = logging.getLogger("nvllm")
@@ -80,6 +80,14 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
 
         await router.pool.poll_all()  # the workers' counters as of now, not of the last poll
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/kernel_report")
+    async def kernel_report(request: Request) -> dict:
+        check_api_key(request, cfg.api_key)
+        report = await router.pool.kernel_report()
+        if report is None:
+            raise APIError(503, "no worker answered its kernel report", code="no_worker_available")
+        return report
 
     @app.get("/router/workers")
     async def workers(request: Request) -> dict:

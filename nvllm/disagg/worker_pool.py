@@ -131,3 +131,23 @@ class WorkerPool:
         if w.up or w.problem != why:
             logger.warning("%s worker %s is down: %s", w.role, w.url, why)
         w.up, w.problem = False, why
+
+    async def kernel_report(self) -> dict[str, dict[str, int]] | None:
+        """The deployment's kernel report: each worker's {op: {impl: calls}} summed over the workers up that answer
+        (a worker's counts are its own process's, so the sum is what the whole deployment ran); None when none
+        does."""
+        async def one(w: Worker) -> dict | None:
+            try:
+                r = await self.client.get(w.url + "/v1/kernel_report", headers=self.headers, timeout=5.0)
+                return r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return None
+
+        reports = await asyncio.gather(*(one(w) for w in self.workers if w.up))
+        total: dict[str, dict[str, int]] = {}
+        for rep in (r for r in reports if isinstance(r, dict)):
+            for op, impls in rep.items():
+                for impl, n in (impls.items() if isinstance(impls, dict) else ()):
+                    if isinstance(n, int):
+                        total.setdefault(op, {})[impl] = total.get(op, {}).get(impl, 0) + n
+        return total if any(isinstance(r, dict) for r in reports) else None
