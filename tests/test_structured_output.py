@@ -142,6 +142,12 @@ def test_a_cut_constraint_finishes_on_length(llm):
      "invalid structured outputs json: the schema uses 'not'"),
     (dict(json={"allOf": [{"type": "integer"}, {"minimum": 5}]}),
      "invalid structured outputs json: the schema uses 'allOf' with more than one schema"),
+    (dict(json={"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}, "maxItems": 3}),
+     "invalid structured outputs json: the schema uses 'contains'"),
+    (dict(json={"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}),
+     "invalid structured outputs json: the schema uses 'multipleOf' on a number"),
+    (dict(json={"$ref": "https://example.com/schema.json"}),
+     "invalid structured outputs json: the schema uses '$ref' to 'https://example.com/schema.json'"),
 ])
 def test_bad_constraints_are_one_clear_error(llm, constraint, message):
     with pytest.raises(ValueError) as e:
@@ -243,6 +249,32 @@ def test_keywords_as_names_and_values_are_not_refused(llm):
     out = llm.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0, structured_outputs=S(json=schema)),
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason in ("stop", "length")
+
+
+def test_an_integers_multiple_and_local_references_are_enforced_not_refused(llm):
+    from nvllm.engine.structured_output import unenforced_keyword
+
+    schema = {"$defs": {"n": {"type": "integer", "multipleOf": 3}}, "type": "object",
+              "properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"]}
+    assert unenforced_keyword(schema) is None
+    out = gen(llm, S(json=schema), max_tokens=40)[0]
+    assert out.finish_reason == "length" or json.loads(out.text)["n"] % 3 == 0
+
+
+def test_a_length_bounded_string_holds_no_raw_control_character(llm):
+    """xgrammar 0.2 lets a string with minLength/maxLength hold raw control characters, which JSON forbids (a reply
+    json.loads refused); the compiled grammar refuses them, and still takes other characters."""
+    import xgrammar as xgr
+
+    compiled = llm.engine.structured.compile(S(json={"type": "object", "properties": {
+        "s": {"type": "string", "maxLength": 4}}, "required": ["s"]}))
+    for text, accepted in (('{"s": "d1\x1ch"}', False), ('{"s": "a\x00"}', False), ('{"s": "d1 h"}', True),
+                           ('{"s": "\u00e9t\u00e9"}', True), ('{"s": "abcde"}', False), ('{"s": "abcd"}', True)):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert (matcher.accept_string(text) and matcher.is_completed()) == accepted, text
+    out = gen(llm, S(json={"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}},
+                           "required": ["s"]}), temperature=1.0, seed=1, max_tokens=30)[0]
+    assert out.finish_reason == "length" or len(json.loads(out.text)["s"]) <= 5
 
 
 def test_vllms_former_guided_decoding_name_is_taken(llm):

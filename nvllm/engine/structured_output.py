@@ -87,9 +87,8 @@ class StructuredOutputs:
                 if what is not None:
                     raise ValueError(f"the schema uses {what}, which the grammar cannot enforce: a reply could "
                                      "break the schema")
-                return compiler.compile_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
-                                                    any_whitespace=not (params.disable_any_whitespace
-                                                                        or self.disable_any_whitespace))
+                return _compile_json_schema(compiler, schema if isinstance(schema, str) else json.dumps(schema),
+                                            not (params.disable_any_whitespace or self.disable_any_whitespace))
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
@@ -105,7 +104,8 @@ class StructuredOutputs:
         return _import_xgrammar().GrammarMatcher(self.compile(params))
 
 
-_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas")
+_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains", "minContains",
+               "maxContains")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name → schema
 _DATA = ("enum", "const", "default", "examples", "required", "title", "description")  # values, not schemas
 
@@ -123,6 +123,11 @@ def unenforced_keyword(node) -> str | None:
         return f"'{found}'"
     if node.get("uniqueItems") is True:
         return "'uniqueItems'"
+    if "multipleOf" in node and node.get("type") != "integer":  # an integer's is enforced, a number's ignored
+        return "'multipleOf' on a number"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#/") and ref != "#":  # a remote or anchor reference lets all by
+        return f"'$ref' to {ref[:80]!r} (only references inside the schema, '#/…', are followed)"
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         return "'allOf' with more than one schema"
     for key in ("pattern", "format"):
@@ -136,6 +141,20 @@ def unenforced_keyword(node) -> str | None:
         if found is not None:
             return found
     return None
+
+
+# xgrammar 0.2 writes a string with minLength/maxLength as a repeat of this class, which lets through the raw
+# control characters JSON forbids inside a string (an unbounded string's class excludes them: the second)
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+
+
+def _compile_json_schema(compiler, schema: str, any_whitespace: bool):
+    """The schema's grammar, with a length-bounded string's characters those JSON allows in a string."""
+    ebnf = str(_import_xgrammar().Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
+    if _BOUNDED_STRING_CHAR not in ebnf:
+        return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
+    return compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def _parsed(schema: str | dict):
