@@ -89,6 +89,8 @@ def test_vllm_fields_on_completions(client):
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
      "structured outputs take exactly one of"),
     ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "unknown structured_outputs field 'regexp'"),
+    ({"structured_outputs": {}}, "structured_outputs", "structured outputs take exactly one of"),  # an empty
+    # one was taken as no constraint (200 with free text), and still counted as one against tools and beam search
     ({"guided_choice": []}, "guided_choice", "structured outputs' choice must be a non-empty"),
 ])
 def test_bad_constraints_answer_400(client, body, param, message):

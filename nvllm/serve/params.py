@@ -155,7 +155,7 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
         elif kind != "text":
             raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                               "response_format")
-    options = {}  # a structured_outputs object that gives no constraint, only options for another field's
+    options = None  # a structured_outputs object that gives no constraint, only options for another field's
     if req.structured_outputs is not None and not set(req.structured_outputs) & set(CONSTRAINT_KINDS):
         options = req.structured_outputs
     elif req.structured_outputs is not None:
@@ -174,7 +174,8 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
                 raise bad_request(str(e), name) from None
     if len(given) > 1:
         raise bad_request(f"give one output constraint, not {' and '.join(name for name, _ in given)}", given[1][0])
-    if options:  # as vLLM fills the request's structured_outputs with response_format's schema
+    if options is not None:  # as vLLM fills the request's structured_outputs with response_format's schema
+        # (an object with neither a constraint nor another field's is refused, as vLLM refuses it)
         try:
             constraint = {k: getattr(given[0][1], k) for k in CONSTRAINT_KINDS} if given else {}
             return SamplingParams(structured_outputs={**constraint, **options}).structured_outputs
