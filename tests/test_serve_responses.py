@@ -70,6 +70,13 @@ def test_structured_output_and_function_calls_are_output_items(client):
     (item,) = call.output
     assert item.type == "function_call" and item.name == "get_weather"
     assert json.loads(item.arguments)["city"] in ("Paris", "Rome")
+    # streamed: OpenAI's sequence (added with empty arguments, deltas, done); a client builds them from the deltas
+    events = list(client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER], max_output_tokens=40,
+                                          tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                          stream=True))
+    added = next(e for e in events if e.type == "response.output_item.added")
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert added.item.arguments == "" and deltas == item.arguments == events[-1].response.output[0].arguments
     answer = client.responses.create(model=MODEL, previous_response_id=call.id, max_output_tokens=6, temperature=0,
                                      input=[{"type": "function_call_output", "call_id": item.call_id,
                                              "output": "Sunny"}])

@@ -392,9 +392,12 @@ class ResponsesHandler:
                         part=item["content"][0])
             yield event("response.output_item.done", output_index=index, item=item)
             items.append(item)
-        for item in calls:  # whole, once the reply is complete
+        for item in calls:  # once the reply is complete: OpenAI's sequence, the arguments in one delta
             index = len(items)
-            yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress"})
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "arguments": "", "status": "in_progress"})
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                        delta=item["arguments"])
             yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                         arguments=item["arguments"])
             yield event("response.output_item.done", output_index=index, item=item)
