@@ -22,10 +22,11 @@ import threading
 import torch
 
 from nvllm.config import first_line
+from nvllm.env_vars import env_number
 from nvllm.kernels import report
 
 CONTROL_TIMEOUT = datetime.timedelta(days=365)  # workers wait here between steps, for as long as the engine idles
-COMPUTE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("NVLLM_TP_TIMEOUT", "600")))
+COMPUTE_TIMEOUT = datetime.timedelta(seconds=env_number("NVLLM_TP_TIMEOUT", 600.0, minimum=1.0))
 STORE_TIMEOUT = datetime.timedelta(seconds=120)
 ABORT_WAIT_S = 5.0
 

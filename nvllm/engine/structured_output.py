@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import threading
 from typing import TYPE_CHECKING
 
 import torch
 
+from nvllm.env_vars import env_number
 from nvllm.kernels import report
 from nvllm.sampling_params import StructuredOutputsParams
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("nvllm")
 
 # xgrammar's compiled-grammar cache, bounded as vLLM bounds it (VLLM_XGRAMMAR_CACHE_MB): every new schema adds to it
-_CACHE_MB = int(os.environ.get("NVLLM_XGRAMMAR_CACHE_MB", "512"))
+_CACHE_MB = env_number("NVLLM_XGRAMMAR_CACHE_MB", 512, minimum=1)
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 

@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from nvllm.env_vars import env_number
 from nvllm.kernels import report
 from nvllm.kernels.backend import eager_triton, interpreting, use_triton
 from nvllm.kernels.fp8_w8a8 import w8a8_block_linear, w8a8_block_supported, w8a8_linear, w8a8_supported
@@ -35,13 +36,13 @@ triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload unde
 NVLLM_FP8_DECODE_BITS = os.environ.get("NVLLM_FP8_DECODE_BITS", "0") == "1"
 """Under the interpreter: decode e4m3 by bits as a GPU before compute capability 8.9 does (tests)."""
 
-DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_FP8_DEQUANT_MIN_M", "256"))
+DEQUANT_MATMUL_MIN_M = env_number("NVLLM_FP8_DEQUANT_MIN_M", 256)
 """From this many rows on, ``fp8_linear`` writes the weight out in x's dtype and calls a dense matmul (cuBLAS).
 H100, a 7B layer's four projections (docs/PERF.md run EJ): at 128 rows the fused kernel took 443 µs against 525
 for dequantize + cuBLAS (128×128 blocks) and 270 against 447 (per-row scales); at 256 rows 764 against 554 and 470
 against 469; at 2048 rows the dequantize path is 1.9–3.2× faster."""
 
-W8A8_MIN_M = int(os.environ.get("NVLLM_FP8_W8A8_MIN_M", "16"))
+W8A8_MIN_M = env_number("NVLLM_FP8_W8A8_MIN_M", 16)
 """From this many rows on, FP8 weights run as W8A8 (``nvllm.kernels.fp8_w8a8``: the tokens quantized to FP8, the
 product on the FP8 tensor cores) where torch's block-wise scaled products run (Hopper, cuBLAS 12.9 on; 0: never),
 below ``W8A8_LARGE_M`` rows with activations per token and 128 inputs against 1×128 weight scales. H100, a
@@ -49,7 +50,7 @@ Qwen2.5-7B layer's four projections (docs/PERF.md run EO), µs for W8A16 against
 114.3 at 8 rows, 124.2 / 115.1 at 16, 222.4 / 118.7 at 64, 439.4 / 136.8 at 128; one scale a row 108.3 / 111.3 at
 8, 111.3 / 115.4 at 16, 152.2 / 118.8 at 32, 267.7 / 136.4 at 128."""
 
-W8A8_LARGE_M = int(os.environ.get("NVLLM_FP8_W8A8_LARGE_M", "256"))
+W8A8_LARGE_M = env_number("NVLLM_FP8_W8A8_LARGE_M", 256)
 """From this many rows on, W8A8 takes 128×128 weight blocks where the checkpoint has them, and activations per
 token against row scales where the weight has one scale a row of at most ``MAX_ROW`` inputs. Run EO, µs for a
 layer: 128×128 blocks, 1×128 against 128×128 weight scales, 136.8 / 160.2 at 128 rows, 189.5 / 178.1 at 256,
@@ -59,7 +60,7 @@ layer: 128×128 blocks, 1×128 against 128×128 weight scales, 136.8 / 160.2 at 
 GEMV_ROWS = 8
 """The most rows ``fp8_gemv`` takes (its products are ``[rows, BLOCK_N, BLOCK_K]`` tiles in registers)."""
 
-GEMV_MAX_M = min(int(os.environ.get("NVLLM_FP8_GEMV_MAX_M", "0")), GEMV_ROWS)
+GEMV_MAX_M = min(env_number("NVLLM_FP8_GEMV_MAX_M", 0), GEMV_ROWS)
 """Up to this many rows ``fp8_linear`` runs ``fp8_gemv`` (CUDA cores) instead of the tensor-core tiles of
 ``fp8_gemm``. 0: on an H100 (docs/PERF.md, run EH) the GEMV took 1.3–3.3× the tensor-core kernel's time at M = 1
 and more at M = 4 on the 7B shapes."""

@@ -39,6 +39,7 @@ import os
 
 import torch
 
+from nvllm.env_vars import env_number
 from nvllm.kernels import report
 from nvllm.kernels.attention_partials import AttentionPartials
 from nvllm.kernels.partial_sum import PartialSum, take
@@ -50,13 +51,13 @@ from nvllm.quant.formats import QuantWeight
 triton, tl, _jit = eager_triton()  # jitted at import (the CPU tests reload under the interpreter)
 
 
-GEMV_MAX_M = int(os.environ.get("NVLLM_QUANT_GEMV_MAX_M", "2"))
+GEMV_MAX_M = env_number("NVLLM_QUANT_GEMV_MAX_M", 2)
 """Up to this many rows (and contiguous groups), ``quant_linear`` runs the GEMV kernel of ``quant_gemv``. H200,
 Qwen2.5-7B projections (docs/PERF.md): at M = 1 the GEMV beat the fused kernel, at M = 2 they tied, from M = 4
 on the fused kernel won. Row counts with a measured ``half2`` or ``mma`` config (``quant_gemv.gemv_tuned``: 4-bit
 GPTQ, and AWQ repacked to it, up to 8 rows) take the GEMV past this; 0 turns the GEMV off."""
 
-DEQUANT_MATMUL_MIN_M = int(os.environ.get("NVLLM_QUANT_DEQUANT_MIN_M", "128"))
+DEQUANT_MATMUL_MIN_M = env_number("NVLLM_QUANT_DEQUANT_MIN_M", 128)
 """From this many rows on, ``quant_linear`` dequantizes and calls a dense matmul. A first H200 reading put
 the crossing between M=64 (fused faster on the long-K down_proj shape, slower on qkv) and M=256 (fused 2–3×
 slower); to be measured properly and recorded in docs/PERF.md."""

@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from nvllm.env_vars import env_number
 from nvllm.kernels.split_k import finish_split_k, plan_split_k, split_k_output
 from nvllm.kernels import pdl, prefetch, quant_gemv_tile as tile, report
 from nvllm.kernels.attention_partials import AttentionPartials
@@ -114,7 +115,7 @@ def pick_gemv_config(M: int, K: int, group_size: int, fmt: str | None = None,
     return cfg
 
 
-MAX_SPLITS = int(os.environ.get("NVLLM_GEMV_MAX_SPLITS", "256"))
+MAX_SPLITS = env_number("NVLLM_GEMV_MAX_SPLITS", 256, minimum=1)
 """Most K splits ``waves`` asks for (``NVLLM_GEMV_MAX_SPLITS`` overrides). Capped at 64, GPTQ down (K 18944, 14 column
 tiles of 256) got 840 programs, 6.4 per SM where ``waves=16`` aims at 16: batch-1 GPTQ decode 2.18 ms; at 128 2.08 ms,
 at 256 2.03 ms, down 13.56 µs = 61% of its floor (PERF run AQ)."""
