@@ -1,5 +1,6 @@
 """nvllm's numeric environment variables: a mistyped value is one warning and the default, never a traceback."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -20,7 +21,12 @@ def test_env_number(monkeypatch, caplog, raw, default, minimum, want, warns):
         monkeypatch.delenv("NVLLM_TEST_KNOB", raising=False)
     else:
         monkeypatch.setenv("NVLLM_TEST_KNOB", raw)
-    got = env_number("NVLLM_TEST_KNOB", default, minimum)
+    log = logging.getLogger("nvllm")  # it does not propagate once an engine set it up: listen on it directly
+    log.addHandler(caplog.handler)
+    try:
+        got = env_number("NVLLM_TEST_KNOB", default, minimum)
+    finally:
+        log.removeHandler(caplog.handler)
     assert got == want and type(got) is type(default)
     assert any("NVLLM_TEST_KNOB" in r.getMessage() for r in caplog.records) == warns
 
