@@ -72,6 +72,7 @@ def test_commands_that_never_serve_start_without_the_server_libraries():
      "int, got str"),
     (["--hf-overrides", '{"max_position_embeddings": -5}'],
      "config.json: max_position_embeddings must be a positive integer, got -5"),
+    (["--num-kv-blocks", "100000000000"], "a KV cache of 100000000000 blocks (1907348.63 GiB) does not fit in cpu's"),
 ])
 def test_generate_bad_input(args, message):
     r = nvllm("generate", *args)

@@ -58,10 +58,21 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     sequence's blocks of every layer move in one copy (nvllm.disagg.staging)."""
     elem = kv_cache_element_dtype(model_dtype, kv_cache_dtype)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    kv = torch.zeros((num_layers, 2, *shape), dtype=elem, device=device)
-    if KV_CACHE_DTYPES[kv_cache_dtype] is None:
-        return [KVCache(kv[i, 0], kv[i, 1]) for i in range(num_layers)]
-    scales = torch.zeros((num_layers, 2, *shape[:3]), dtype=SCALE_DTYPE, device=device)
+    try:
+        kv = torch.zeros((num_layers, 2, *shape), dtype=elem, device=device)
+        if KV_CACHE_DTYPES[kv_cache_dtype] is None:
+            return [KVCache(kv[i, 0], kv[i, 1]) for i in range(num_layers)]
+        scales = torch.zeros((num_layers, 2, *shape[:3]), dtype=SCALE_DTYPE, device=device)
+    except RuntimeError as e:  # torch.OutOfMemoryError on a GPU, the CPU allocator's "can't allocate memory"
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+            raise
+        from nvllm.config import ConfigError
+
+        size = num_blocks * block_size * kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, model_dtype,
+                                                                  kv_cache_dtype)
+        raise ConfigError(f"a KV cache of {num_blocks} blocks ({size / 2**30:.2f} GiB) does not fit in {device}'s "
+                          "memory: ask for less (--kv-cache-memory, --num-kv-blocks, --gpu-memory-utilization)") \
+            from None
     return [KVCache(kv[i, 0], kv[i, 1], scales[i, 0], scales[i, 1]) for i in range(num_layers)]
 
 
