@@ -122,7 +122,7 @@ def serve(
         else:
             code = run_server(engine_config, config, disagg_config) or 0
     except USER_ERRORS as e:
-        fail(str(e))
+        fail(e)
     if code:
         raise typer.Exit(code)
 
@@ -169,7 +169,7 @@ def router(
                                 parse_urls(mixed, "--mixed"), host, port, api_key, max_request_bytes, poll_interval,
                                 log_interval, uvicorn_log_level, fd, shutdown_timeout, http_options))
     except USER_ERRORS as e:
-        fail(str(e))
+        fail(e)
 
 
 # ---- nvllm eval ----------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def eval_command(
         results, rows, notes = runner.run_eval(engine_config, spec, baseline, max_drop, max_drop_rel, progress,
                                                lora)
     except (runner.EvalError, *USER_ERRORS) as e:
-        fail(str(e))
+        fail(e)
     runner.print_eval(results_console(), results, rows, max_drop, max_drop_rel)
     gate = runner.gate_summary(results, rows, max_drop, max_drop_rel) if baseline is not None else None
     if output_json is not None:

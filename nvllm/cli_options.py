@@ -16,15 +16,21 @@ import typer
 from nvllm.config import ConfigError, EngineConfig
 
 _PANEL = "Engine"
-USER_ERRORS = (ConfigError, ValueError, FileNotFoundError)
+# an unreadable file or a directory given for one (and the reverse) is the user's too: OSError's own text says which
+USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
-def fail(message: str, code: int = 2):
+def fail(message: str | BaseException, code: int = 2):
     """One clear line on stderr and a non-zero exit: how every user mistake ends. The line is never broken at the
-    console's width (80 columns when stderr is not a terminal); a terminal wraps it for display."""
+    console's width (80 columns when stderr is not a terminal); a terminal wraps it for display. An OSError that names
+    its file says it as ``FILE: reason``."""
     from nvllm.logger import console
 
     from rich.markup import escape
+
+    if isinstance(message, OSError) and message.filename is not None and message.strerror:
+        message = f"{message.filename}: {message.strerror}"
+    message = str(message)
 
     # the message is text: a path or a pip extra in brackets ('.[eval]') is printed as written
     console().print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
@@ -140,7 +146,7 @@ def option_group(options: dict[str, tuple[Any, Any]], build, kwarg: str):
             try:
                 value = build(**opts)
             except USER_ERRORS as e:
-                fail(str(e))
+                fail(e)
             return fn(*args, **{kwarg: value}, **kwargs)
 
         wrapper.__signature__ = sig.replace(parameters=own + extra)

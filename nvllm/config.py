@@ -7,6 +7,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,17 @@ def first_line(e: BaseException) -> str:
             break
         out = f"{out} {line}"
     return out
+
+
+def missing(path: str | os.PathLike, kind: str = "file") -> str:
+    """Why ``path`` is not the ``kind`` ("file" or "directory") expected there, for a message: "does not exist", or
+    "is a directory" / "is not a directory" (a file given for a directory, or the reverse)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        return "does not exist"
+    if kind == "directory":
+        return "is not a directory"
+    return "is a directory" if p.is_dir() else "is not a regular file"
 
 
 def resolve_device(name: str) -> str:

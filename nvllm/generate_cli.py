@@ -94,7 +94,7 @@ def generate(
             return
         outputs = llm.generate(prompts or ["Once upon a time"], params(defaults), lora_request=lora_request)
     except USER_ERRORS as e:
-        fail(str(e))
+        fail(e)
     out = console()
     for o in outputs:
         for c in o.outputs:

@@ -93,7 +93,7 @@ def pipeline(
         result = pipe.run_pipeline(engine_config, out, cfg, overwrite, spec, max_drop, max_drop_rel, bench, report,
                                    console(), progress)
     except (runner.EvalError, *q.USER_ERRORS) as e:
-        fail(str(e))
+        fail(e)
     console().print(f"report written to {' and '.join(result['report_files'])}", highlight=False)
     if not result["gate"]["passed"]:
         fail(f"regression gate failed: {', '.join(result['gate']['failed'])}", code=1)

@@ -79,4 +79,4 @@ def quantize(
                            seed=seed, device=device, max_shard_size=max_shard_size)
         quantize_with_report(model or demo_model_path(), out, cfg, overwrite, console(), progress, revision)
     except q.USER_ERRORS as e:
-        fail(str(e))
+        fail(e)

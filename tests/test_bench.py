@@ -326,3 +326,18 @@ def test_compare(tmp_path):
     (tmp_path / "other.json").write_text("{}")
     other = runner.invoke(app, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "other.json")])
     assert other.exit_code == 2 and "other.json is not a benchmark result" in said(other)
+    folder = runner.invoke(app, ["bench", "compare", str(tmp_path), str(tmp_path / "b.json")])
+    assert folder.exit_code == 2 and f"result file {tmp_path} is a directory" in said(folder)
+
+
+def test_an_unreadable_file_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A file the user cannot read (its mode, as a non-root user meets it): one line, not a PermissionError
+    traceback (bench compare, the datasets, generate's --json-schema all read through the same ending)."""
+    from nvllm.bench import report
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(report, "load_result", refuse)
+    res = runner.invoke(app, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert res.exit_code == 2 and f"error: {tmp_path / 'a.json'}: Permission denied" in said(res), res.output

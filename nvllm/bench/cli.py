@@ -102,7 +102,7 @@ def bench_serve(
                                           random_range_ratio, seed)
         result = serve.run_serve_benchmark(opts, requests, tok)
     except (serve.BenchError, *USER_ERRORS) as e:
-        fail(str(e))
+        fail(e)
     _finish(result, save_result)
     if result["completed"] == 0:
         fail(f"all {result['failed']} requests failed", code=1)
@@ -184,7 +184,7 @@ def bench_advise(
         requests = datasets.load_requests(dataset, tok, num_prompts, dataset_path, input_len, output_len)
         result, workload, rec = advise.run_advise(opts, requests, tok, num_gpus)
     except (serve.BenchError, *USER_ERRORS) as e:
-        fail(str(e))
+        fail(e)
     for table in tables(workload, rec):
         results_console().print(table)
     if save_result:
@@ -220,7 +220,7 @@ def bench_throughput(
         result = offline.run_throughput(engine_config, dataset, dataset_path, num_prompts, input_len, output_len,
                                         random_range_ratio, ignore_eos, progress)
     except USER_ERRORS as e:
-        fail(str(e))
+        fail(e)
     _finish(result, save_result)
 
 
@@ -247,7 +247,7 @@ def bench_latency(
                                      metrics.parse_percentiles(metric_percentiles), progress,
                                      temperature=temperature)
     except USER_ERRORS as e:
-        fail(str(e))
+        fail(e)
     _finish(result, save_result)
 
 
@@ -262,8 +262,8 @@ def bench_compare(
 
     try:
         ra, rb = report.load_result(a), report.load_result(b)
-    except ValueError as e:
-        fail(str(e))
+    except USER_ERRORS as e:
+        fail(e)
     if ra.get("mode") != rb.get("mode"):
         console().print(f"[yellow]note:[/] comparing a {ra.get('mode')!r} result with a {rb.get('mode')!r} one")
     for table in report.compare_tables(ra, rb, a, b):

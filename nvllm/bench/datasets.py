@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from nvllm.config import missing
+
 logger = logging.getLogger("nvllm")
 
 DATASETS = ("random", "sharegpt", "jsonl", "gsm8k")
@@ -69,7 +71,7 @@ def load_requests(name: str, tokenizer, num_prompts: int, path: str | None = Non
         raise DatasetError(f"the {name} dataset needs --dataset-path")
     p = Path(path).expanduser()
     if not p.is_file():
-        raise DatasetError(f"dataset file {path} does not exist")
+        raise DatasetError(f"dataset file {path} {missing(path)}")
     if name == "sharegpt":
         pairs = _sharegpt_pairs(p)
     elif name == "gsm8k":

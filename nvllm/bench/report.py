@@ -15,6 +15,7 @@ from rich.table import Table
 
 from nvllm import output_file
 from nvllm.bench.metrics import METRICS
+from nvllm.config import missing
 
 
 def _fmt(v: Any, digits: int = 2) -> str:
@@ -155,7 +156,7 @@ def _json_safe(value: Any) -> Any:
 def load_result(path: str) -> dict[str, Any]:
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ValueError(f"result file {path} does not exist")
+        raise ValueError(f"result file {path} {missing(path)}")
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nvllm.config import missing
 from nvllm.eval.datafiles import DataError, read_records, read_text, text_fields
 
 PPL_TASKS = ("wikitext", "c4")
@@ -102,7 +103,7 @@ def load_corpus(name: str, data_dir: str | Path | None) -> Corpus:
         return Corpus(name, str(found), _json_texts(found))
     path = Path(name).expanduser()
     if not path.is_file():
-        raise PerplexityError(f"perplexity file {path} does not exist")
+        raise PerplexityError(f"perplexity file {path} {missing(path)}")
     stem = path.name
     if stem.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
         return Corpus(name, str(path), _json_texts(path))  # named as given: two doc.txt stay two tasks

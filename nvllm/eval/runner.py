@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nvllm import output_file
-from nvllm.config import ConfigError, EngineConfig, first_line
+from nvllm.config import ConfigError, EngineConfig, first_line, missing
 from nvllm.eval.harness_results import digest, harness_entry
 from nvllm.models import hub
 from nvllm.quant.plan import read_quantization_config
@@ -49,7 +49,7 @@ class EvalSpec:
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise EvalError(f"--num-fewshot must be non-negative, got {self.num_fewshot}")
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
-            raise EvalError(f"data directory {self.data_dir} does not exist")
+            raise EvalError(f"data directory {self.data_dir} {missing(self.data_dir, 'directory')}")
         if self.fewshot_as_multiturn and not self.apply_chat_template:
             raise EvalError("--fewshot-as-multiturn needs --apply-chat-template")
         if self.fewshot_as_multiturn is None:
