@@ -57,10 +57,27 @@ class ServeOptions:
         arrival_offsets(0, self.request_rate, self.burstiness)  # raises ValueError on a bad rate or burstiness
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("--max-concurrency must be at least 1")
+        if not 0 <= self.temperature < float("inf"):  # as bench latency says it, before the server is asked
+            raise ValueError(f"--temperature must be a finite number of at least 0, got {self.temperature}")
+        check_server_url(self.base_url)
 
     @property
     def chat(self) -> bool:
         return self.endpoint.rstrip("/").endswith("chat/completions")
+
+
+def check_server_url(url: str) -> None:
+    """An http(s) URL with a host and, if given, a port in [0, 65535]: one line for a mistyped --base-url or --port
+    (they were tracebacks from the connection's depths)."""
+    try:
+        u = httpx.URL(url)
+        port = u.port
+    except (httpx.InvalidURL, ValueError) as e:
+        raise ValueError(f"--base-url {url!r} is not a URL: {e}") from None
+    if u.scheme not in ("http", "https") or not u.host:
+        raise ValueError(f"--base-url {url!r} is not an http:// or https:// URL with a host")
+    if port is not None and not 0 <= port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port}")
 
 
 # ---- one request ---------------------------------------------------------------------------------------
