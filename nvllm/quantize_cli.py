@@ -71,6 +71,8 @@ def quantize(
 
     if out is None:
         fail("--out DIR is required")
+    if model == "":  # an unset $MODEL in a script: not the demo model, quietly
+        fail("--model is empty")
     try:
         cfg = build_config(recipe, method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
                            quantize_lm_head=quantize_lm_head, checkpoint_format=checkpoint_format,

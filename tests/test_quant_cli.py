@@ -157,6 +157,11 @@ def quantized_dir(tmp_path_factory):
     (["--method", "rtn", "--max-shard-size", "infGB"], "--max-shard-size must be a positive size"),
     (["--method", "rtn", "--max-shard-size", "1e-12GB"], "--max-shard-size must be a positive size"),
     (["--method", "rtn", "--group-size", "32", "--calib-dataset", ""], "--calib-dataset is empty"),
+    (["--method", "rtn", "--group-size", "32", "--calib-samples", str(10**12), "--calib-seqlen", "32"],
+     f"--calib-samples {10**12} × --calib-seqlen 32 keeps"),        # it filled the machine's memory, silently
+    (["--method", "fp8", "--group-size", "100000"], "FP8 blocks of 100000 × 100000 are larger than every linear "
+                                                    "of the model (at most 172 wide)"),   # an allocator traceback
+    (["--method", "rtn", "--group-size", "32", "--model", ""], "--model is empty"),   # it quantized the demo model
 ])
 def test_bad_input(tmp_path, args, message):
     code, out = run(*args, "--out", str(tmp_path / "out"), "--no-progress")

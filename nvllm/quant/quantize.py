@@ -226,6 +226,10 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
             raise QuantizeError(f"{model_dir} is a mixture of experts ({arch}): nvllm serves FP8 dense models only, "
                                 "so --method fp8 is refused for it; use gptq, awq or rtn")
 
+        largest = max(shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim)
+        if cfg.group_size > largest:  # every weight would be padded to one block of it (8192² for each linear)
+            raise QuantizeError(f"--group-size {cfg.group_size}: FP8 blocks of {cfg.group_size} × {cfg.group_size} "
+                                f"are larger than every linear of the model (at most {largest} wide)")
         return quantize_fp8(model_dir, out_dir, cfg, QuantizeSummary(cfg, out_dir), shape.num_layers, overwrite,
                             device, progress, on_start)
     scheme = QuantScheme(cfg.format, cfg.bits, cfg.group_size)
@@ -242,6 +246,7 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
         summary.notes.append(f"--calib-seqlen {seqlen} exceeds the model's {what} {limit}: windows of {limit} "
                              "tokens used")
         seqlen = limit
+    check_activation_memory(cfg.calib_samples, seqlen, shape.hidden_size, device)
     tokenizer = load_tokenizer(model_dir)
     texts, summary.calibration = load_texts(cfg.calib_dataset, cfg.calib_split, cfg.calib_column,
                                              cfg.calib_config)
@@ -286,6 +291,29 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
     summary.size_before = weights_bytes(model_dir)
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def check_activation_memory(n_samples: int, seqlen: int, hidden: int, device: torch.device) -> None:
+    """The layer-by-layer pass keeps every window's hidden states (float32) on ``device`` twice over (a layer's
+    inputs and its outputs): refused before any work when that is more than the device has free, rather than
+    running the machine out of memory part way through."""
+    need = 2 * n_samples * seqlen * hidden * 4
+    free = free_memory(device)
+    if free is not None and need > free:
+        raise QuantizeError(f"--calib-samples {n_samples} × --calib-seqlen {seqlen} keeps {need / 2**30:.1f} GiB of "
+                            f"activations on {device}, which has {free / 2**30:.1f} GiB free: ask for fewer")
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device``: the GPU's, or the host's available memory (None where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return kb * 1024
 
 
 def _listed_ids(ids: list[int]) -> str:
