@@ -87,6 +87,8 @@ def pipeline(
                            device=engine_config.device if _given(ctx, "device") else None,
                            max_shard_size=max_shard_size)
         check_engine_flags(engine_config, cfg)
+        if out == "":
+            fail("--out is empty")
         out = out or f"{Path(engine_config.model).name}-{cfg.method}-w{cfg.bits}"
         spec = runner.EvalSpec(tasks.split(","), num_fewshot, limit, data_dir, max_gen_toks, max_length)
         bench = pipe.BenchSpec(batch_size, input_len, output_len, num_iters_warmup, num_iters, num_prompts)

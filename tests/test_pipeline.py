@@ -135,11 +135,33 @@ def test_pipeline_quantizes_gates_benches_and_reports(tmp_path):
     (["--method", "rtn", "--group-size", "32", "--tasks", "wikitext", "--data-dir", str(DATA), "--max-model-len",
       "200"], "--input-len + --output-len = 256 exceeds max_model_len 200"),
     (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--report", ""], "--report is empty"),
+    (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--report", "/tmp/"],
+     "--report /tmp/ is a folder"),   # it wrote /tmp/.json and /tmp/.md
+    (["--method", "rtn", "--group-size", "32", "--tasks", "wikitext", "--data-dir", str(DATA), "--max-length",
+      "100000"], "--max-length 100000 is longer than the model takes: at most 510"),  # it came after quantizing
 ])
 def test_pipeline_bad_input_fails_before_quantizing(tmp_path, args, message):
     r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["pipeline", "--device", "cpu", "--out", str(tmp_path / "q"),
                                                        *args])
     assert r.exit_code == 2 and message in " ".join(r.output.split()) and not (tmp_path / "q").exists()
+
+
+def test_a_pipeline_failing_after_its_quantization_leaves_no_copy(tmp_path, monkeypatch):
+    """An evaluation that fails (a task's few-shot pool smaller than --num-fewshot, a full disk) removes the copy the
+    run wrote: the same command again was refused for it ("already exists")."""
+    from nvllm.eval import runner
+
+    def fail(*args, **kwargs):
+        raise runner.EvalError("--num-fewshot 100000 is more examples than a task's few-shot split holds")
+
+    monkeypatch.setattr(runner, "run_eval", fail)
+    args = ["pipeline", "--device", "cpu", "--method", "rtn", "--group-size", "32", "--tasks", "wikitext",
+            "--data-dir", str(DATA), "--no-progress"]
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--out", str(tmp_path / "q")])
+    assert r.exit_code == 2 and "few-shot split" in r.output and not (tmp_path / "q").exists(), r.output
+    (tmp_path / "kept").mkdir()   # a folder that was there before (--overwrite) is not this run's to remove
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--out", str(tmp_path / "kept"), "--overwrite"])
+    assert r.exit_code == 2 and (tmp_path / "kept" / "config.json").exists(), r.output
 
 
 def test_pipeline_takes_the_recipes_seed_and_device_unless_given(tmp_path):

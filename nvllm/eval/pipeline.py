@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -148,11 +150,13 @@ def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bo
                  max_drop: float | None, max_drop_rel: float | None, bench: BenchSpec, report_prefix: str | None,
                  console, progress: bool = True) -> dict:
     from nvllm.models.hub import resolve_model_path
-    from nvllm.quant.report import summary_lines
 
     model_id = engine_config.model
     if report_prefix is not None and not report_prefix.strip():
         raise runner.EvalError("--report is empty: name the report's path (without extension)")
+    if report_prefix is not None and (report_prefix.endswith(("/", os.sep)) or os.path.isdir(report_prefix)):
+        raise runner.EvalError(f"--report {report_prefix} is a folder: name the report's path without extension "
+                               f"(e.g. {os.path.join(report_prefix, 'report')}, for report.json and report.md)")
     prefix = report_prefix if report_prefix is not None else f"{out.rstrip('/')}-report"
     report_files = [f"{prefix}.json", f"{prefix}.md"]
     for path in report_files:  # a report that cannot be written fails now, not after the whole run
@@ -171,8 +175,27 @@ def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bo
         engine_config = dataclasses.replace(engine_config, model=model, tokenizer=model if
                                             engine_config.tokenizer_follows_model else engine_config.tokenizer)
     _check_bench_lengths(engine_config, bench)
+    window = runner.common_window([engine_config])  # the quantized copy keeps the model's length
+    if spec.max_length is not None and window is not None and spec.max_length > window:
+        raise runner.EvalError(f"--max-length {spec.max_length} is longer than the model takes: at most {window} "
+                               "(max_model_len − 2)")
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    created = not os.path.lexists(out)
     summary = quantize_step(model, out, quant_cfg, overwrite, console, progress)
+    try:
+        return _evaluate_and_report(engine_config, model_id, model, out, summary, spec, max_drop, max_drop_rel,
+                                    bench, report_files, started, progress)
+    except Exception:  # what failed after the quantization (a task's few-shot pool, the disk): a rerun with the same
+        if created:    # flags would be refused for the copy this run left, so it goes
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _evaluate_and_report(engine_config: EngineConfig, model_id: str, model: str, out: str, summary,
+                         spec: runner.EvalSpec, max_drop: float | None, max_drop_rel: float | None, bench: BenchSpec,
+                         report_files: list[str], started: str, progress: bool) -> dict:
+    from nvllm.quant.report import summary_lines
+
     quantized = dataclasses.replace(engine_config, model=out, tokenizer=None)
     original = runner.baseline_config(quantized, model)  # the gate's baseline is the speed table's original too
     results, rows, notes = runner.run_eval(quantized, spec, model, max_drop, max_drop_rel, progress)
