@@ -46,6 +46,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
     (["router", "--mixed", "http://a:1", "--prefill", "http://b:1", "--decode", "http://c:1"], "not both"),
     (["router", "--mixed", "http://a:1", "--fd", "-1"], "--fd must be a file descriptor"),
     (["router", "--mixed", "http://a:1", "--shutdown-timeout", "-1"], "--shutdown-timeout must be non-negative"),
+    (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must be non-negative"),   # serve and router alike
+    (["router", "--mixed", "http://a:1", "--max-request-bytes", "0"], "max_request_bytes must be at least 1"),
+    (["router", "--mixed", "http://a:1", "--api-key", ""], "api_key must not be empty"),
     (["router", "--mixed", "http://a:1", "--poll-interval", "nan"], "--poll-interval must be a positive number"),
     (["router", "--mixed", "http://a:1", "--log-interval", "inf"], "--log-interval must be a non-negative number"),
     (["serve", "--role", "prefill", "--kv-rank", "0", "--kv-world-size", "2", "--kv-master", "h:1",

@@ -62,3 +62,7 @@ class RouterConfig:
                               f"{self.log_interval}")
         if self.shutdown_timeout < 0:
             raise ConfigError("--shutdown-timeout must be non-negative")
+        if self.max_request_bytes < 1:  # as `nvllm serve` says it (0 answered every request 413)
+            raise ConfigError("max_request_bytes must be at least 1")
+        if self.api_key is not None and not self.api_key:  # an empty key answered every request 401
+            raise ConfigError("api_key must not be empty")

@@ -85,6 +85,8 @@ class ServerConfig:
             raise ConfigError("max_request_bytes must be at least 1")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty")
+        if self.shutdown_timeout < 0:  # as the router says it
+            raise ConfigError("--shutdown-timeout must be non-negative")
         if self.chat_template is not None:
             try:
                 read_chat_template(self.chat_template)
