@@ -54,6 +54,8 @@ def test_commands_that_never_serve_start_without_the_server_libraries():
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/dir"], "model directory not found"),
+    (["--tokenizer", "/no/such/tok"], "tokenizer directory not found: /no/such/tok"),
+    (["--load-format", "pt"], "no weight files (*.bin, *.pt) in"),
     (["--temperature", "-1"], "temperature must be a non-negative finite number"),
     (["--temperature", "nan"], "temperature must be a non-negative finite number, got nan"),
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),

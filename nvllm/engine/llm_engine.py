@@ -47,7 +47,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, warmup: bool = True):
         same = config.tokenizer_follows_model
         config.model = resolve_model_path(config.model, config.revision)
-        config.tokenizer = config.model if same else resolve_model_path(config.tokenizer, config.tokenizer_revision)
+        config.tokenizer = config.model if same else resolve_model_path(config.tokenizer, config.tokenizer_revision,
+                                                                        what="tokenizer")
         self.config = config
         load_hf_config(config.model)  # a bad config.json is named as such, not as the tokenizer's failure
         # sampling defaults for requests that leave fields unset (LLM.generate without params, the server); read

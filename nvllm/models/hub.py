@@ -16,13 +16,13 @@ _PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jin
 _IGNORED = ["consolidated*"]    # Mistral's own format of the same weights, beside the Hugging Face files: not read
 
 
-def resolve_model_path(name: str, revision: str | None = None, weights: bool = True) -> str:
+def resolve_model_path(name: str, revision: str | None = None, weights: bool = True, what: str = "model") -> str:
     """``name`` as a local directory (downloaded first when it is a Hub id); ``weights`` False: the config and
-    tokenizer files alone (what a benchmark client counts tokens with)."""
+    tokenizer files alone (what a benchmark client counts tokens with); ``what`` names it in an error."""
     if os.path.isdir(name):
         return name
     if os.path.sep in name.strip("/") and name.count("/") != 1 or name.startswith(("/", ".", "~")):
-        raise ConfigError(f"model directory not found: {name}")
+        raise ConfigError(f"{what} directory not found: {name}")
     try:
         from huggingface_hub import snapshot_download
 
@@ -30,7 +30,7 @@ def resolve_model_path(name: str, revision: str | None = None, weights: bool = T
         return snapshot_download(repo_id=name, revision=revision, allow_patterns=patterns, ignore_patterns=_IGNORED)
     except Exception as e:
         at = f" at revision {revision!r}" if revision else ""
-        raise ConfigError(f"model directory not found, and {name!r}{at} could not be fetched from the "
+        raise ConfigError(f"{what} directory not found, and {name!r}{at} could not be fetched from the "
                           f"Hugging Face Hub: {type(e).__name__}: {first_line(e)}") from e
 
 

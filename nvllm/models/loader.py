@@ -196,7 +196,8 @@ def iterate_weights(model_dir: str, load_format: str, allow_pickle: bool) -> Ite
         return
     pickles = pickle_files(model_dir)
     if not pickles:
-        raise ConfigError(f"no weight files (*.safetensors) in {model_dir}")
+        kinds = "*.bin, *.pt" if load_format == "pt" else "*.safetensors"
+        raise ConfigError(f"no weight files ({kinds}) in {model_dir}")
     if not allow_pickle:
         raise ConfigError(f"{model_dir} holds only pickle checkpoints ({os.path.basename(pickles[0])}); "
                           "loading pickles can run arbitrary code — pass --allow-pickle to load them anyway")
