@@ -47,6 +47,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
     (["router", "--mixed", "http://a:1", "--fd", "-1"], "--fd must be a file descriptor"),
     (["router", "--mixed", "http://a:1", "--shutdown-timeout", "-1"], "--shutdown-timeout must be non-negative"),
     (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must be non-negative"),   # serve and router alike
+    (["serve", "--chat-template", "{% if %}"], "--chat-template does not compile (line 1)"),  # then 400 on every chat
     (["router", "--mixed", "http://a:1", "--max-request-bytes", "0"], "max_request_bytes must be at least 1"),
     (["router", "--mixed", "http://a:1", "--api-key", ""], "api_key must not be empty"),
     (["router", "--mixed", "http://a:1", "--poll-interval", "nan"], "--poll-interval must be a positive number"),

@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from nvllm.chat_template import CONTENT_FORMATS, read_chat_template
+from nvllm.chat_template import CONTENT_FORMATS, check_chat_template, read_chat_template
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.engine.async_engine import AsyncLLMEngine
 from nvllm.engine.output_stream import EngineDeadError
@@ -89,8 +89,8 @@ class ServerConfig:
             raise ConfigError("--shutdown-timeout must be non-negative")
         if self.chat_template is not None:
             try:
-                read_chat_template(self.chat_template)
-            except (OSError, UnicodeError) as e:
+                check_chat_template(read_chat_template(self.chat_template))
+            except (OSError, UnicodeError, ValueError) as e:
                 raise ConfigError(str(e)) from None
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ConfigError(f"unknown --chat-template-content-format {self.chat_template_content_format!r}; "
