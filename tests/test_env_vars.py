@@ -40,3 +40,21 @@ def test_a_bad_value_does_not_stop_a_command():
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     assert "NVLLM_TP_TIMEOUT='10m' is not a number of at least 1.0; 600.0 used" in res.stderr
     assert "NVLLM_GEMV_MAX_SPLITS='abc' is not an integer of at least 1; 256 used" in res.stderr
+
+
+def test_an_unknown_kernels_choice_is_named_and_taken_as_auto(monkeypatch, caplog):
+    from nvllm.kernels import backend
+
+    log = logging.getLogger("nvllm")
+    log.addHandler(caplog.handler)
+    try:
+        monkeypatch.setenv("NVLLM_KERNELS", "tritom")
+        assert backend.triton_on("cpu") is False
+        monkeypatch.setenv("NVLLM_KERNELS", "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")   # no CPU target without the interpreter: the torch references
+        assert backend.triton_on("cpu") is False
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert backend.triton_on("cpu") is backend.triton_available()
+    finally:
+        log.removeHandler(caplog.handler)
+    assert "NVLLM_KERNELS='tritom' is not auto, torch or triton; auto used" in caplog.text

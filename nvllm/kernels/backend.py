@@ -40,12 +40,28 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def triton_on(device: torch.device | str) -> bool:
     """Whether tensors on ``device`` run the Triton kernels (what a config checks before any tensor exists)."""
-    choice = os.environ.get("NVLLM_KERNELS", "auto").lower()
+    choice = _kernels_choice(os.environ.get("NVLLM_KERNELS", "auto"), interpreting())
     if choice == "torch":
         return False
-    if choice == "triton":
+    if choice == "triton" and (torch.device(device).type == "cuda" or interpreting()):
         return triton_available()
     return torch.device(device).type == "cuda" and triton_available()
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels_choice(raw: str, interpret: bool) -> str:
+    """NVLLM_KERNELS as auto, torch or triton; another value is named once (and taken as auto), as is triton for CPU
+    tensors without TRITON_INTERPRET=1 (Triton has no CPU target but its interpreter)."""
+    import logging
+
+    choice = raw.strip().lower() or "auto"
+    if choice not in ("auto", "torch", "triton"):
+        logging.getLogger("nvllm").warning("NVLLM_KERNELS=%r is not auto, torch or triton; auto used", raw)
+        return "auto"
+    if choice == "triton" and not interpret and not torch.cuda.is_available():
+        logging.getLogger("nvllm").warning("NVLLM_KERNELS=triton runs on the CPU only under TRITON_INTERPRET=1; the "
+                                           "torch references run here")
+    return choice
 
 
 def interpreting() -> bool:
