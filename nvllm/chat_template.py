@@ -81,7 +81,6 @@ def _pick(template: str | dict[str, str], tools) -> str:
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
-@functools.lru_cache(maxsize=16)
 def check_chat_template(template: str) -> None:
     """ValueError (its first line) for a template that does not compile in the environment transformers renders
     with: a server given one would start, then answer every chat request 400."""
@@ -95,6 +94,7 @@ def check_chat_template(template: str) -> None:
         raise ValueError(f"--chat-template does not compile{where}: {e.message or type(e).__name__}") from None
 
 
+@functools.lru_cache(maxsize=16)
 def detect_content_format(template: str) -> str:
     """How a template reads a message's content, as vLLM's "auto" decides it: "openai" (a list of
     {"type": "text", "text": ...} parts) when it loops over some ``x['content']`` / ``x.content``, else "string" (the
