@@ -166,3 +166,25 @@ def test_cli_speculative_option():
     assert "Once upon a time, there was a little girl named Lily" in said and "n-gram lookup" in said
     res = CliRunner().invoke(app, ["generate", "--speculative", "k=3"])
     assert res.exit_code == 2 and "needs a draft model" in res.output
+
+
+def test_a_draft_whose_kv_cache_does_not_fit_says_so(monkeypatch, demo_dir):
+    """The draft's KV cache is as large as the target's: when it does not fit, the message names the draft and the
+    block count that would (the allocator's error, now a KVCacheTooLarge, slipped past the draft's own handler)."""
+    from types import SimpleNamespace
+
+    from nvllm.engine import model_runner
+    from nvllm.engine.tokenizer import load_tokenizer
+    from nvllm.layers.attention import KVCacheTooLarge
+    from nvllm.spec import decoder
+
+    def no_room(config, draft=False):
+        raise KVCacheTooLarge("a KV cache of 4000 blocks (9.00 GiB) does not fit in cuda:0's memory")
+
+    monkeypatch.setattr(model_runner, "ModelRunner", no_room)
+    config = EngineConfig(model=demo_dir, device="cpu", speculative=parse_speculative(f"k=2,draft={demo_dir}"))
+    target = SimpleNamespace(num_blocks=4000, kv_bytes_per_token=1024, max_model_len=512,
+                             model=SimpleNamespace(shape=SimpleNamespace(vocab_size=512)))
+    with pytest.raises(ConfigError, match="no GPU memory left for the draft model and its 4000-block KV cache; "
+                                          r"pass --num-kv-blocks \(about \d+\)"):
+        decoder.load_draft_runner(config, target, load_tokenizer(demo_dir))

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from nvllm.config import ConfigError
 from nvllm.kernels import attention_partials
 from nvllm.kernels.attention_partials import AttentionPartials
 from nvllm.kernels.kv_store import store_kv
@@ -51,6 +52,10 @@ def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, 
     return 2 * num_layers * num_kv_heads * per_head
 
 
+class KVCacheTooLarge(ConfigError):
+    """The KV cache asked for does not fit in the device's memory (a draft model's callers say more)."""
+
+
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        model_dtype: torch.dtype, kv_cache_dtype: str, device) -> list[KVCache]:
     """Zeroed caches for every layer (zeros dequantize to zeros: a scale of 0 and elements of 0). K and V of all
@@ -66,11 +71,9 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     except RuntimeError as e:  # torch.OutOfMemoryError on a GPU, the CPU allocator's "can't allocate memory"
         if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
             raise
-        from nvllm.config import ConfigError
-
         size = num_blocks * block_size * kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, model_dtype,
                                                                   kv_cache_dtype)
-        raise ConfigError(f"a KV cache of {num_blocks} blocks ({size / 2**30:.2f} GiB) does not fit in {device}'s "
+        raise KVCacheTooLarge(f"a KV cache of {num_blocks} blocks ({size / 2**30:.2f} GiB) does not fit in {device}'s "
                           "memory: ask for less (--kv-cache-memory, --num-kv-blocks, --gpu-memory-utilization)") \
             from None
     return [KVCache(kv[i, 0], kv[i, 1], scales[i, 0], scales[i, 1]) for i in range(num_layers)]

@@ -19,6 +19,7 @@ import torch
 from nvllm.config import ConfigError, EngineConfig
 from nvllm.engine.sequence import Sequence
 from nvllm.engine.stop_checker import min_tokens_banned
+from nvllm.layers.attention import KVCacheTooLarge
 from nvllm.spec.adaptive import AdaptiveK
 from nvllm.spec.config import SpeculativeConfig
 from nvllm.spec.proposer import DraftModelProposer, Drafts, NgramProposer, Proposal
@@ -70,7 +71,7 @@ def load_draft_runner(config: EngineConfig, target, tokenizer):
         tensor_parallel_size=1, enable_lora=False)  # LoRA adapters are the target's: the draft proposes without
     try:
         return ModelRunner(draft_config, draft=True)
-    except torch.cuda.OutOfMemoryError:
+    except (torch.cuda.OutOfMemoryError, KVCacheTooLarge):  # its weights, or the cache as large as the target's
         per_token_t = target.kv_bytes_per_token
         per_token_d = 2 * hf.num_hidden_layers * (getattr(hf, "num_key_value_heads", None) or
                                                   hf.num_attention_heads) * \
