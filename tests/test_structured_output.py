@@ -146,6 +146,10 @@ def test_a_cut_constraint_finishes_on_length(llm):
      "invalid structured outputs json: the schema uses 'contains'"),
     (dict(json={"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}),
      "invalid structured outputs json: the schema uses 'multipleOf' on a number"),
+    (dict(json={"type": "integer", "multipleOf": 2.5}),   # xgrammar ignores a multiple that is not whole
+     "invalid structured outputs json: the schema uses 'multipleOf' on a number"),
+    (dict(json={"type": ["integer", "number"], "multipleOf": 3}),
+     "invalid structured outputs json: the schema uses 'multipleOf' on a number"),
     (dict(json={"$ref": "https://example.com/schema.json"}),
      "invalid structured outputs json: the schema uses '$ref' to 'https://example.com/schema.json'"),
 ])
@@ -255,7 +259,8 @@ def test_an_integers_multiple_and_local_references_are_enforced_not_refused(llm)
     from nvllm.engine.structured_output import unenforced_keyword
 
     schema = {"$defs": {"n": {"type": "integer", "multipleOf": 3}}, "type": "object",
-              "properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"]}
+              "properties": {"n": {"$ref": "#/$defs/n"}, "m": {"type": ["integer", "null"], "multipleOf": 4}},
+              "required": ["n"]}
     assert unenforced_keyword(schema) is None
     out = gen(llm, S(json=schema), max_tokens=40)[0]
     assert out.finish_reason == "length" or json.loads(out.text)["n"] % 3 == 0

@@ -123,7 +123,7 @@ def unenforced_keyword(node) -> str | None:
         return f"'{found}'"
     if node.get("uniqueItems") is True:
         return "'uniqueItems'"
-    if "multipleOf" in node and node.get("type") != "integer":  # an integer's is enforced, a number's ignored
+    if "multipleOf" in node and not _integer_multiple(node):  # an integer's whole multiple is enforced, no other
         return "'multipleOf' on a number"
     ref = node.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#/") and ref != "#":  # a remote or anchor reference lets all by
@@ -155,6 +155,16 @@ def _compile_json_schema(compiler, schema: str, any_whitespace: bool):
     if _BOUNDED_STRING_CHAR not in ebnf:
         return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
     return compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def _integer_multiple(node: dict) -> bool:
+    """Whether a node's ``multipleOf`` is one xgrammar enforces: a whole number, on a node whose types are integer
+    (null beside it too) and never number."""
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types
+    step = node["multipleOf"]
+    return isinstance(types, list) and "integer" in types and "number" not in types and \
+        isinstance(step, (int, float)) and not isinstance(step, bool) and float(step).is_integer() and step > 0
 
 
 def _parsed(schema: str | dict):
