@@ -44,7 +44,7 @@ from nvllm.quant.plan import (LM_HEAD, QuantScheme, head_problem, quantizable_un
 from nvllm.quant.recipe import QuantizeConfig
 from nvllm.quant.rtn import Grid
 from nvllm.quant.lazy_model import LazyModel
-from nvllm.quant.sequential import LayerReport, PartHooks, Progress, quantize_layers
+from nvllm.quant.sequential import CALIB_BATCH, LayerReport, PartHooks, Progress, quantize_layers
 from nvllm.quant.writer import CheckpointOutput, check_not_source, check_out_dir, checkpoint_tensors, weights_bytes
 
 
@@ -294,10 +294,10 @@ def quantize_model(model_dir: str, out_dir: str, cfg: QuantizeConfig, overwrite:
 
 
 def check_activation_memory(n_samples: int, seqlen: int, hidden: int, device: torch.device) -> None:
-    """The layer-by-layer pass keeps every window's hidden states (float32) on ``device`` twice over (a layer's
-    inputs and its outputs): refused before any work when that is more than the device has free, rather than
-    running the machine out of memory part way through."""
-    need = 2 * n_samples * seqlen * hidden * 4
+    """The layer-by-layer pass keeps every window's hidden states (float32) on ``device``, each batch of windows
+    replaced by the layer's outputs as it goes: refused before any work when that is more than the device has free,
+    rather than running the machine out of memory part way through."""
+    need = (n_samples + 2 * CALIB_BATCH) * seqlen * hidden * 4
     free = free_memory(device)
     if free is not None and need > free:
         raise QuantizeError(f"--calib-samples {n_samples} × --calib-seqlen {seqlen} keeps {need / 2**30:.1f} GiB of "

@@ -58,6 +58,7 @@ class LayerReport:
 
 
 Progress = Callable[[int, str], None]
+CALIB_BATCH = 8  # calibration windows a layer replays at once
 ERROR_WINDOWS = 16
 """Calibration windows the per-layer output error is measured on (at least: whole batches of windows). A
 full-precision replay of all 128 windows of a 7B layer cost ~3 s of its ~19 s on an H200 (run Q)."""
@@ -101,8 +102,8 @@ class PartHooks:
 
 
 @torch.no_grad()
-def quantize_layers(model, calib_ids: torch.Tensor, method, quantized: dict[int, set[str]],
-                    device: torch.device, batch: int = 8, progress: Progress | None = None, head: bool = False,
+def quantize_layers(model, calib_ids: torch.Tensor, method, quantized: dict[int, set[str]], device: torch.device,
+                    batch: int = CALIB_BATCH, progress: Progress | None = None, head: bool = False,
                     hooks: PartHooks | None = None) -> tuple[dict[str, LinearResult], list[LayerReport]]:
     """Quantize ``model`` (a CPU ``LlamaForCausalLM``) in place, layer by layer. ``quantized[i]`` names the units
     of layer i to quantize (``layer_linears``; the others stay in full precision); ``head``: the LM head too.
