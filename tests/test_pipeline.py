@@ -135,6 +135,7 @@ def test_pipeline_quantizes_gates_benches_and_reports(tmp_path):
     (["--method", "rtn", "--group-size", "32", "--tasks", "wikitext", "--data-dir", str(DATA), "--max-model-len",
       "200"], "--input-len + --output-len = 256 exceeds max_model_len 200"),
     (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--report", ""], "--report is empty"),
+    (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--out", ""], "--out is empty"),
     (["--method", "rtn", "--tasks", "wikitext", "--data-dir", str(DATA), "--report", "/tmp/"],
      "--report /tmp/ is a folder"),   # it wrote /tmp/.json and /tmp/.md
     (["--method", "rtn", "--group-size", "32", "--tasks", "wikitext", "--data-dir", str(DATA), "--max-length",

@@ -1,7 +1,7 @@
 """Which implementation the dispatchers use.
 
 Triton runs when the tensors live on a CUDA device and Triton imports. ``NVLLM_KERNELS=triton`` forces the
-Triton path on any device (with ``TRITON_INTERPRET=1`` it then runs on the CPU, for tests);
+Triton path on the CPU too under ``TRITON_INTERPRET=1`` (for tests; without it the CPU runs the torch references);
 ``NVLLM_KERNELS=torch`` forces the torch references everywhere.
 """
 
@@ -40,7 +40,8 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def triton_on(device: torch.device | str) -> bool:
     """Whether tensors on ``device`` run the Triton kernels (what a config checks before any tensor exists)."""
-    choice = _kernels_choice(os.environ.get("NVLLM_KERNELS", "auto"), interpreting())
+    raw = os.environ.get("NVLLM_KERNELS", "auto")
+    choice = raw if raw in ("auto", "torch") else _kernels_choice(raw, interpreting())  # (the dispatch's hot path)
     if choice == "torch":
         return False
     if choice == "triton" and (torch.device(device).type == "cuda" or interpreting()):
