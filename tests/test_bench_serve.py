@@ -328,6 +328,14 @@ def test_serve_bad_input(fake_server, tmp_path, monkeypatch):
 
 
 
+def test_vllms_host_flag_takes_an_ipv6_address():
+    from nvllm.bench.cli import _server
+
+    assert _server(None, "::1", 9000, None, "openai") == ("http://[::1]:9000", "/v1/completions")
+    assert _server(None, "[::1]", None, None, "openai-chat") == ("http://[::1]:8000", "/v1/chat/completions")
+
+
+
 # ---- end to end against the real `nvllm serve` (demo model, subprocess) ------------------------------------
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):

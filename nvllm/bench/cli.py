@@ -141,7 +141,9 @@ def _server(base_url: str | None, host: str | None, port: int | None, endpoint: 
     if base_url is not None and (host is not None or port is not None):
         raise ConfigError("give --base-url or --host/--port, not both")
     if base_url is None:
-        base_url = f"http://{host or '127.0.0.1'}:{port or 8000}"
+        host = host or "127.0.0.1"
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 address, as a URL holds it
+        base_url = f"http://{host}:{port or 8000}"
     return base_url, endpoint or ("/v1/chat/completions" if backend == "openai-chat" else "/v1/completions")
 
 
