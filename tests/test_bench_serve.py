@@ -327,7 +327,6 @@ def test_serve_bad_input(fake_server, tmp_path, monkeypatch):
         assert res.exit_code == 2 and message in said(res), said(res)
 
 
-
 def test_vllms_host_flag_takes_an_ipv6_address():
     from nvllm.bench.cli import _server
 
