@@ -320,8 +320,9 @@ def test_serve_bad_input(fake_server, tmp_path, monkeypatch):
     res, _ = _bench(url, tmp_path, "--goodput", "ttft:200", "latency:3")
     assert res.exit_code == 2 and "unknown" in said(res)
     # checked before the server is asked (they were tracebacks from the connection, or the server's own 400)
-    for base, args, message in (("http://127.0.0.1:70000", [], "port must be in [0, 65535], got 70000"),
-                                ("http://[::1", [], "--base-url 'http://[::1' is not a URL"),
+    for base, args, message in (("http://127.0.0.1:70000", [], "'http://127.0.0.1:70000' has port 70000; ports are "
+                                                            "1-65535"),
+                                ("http://[::1", [], "--base-url: 'http://[::1' is not a valid URL"),
                                 (url, ["--temperature", "nan"], "--temperature must be a finite number of at least 0")):
         res, _ = _bench(base, tmp_path, *args)
         assert res.exit_code == 2 and message in said(res), said(res)

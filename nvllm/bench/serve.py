@@ -29,6 +29,7 @@ from nvllm.bench.arrivals import arrival_offsets, describe
 from nvllm.bench.datasets import SampleRequest
 from nvllm.bench.metrics import RequestResult, calculate_metrics
 from nvllm.bench.server_metrics import counter_delta, disagg_stats
+from nvllm.disagg.router_config import check_url
 
 
 class BenchError(RuntimeError):
@@ -59,25 +60,11 @@ class ServeOptions:
             raise ValueError("--max-concurrency must be at least 1")
         if not 0 <= self.temperature < float("inf"):  # as bench latency says it, before the server is asked
             raise ValueError(f"--temperature must be a finite number of at least 0, got {self.temperature}")
-        check_server_url(self.base_url)
+        check_url(self.base_url, "--base-url")  # --host/--port build it when it is not given
 
     @property
     def chat(self) -> bool:
         return self.endpoint.rstrip("/").endswith("chat/completions")
-
-
-def check_server_url(url: str) -> None:
-    """An http(s) URL with a host and, if given, a port in [0, 65535]: one line for a mistyped --base-url or --port
-    (they were tracebacks from the connection's depths)."""
-    try:
-        u = httpx.URL(url)
-        port = u.port
-    except (httpx.InvalidURL, ValueError) as e:
-        raise ValueError(f"--base-url {url!r} is not a URL: {e}") from None
-    if u.scheme not in ("http", "https") or not u.host:
-        raise ValueError(f"--base-url {url!r} is not an http:// or https:// URL with a host")
-    if port is not None and not 0 <= port <= 65535:
-        raise ValueError(f"port must be in [0, 65535], got {port}")
 
 
 # ---- one request ---------------------------------------------------------------------------------------

@@ -12,21 +12,27 @@ from nvllm.serve.http_options import HTTPOptions, checked_log_level
 
 
 def parse_urls(text: str | None, flag: str) -> list[str]:
-    """Comma-separated worker URLs, each an http(s) URL with a host and a valid port (httpx parses them as the
-    router's client will)."""
+    """Comma-separated worker URLs, each checked (``check_url``)."""
     urls = [u.strip().rstrip("/") for u in (text or "").split(",") if u.strip()]
     for u in urls:
-        if not u.startswith(("http://", "https://")):
-            raise ConfigError(f"{flag}: {u!r} is not an http(s):// URL")
-        try:
-            url = httpx.URL(u)
-        except httpx.InvalidURL as e:
-            raise ConfigError(f"{flag}: {u!r} is not a valid URL ({e})") from None
-        if not url.host:
-            raise ConfigError(f"{flag}: {u!r} names no host")
-        if url.port is not None and not 0 < url.port <= 65535:
-            raise ConfigError(f"{flag}: {u!r} has port {url.port}; ports are 1-65535")
+        check_url(u, flag)
     return urls
+
+
+def check_url(u: str, flag: str) -> None:
+    """An http(s) URL with a host and a valid port (httpx parses it as the client will), or a ConfigError naming
+    ``flag``: the router's worker URLs, a benchmark's --base-url."""
+    if not u.startswith(("http://", "https://")):
+        raise ConfigError(f"{flag}: {u!r} is not an http(s):// URL")
+    try:
+        url = httpx.URL(u)
+        port = url.port
+    except (httpx.InvalidURL, ValueError) as e:
+        raise ConfigError(f"{flag}: {u!r} is not a valid URL ({e})") from None
+    if not url.host:
+        raise ConfigError(f"{flag}: {u!r} names no host")
+    if port is not None and not 0 < port <= 65535:
+        raise ConfigError(f"{flag}: {u!r} has port {port}; ports are 1-65535")
 
 
 @dataclass
