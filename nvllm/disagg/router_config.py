@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from nvllm.config import ConfigError
-from nvllm.serve.http_options import HTTPOptions, checked_log_level
+from nvllm.serve.http_options import HTTPOptions, check_listener
 
 
 def parse_urls(text: str | None, flag: str) -> list[str]:
@@ -58,17 +58,11 @@ class RouterConfig:
             raise ConfigError("the router needs --prefill and --decode worker URLs (or --mixed replica URLs)")
         if len(set(self.prefill + self.decode + self.mixed)) != len(self.prefill + self.decode + self.mixed):
             raise ConfigError("a worker URL is listed twice")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        self.log_level = checked_log_level(self.log_level)
+        self.log_level = check_listener(self.port, self.log_level, self.api_key, self.max_request_bytes,
+                                        self.shutdown_timeout)
         if not (self.poll_interval > 0 and math.isfinite(self.poll_interval)):
             raise ConfigError(f"--poll-interval must be a positive number of seconds, got {self.poll_interval}")
         if not (self.log_interval >= 0 and math.isfinite(self.log_interval)):
             raise ConfigError(f"--log-interval must be a non-negative number of seconds (0: off), got "
                               f"{self.log_interval}")
-        if self.shutdown_timeout < 0:
-            raise ConfigError("--shutdown-timeout must be non-negative")
-        if self.max_request_bytes < 1:  # as `nvllm serve` says it (0 answered every request 413)
-            raise ConfigError("max_request_bytes must be at least 1")
-        if self.api_key is not None and not self.api_key:  # an empty key answered every request 401
-            raise ConfigError("api_key must not be empty")
+

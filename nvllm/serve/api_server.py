@@ -34,7 +34,7 @@ from nvllm.serve.completions import CompletionHandler
 from nvllm.serve.errors import APIError, from_value_error, install_error_handlers
 from nvllm.serve.http import (ClientGone, EventStreamResponse, check_api_key, on_response_thread, parse_body,
                               probe_routes, until_disconnect)
-from nvllm.serve.http_options import HTTPOptions, checked_log_level
+from nvllm.serve.http_options import HTTPOptions, check_listener
 from nvllm.serve.metrics import ServerMetrics
 from nvllm.serve.params import logprobs_limit
 from nvllm.serve.prompts import PromptProcessor
@@ -73,20 +73,13 @@ class ServerConfig:
     chat_template_content_format: str = "auto"  # auto | string | openai (nvllm.chat_template.render_chat)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        self.log_level = checked_log_level(self.log_level)
+        self.log_level = check_listener(self.port, self.log_level, self.api_key, self.max_request_bytes,
+                                        self.shutdown_timeout)
         names = self.served_model_name
         names = [names] if isinstance(names, str) else list(names or [])
         if not all(isinstance(n, str) and n for n in names):
             raise ConfigError("--served-model-name must not be empty")
         self.served_model_name = names or None
-        if self.max_request_bytes < 1:
-            raise ConfigError("max_request_bytes must be at least 1")
-        if self.api_key is not None and not self.api_key:
-            raise ConfigError("api_key must not be empty")
-        if self.shutdown_timeout < 0:  # as the router says it
-            raise ConfigError("--shutdown-timeout must be non-negative")
         if self.chat_template is not None:
             try:
                 check_chat_template(read_chat_template(self.chat_template))

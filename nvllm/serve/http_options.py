@@ -158,3 +158,18 @@ def checked_log_level(value: str) -> str:
     if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
         raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
     return value.lower()
+
+
+def check_listener(port: int, log_level: str, api_key: str | None, max_request_bytes: int,
+                   shutdown_timeout: int) -> str:
+    """The settings `nvllm serve` and `nvllm router` share, checked alike before either starts (an empty key or a
+    zero body limit would refuse every request); returns the log level, lowercased."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"port must be in [0, 65535], got {port}")
+    if api_key is not None and not api_key:
+        raise ConfigError("api_key must not be empty")
+    if max_request_bytes < 1:
+        raise ConfigError("max_request_bytes must be at least 1")
+    if shutdown_timeout < 0:
+        raise ConfigError("--shutdown-timeout must be non-negative")
+    return checked_log_level(log_level)
