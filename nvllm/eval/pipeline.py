@@ -175,10 +175,7 @@ def run_pipeline(engine_config: EngineConfig, out: str, quant_cfg, overwrite: bo
         engine_config = dataclasses.replace(engine_config, model=model, tokenizer=model if
                                             engine_config.tokenizer_follows_model else engine_config.tokenizer)
     _check_bench_lengths(engine_config, bench)
-    window = runner.common_window([engine_config])  # the quantized copy keeps the model's length
-    if spec.max_length is not None and window is not None and spec.max_length > window:
-        raise runner.EvalError(f"--max-length {spec.max_length} is longer than the model takes: at most {window} "
-                               "(max_model_len − 2)")
+    runner.check_max_length(spec, [engine_config])  # the quantized copy keeps the model's length
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     created = not os.path.lexists(out)
     summary = quantize_step(model, out, quant_cfg, overwrite, console, progress)

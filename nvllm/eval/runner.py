@@ -207,12 +207,9 @@ def run_eval(engine_config: EngineConfig, spec: EvalSpec, baseline: str | None =
         base = baseline_config(engine_config, baseline)
         regression.check_same_tokenizer(base.tokenizer, engine_config.tokenizer, spec.apply_chat_template)
         configs = [("baseline", base, None), ("candidate", candidate, lora)]
-        window = common_window([base, candidate])  # one scoring window for both, or their samples differ
+        window = check_max_length(spec, [base, candidate])  # one scoring window for both, or their samples differ
         if spec.max_length is None:
             spec = dataclasses.replace(spec, max_length=window)
-        elif window is not None and spec.max_length > window:  # refused before the baseline's evaluation
-            raise EvalError(f"--max-length {spec.max_length} is longer than both models take: at most {window} "
-                            "(max_model_len − 2 of the shorter)")
     if spec.apply_chat_template and spec.harness_tasks:  # a tokenizer without a template fails before any model loads
         require_chat_templates([c for _, c, _ in configs])
     with task_manager(spec) as (manager, notes), progress_bar(progress) as bar:
@@ -230,6 +227,17 @@ def require_chat_templates(configs: list[EngineConfig]) -> None:
             chat_template_of(load_tokenizer(c.tokenizer), c.tokenizer)
         except ValueError as e:
             raise EvalError(str(e)) from None
+
+
+def check_max_length(spec: EvalSpec, configs: list[EngineConfig]) -> int | None:
+    """The models' common scoring window (``common_window``); an EvalError when --max-length is longer, before any
+    model is evaluated (or, in the pipeline, quantized)."""
+    window = common_window(configs)
+    if spec.max_length is not None and window is not None and spec.max_length > window:
+        which = ("both models take", " of the shorter") if len(configs) > 1 else ("the model takes", "")
+        raise EvalError(f"--max-length {spec.max_length} is longer than {which[0]}: at most {window} "
+                        f"(max_model_len − 2{which[1]})")
+    return window
 
 
 def common_window(configs: list[EngineConfig]) -> int | None:
