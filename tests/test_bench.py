@@ -331,13 +331,18 @@ def test_compare(tmp_path):
 
 
 def test_an_unreadable_file_is_one_line_naming_it(tmp_path, monkeypatch):
-    """A file the user cannot read (its mode, as a non-root user meets it): one line, not a PermissionError
-    traceback (bench compare, the datasets, generate's --json-schema all read through the same ending)."""
-    from nvllm.bench import report
+    """A result file the user may not read (its mode, as a non-root user meets it; root reads any, so the read is
+    refused here by hand): one line naming it, not a PermissionError traceback."""
+    import pathlib
 
-    def refuse(path):
-        raise PermissionError(13, "Permission denied", str(path))
+    (tmp_path / "a.json").write_text("{}")
+    real = pathlib.Path.read_text
 
-    monkeypatch.setattr(report, "load_result", refuse)
+    def refuse(self, *args, **kwargs):
+        if self.name == "a.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", refuse)
     res = runner.invoke(app, ["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     assert res.exit_code == 2 and f"error: {tmp_path / 'a.json'}: Permission denied" in said(res), res.output
