@@ -150,10 +150,9 @@ _JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n]'
 
 
 def _compile_json_schema(compiler, schema: str, any_whitespace: bool):
-    """The schema's grammar, with a length-bounded string's characters those JSON allows in a string."""
+    """The schema's grammar, with a length-bounded string's characters those JSON allows in a string (the grammar
+    converted once, then compiled as text: the compiler caches it by that text)."""
     ebnf = str(_import_xgrammar().Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
-    if _BOUNDED_STRING_CHAR not in ebnf:
-        return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
     return compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
 
 
